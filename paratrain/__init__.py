@@ -1,0 +1,31 @@
+"""paratrain: train one model across many processes with every classic parallel strategy.
+
+The public API mirrors DeepSpeed's (`import paratrain as deepspeed` works for the common surface).
+"""
+
+from paratrain.api import add_config_arguments, initialize, resolve_config
+from paratrain.comm import CommStats
+from paratrain.config import Config, ConfigError, load_config
+from paratrain.data_parallel.dp import DataParallel
+from paratrain.distributed import init_distributed
+from paratrain.engine import Engine
+from paratrain.mesh import Mesh, ParallelDims, build_mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommStats",
+    "Config",
+    "ConfigError",
+    "DataParallel",
+    "Engine",
+    "Mesh",
+    "ParallelDims",
+    "__version__",
+    "add_config_arguments",
+    "build_mesh",
+    "init_distributed",
+    "initialize",
+    "load_config",
+    "resolve_config",
+]

@@ -1,0 +1,73 @@
+"""DeepSpeed-shaped entry points: `initialize`, `init_distributed`, `add_config_arguments`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch.distributed as dist
+
+from paratrain.config import Config, ConfigError, load_config, resolve_batch
+from paratrain.distributed import init_distributed
+from paratrain.engine import Engine
+from paratrain.mesh import ParallelDims, build_mesh
+from paratrain.parallelize import check_supported
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's launcher arguments: --deepspeed, --deepspeed_config, --local_rank."""
+    group = parser.add_argument_group("paratrain", "paratrain / DeepSpeed configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the engine (accepted for DeepSpeed compatibility)")
+    group.add_argument("--deepspeed_config", "--paratrain_config", dest="deepspeed_config", default=None,
+                       type=str, help="path of the JSON config")
+    if not any("--local_rank" in a.option_strings for a in parser._actions):
+        group.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                           help="set by the launcher")
+    return parser
+
+
+def _config_source(args, config, config_params):
+    chosen = [c for c in (config, config_params) if c is not None]
+    path = getattr(args, "deepspeed_config", None) if args is not None else None
+    if path is not None:
+        chosen.append(path)
+    if len(chosen) > 1:
+        raise ConfigError("the config was given more than once (config=, config_params= and/or "
+                          "--deepspeed_config); pass exactly one")
+    if not chosen:
+        raise ConfigError("no config: pass config= (a dict or a JSON path) or --deepspeed_config FILE")
+    return chosen[0]
+
+
+def resolve_config(source, world_size: int) -> Config:
+    """Load, validate and resolve a config for a world size: pure, so every rank fails the same way."""
+    cfg = resolve_batch(load_config(source), world_size)
+    check_supported(cfg)
+    ParallelDims(world_size, dp=cfg.dp_size(world_size), pp=cfg.pipeline.stages, cp=cfg.context_parallel.size,
+                 tp=cfg.tensor_parallel.size)
+    return cfg
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               config_params=None, mesh=None):
+    """Build the engine. Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does."""
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if mpu is not None:
+        raise ConfigError("initialize(mpu=...) is Megatron's model-parallel unit, which paratrain does not use; "
+                          "set tensor_parallel / pipeline sizes in the config instead")
+    source = _config_source(args, config, config_params)
+    # Validate everything that can be validated before touching any process group.
+    cfg = load_config(source)
+    init_distributed(timeout=cfg.comm.timeout_s)
+    world = dist.get_world_size()
+    cfg = resolve_config(cfg, world)
+    if mesh is None:
+        dims = ParallelDims(world, dp=cfg.dp_size(world), pp=cfg.pipeline.stages, cp=cfg.context_parallel.size,
+                            tp=cfg.tensor_parallel.size)
+        mesh = build_mesh(dims, device_type="cuda" if dist.get_backend() == "nccl" else "cpu")
+    engine = Engine(model, cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                    model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

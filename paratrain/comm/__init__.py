@@ -1,0 +1,28 @@
+"""Communication on named mesh axes, every call counted (see `CommStats`)."""
+
+from paratrain.comm.collectives import (
+    Handle,
+    all_gather_into,
+    all_gather_list,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    reduce_scatter_into,
+    send_recv,
+)
+from paratrain.comm.stats import CommStats, OpCount
+
+__all__ = [
+    "CommStats",
+    "Handle",
+    "OpCount",
+    "all_gather_into",
+    "all_gather_list",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "reduce_scatter_into",
+    "send_recv",
+]

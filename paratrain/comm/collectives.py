@@ -1,0 +1,152 @@
+"""Thin, counted wrappers over torch.distributed collectives.
+
+Every function takes the `Axis` (a named group from the mesh) explicitly; there is no default group.
+On a size-1 axis the call is skipped entirely and not counted: nothing crosses a wire. Every launch goes
+through `_launch`, the single place that counts and (with the hang guard) watches for timeouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from paratrain.mesh import Axis
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Handle:
+    """An in-flight collective. `wait()` blocks until it is done (a no-op for skipped calls)."""
+
+    def __init__(self, work=None, on_done: Callable[[], None] | None = None, describe: str = ""):
+        self._work = work
+        self._on_done = on_done
+        self.describe = describe
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._on_done is not None:
+            done, self._on_done = self._on_done, None
+            done()
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _reduce_op(op: str):
+    try:
+        return _REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"unsupported reduce op {op!r}; use one of {sorted(_REDUCE_OPS)}") from None
+
+
+def _launch(axis: Axis, op: str, tag: str, payload: torch.Tensor, call: Callable, async_op: bool,
+            elements: int | None = None) -> Handle:
+    elements = payload.numel() if elements is None else elements
+    if axis.stats is not None:
+        axis.stats.record(axis.name, op, elements, payload.element_size(), tag)
+    work = call(async_op)
+    describe = f"{op} on {axis.name} [{tag}] {elements} x {payload.dtype}"
+    if async_op:
+        return Handle(work, describe=describe)
+    return Handle(describe=describe)
+
+
+def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", tag: str = "",
+               async_op: bool = False) -> Handle:
+    """In-place all-reduce of `tensor` over `axis`."""
+    if axis.size == 1:
+        return Handle()
+    red = _reduce_op(op)
+    return _launch(axis, "all_reduce", tag, tensor,
+                   lambda a: dist.all_reduce(tensor, op=red, group=axis.group, async_op=a), async_op)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, axis: Axis, tag: str = "",
+                    async_op: bool = False) -> Handle:
+    """Concatenate every rank's equally sized `shard` (in axis order) into the flat `output`."""
+    if axis.size == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard.view_as(output))
+        return Handle()
+    if output.numel() != shard.numel() * axis.size:
+        raise ValueError(f"all_gather on {axis.name}: output has {output.numel()} elements, expected "
+                         f"{axis.size} x {shard.numel()}")
+    return _launch(axis, "all_gather", tag, output,
+                   lambda a: _all_gather_single(output, shard, group=axis.group, async_op=a), async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, axis: Axis, op: str = "sum", tag: str = "",
+                        async_op: bool = False) -> Handle:
+    """Reduce `full` over `axis` and keep this rank's equal slice (in axis order) in `output`."""
+    if axis.size == 1:
+        if output.data_ptr() != full.data_ptr():
+            output.copy_(full.view_as(output))
+        return Handle()
+    if full.numel() != output.numel() * axis.size:
+        raise ValueError(f"reduce_scatter on {axis.name}: input has {full.numel()} elements, expected "
+                         f"{axis.size} x {output.numel()}")
+    red = _reduce_op(op)
+    return _launch(axis, "reduce_scatter", tag, full,
+                   lambda a: _reduce_scatter_single(output, full, op=red, group=axis.group, async_op=a),
+                   async_op)
+
+
+def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = "", async_op: bool = False) -> Handle:
+    """Broadcast from the rank with index `src` inside the axis."""
+    if axis.size == 1:
+        return Handle()
+    root = axis.global_rank(src)
+    return _launch(axis, "broadcast", tag, tensor,
+                   lambda a: dist.broadcast(tensor, src=root, group=axis.group, async_op=a), async_op)
+
+
+def all_gather_list(tensors_out: list[torch.Tensor], tensor: torch.Tensor, axis: Axis, tag: str = "") -> None:
+    """all_gather into a list of tensors (shapes may differ per rank only if the caller pads)."""
+    if axis.size == 1:
+        tensors_out[0].copy_(tensor)
+        return
+    _launch(axis, "all_gather", tag, tensor,
+            lambda a: dist.all_gather(tensors_out, tensor, group=axis.group, async_op=a), False,
+            elements=tensor.numel() * axis.size)
+
+
+def all_gather_object(obj, axis: Axis, tag: str = "") -> list:
+    """Gather a picklable object from every rank of the axis (used for checks, never on the hot path)."""
+    if axis.size == 1:
+        return [obj]
+    out = [None] * axis.size
+    if axis.stats is not None:
+        axis.stats.record(axis.name, "all_gather_object", 0, 1, tag)
+    dist.all_gather_object(out, obj, group=axis.group)
+    return out
+
+
+def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+              axis: Axis, tag: str = "") -> list[Handle]:
+    """Batched point-to-point: each pair is (tensor, peer index inside the axis). Returns handles."""
+    ops = []
+    for tensor, peer in sends:
+        if axis.stats is not None:
+            axis.stats.record(axis.name, "send", tensor.numel(), tensor.element_size(), tag)
+        ops.append(dist.P2POp(dist.isend, tensor, axis.global_rank(peer), group=axis.group))
+    for tensor, peer in recvs:
+        if axis.stats is not None:
+            axis.stats.record(axis.name, "recv", tensor.numel(), tensor.element_size(), tag)
+        ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
+    if not ops:
+        return []
+    return [Handle(w, describe=f"p2p on {axis.name} [{tag}]") for w in dist.batch_isend_irecv(ops)]
+
+
+def barrier(axis: Axis) -> None:
+    if axis.size > 1:
+        dist.barrier(group=axis.group)

@@ -1,0 +1,32 @@
+"""Typed, validated configuration (DeepSpeed-compatible keys plus parallelism sections)."""
+
+from paratrain.config.load import DEEPSPEED_UNSUPPORTED, ConfigError, load_config, resolve_batch
+from paratrain.config.schema import (
+    ActivationCheckpointingConfig,
+    Config,
+    ContextParallelConfig,
+    DataParallelConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorParallelConfig,
+    TrainerConfig,
+    ZeroConfig,
+)
+
+__all__ = [
+    "DEEPSPEED_UNSUPPORTED",
+    "ActivationCheckpointingConfig",
+    "Config",
+    "ConfigError",
+    "ContextParallelConfig",
+    "DataParallelConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "SchedulerConfig",
+    "TensorParallelConfig",
+    "TrainerConfig",
+    "ZeroConfig",
+    "load_config",
+    "resolve_batch",
+]

@@ -1,0 +1,198 @@
+"""The typed configuration: DeepSpeed's JSON keys plus paratrain's parallelism sections.
+
+One home per field. Each section is a strict pydantic model (unknown keys are errors, see
+`paratrain.config.load`). Defaults follow DeepSpeed where the key is DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class OptimizerConfig(Section):
+    """`type` is Adam, AdamW, SGD or any torch.optim class name; `params` go to its constructor."""
+
+    type: str = "AdamW"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("params")
+    @classmethod
+    def _no_max_grad_norm(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "max_grad_norm" in value:
+            raise ValueError("'max_grad_norm' is not an optimizer parameter; set the top-level "
+                             "'gradient_clipping' key instead")
+        return value
+
+
+class SchedulerConfig(Section):
+    """`type` is WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or a torch.optim.lr_scheduler class."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class FP16Config(Section):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = Field(0.0, ge=0.0, description="0 means dynamic loss scaling")
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: int = Field(1000, ge=1)
+    hysteresis: int = Field(2, ge=1)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0.0)
+
+
+class BF16Config(Section):
+    enabled: bool = False
+
+
+class OffloadConfig(Section):
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: bool = False
+    # DeepSpeed's buffer knobs are accepted for compatibility; the CPU path does not need them.
+    buffer_count: int = 4
+    fast_init: bool = False
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+
+
+class ZeroConfig(Section):
+    stage: int = Field(0, ge=0, le=3)
+    reduce_bucket_size: int = Field(500_000_000, ge=1, description="elements per gradient bucket")
+    allgather_bucket_size: int = Field(500_000_000, ge=1)
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    round_robin_gradients: bool = False
+    offload_optimizer: OffloadConfig = Field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = Field(default_factory=OffloadConfig)
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    # paratrain's FSDP knobs: which modules become stage-3 units, and whether to free after forward.
+    reshard_after_forward: bool = True
+    wrap_module_classes: list[str] | None = None
+    prefetch_depth: int = Field(1, ge=0)
+
+
+class DataParallelConfig(Section):
+    """paratrain's own DDP knobs. `size=-1` means world / (pp*cp*tp)."""
+
+    size: int = -1
+    bucket_cap_mb: float = Field(25.0, gt=0.0)
+    allow_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("must be a positive integer, or -1 for 'the rest of the world'")
+        return value
+
+
+class TensorParallelConfig(Section):
+    size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+    plan: dict[str, str] | str | None = None
+
+
+class PipelineConfig(Section):
+    stages: int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    micro_batches: int | None = Field(None, ge=1)
+    virtual_stages: int = Field(1, ge=1)
+    partition: Literal["uniform", "parameters", "balanced"] | list[int] = "parameters"
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+class ContextParallelConfig(Section):
+    size: int = Field(1, ge=1)
+
+
+class ActivationCheckpointingConfig(Section):
+    enabled: bool = False
+    granularity: Literal["full", "selective"] = "full"
+
+
+class TensorboardConfig(Section):
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CommConfig(Section):
+    """Collective time-outs: a collective that waits longer reports what it was waiting in and stops."""
+
+    timeout_s: float = Field(600.0, gt=0.0)
+
+
+class TrainerConfig(Section):
+    """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
+
+    model: str = "gpt-tiny"
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    steps: int = Field(300, ge=1)
+    eval_every: int = Field(100, ge=0)
+    eval_batches: int = Field(4, ge=1)
+    run_dir: str = "runs/latest"
+    progress_bar: bool = True
+    save_every: int = Field(0, ge=0)
+
+
+class Config(Section):
+    """The whole configuration. Batch keys may be partly None until `resolve_batch` fills them."""
+
+    train_batch_size: int | None = Field(None, ge=1)
+    train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    gradient_accumulation_steps: int | None = Field(None, ge=1)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: float = Field(0.0, ge=0.0)
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    zero_allow_untested_optimizer: bool = True
+    steps_per_print: int = Field(10, ge=1)
+    wall_clock_breakdown: bool = False
+    seed: int = 1234
+    data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        return self
+
+    # ---- derived views ---------------------------------------------------------------------------
+    @property
+    def model_parallel_size(self) -> int:
+        return self.pipeline.stages * self.context_parallel.size * self.tensor_parallel.size
+
+    def dp_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size if self.data_parallel.size == -1 else self.data_parallel.size
+
+    @property
+    def precision(self) -> Literal["fp32", "bf16", "fp16"]:
+        return "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"

@@ -1,0 +1,118 @@
+"""Datasets and the sampler that splits each global batch along the data-parallel axis only."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of `seq_len + 1` tokens: sample i is (x, y) with y = x shifted by one."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        if tokens.numel() < seq_len + 1:
+            raise ValueError(f"{tokens.numel()} tokens are too few for a window of {seq_len + 1}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.seq_len
+        chunk = self.tokens[start:start + self.seq_len + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class DataParallelSampler:
+    """Deterministic, resumable sampling of indices for one data-parallel rank.
+
+    Every epoch is a permutation from `seed + epoch`; it is cut into global batches of
+    `micro_batch * dp * accumulation` indices. Inside a global batch, micro-step j of dp rank r takes
+    the slice `[(j * dp + r) * micro_batch, ... + micro_batch)`, so the union over ranks and micro-steps is
+    exactly the global batch a single process would see. Ranks that differ only in pp/cp/tp share a dp
+    rank and so see the same samples. An incomplete last global batch is dropped.
+    """
+
+    def __init__(self, num_samples: int, micro_batch: int, dp_size: int, dp_rank: int, accumulation: int = 1,
+                 seed: int = 0, shuffle: bool = True):
+        self.num_samples = num_samples
+        self.micro_batch = micro_batch
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+        self.accumulation = accumulation
+        self.seed = seed
+        self.shuffle = shuffle
+        self.global_batch = micro_batch * dp_size * accumulation
+        if num_samples < self.global_batch:
+            raise ValueError(f"the dataset has {num_samples} samples, fewer than one global batch "
+                             f"({micro_batch} x {dp_size} x {accumulation} = {self.global_batch})")
+        self.epoch = 0
+        self.position = 0  # micro-batches already taken in this epoch by this rank
+        self._order: list[int] | None = None
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return (self.num_samples // self.global_batch) * self.accumulation
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._order = torch.randperm(self.num_samples, generator=g).tolist()
+            else:
+                self._order = list(range(self.num_samples))
+        return self._order
+
+    def next_indices(self) -> list[int]:
+        if self.position >= self.micro_batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+            self._order = None
+        step, micro = divmod(self.position, self.accumulation)
+        start = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.micro_batch
+        self.position += 1
+        return self._epoch_order()[start:start + self.micro_batch]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self._order = None
+
+
+def default_collate(samples: list):
+    """Stack a list of samples (tensors, or tuples of tensors) along a new batch dimension."""
+    first = samples[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(samples)
+    if isinstance(first, (tuple, list)):
+        return type(first)(default_collate([s[i] for s in samples]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: default_collate([s[k] for s in samples]) for k in first}
+    return torch.as_tensor(samples)
+
+
+class DataParallelLoader:
+    """An endless iterator of micro-batches for this rank; `state_dict()` makes it resumable."""
+
+    def __init__(self, dataset, sampler: DataParallelSampler, collate_fn=None):
+        self.dataset = dataset
+        self.sampler = sampler
+        self.collate_fn = collate_fn or default_collate
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.collate_fn([self.dataset[i] for i in self.sampler.next_indices()])
+
+    def __len__(self) -> int:
+        return self.sampler.micro_batches_per_epoch
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)

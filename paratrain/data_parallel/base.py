@@ -1,0 +1,119 @@
+"""The contract between the engine and a data-parallel strategy (DDP, ZeRO-1/2, ZeRO-3).
+
+The engine never looks inside a strategy: it tells it when a backward is about to run (and whether it
+ends a gradient-accumulation window), asks it to finish gradient reduction, for the global gradient norm,
+to scale gradients (clipping), to step, and to zero gradients. Each strategy owns where gradients and
+optimizer states live, which is the whole difference between DDP and the ZeRO stages.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from paratrain import comm
+from paratrain.mesh import Axis, Mesh
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer are counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    # Scalar step counters are bookkeeping, not model state; the formulas count the moments only.
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def model_parallel_weight(param: nn.Parameter, mesh: Mesh) -> float:
+    """How much of this parameter's squared gradient norm a rank contributes to the global norm.
+
+    A parameter sharded over tp contributes fully (the shards are disjoint); one replicated over tp is
+    present on every tp rank, so each contributes 1/tp and the sum over tp counts it once. Pipeline
+    stages hold disjoint parameters, so pp needs no weight.
+    """
+    tp = mesh.size("tp")
+    return 1.0 if tp == 1 or getattr(param, "tp_sharded", False) else 1.0 / tp
+
+
+def sum_over_model_parallel(local_sq: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Sum squared-norm contributions over the pp x tp ranks that hold different parameters."""
+    comm.all_reduce(local_sq, mesh.axis(("pp", "tp")), tag="grad_norm")
+    return local_sq
+
+
+class GradSync(ABC):
+    """A data-parallel strategy: owns gradient reduction, optimizer placement and the update."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh):
+        self.module = module
+        self.mesh = mesh
+        # Gradients are averaged over every rank that saw different data: dp, and cp (other tokens).
+        self.axis: Axis = mesh.axis(("dp", "cp"))
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    @abstractmethod
+    def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
+        """Create the optimizer over whatever this strategy updates (full params, or this rank's shard)."""
+
+    @abstractmethod
+    def prepare_backward(self, sync: bool) -> None:
+        """Called before each backward; `sync` is True when it ends a gradient-accumulation window."""
+
+    @abstractmethod
+    def finish_gradients(self) -> None:
+        """After the last backward of a window: complete every reduction; gradients are then averaged."""
+
+    @abstractmethod
+    def local_grad_sq(self) -> torch.Tensor:
+        """This rank's contribution to the global squared gradient norm (a float32 scalar tensor)."""
+
+    @abstractmethod
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient this rank holds by `factor` (clipping, loss-scale removal)."""
+
+    @abstractmethod
+    def optimizer_step(self) -> None:
+        """Apply the update to the model's parameters (and re-assemble them if they are sharded)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Start a new accumulation window."""
+
+    @abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds: params, grads, optimizer_state (and their total)."""
+
+    # ---- shared behaviour ------------------------------------------------------------------------
+    def global_grad_norm(self) -> float:
+        """The L2 norm of the full gradient, identical to what one process would compute."""
+        local = self.local_grad_sq()
+        return math.sqrt(float(sum_over_model_parallel(local, self.mesh)))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded parameters and buffers under their original names (a copy, on every rank)."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def has_overflow(self) -> bool:
+        """True if any gradient on any rank of the dp axis is inf/nan (used by fp16 loss scaling)."""
+        flag = torch.zeros(1)
+        if not bool(torch.isfinite(self.local_grad_sq())):
+            flag.fill_(1.0)
+        comm.all_reduce(flag, self.mesh.axis(("dp", "cp")), op="max", tag="overflow")
+        comm.all_reduce(flag, self.mesh.axis(("pp", "tp")), op="max", tag="overflow")
+        return bool(flag.item() > 0)

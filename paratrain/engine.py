@@ -1,0 +1,271 @@
+"""The training engine: DeepSpeed's forward / backward / step contract over any parallel layout.
+
+    engine, optimizer, loader, scheduler = paratrain.initialize(model=model, config="ds_config.json")
+    for batch in loader:                 # or: loss = engine.train_batch()
+        loss = engine(*batch)
+        engine.backward(loss)            # scales by 1/gradient_accumulation_steps
+        engine.step()                    # steps the optimizer only at the accumulation boundary
+
+The engine knows strategies only through `parallelize`: gradient synchronization, sharding and the update
+belong to the `GradSync` it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from paratrain import comm
+from paratrain.config import Config
+from paratrain.data import DataParallelLoader, DataParallelSampler
+from paratrain.distributed import current_device, local_rank
+from paratrain.mesh import Mesh
+from paratrain.optim import build_optimizer, build_scheduler
+from paratrain.parallelize import parallelize
+
+log = logging.getLogger("paratrain")
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: Config, mesh: Mesh, optimizer=None, lr_scheduler=None,
+                 model_parameters=None, training_data=None, collate_fn=None):
+        self.config = config
+        self.pmesh = mesh
+        self.device = current_device()
+        self.parallel = parallelize(model, mesh, config, device=self.device)
+        self.module = self.parallel.module
+        self.grad_sync = self.parallel.grad_sync
+        self.optimizer = self.grad_sync.build_optimizer(self._optimizer_factory(optimizer),
+                                                        self._param_groups(model_parameters))
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.training_dataloader = self._make_loader(training_data, collate_fn) if training_data is not None \
+            else None
+        self._data_iter = None
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._times: dict[str, float] = defaultdict(float)
+
+    # ---- construction helpers --------------------------------------------------------------------
+    def _optimizer_factory(self, optimizer):
+        if optimizer is None:
+            if self.config.optimizer is None:
+                raise ValueError("no optimizer: pass optimizer= to initialize() or set the config's 'optimizer' "
+                                 "section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
+            return lambda params: build_optimizer(self.config.optimizer, params)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            # A ready optimizer is re-created over what the strategy updates (a shard under ZeRO).
+            return lambda params: optimizer if _same_params(optimizer, params) else \
+                type(optimizer)(params, **optimizer.defaults)
+        return optimizer  # a callable params -> optimizer, as DeepSpeed accepts
+
+    @staticmethod
+    def _param_groups(model_parameters):
+        if model_parameters is None:
+            return None
+        groups = list(model_parameters)
+        if groups and isinstance(groups[0], dict):
+            return groups
+        return None  # a flat list of the model's parameters is the default anyway
+
+    def _make_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+                else lr_scheduler
+        if self.config.scheduler is not None:
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        return None
+
+    def _make_loader(self, dataset, collate_fn) -> DataParallelLoader:
+        sampler = DataParallelSampler(len(dataset), self.train_micro_batch_size_per_gpu(),
+                                      self.pmesh.size("dp"), self.pmesh.local_rank("dp"),
+                                      self.gradient_accumulation_steps(), seed=self.config.seed)
+        return DataParallelLoader(dataset, sampler, collate_fn)
+
+    # ---- DeepSpeed accessors ---------------------------------------------------------------------
+    @property
+    def mesh(self):
+        """The torch DeviceMesh with axes dp, pp, cp, tp (size-1 axes included)."""
+        return self.pmesh.device_mesh
+
+    @property
+    def global_rank(self) -> int:
+        return self.pmesh.rank
+
+    @property
+    def local_rank(self) -> int:
+        return local_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.pmesh.world_size
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last optimizer step."""
+        return self._grad_norm
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    @contextmanager
+    def no_sync(self):
+        """Skip gradient synchronization for the backwards inside (the user accumulates by hand)."""
+        with self.grad_sync.no_sync():
+            yield
+
+    # ---- the step contract -----------------------------------------------------------------------
+    @contextmanager
+    def _timed(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[name] += time.perf_counter() - start
+
+    def forward(self, *inputs, **kwargs):
+        with self._timed("forward"):
+            return self.module(*inputs, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, retain_graph: bool = False) -> None:
+        if loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
+                             f"(e.g. loss.mean()) first")
+        scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        self.grad_sync.prepare_backward(sync=self.is_gradient_accumulation_boundary())
+        with self._timed("backward"):
+            scaled.backward(retain_graph=retain_graph)
+
+    def step(self) -> None:
+        """Called after every backward; updates the model only at the accumulation boundary."""
+        if self.is_gradient_accumulation_boundary():
+            with self._timed("step"):
+                self._optimizer_update()
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp")
+
+    def _optimizer_update(self) -> None:
+        with self._timed("comm_wait"):
+            self.grad_sync.finish_gradients()
+        self._grad_norm = self.grad_sync.global_grad_norm()
+        clip = self.gradient_clipping()
+        if clip > 0.0:
+            coef = clip / (self._grad_norm + 1e-6)
+            if coef < 1.0:
+                self.grad_sync.scale_gradients(coef)
+        self.grad_sync.optimizer_step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.grad_sync.zero_grad()
+        self.global_steps += 1
+        if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+            log.info("step=%d lr=%s grad_norm=%.4g", self.global_steps, self.get_lr(), self._grad_norm)
+            if self.config.wall_clock_breakdown:
+                log.info("time (s): %s", {k: round(v, 4) for k, v in self._times.items()})
+
+    def _run_micro_batch(self, batch) -> torch.Tensor:
+        batch = _to_device(batch, self.device)
+        if isinstance(batch, dict):
+            return self(**batch)
+        if isinstance(batch, (tuple, list)):
+            return self(*batch)
+        return self(batch)
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """Run one global batch (every micro-batch of this rank), step, and return the global mean loss."""
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise ValueError("train_batch() needs data_iter= or training_data= passed to initialize()")
+            data_iter = self.training_dataloader
+        total = torch.zeros((), dtype=torch.float32)
+        for _ in range(self.gradient_accumulation_steps()):
+            loss = self._run_micro_batch(next(data_iter))
+            self.backward(loss)
+            self.step()
+            total += loss.detach().float().cpu()
+        return self._mean_over_dp(total / self.gradient_accumulation_steps())
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter, num_micro_batches: int | None = None) -> torch.Tensor:
+        """Mean loss over `num_micro_batches` (default: gradient_accumulation_steps) without updating."""
+        was_training = self.module.training
+        self.module.eval()
+        count = num_micro_batches or self.gradient_accumulation_steps()
+        total = torch.zeros((), dtype=torch.float32)
+        for _ in range(count):
+            total += self._run_micro_batch(next(data_iter)).float().cpu()
+        self.module.train(was_training)
+        return self._mean_over_dp(total / count)
+
+    def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        axis = self.pmesh.axis(("dp", "cp"))
+        comm.all_reduce(value, axis, tag="metrics")
+        return value / axis.size
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def comm_stats(self, reset: bool = False, by_tag: bool = False) -> dict:
+        """Collectives since the last reset: {axis: {op: {calls, elements, bytes}}}."""
+        out = self.pmesh.stats.snapshot(by_tag=by_tag)
+        if reset:
+            self.pmesh.stats.reset()
+        return out
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of model state this rank holds: params, grads, optimizer_state, total."""
+        return self.grad_sync.memory_stats()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The complete, unsharded state dict under the original names, on every rank."""
+        return self.grad_sync.full_state_dict()
+
+    def wall_clock_breakdown(self, reset: bool = False) -> dict[str, float]:
+        out = dict(self._times)
+        if reset:
+            self._times.clear()
+        return out
+
+
+def _same_params(optimizer: torch.optim.Optimizer, params) -> bool:
+    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else list(params)
+    mine = [p for g in optimizer.param_groups for p in g["params"]]
+    return len(flat) == len(mine) and all(a is b for a, b in zip(flat, mine))
+
+
+def _to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,225 @@
+"""The device mesh: pure rank math (`ParallelDims`) and the process groups built from it (`Mesh`).
+
+Ranks are laid out as a 4-d grid `arange(world).view(dp, pp, cp, tp)` (picotron's grid). `tp` is the
+innermost axis so that a tensor-parallel group is a run of consecutive ranks (one node's fast links on a
+GPU cluster); `dp` is the outermost because its traffic is the most tolerant of slow links.
+
+`ParallelDims` never touches torch.distributed, so every layout can be unit-tested in one process.
+`build_mesh` is the separate, collective step that creates the groups.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+AXES: tuple[str, ...] = ("dp", "pp", "cp", "tp")
+
+# Combined axes that strategies reduce over. Every rank creates the same groups in the same order,
+# which gloo and NCCL require; a strategy needing another combination adds it here.
+COMBINED_AXES: tuple[tuple[str, ...], ...] = (("dp", "cp"), ("pp", "tp"), ("cp", "tp"), ("dp", "cp", "tp"))
+
+
+class MeshError(ValueError):
+    """A layout that cannot be built; the message names the sizes and the fix."""
+
+
+def _axis_tuple(axes: str | Sequence[str]) -> tuple[str, ...]:
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    for name in names:
+        if name not in AXES:
+            raise MeshError(f"unknown mesh axis {name!r}; the axes are {', '.join(AXES)}")
+    # Canonical order (outer to inner) so ("cp", "dp") and ("dp", "cp") are the same group.
+    return tuple(a for a in AXES if a in names)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the four mesh axes. `dp=-1` means "whatever is left of the world"."""
+
+    world_size: int
+    dp: int = -1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    sizes: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise MeshError(f"world_size must be >= 1, got {self.world_size}")
+        for name in ("pp", "cp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise MeshError(f"{name} size must be a positive integer, got {value!r}")
+        model_parallel = self.pp * self.cp * self.tp
+        if self.dp == -1:
+            if self.world_size % model_parallel:
+                raise MeshError(
+                    f"pp*cp*tp = {self.pp}*{self.cp}*{self.tp} = {model_parallel} does not divide the world size "
+                    f"{self.world_size}; choose sizes whose product divides {self.world_size}"
+                )
+            object.__setattr__(self, "dp", self.world_size // model_parallel)
+        elif not isinstance(self.dp, int) or self.dp < 1:
+            raise MeshError(f"dp size must be a positive integer or -1 (the rest), got {self.dp!r}")
+        product = self.dp * model_parallel
+        if product != self.world_size:
+            raise MeshError(
+                f"dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp} = {product}, but the world size is "
+                f"{self.world_size}; set dp=-1 to use the rest, or change the sizes so the product is "
+                f"{self.world_size}"
+            )
+        object.__setattr__(self, "sizes", {a: getattr(self, a) for a in AXES})
+
+    # ---- pure rank math -------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.sizes[a] for a in AXES)
+
+    def size(self, axes: str | Sequence[str]) -> int:
+        out = 1
+        for a in _axis_tuple(axes):
+            out *= self.sizes[a]
+        return out
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinate of `rank` on each axis, e.g. {"dp": 1, "pp": 0, "cp": 0, "tp": 1}."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside the world of size {self.world_size}")
+        out: dict[str, int] = {}
+        for a in reversed(AXES):
+            out[a] = rank % self.sizes[a]
+            rank //= self.sizes[a]
+        return {a: out[a] for a in AXES}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for a in AXES:
+            c = coords.get(a, 0)
+            if not 0 <= c < self.sizes[a]:
+                raise MeshError(f"coordinate {a}={c} is outside the axis of size {self.sizes[a]}")
+            rank = rank * self.sizes[a] + c
+        return rank
+
+    def groups(self, axes: str | Sequence[str]) -> list[list[int]]:
+        """Every group along `axes`: ranks that differ only in those coordinates, in a fixed order."""
+        names = _axis_tuple(axes)
+        fixed = [a for a in AXES if a not in names]
+        out = []
+        for fixed_coords in itertools.product(*(range(self.sizes[a]) for a in fixed)):
+            base = dict(zip(fixed, fixed_coords))
+            members = []
+            for moving in itertools.product(*(range(self.sizes[a]) for a in names)):
+                members.append(self.rank_at({**base, **dict(zip(names, moving))}))
+            out.append(members)
+        return out
+
+    def group_of(self, rank: int, axes: str | Sequence[str]) -> list[int]:
+        """The members of the group along `axes` that contains `rank`."""
+        for members in self.groups(axes):
+            if rank in members:
+                return members
+        raise AssertionError("unreachable: every rank lies in exactly one group per axis set")
+
+    def describe(self) -> str:
+        return " x ".join(f"{a}{self.sizes[a]}" for a in AXES if self.sizes[a] > 1) or "single process"
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One communication group on the mesh: a name for accounting plus the torch process group.
+
+    `group` is None when the axis has size 1: collectives on it are skipped (and not counted), which
+    is what a size-1 group would do anyway, minus the latency.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int  # this process's index inside `ranks`
+    group: object | None
+    stats: object = field(default=None, compare=False, repr=False)  # CommStats that counts this axis
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, local_index: int) -> int:
+        return self.ranks[local_index]
+
+
+class Mesh:
+    """The explicit mesh object every strategy receives: sizes, axes (process groups), comm stats."""
+
+    def __init__(self, dims: ParallelDims, rank: int, device_mesh, axes: dict[tuple[str, ...], Axis], stats):
+        self.dims = dims
+        self.rank = rank
+        self.device_mesh = device_mesh
+        self._axes = axes
+        self.stats = stats
+        self.coords = dims.coords(rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    def axis(self, axes: str | Iterable[str]) -> Axis:
+        key = _axis_tuple(axes if isinstance(axes, str) else tuple(axes))
+        if key not in self._axes:
+            raise MeshError(f"no process group for axes {key}; add it to paratrain.mesh.COMBINED_AXES")
+        return self._axes[key]
+
+    def size(self, axes: str | Sequence[str]) -> int:
+        return self.dims.size(axes)
+
+    def local_rank(self, axis: str) -> int:
+        return self.coords[axis]
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.dims.describe()}, rank={self.rank}, coords={self.coords})"
+
+
+def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None) -> Mesh:
+    """Create the torch DeviceMesh and one process group per axis (and per combined axis).
+
+    Collective: every rank must call it with the same `dims`.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paratrain.comm.stats import CommStats
+
+    if not dist.is_initialized():
+        raise MeshError("torch.distributed is not initialized; call paratrain.init_distributed() first")
+    if dist.get_world_size() != dims.world_size:
+        raise MeshError(
+            f"the layout is for {dims.world_size} processes but {dist.get_world_size()} were launched; "
+            f"launch {dims.world_size} processes or change the parallel sizes"
+        )
+    rank = dist.get_rank()
+    stats = stats if stats is not None else CommStats()
+    device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+    axes: dict[tuple[str, ...], Axis] = {}
+    for name in AXES:
+        members = dims.group_of(rank, name)
+        group = device_mesh.get_group(name) if len(members) > 1 else None
+        axes[(name,)] = Axis(name, tuple(members), members.index(rank), group, stats)
+    for combo in COMBINED_AXES:
+        all_groups = dims.groups(combo)
+        members = dims.group_of(rank, combo)
+        # A combination with only one axis of size > 1 is that axis: reuse its group and its name, so
+        # e.g. gradient traffic over ("dp", "cp") is counted under "dp" when cp == 1.
+        real = [a for a in combo if dims.sizes[a] > 1]
+        if len(real) == 1:
+            axes[combo] = axes[(real[0],)]
+            continue
+        group = None
+        if len(members) > 1:
+            # Every rank creates every group (collective), keeping its own.
+            for ranks in all_groups:
+                created = dist.new_group(ranks)
+                if rank in ranks:
+                    group = created
+        axes[combo] = Axis("_".join(combo), tuple(members), members.index(rank), group, stats)
+    world = tuple(range(dims.world_size))
+    axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats)
+    return Mesh(dims, rank, device_mesh, axes, stats)

@@ -1,0 +1,173 @@
+"""Optimizers and learning-rate schedules named in the config, with DeepSpeed's meanings.
+
+DeepSpeed's "Adam" and "AdamW" both mean decoupled weight decay (AdamW) unless `adam_w_mode` is false,
+and their `weight_decay` defaults to 0.0 (torch's AdamW defaults to 0.01): we keep DeepSpeed's meaning so a
+DeepSpeed config gives the same numbers here.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+
+from paratrain.config import ConfigError, OptimizerConfig, SchedulerConfig
+
+
+def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Optimizer:
+    params = list(params)
+    kwargs = dict(config.params)
+    name = config.type
+    if name.lower() in ("adam", "adamw"):
+        adam_w_mode = kwargs.pop("adam_w_mode", True) or name.lower() == "adamw"
+        kwargs.pop("torch_adam", None)
+        kwargs.setdefault("weight_decay", 0.0)
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    else:
+        cls = getattr(torch.optim, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ConfigError(f"config key 'optimizer.type' = {name!r} is not an optimizer paratrain knows; use "
+                              f"Adam, AdamW, SGD or the name of a torch.optim class (e.g. 'Adagrad')")
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    try:
+        return cls(params, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"config key 'optimizer.params' does not fit {cls.__name__}: {exc}") from None
+
+
+class _DeepSpeedSchedule(ABC):
+    """Base of DeepSpeed's warm-up schedules: `step()` after every optimizer step sets each group's lr."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int = -1):
+        self.optimizer = optimizer
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = self._apply(self.get_lr())
+
+    def _apply(self, lrs: list[float]) -> list[float]:
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        return lrs
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None \
+            else last_batch_iteration
+        self._last_lr = self._apply(self.get_lr())
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_batch_iteration = state["last_batch_iteration"]
+        self._last_lr = self._apply(self.get_lr())
+
+    @abstractmethod
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group at `last_batch_iteration`."""
+
+
+def _warmup_fraction(step: int, warmup_num_steps: int, warmup_type: str) -> float:
+    if warmup_type == "log":
+        return math.log(step + 1) / math.log(warmup_num_steps)
+    return step / warmup_num_steps
+
+
+def _check_warmup(warmup_num_steps: int, warmup_type: str) -> None:
+    if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+        raise ConfigError(f"config key 'scheduler.params.warmup_num_steps' = {warmup_num_steps!r}: must be a "
+                          f"positive integer")
+    if warmup_type not in ("log", "linear"):
+        raise ConfigError(f"config key 'scheduler.params.warmup_type' = {warmup_type!r}: use 'log' or 'linear'")
+
+
+class WarmupLR(_DeepSpeedSchedule):
+    """lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps (log or linear), then stays."""
+
+    def __init__(self, optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float | None = None,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
+        _check_warmup(warmup_num_steps, warmup_type)
+        groups = optimizer.param_groups
+        self.min_lrs = [float(warmup_min_lr)] * len(groups)
+        self.max_lrs = [g["lr"] for g in groups] if warmup_max_lr is None else [float(warmup_max_lr)] * len(groups)
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        super().__init__(optimizer, last_batch_iteration)
+
+    def _gamma(self) -> float:
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return _warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma()
+        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then a linear decay to 0 at total_num_steps."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: float = 0.0,
+                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000, warmup_type: str = "log",
+                 last_batch_iteration: int = -1):
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                         last_batch_iteration)
+
+    def _gamma(self) -> float:
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return super()._gamma()
+        return max(0.0, (self.total_num_steps - self.last_batch_iteration)
+                   / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(_DeepSpeedSchedule):
+    """A ratio of each group's base lr: warm-up from warmup_min_ratio to 1, then cosine to cos_min_ratio."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
+                 last_batch_iteration: int = -1):
+        _check_warmup(warmup_num_steps, warmup_type)
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = warmup_min_ratio
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.cos_min_ratio = cos_min_ratio
+        self.warmup_type = warmup_type
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        super().__init__(optimizer, last_batch_iteration)
+
+    def lr_ratio(self) -> float:
+        step = self.last_batch_iteration
+        if step < 0:
+            return 0.0
+        if step < self.warmup_num_steps:
+            ratio = _warmup_fraction(step, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + ratio * (1.0 - self.warmup_min_ratio)
+        progress = min(1.0, (step - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self) -> list[float]:
+        ratio = self.lr_ratio()
+        return [lr * ratio for lr in self.base_lrs]
+
+
+DEEPSPEED_SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+
+
+def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer):
+    cls = DEEPSPEED_SCHEDULES.get(config.type) or getattr(torch.optim.lr_scheduler, config.type, None)
+    if cls is None or not isinstance(cls, type):
+        raise ConfigError(f"config key 'scheduler.type' = {config.type!r} is not supported; use one of "
+                          f"{', '.join(DEEPSPEED_SCHEDULES)} or a torch.optim.lr_scheduler class name "
+                          f"(DeepSpeed's OneCycle and LRRangeTest are not implemented)")
+    try:
+        return cls(optimizer, **config.params)
+    except TypeError as exc:
+        raise ConfigError(f"config key 'scheduler.params' does not fit {config.type}: {exc}") from None

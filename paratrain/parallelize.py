@@ -1,0 +1,63 @@
+"""The one place that applies parallel strategies to a model, in a fixed order, from the config.
+
+Order (each step sees the result of the previous one):
+  1. tensor parallel plan (swap/shard modules over the tp axis)
+  2. pipeline split (keep this rank's stage over the pp axis)
+  3. context parallel (ring attention over the cp axis)
+  4. activation checkpointing
+  5. data parallel: DDP or a ZeRO stage over the dp (x cp) axis
+The engine only sees the returned `ParallelModel`; it never imports a strategy folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.config import Config, ConfigError
+from paratrain.data_parallel.base import GradSync
+from paratrain.data_parallel.ddp import DistributedDataParallel
+from paratrain.mesh import Mesh
+
+
+@dataclass
+class ParallelModel:
+    """What parallelize produces: the local module and the strategy that synchronizes its gradients."""
+
+    module: nn.Module
+    grad_sync: GradSync
+    notes: list[str] = field(default_factory=list)
+
+
+def check_supported(config: Config) -> None:
+    """Raise, before any collective, for layouts this build cannot run."""
+    if config.tensor_parallel.size > 1:
+        raise ConfigError("config key 'tensor_parallel.size' > 1: tensor parallelism is not available in this "
+                          "build yet; set it to 1")
+    if config.pipeline.stages > 1:
+        raise ConfigError("config key 'pipeline.stages' > 1: pipeline parallelism is not available in this "
+                          "build yet; set it to 1")
+    if config.context_parallel.size > 1:
+        raise ConfigError("config key 'context_parallel.size' > 1: context parallelism is not available in "
+                          "this build yet; set it to 1")
+    if config.zero_optimization.stage > 0:
+        raise ConfigError(f"config key 'zero_optimization.stage' = {config.zero_optimization.stage}: ZeRO is "
+                          f"not available in this build yet; use stage 0 (DDP)")
+    if config.fp16.enabled or config.bf16.enabled:
+        raise ConfigError("fp16/bf16 training is not available in this build yet; disable fp16.enabled and "
+                          "bf16.enabled")
+    if config.activation_checkpointing.enabled:
+        raise ConfigError("config key 'activation_checkpointing.enabled': not available in this build yet")
+
+
+def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
+    check_supported(config)
+    if device is not None:
+        model.to(device)
+    dp = config.data_parallel
+    grad_sync = DistributedDataParallel(
+        model, mesh, bucket_cap_mb=dp.bucket_cap_mb, allow_unused_parameters=dp.allow_unused_parameters,
+        prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor)
+    return ParallelModel(model, grad_sync)

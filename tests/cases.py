@@ -1,0 +1,33 @@
+"""Building blocks shared by the multi-process tests: tiny models, data and config dicts."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.data import TokenWindows, load_corpus
+from paratrain.models import GPT
+
+# bias=False: a key projection's bias has an exactly-zero gradient (softmax ignores a shift shared by all
+# keys), so its computed gradient is pure rounding noise that Adam normalizes into lr-sized steps, and two
+# correct runs then disagree on it. Without biases every parameter has a real gradient to compare.
+TINY = dict(vocab_size=256, seq_len=16, n_layer=2, n_head=4, d_model=32, bias=False)
+
+
+def tiny_gpt(seed: int = 1, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT("gpt-tiny", **{**TINY, **overrides})
+
+
+def corpus_windows(seq_len: int = 16, limit: int = 512) -> TokenWindows:
+    train, _ = load_corpus()
+    return TokenWindows(train[: limit * seq_len + 1], seq_len)
+
+
+def adamw_config(**extra) -> dict:
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+        "gradient_clipping": 1.0,
+        "seed": 7,
+    }
+    cfg.update(extra)
+    return cfg

@@ -1,0 +1,159 @@
+"""DDP against the single-process reference, its communication counted, and its failure modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import paratrain
+from paratrain.config import ConfigError
+from paratrain.testing import max_rel_diff, rel_diff
+from paratrain.testing.reference import reference_run
+from tests.cases import adamw_config, corpus_windows, tiny_gpt
+
+STEPS = 5
+
+
+def _parity(micro_batch: int, accumulation: int, optimizer: dict | None = None, clip: float = 1.0):
+    cfg = adamw_config(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=accumulation,
+                       gradient_clipping=clip)
+    if optimizer is not None:
+        cfg["optimizer"] = optimizer
+    data = corpus_windows()
+    engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=data)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(float(engine.train_batch()))
+        norms.append(engine.get_global_grad_norm())
+    ref = reference_run(tiny_gpt, {**cfg, "train_batch_size": engine.train_batch_size()}, data, STEPS)
+    param_err, where = max_rel_diff(engine.full_state_dict(), ref.state)
+    return {"loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
+            "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)),
+            "param_err": param_err, "where": where, "losses": losses, "ref_losses": ref.losses}
+
+
+def _check(results):
+    for r in results:
+        assert r["loss_err"] <= 1e-5, r
+        assert r["norm_err"] <= 1e-5, r
+        assert r["param_err"] <= 1e-5, r
+    assert results[0]["losses"][-1] < results[0]["losses"][0]  # it trains
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_ddp_parity_2_ranks(world2, accumulation):
+    _check(world2.run(_parity, 2, accumulation))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_ddp_parity_4_ranks(world4, accumulation):
+    _check(world4.run(_parity, 2, accumulation))
+
+
+def test_ddp_parity_sgd_momentum_no_clip(world2):
+    sgd = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+    _check(world2.run(_parity, 2, 2, sgd, 0.0))
+
+
+def _count_comm(bucket_cap_mb: float):
+    cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                       data_parallel={"bucket_cap_mb": bucket_cap_mb})
+    data = corpus_windows()
+    model = tiny_gpt()
+    psi = sum(p.numel() for p in model.parameters())
+    engine, _, loader, _ = paratrain.initialize(model=model, config=cfg, training_data=data)
+    engine.comm_stats(reset=True)
+    per_micro = []
+    for _ in range(2 * engine.gradient_accumulation_steps()):
+        x, y = next(loader)
+        engine.backward(engine(x, y))
+        engine.step()
+        per_micro.append(engine.comm_stats(reset=True, by_tag=True))
+    return psi, len(engine.grad_sync.buckets), per_micro
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.01])
+def test_ddp_sends_one_all_reduce_of_psi_per_step(world2, bucket_cap_mb):
+    psi, n_buckets, per_micro = world2.run(_count_comm, bucket_cap_mb)[0]
+    assert (n_buckets == 1) == (bucket_cap_mb == 25.0)
+    for i, stats in enumerate(per_micro):
+        boundary = i % 2 == 1
+        if not boundary:
+            assert stats == {}, f"micro-step {i} communicated: {stats}"
+            continue
+        grad = stats["dp"]["all_reduce"]["grad"]
+        assert grad == {"calls": n_buckets, "elements": psi, "bytes": 4 * psi}
+        assert set(stats["dp"]["all_reduce"]) == {"grad"}
+
+
+def _bad_config():
+    try:
+        paratrain.initialize(model=tiny_gpt(), config={"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2})
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_bad_config_fails_identically_on_every_rank(world4):
+    messages = world4.run(_bad_config)
+    assert messages[0] is not None and "train_batch_size (7) is not divisible" in messages[0]
+    assert len(set(messages)) == 1
+    world4.run(dist.barrier)  # the world is still healthy: nobody is stuck in a collective
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(4, 1)
+        self.unused = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.used(x).pow(2).mean()
+
+
+def _unused(allow: bool):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "data_parallel": {"allow_unused_parameters": allow}}
+    engine, *_ = paratrain.initialize(model=_WithUnused(), config=cfg)
+    x = torch.randn(2, 4)
+    engine.backward(engine(x))
+    try:
+        engine.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "stepped"
+
+
+def test_unused_parameters_error_by_default_and_tolerated_on_request(world2):
+    messages = world2.run(_unused, False)
+    assert "2 parameter(s) received no gradient in this step: unused.bias, unused.weight" in messages[0]
+    assert "allow_unused_parameters" in messages[0]
+    assert world2.run(_unused, True) == ["stepped", "stepped"]
+
+
+def _initial_broadcast():
+    torch.manual_seed(dist.get_rank())  # different weights on every rank
+    model = torch.nn.Linear(3, 3)
+    engine, *_ = paratrain.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return engine.full_state_dict()
+
+
+def test_initial_parameters_are_broadcast_from_rank_0(world2):
+    a, b = world2.run(_initial_broadcast)
+    for key in a:
+        assert torch.equal(a[key], b[key])
+
+
+def _mesh_axes():
+    engine, *_ = paratrain.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return engine.mesh.mesh_dim_names, engine.mesh["dp"].get_local_rank(), engine.world_size, engine.global_rank
+
+
+def test_engine_mesh_is_a_named_device_mesh(world4):
+    results = world4.run(_mesh_axes)
+    assert [r[1] for r in results] == [0, 1, 2, 3]
+    assert results[0][0] == ("dp", "pp", "cp", "tp") and results[0][2] == 4
