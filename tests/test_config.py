@@ -88,3 +88,12 @@ def test_fp16_and_bf16_together_rejected():
 def test_resolve_config_is_pure_and_complete():
     cfg = resolve_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 2)
     assert cfg.train_batch_size == 8 and cfg.dp_size(2) == 2
+
+
+def test_config_reference_in_docs_is_current():
+    from pathlib import Path
+
+    from paratrain.config.reference import generate
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    assert generate() in doc, "docs/config.md is stale: run python -m paratrain.config.reference --write docs/config.md"

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
+                              use_attribute_docstrings=True)
 
 
 class OptimizerConfig(Section):
@@ -63,6 +64,7 @@ class OffloadConfig(Section):
 
 class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3)
+    """0 = DDP, 1 = optimizer state sharded, 2 = + gradients, 3 = + parameters (FSDP)."""
     reduce_bucket_size: int = Field(500_000_000, ge=1, description="elements per gradient bucket")
     allgather_bucket_size: int = Field(500_000_000, ge=1)
     overlap_comm: bool = True
@@ -88,8 +90,11 @@ class DataParallelConfig(Section):
 
     size: int = -1
     bucket_cap_mb: float = Field(25.0, gt=0.0)
+    """DDP gradient bucket size; a bucket's all-reduce starts as soon as it is full."""
     allow_unused_parameters: bool = False
+    """Treat parameters that get no gradient as zero instead of raising."""
     broadcast_buffers: bool = True
+    """Broadcast buffers from dp rank 0 at start (parameters always are)."""
 
     @field_validator("size")
     @classmethod
@@ -137,17 +142,23 @@ class CommConfig(Section):
     """Collective time-outs: a collective that waits longer reports what it was waiting in and stops."""
 
     timeout_s: float = Field(600.0, gt=0.0)
+    """Seconds a collective may wait before the job stops with a report."""
 
 
 class TrainerConfig(Section):
     """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
 
     model: str = "gpt-tiny"
+    """GPT preset (gpt-tiny, gpt-mini, gpt-small, gpt-125m, ...)."""
     model_overrides: dict[str, Any] = Field(default_factory=dict)
+    """GPTConfig fields to replace, e.g. {"n_layer": 8}."""
     steps: int = Field(300, ge=1)
+    """Optimizer steps to train."""
     eval_every: int = Field(100, ge=0)
+    """Validation loss every N steps (and at the end); 0 disables."""
     eval_batches: int = Field(4, ge=1)
     run_dir: str = "runs/latest"
+    """Where config.json, metrics.jsonl/.csv and summary.json go."""
     progress_bar: bool = True
     save_every: int = Field(0, ge=0)
 
@@ -156,20 +167,30 @@ class Config(Section):
     """The whole configuration. Batch keys may be partly None until `resolve_batch` fills them."""
 
     train_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step over all data-parallel ranks."""
     train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: int | None = Field(None, ge=1)
+    """Micro-batches accumulated per optimizer step."""
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     gradient_clipping: float = Field(0.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables."""
     prescale_gradients: bool = False
+    """Divide gradients by the dp size before the all-reduce instead of after."""
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    """Divide by this before the reduction and by dp/factor after it."""
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = True
+    """Accepted for DeepSpeed compatibility: every torch optimizer is allowed."""
     steps_per_print: int = Field(10, ge=1)
+    """Log a line (and per-rank memory in the trainer) every N optimizer steps."""
     wall_clock_breakdown: bool = False
+    """Log forward/backward/step/comm-wait times at each print."""
     seed: int = 1234
+    """Seed of the data sampler (and of the built-in trainer's model init)."""
     data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)

@@ -1,0 +1,32 @@
+# Two commands that work on a fresh machine: `make demo` (the main job) and `make test` (the suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch lies on this machine's disk; a looser pin would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/paratrain train --config configs/demo.json --nproc-per-node 2
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m benchmarks.suite
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,92 @@
+"""Single- and multi-node launch on top of torchrun: no home-made process management.
+
+`torchrun_argv` is pure (tested without starting anything); `launch` hands the result to
+`torch.distributed.run.main`, which owns the worker processes, restarts (`--max-restarts`) and exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: int = 1
+    nnodes: str = "1"
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    max_restarts: int = 0
+    rdzv_backend: str = "static"
+    rdzv_id: str = "paratrain"
+    module: bool = False
+    no_python: bool = False
+    log_dir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num-gpus", dest="nproc_per_node",
+                        type=int, default=1, help="processes per node (one per GPU, or CPU workers)")
+    parser.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", default="1",
+                        help="number of nodes, or MIN:MAX for elastic runs")
+    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0)
+    parser.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1")
+    parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=29500)
+    parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                        help="restart the whole job up to K times when a worker fails")
+    parser.add_argument("-m", "--module", action="store_true", help="run the target as a python module")
+    parser.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                        help="the target is an executable, not a python script")
+    parser.add_argument("--log-dir", dest="log_dir", default=None, help="torchrun's per-worker log directory")
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=str(args.nnodes), node_rank=args.node_rank,
+                         master_addr=args.master_addr, master_port=args.master_port,
+                         max_restarts=args.max_restarts, module=args.module, no_python=args.no_python,
+                         log_dir=args.log_dir)
+
+
+def torchrun_argv(opts: LaunchOptions, target: str, target_args: list[str]) -> list[str]:
+    """The argument list for torch.distributed.run for one node."""
+    if opts.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}")
+    argv = [f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}",
+            f"--max-restarts={opts.max_restarts}"]
+    elastic = opts.max_restarts > 0 or ":" in opts.nnodes or opts.rdzv_backend == "c10d"
+    if elastic:
+        # c10d rendezvous is what allows restarts: survivors and replacements meet again at the endpoint.
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={opts.master_addr}:{opts.master_port}",
+                 f"--rdzv-id={opts.rdzv_id}"]
+        if opts.nnodes != "1":
+            argv += [f"--rdzv-conf=is_host={'true' if opts.node_rank == 0 else 'false'}"]
+    else:
+        argv += [f"--node-rank={opts.node_rank}", f"--master-addr={opts.master_addr}",
+                 f"--master-port={opts.master_port}"]
+    if opts.log_dir:
+        argv += [f"--log-dir={opts.log_dir}"]
+    if opts.module:
+        argv.append("--module")
+    if opts.no_python:
+        argv.append("--no-python")
+    return argv + [target, *target_args]
+
+
+def launch(opts: LaunchOptions, target: str, target_args: list[str]) -> int:
+    """Run torchrun in this process; returns its exit code (0 when every worker succeeded)."""
+    from torch.distributed.run import main as torchrun_main
+
+    os.environ.update(opts.env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        torchrun_main(torchrun_argv(opts, target, target_args))
+    except SystemExit as exc:  # torchrun exits on failure with a ChildFailedError summary printed
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    except Exception as exc:  # ChildFailedError and friends: their message says which rank failed
+        print(f"paratrain run: {exc}", file=sys.stderr)
+        return 1
+    return 0

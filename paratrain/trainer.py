@@ -1,0 +1,136 @@
+"""The built-in job behind `paratrain train`: the GPT on the embedded corpus, in any configured layout.
+
+It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metrics.csv` (one row per step),
+`summary.json`. Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratrain import comm
+from paratrain.api import initialize
+from paratrain.config import load_config
+from paratrain.data import DataParallelLoader, DataParallelSampler, TokenWindows, corpus_fingerprint, load_corpus
+from paratrain.distributed import init_distributed
+from paratrain.models import GPT
+
+
+class MetricsWriter:
+    """Rank 0 appends one JSON line and one CSV row per step; both files are flushed as they grow."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self._csv = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = (run_dir / "metrics.jsonl").open("w")
+            self._csv_file = (run_dir / "metrics.csv").open("w", newline="")
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        flat = {k: v for k, v in row.items() if not isinstance(v, (list, dict))}
+        if self._csv is None:
+            self._csv = csv.DictWriter(self._csv_file, fieldnames=list(flat), extrasaction="ignore")
+            self._csv.writeheader()
+        self._csv.writerow(flat)
+        self._csv_file.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._csv_file.close()
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train", dynamic_ncols=True, mininterval=0.5)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}MiB"
+
+
+def train(config_source, run_dir: str | None = None, steps: int | None = None) -> dict:
+    """Train the configured GPT; returns the summary (also written to run_dir/summary.json on rank 0)."""
+    cfg = load_config(config_source)
+    init_distributed(timeout=cfg.comm.timeout_s)
+    t = cfg.trainer
+    steps = steps or t.steps
+    torch.manual_seed(cfg.seed)
+    model = GPT(t.model, **t.model_overrides)
+    seq_len = model.config.seq_len
+    train_tokens, val_tokens = load_corpus()
+    train_data = TokenWindows(train_tokens, seq_len)
+    engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
+    rank0 = engine.global_rank == 0
+    out = Path(run_dir or t.run_dir)
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = engine.config.model_dump(mode="json")
+        (out / "config.json").write_text(json.dumps(resolved, indent=2))
+    metrics = MetricsWriter(out, rank0)
+    val_data = TokenWindows(val_tokens, seq_len)
+
+    def val_loader() -> DataParallelLoader:  # the same validation batches at every evaluation
+        return DataParallelLoader(val_data, DataParallelSampler(
+            len(val_data), engine.train_micro_batch_size_per_gpu(), engine.pmesh.size("dp"),
+            engine.pmesh.local_rank("dp"), seed=cfg.seed, shuffle=False))
+
+    tokens_per_step = engine.train_batch_size() * seq_len
+    bar = _progress(steps, rank0 and t.progress_bar)
+    engine.comm_stats(reset=True)
+    first_loss = last_loss = val_loss = None
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        tic = time.perf_counter()
+        loss = float(engine.train_batch(loader))
+        elapsed = time.perf_counter() - tic
+        stats = engine.comm_stats(reset=True)
+        comm_bytes = sum(c["bytes"] for ops in stats.values() for c in ops.values())
+        memory = engine.memory_stats()
+        first_loss = loss if first_loss is None else first_loss
+        last_loss = loss
+        row = {"step": step, "loss": loss, "lr": engine.get_lr()[0], "grad_norm": engine.get_global_grad_norm(),
+               "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, "state_bytes": memory["total"],
+               "comm_bytes": comm_bytes, "comm": stats}
+        if t.eval_every and (step % t.eval_every == 0 or step == steps):
+            val_loss = float(engine.eval_batch(val_loader(), t.eval_batches))
+            row["val_loss"] = val_loss
+        if step % cfg.steps_per_print == 0 or step == steps:
+            # Every rank's model-state bytes (a small all-gather, counted under the "metrics" tag).
+            row["state_bytes_per_rank"] = comm.all_gather_object(memory["total"], engine.pmesh.axis(
+                ("dp", "pp", "cp", "tp")), tag="metrics")
+            engine.comm_stats(reset=True)
+        metrics.write(row)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", state=_mib(memory["total"]),
+                            comm=f"{_mib(comm_bytes)}/step", refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    metrics.close()
+    total = time.perf_counter() - start
+    summary = {"steps": steps, "first_loss": first_loss, "last_loss": last_loss, "val_loss": val_loss,
+               "tokens_per_s": steps * tokens_per_step / total, "wall_s": total, "world_size": engine.world_size,
+               "layout": engine.pmesh.dims.describe(), "params": model.num_params(),
+               "corpus": corpus_fingerprint(), "run_dir": str(out)}
+    if rank0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"trained {steps} steps on {engine.world_size} process(es) [{summary['layout']}]: loss "
+              f"{first_loss:.3f} -> {last_loss:.3f}, validation {val_loss:.3f}, "
+              f"{summary['tokens_per_s']:.0f} tokens/s; run directory {out}")
+    dist.barrier()
+    return summary
