@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -38,6 +39,14 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     else:
         store = dist.HashStore()
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, **kwargs)
+    # Scripts rarely tear the group down; without this, gloo's threads can abort the interpreter at exit
+    # ("terminate called without an active exception") and torchrun reports a failed job.
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def current_device() -> torch.device:

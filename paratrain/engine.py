@@ -246,7 +246,7 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The complete, unsharded state dict under the original names, on every rank."""
-        return self.grad_sync.full_state_dict()
+        return self.parallel.full_state_dict()
 
     def wall_clock_breakdown(self, reset: bool = False) -> dict[str, float]:
         out = dict(self._times)

@@ -11,6 +11,7 @@ The engine only sees the returned `ParallelModel`; it never imports a strategy f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,11 +25,23 @@ from paratrain.mesh import Mesh
 
 @dataclass
 class ParallelModel:
-    """What parallelize produces: the local module and the strategy that synchronizes its gradients."""
+    """What parallelize produces: the local module and the strategy that synchronizes its gradients.
+
+    `unshard` undoes the model-parallel steps for `full_state_dict`: the data-parallel strategy first
+    gives this rank's module state with ZeRO shards gathered, then each function (added by the TP, PP, ...
+    steps, in the order they are to be undone) turns it into the state of the original model.
+    """
 
     module: nn.Module
     grad_sync: GradSync
+    unshard: list[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state = self.grad_sync.full_state_dict()
+        for fn in self.unshard:
+            state = fn(state)
+        return state
 
 
 def check_supported(config: Config) -> None:
