@@ -72,5 +72,6 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     dp = config.data_parallel
     grad_sync = DistributedDataParallel(
         model, mesh, bucket_cap_mb=dp.bucket_cap_mb, allow_unused_parameters=dp.allow_unused_parameters,
-        prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor)
+        prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor,
+        broadcast_buffers=dp.broadcast_buffers)
     return ParallelModel(model, grad_sync)

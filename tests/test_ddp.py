@@ -157,3 +157,22 @@ def test_engine_mesh_is_a_named_device_mesh(world4):
     results = world4.run(_mesh_axes)
     assert [r[1] for r in results] == [0, 1, 2, 3]
     assert results[0][0] == ("dp", "pp", "cp", "tp") and results[0][2] == 4
+
+
+def _no_sync_and_manual_accumulation():
+    """DeepSpeed-style manual loop: engine.no_sync() suppresses communication even on a boundary."""
+    cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
+    engine, _, loader, _ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=corpus_windows())
+    engine.comm_stats(reset=True)
+    x, y = next(loader)
+    with engine.no_sync():
+        engine.backward(engine(x, y))
+    inside = engine.comm_stats(reset=True)
+    grads_after_no_sync = [p.grad.clone() for p in engine.module.parameters()]
+    return inside, [float(g.norm()) for g in grads_after_no_sync]
+
+
+def test_no_sync_communicates_nothing(world2):
+    (inside_a, norms_a), (inside_b, norms_b) = world2.run(_no_sync_and_manual_accumulation)
+    assert inside_a == {} and inside_b == {}
+    assert norms_a != norms_b  # each rank kept its own, unreduced gradient

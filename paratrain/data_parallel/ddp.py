@@ -46,9 +46,9 @@ class _Bucket:
         self.handle: comm.Handle | None = None
 
 
-def broadcast_module_state(module: nn.Module, axis, src: int = 0) -> None:
-    """Make every rank's parameters and buffers equal to rank `src`'s: one flat broadcast per dtype."""
-    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
+def broadcast_module_state(module: nn.Module, axis, src: int = 0, buffers: bool = True) -> None:
+    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype."""
+    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -65,14 +65,14 @@ def broadcast_module_state(module: nn.Module, axis, src: int = 0) -> None:
 class DistributedDataParallel(GradSync):
     def __init__(self, module: nn.Module, mesh: Mesh, bucket_cap_mb: float = 25.0,
                  allow_unused_parameters: bool = False, prescale: bool = False, predivide_factor: float = 1.0,
-                 broadcast_state: bool = True):
+                 broadcast_state: bool = True, broadcast_buffers: bool = True):
         super().__init__(module, mesh)
         self.allow_unused = allow_unused_parameters
         world = self.axis.size
         self.pre_divide = float(world) if prescale else predivide_factor
         self.post_divide = world / self.pre_divide
         if broadcast_state:
-            broadcast_module_state(module, self.axis)
+            broadcast_module_state(module, self.axis, buffers=broadcast_buffers)
         self.buckets = self._make_buckets(int(bucket_cap_mb * 2**20))
         self._slot = {p: b for b in self.buckets for _, p in b.params}
         self._index = {p: i for i, (_, p) in enumerate(self.named_params)}

@@ -59,6 +59,9 @@ class GPTConfig:
 
 
 # Sizes from GPT-3 / Megatron / Llama tables; vocab 256 where the embedded byte-level corpus is used.
+# The 7B-70B presets are Llama-shaped but with this model's blocks (full multi-head attention, a 2-matrix
+# GELU MLP): d_ff is chosen so the parameter count matches the named size (Llama's 3-matrix SwiGLU of width
+# f has the parameters of a 2-matrix MLP of width 1.5 f; 70B's d_ff also absorbs its grouped-query K/V).
 PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, d_model=32),
     "gpt-mini": GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128),
@@ -71,7 +74,7 @@ PRESETS: dict[str, GPTConfig] = {
                         bias=False),
     "gpt-13b": GPTConfig(vocab_size=32000, seq_len=4096, n_layer=40, n_head=40, d_model=5120, d_ff=13824 * 3 // 2,
                          bias=False),
-    "gpt-70b": GPTConfig(vocab_size=32000, seq_len=4096, n_layer=80, n_head=64, d_model=8192, d_ff=28672 * 3 // 2,
+    "gpt-70b": GPTConfig(vocab_size=32000, seq_len=4096, n_layer=80, n_head=64, d_model=8192, d_ff=36864,
                          bias=False),
 }
 
