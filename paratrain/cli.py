@@ -12,16 +12,54 @@ def _in_launched_world() -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from paratrain.launcher.hostfile import HostfileError
+    from paratrain.launcher.multinode import slurm_launch_options
     from paratrain.launcher.run import launch, options_from_args
 
     if not args.target:
         print("paratrain run: give a script (or -m module) to launch", file=sys.stderr)
         return 2
-    return launch(options_from_args(args), args.target[0], args.target[1:])
+    target, target_args = args.target[0], args.target[1:]
+    try:
+        if args.hostfile:
+            return _run_multinode(args, target, target_args)
+        opts = options_from_args(args)
+        slurm = slurm_launch_options(opts)
+        if slurm is not None:
+            opts = slurm
+    except (HostfileError, ValueError) as exc:
+        print(f"paratrain run: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from paratrain.launcher.run import torchrun_argv
+
+        print(" ".join([sys.executable, "-m", "torch.distributed.run", *torchrun_argv(opts, target, target_args)]))
+        return 0
+    return launch(opts, target, target_args)
+
+
+def _run_multinode(args: argparse.Namespace, target: str, target_args: list[str]) -> int:
+    import shlex
+
+    from paratrain.launcher.hostfile import filter_hosts, limit, read_hostfile
+    from paratrain.launcher.multinode import MultiNodeOptions, plan_nodes, remote_argv, run_nodes
+    from paratrain.launcher.run import options_from_args
+
+    hosts = limit(filter_hosts(read_hostfile(args.hostfile), args.include, args.exclude),
+                  int(args.nnodes) if args.nnodes else None, args.nproc_per_node)
+    extra = dict(item.split("=", 1) if "=" in item else (item, os.environ.get(item, "")) for item in args.env)
+    opts = MultiNodeOptions(options_from_args(args), hosts, launcher=args.launcher, ssh_command=args.ssh_command,
+                            extra_env=extra, set_visible_devices=bool(args.include or args.exclude))
+    argvs = remote_argv(opts, plan_nodes(opts, target, target_args))
+    if args.dry_run:
+        for argv in argvs:
+            print(shlex.join(argv))
+        return 0
+    return run_nodes(argvs)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc_per_node > 1 and not _in_launched_world():
+    if (args.nproc_per_node or 1) > 1 and not _in_launched_world():
         # Re-launch this very command under torchrun with N processes.
         from paratrain.launcher.run import launch, options_from_args
 
@@ -30,8 +68,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             forwarded += ["--run-dir", args.run_dir]
         if args.steps:
             forwarded += ["--steps", str(args.steps)]
-        return launch(options_from_args(args), "paratrain.cli", forwarded) if args.module else \
-            launch(_with_module(options_from_args(args)), "paratrain.cli", forwarded)
+        opts = options_from_args(args)
+        opts.module = True  # torchrun runs `python -m paratrain.cli train ...` on every rank
+        return launch(opts, "paratrain.cli", forwarded)
     from paratrain.config import ConfigError
     from paratrain.trainer import train
 
@@ -43,11 +82,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_module(opts):
-    opts.module = True
-    return opts
-
-
 def build_parser() -> argparse.ArgumentParser:
     from paratrain.launcher.run import add_launch_arguments
 
@@ -56,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="launch a script on N processes (torchrun underneath)")
     add_launch_arguments(run)
+    run.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: one 'HOST slots=N' per line")
+    run.add_argument("--include", default="", help="hosts/slots to use, e.g. 'worker-0:0,1@worker-1'")
+    run.add_argument("--exclude", default="", help="hosts/slots to leave out, same syntax as --include")
+    run.add_argument("--launcher", default="ssh", choices=["ssh", "pdsh"], help="how to start remote nodes")
+    run.add_argument("--ssh-command", default="ssh -o StrictHostKeyChecking=no -o BatchMode=yes",
+                     help="remote shell used by --launcher ssh (the host and command are appended)")
+    run.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                     help="forward an environment variable to every node (repeatable)")
+    run.add_argument("--dry-run", action="store_true", help="print the exact per-node commands and exit")
     run.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...] (or a module with -m)")
     run.set_defaults(func=cmd_run)
 

@@ -129,8 +129,9 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
                "corpus": corpus_fingerprint(), "run_dir": str(out)}
     if rank0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        validation = f", validation {val_loss:.3f}" if val_loss is not None else ""
         print(f"trained {steps} steps on {engine.world_size} process(es) [{summary['layout']}]: loss "
-              f"{first_loss:.3f} -> {last_loss:.3f}, validation {val_loss:.3f}, "
-              f"{summary['tokens_per_s']:.0f} tokens/s; run directory {out}")
+              f"{first_loss:.3f} -> {last_loss:.3f}{validation}, {summary['tokens_per_s']:.0f} tokens/s; "
+              f"run directory {out}")
     dist.barrier()
     return summary

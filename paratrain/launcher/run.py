@@ -30,9 +30,10 @@ class LaunchOptions:
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num-gpus", dest="nproc_per_node",
-                        type=int, default=1, help="processes per node (one per GPU, or CPU workers)")
-    parser.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", default="1",
-                        help="number of nodes, or MIN:MAX for elastic runs")
+                        type=int, default=None,
+                        help="processes per node (one per GPU, or CPU workers); with --hostfile: the first N slots")
+    parser.add_argument("--nnodes", "--num_nodes", "--num-nodes", dest="nnodes", default=None,
+                        help="number of nodes, or MIN:MAX for elastic runs; with --hostfile: the first N hosts")
     parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0)
     parser.add_argument("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1")
     parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=29500)
@@ -45,7 +46,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
-    return LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=str(args.nnodes), node_rank=args.node_rank,
+    return LaunchOptions(nproc_per_node=args.nproc_per_node or 1, nnodes=str(args.nnodes or 1),
+                         node_rank=args.node_rank,
                          master_addr=args.master_addr, master_port=args.master_port,
                          max_restarts=args.max_restarts, module=args.module, no_python=args.no_python,
                          log_dir=args.log_dir)
