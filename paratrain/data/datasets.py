@@ -95,7 +95,12 @@ def default_collate(samples: list):
 
 
 class DataParallelLoader:
-    """An endless iterator of micro-batches for this rank; `state_dict()` makes it resumable."""
+    """This rank's micro-batches; `state_dict()` makes it resumable.
+
+    Two ways to use it, as with DeepSpeed's loader: `for batch in loader` runs to the end of the current
+    epoch (a DeepSpeed tutorial's epoch loop), while `next(loader)` never ends (it crosses epochs), which
+    is what `engine.train_batch()` uses.
+    """
 
     def __init__(self, dataset, sampler: DataParallelSampler, collate_fn=None):
         self.dataset = dataset
@@ -103,7 +108,9 @@ class DataParallelLoader:
         self.collate_fn = collate_fn or default_collate
 
     def __iter__(self):
-        return self
+        remaining = self.sampler.micro_batches_per_epoch - self.sampler.position
+        for _ in range(remaining if remaining > 0 else self.sampler.micro_batches_per_epoch):
+            yield next(self)
 
     def __next__(self):
         return self.collate_fn([self.dataset[i] for i in self.sampler.next_indices()])
