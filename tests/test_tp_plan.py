@@ -70,6 +70,11 @@ def test_plan_errors_name_the_module_and_the_fix():
         gpt, {**GPT_PLAN, "**.q": "rowwise"})
     no_qkv = {k: v for k, v in GPT_PLAN.items() if k not in ("blocks.*.attn.[qkv]", "blocks.*.attn")}
     assert "'blocks.0.attn.o' is rowwise but no colwise layer sits beside it" in _error(gpt, no_qkv)
+    gathered = {**GPT_PLAN, "blocks.*.mlp.fc": "colwise_gather"}  # the proj's input would be whole
+    assert "'blocks.0.mlp.proj' is rowwise but no colwise layer sits beside it" in _error(gpt, gathered)
+    qk_only = {**{k: v for k, v in GPT_PLAN.items() if k != "blocks.*.attn.[qkv]"}, "blocks.*.attn.[qk]": "colwise"}
+    assert "'blocks.0.attn.v' is a Linear shaped like its colwise sibling 'blocks.0.attn.q'" in _error(gpt, qk_only)
+    resolve_plan(gpt, {**qk_only, "blocks.*.attn.v": "replicate"}, 2, False)  # said on purpose: accepted
     no_proj = {k: v for k, v in GPT_PLAN.items() if k != "blocks.*.mlp.proj"}
     assert "'blocks.0.mlp.fc' is colwise but no rowwise layer" in _error(gpt, no_proj)
     no_loss = {k: v for k, v in GPT_PLAN.items() if k != "loss_fn"}
@@ -119,6 +124,17 @@ def test_layers_keep_their_slice_and_pad_uneven_vocabularies():
     assert row.weight.shape == (5, 4) and row.weight.tp_sharded and not hasattr(row.bias, "tp_sharded")
     with pytest.raises(PlanError, match="out_features 10, not divisible by the tensor-parallel size 4"):
         ColumnParallelLinear(linear, _fake_axis(0, 4))
+
+
+def test_split_layers_name_themselves_when_fed_the_wrong_width():
+    # The width checks run before any communication, so a fake axis is enough to reach them.
+    row = RowParallelLinear(nn.Linear(8, 5), _fake_axis(0, 2), name="blocks.0.mlp.proj")
+    with pytest.raises(PlanError, match=r"'blocks.0.mlp.proj' \(rowwise\) expected inputs with 4 features .* got "
+                                        r"shape \(2, 3, 8\): its input must be split over tp"):
+        row(torch.randn(2, 3, 8))
+    col = ColumnParallelLinear(nn.Linear(8, 4), _fake_axis(0, 2), name="blocks.0.attn.q")
+    with pytest.raises(PlanError, match="a colwise layer cannot follow another colwise layer directly"):
+        col(torch.randn(2, 3, 4))
 
 
 def test_rng_tracker_streams_differ_per_rank_and_leave_the_default_stream_alone():

@@ -47,6 +47,7 @@ STYLES: dict[str, Style] = {
                             "parameters are summed over tp, random numbers per tp rank; nothing without it"),
     "sequence_scatter": Style(None, "under sequence parallel, the module's (replicated) output is split to this "
                                     "rank's s/tp tokens (the sequence-parallel region starts here)"),
+    "replicate": Style(None, "deliberately not split: the module stays whole on every tp rank"),
 }
 SHARDING = {"colwise", "colwise_gather", "colwise_vocab", "rowwise", "vocab", "vocab_scatter"}
 COLWISE = {"colwise", "colwise_gather"}
@@ -178,7 +179,7 @@ def _check_consistency(plan: dict[str, str], modules: dict[str, nn.Module], sequ
         by_style.setdefault(style, []).append(path)
     colwise = by_style.get("colwise", []) + by_style.get("colwise_gather", [])
     for path in by_style.get("rowwise", []):
-        if not any(_inside(c, _parent(path)) for c in colwise):
+        if not any(_inside(c, _parent(path)) for c in by_style.get("colwise", [])):
             raise PlanError(f"'{path}' is rowwise but no colwise layer sits beside it in {_scope(path)}: its input "
                             f"would not be split; mark the layers that feed it 'colwise'")
     for path in by_style.get("colwise", []):
@@ -186,6 +187,7 @@ def _check_consistency(plan: dict[str, str], modules: dict[str, nn.Module], sequ
             raise PlanError(f"'{path}' is colwise but no rowwise layer sits beside it in {_scope(path)}: its "
                             f"split output would never be summed back; mark the layer that consumes it 'rowwise', "
                             f"or use 'colwise_gather'")
+    _check_unplanned_siblings(plan, modules, colwise)
     heads, losses = by_style.get("colwise_vocab", []), by_style.get("vocab_loss", [])
     if len(heads) != len(losses) or len(heads) > 1:
         raise PlanError(f"a 'colwise_vocab' head ({heads or 'none'}) and a 'vocab_loss' module ({losses or 'none'}) "
@@ -207,6 +209,20 @@ def _check_consistency(plan: dict[str, str], modules: dict[str, nn.Module], sequ
         raise PlanError("tensor_parallel.sequence_parallel is on but the plan says nowhere where the sequence is "
                         "split: mark the module that starts the sequence-parallel region 'sequence_scatter' (e.g. the "
                         "embedding) or the token embedding 'vocab_scatter'")
+
+
+def _check_unplanned_siblings(plan: dict[str, str], modules: dict[str, nn.Module], colwise: list[str]) -> None:
+    """An unplanned Linear shaped like a colwise sibling (a forgotten `v` beside `q` and `k`) would produce
+    all heads where its siblings produce this rank's share; name it instead of failing deep in attention."""
+    for path in colwise:
+        shape = (modules[path].in_features, modules[path].out_features)
+        for other, module in modules.items():
+            if other in plan or _parent(other) != _parent(path) or not isinstance(module, nn.Linear):
+                continue
+            if (module.in_features, module.out_features) == shape:
+                raise PlanError(f"'{other}' is a Linear shaped like its colwise sibling '{path}' but is not in the "
+                                f"plan, so its output would not be split like its sibling's; mark it 'colwise' too, "
+                                f"or 'replicate' if it is meant to stay whole")
 
 
 def _check_shared_parameters(plan: dict[str, str], modules: dict[str, nn.Module]) -> None:
