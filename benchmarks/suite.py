@@ -53,11 +53,14 @@ def run_suite(name: str, repeats: int, steps: int, warmup: int) -> dict:
             print(f"[{name}] repeat {r + 1}/{repeats}: {case}", file=sys.stderr, flush=True)
             with World(world_size, timeout_s=900) as world:
                 raw[case].append(world.run(fn, steps, warmup))
-    return {"suite": name, "baseline": module.BASELINE, "repeats": repeats, "steps": steps, "raw": raw,
-            "summary": summarize(raw, module.BASELINE)}
+    baseline_of = getattr(module, "BASELINE_OF", {})
+    return {"suite": name, "baseline": module.BASELINE, "baseline_of": baseline_of, "repeats": repeats,
+            "steps": steps, "raw": raw, "summary": summarize(raw, module.BASELINE, baseline_of)}
 
 
-def summarize(raw: dict[str, list[list[dict]]], baseline: str) -> dict[str, dict]:
+def summarize(raw: dict[str, list[list[dict]]], baseline: str,
+              baseline_of: dict[str, str] | None = None) -> dict[str, dict]:
+    """Per case: medians, and the ratio to its baseline (`baseline_of[case]`, else the suite's)."""
     out = {}
     for case, runs in raw.items():
         medians = []
@@ -69,15 +72,18 @@ def summarize(raw: dict[str, list[list[dict]]], baseline: str) -> dict[str, dict
                      "state_mib": max(r["state_bytes"] for r in runs[0]) / 2**20,
                      "last_loss": runs[0][0]["losses"][-1]}
         out[case].update({k: v for k, v in runs[0][0].items() if k.startswith("extra_")})
-    base = out[baseline]["median_step_s"]
-    for row in out.values():
-        row["ratio"] = row["median_step_s"] / base
+    for case, row in out.items():
+        row["baseline"] = (baseline_of or {}).get(case, baseline)
+        row["ratio"] = row["median_step_s"] / out[row["baseline"]]["median_step_s"]
     return out
 
 
 def table(result: dict) -> str:
-    lines = [f"Baseline: **{result['baseline']}**; {result['repeats']} interleaved repeats x {result['steps']} "
-             f"measured steps.", "",
+    others = sorted(set(result.get("baseline_of", {}).values()) - {result["baseline"]})
+    also = f" (ratios of the cases {', '.join(k for k in result.get('baseline_of', {}))} are to " \
+        f"{', '.join(others)})" if others else ""
+    lines = [f"Baseline: **{result['baseline']}**{also}; {result['repeats']} interleaved repeats x "
+             f"{result['steps']} measured steps.", "",
              "| case | median step (ms) | ratio to baseline | peak RSS / rank (MiB) | model state / rank (MiB) "
              "| last loss |", "|---|---:|---:|---:|---:|---:|"]
     for case, row in result["summary"].items():

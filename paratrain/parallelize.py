@@ -21,6 +21,8 @@ from paratrain.config import Config, ConfigError
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.mesh import Mesh
+from paratrain.tensor_parallel import parallelize as tensor_parallelize
+from paratrain.tensor_parallel.plan import check_plan_syntax
 
 
 @dataclass
@@ -46,9 +48,7 @@ class ParallelModel:
 
 def check_supported(config: Config) -> None:
     """Raise, before any collective, for layouts this build cannot run."""
-    if config.tensor_parallel.size > 1:
-        raise ConfigError("config key 'tensor_parallel.size' > 1: tensor parallelism is not available in this "
-                          "build yet; set it to 1")
+    check_plan_syntax(config.tensor_parallel.plan)  # a PlanError is a ConfigError
     if config.pipeline.stages > 1:
         raise ConfigError("config key 'pipeline.stages' > 1: pipeline parallelism is not available in this "
                           "build yet; set it to 1")
@@ -67,6 +67,11 @@ def check_supported(config: Config) -> None:
 
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
     check_supported(config)
+    unshard = []
+    tp = config.tensor_parallel
+    if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
+        applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
+        unshard.append(applied.unshard)
     if device is not None:
         model.to(device)
     dp = config.data_parallel
@@ -74,4 +79,4 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         model, mesh, bucket_cap_mb=dp.bucket_cap_mb, allow_unused_parameters=dp.allow_unused_parameters,
         prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor,
         broadcast_buffers=dp.broadcast_buffers)
-    return ParallelModel(model, grad_sync)
+    return ParallelModel(model, grad_sync, unshard)

@@ -71,6 +71,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
     steps = steps or t.steps
     torch.manual_seed(cfg.seed)
     model = GPT(t.model, **t.model_overrides)
+    num_params = model.num_params()  # before parallelizing: the model is split in place
     seq_len = model.config.seq_len
     train_tokens, val_tokens = load_corpus()
     train_data = TokenWindows(train_tokens, seq_len)
@@ -125,7 +126,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
     total = time.perf_counter() - start
     summary = {"steps": steps, "first_loss": first_loss, "last_loss": last_loss, "val_loss": val_loss,
                "tokens_per_s": steps * tokens_per_step / total, "wall_s": total, "world_size": engine.world_size,
-               "layout": engine.pmesh.dims.describe(), "params": model.num_params(),
+               "layout": engine.pmesh.dims.describe(), "params": num_params,
                "corpus": corpus_fingerprint(), "run_dir": str(out)}
     if rank0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,5 +1,13 @@
 """Communication on named mesh axes, every call counted (see `CommStats`)."""
 
+from paratrain.comm.autograd import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+    scatter_to_region,
+)
 from paratrain.comm.collectives import (
     Handle,
     all_gather_into,
@@ -23,6 +31,12 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "copy_to_region",
+    "gather_from_region",
+    "gather_from_sequence",
+    "reduce_from_region",
     "reduce_scatter_into",
+    "reduce_scatter_to_sequence",
+    "scatter_to_region",
     "send_recv",
 ]

@@ -105,9 +105,14 @@ class DataParallelConfig(Section):
 
 
 class TensorParallelConfig(Section):
+    """Megatron-style tensor parallelism over the tp axis (see docs/strategies.md)."""
+
     size: int = Field(1, ge=1)
+    """Ranks that split each layer's weight matrices (consecutive ranks of the mesh)."""
     sequence_parallel: bool = False
+    """Norm/dropout/residual regions hold s/tp tokens; all-gathers and reduce-scatters replace the all-reduces."""
     plan: dict[str, str] | str | None = None
+    """{module-path pattern: style}, or a built-in plan name ("gpt"); None uses the model's ready plan (GPT)."""
 
 
 class PipelineConfig(Section):

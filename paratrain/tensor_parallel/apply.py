@@ -1,0 +1,204 @@
+"""Apply a tensor-parallel plan to a model in place, and undo it for `full_state_dict`.
+
+    applied = parallelize(model, mesh, plan, sequence_parallel=True, seed=cfg.seed)
+    ...
+    full = applied.unshard(local_state)   # gathered tensors under the original names, on every rank
+
+[Note: in place, names kept]
+Split layers replace the dense ones under the same attribute, with parameters under the same names
+(`weight`, `bias`), so optimizer construction, the data-parallel strategy (which sees only the local,
+sharded module) and state-dict names are unchanged. Region transitions that are not layers (a parent
+whose input enters the region once, a module whose output starts the sequence-parallel region) are
+forward hooks; per-rank random numbers and gradient sums of replicated parameters wrap the module's
+`forward`, so they act on whatever parameter tensor the module holds at call time (a ZeRO-3 strategy may
+swap in gathered parameters with its own pre-forward hooks).
+
+[Note: building the same model everywhere]
+Every rank builds the full model from the same seed and keeps its slice, so the sharded model starts
+exactly where the single-process model starts; DDP's start-up broadcast runs over the dp axis only and
+leaves the tp shards distinct.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.comm import all_gather_into, all_gather_object
+from paratrain.comm.autograd import copy_to_region, gather_from_sequence, scatter_to_region
+from paratrain.mesh import Axis, Mesh
+from paratrain.tensor_parallel.layers import (
+    ACTIVATION_TAG,
+    GRAD_TAG,
+    SEQ_DIM,
+    ColumnParallelLinear,
+    PlanError,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from paratrain.tensor_parallel.loss import VocabParallelCrossEntropy
+from paratrain.tensor_parallel.plan import SHARDING, resolve_plan
+from paratrain.tensor_parallel.random import RNGTracker
+
+SCATTER_TAG = "tp_scatter"  # a 'sequence_scatter' module's split of the sequence (all-gather in backward)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    dim: int  # the dimension split over tp
+    size: int  # its full size (a padded vocabulary is cut back to this)
+
+
+@dataclass
+class AppliedPlan:
+    """What `parallelize` did: the style of each module, and how each split parameter was split."""
+
+    styles: dict[str, str]
+    axis: Axis
+    sequence_parallel: bool
+    sharded: dict[str, ShardSpec] = field(default_factory=dict)
+
+    def unshard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gather split parameters (collective over tp; every rank gets them), strip vocabulary padding,
+        and check that everything replicated over tp is identical on every tp rank."""
+        out = dict(state)
+        for name in sorted(n for n in self.sharded if n in state):  # same order on every tp rank
+            spec, local = self.sharded[name], state[name].contiguous()
+            flat = torch.empty(self.axis.size * local.numel(), dtype=local.dtype, device=local.device)
+            all_gather_into(flat, local.view(-1), self.axis, tag="checkpoint")
+            gathered = flat.view(self.axis.size, *local.shape)  # (tp, *shard)
+            out[name] = torch.cat(gathered.unbind(0), dim=spec.dim).narrow(spec.dim, 0, spec.size).clone()
+        differing = self.replica_mismatches(state)
+        if differing:
+            raise PlanError(f"tensors replicated over tp differ between tp ranks: {differing[:8]}. Under sequence "
+                            f"parallelism every module with parameters that runs on s/tp tokens must be marked "
+                            f"'sequence' in the plan (its gradients are then summed over tp)")
+        return out
+
+    def replica_mismatches(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Names of tensors that should be identical on every tp rank but are not (one small gather)."""
+        names = sorted(n for n in state if n not in self.sharded)
+        digests = [hashlib.sha1(state[n].detach().cpu().contiguous().numpy().tobytes()).hexdigest() for n in names]
+        everyone = all_gather_object(digests, self.axis, tag="checkpoint")
+        return [n for i, n in enumerate(names) if any(other[i] != digests[i] for other in everyone)]
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def _wrap_forward(module: nn.Module, around) -> None:
+    """Make `module.forward(*a, **k)` call `around(original_forward, *a, **k)`."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return around(inner, *args, **kwargs)
+
+    module.forward = forward
+
+
+def _forked(tracker: RNGTracker, inner, *args, **kwargs):
+    with tracker.fork():
+        return inner(*args, **kwargs)
+
+
+def _with_grad_sum(module: nn.Module, names: list[str], axis: Axis, inner, *args, **kwargs):
+    """Run forward with each parameter seen through `copy_to_region`: its gradient, computed from this
+    rank's tokens only, arrives at the parameter summed over tp."""
+    saved = {n: module._parameters[n] for n in names}
+    try:
+        for n, p in saved.items():
+            module._parameters[n] = copy_to_region(p, axis, GRAD_TAG)
+        return inner(*args, **kwargs)
+    finally:
+        module._parameters.update(saved)
+
+
+def _region_input_hook(path: str, axis: Axis, sequence_parallel: bool):
+    def hook(module, args):
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise PlanError(f"'{path}' (region_input) must receive a tensor as its first positional argument")
+        x = gather_from_sequence(args[0], axis, SEQ_DIM, ACTIVATION_TAG) if sequence_parallel \
+            else copy_to_region(args[0], axis, ACTIVATION_TAG)  # (b, s, h)
+        return (x, *args[1:])
+
+    return hook
+
+
+def _sequence_scatter_hook(path: str, axis: Axis):
+    def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise PlanError(f"'{path}' (sequence_scatter) must return one tensor (b, s, h), got {type(output)}")
+        return scatter_to_region(output, axis, SEQ_DIM, SCATTER_TAG)  # (b, s, h) -> (b, s/tp, h)
+
+    return hook
+
+
+def _vocab_loss(old: nn.Module, head: ColumnParallelLinear, axis: Axis, path: str) -> VocabParallelCrossEntropy:
+    if isinstance(old, nn.CrossEntropyLoss) and (old.reduction != "mean" or old.label_smoothing or
+                                                 old.weight is not None):
+        raise PlanError(f"'{path}' (vocab_loss): the vocab-parallel loss is the mean cross-entropy without class "
+                        f"weights or label smoothing; set reduction='mean' and drop the others")
+    if any(True for _ in old.parameters()):
+        raise PlanError(f"'{path}' (vocab_loss) has parameters; the vocab-parallel loss replaces it entirely")
+    return VocabParallelCrossEntropy(axis, head.out_features, head.vocab_start, head.local_out_features,
+                                     ignore_index=getattr(old, "ignore_index", -100), name=path)
+
+
+def parallelize(model: nn.Module, mesh: Mesh | Axis, plan=None, sequence_parallel: bool = False,
+                seed: int = 0) -> AppliedPlan:
+    """Split `model` over the tp axis as `plan` says (None: the model's ready plan). In place.
+
+    `mesh` is the paratrain Mesh (its "tp" axis is used) or the tp Axis itself. `seed` seeds the
+    per-tp-rank random stream.
+    """
+    axis = mesh.axis("tp") if isinstance(mesh, Mesh) else mesh
+    sp = sequence_parallel and axis.size > 1
+    styles = resolve_plan(model, plan, axis.size, sp)  # pure: raises before anything changes
+    applied = AppliedPlan(styles, axis, sp)
+    tracker = RNGTracker(seed, axis.rank)
+    regions = [p for p, s in styles.items() if s == "region_input"]
+    head = None
+    for path, style in styles.items():  # split layers first: the loss needs the head's vocabulary range
+        if style not in SHARDING:
+            continue
+        old = model.get_submodule(path)
+        if style == "rowwise":
+            new = RowParallelLinear(old, axis, name=path, sequence_parallel=sp)
+            applied.sharded[f"{path}.weight"] = ShardSpec(1, old.in_features)
+        elif style in ("vocab", "vocab_scatter"):
+            new = VocabParallelEmbedding(old, axis, name=path, scatter_sequence=sp and style == "vocab_scatter")
+            applied.sharded[f"{path}.weight"] = ShardSpec(0, old.num_embeddings)
+        else:
+            entered = any(path.startswith(r + ".") for r in regions)
+            new = ColumnParallelLinear(old, axis, name=path, gather_output=style == "colwise_gather",
+                                       enter_region=not entered, sequence_parallel=sp,
+                                       pad_output=style == "colwise_vocab")
+            applied.sharded[f"{path}.weight"] = ShardSpec(0, old.out_features)
+            if old.bias is not None:
+                applied.sharded[f"{path}.bias"] = ShardSpec(0, old.out_features)
+            head = new if style == "colwise_vocab" else head
+        _set_submodule(model, path, new)
+    for path, style in styles.items():
+        module = model.get_submodule(path)
+        if style == "vocab_loss":
+            _set_submodule(model, path, _vocab_loss(module, head, axis, path))
+        elif style == "region_input":
+            module.register_forward_pre_hook(_region_input_hook(path, axis, sp))
+        elif style == "in_region":
+            _wrap_forward(module, functools.partial(_forked, tracker))
+        elif style == "sequence" and sp:
+            for sub in module.modules():
+                names = [n for n, p in sub.named_parameters(recurse=False) if p.requires_grad]
+                if names:
+                    _wrap_forward(sub, functools.partial(_with_grad_sum, sub, names, axis))
+            _wrap_forward(module, functools.partial(_forked, tracker))
+        elif style == "sequence_scatter" and sp:
+            module.register_forward_hook(_sequence_scatter_hook(path, axis))
+    return applied
