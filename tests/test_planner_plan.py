@@ -9,7 +9,7 @@ import pytest
 
 from paratrain.cli import main
 from paratrain.config import load_config, resolve_batch
-from paratrain.planner.enumerate import SearchSpace, enumerate_layouts, invalid_reason, plan
+from paratrain.planner.enumerate import SearchSpace, enumerate_layouts, evaluate, invalid_reason, plan
 from paratrain.planner.hardware import GiB, Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.model_specs import model_spec
@@ -104,3 +104,12 @@ def test_cli_errors_name_the_flag(capsys):
     assert "zb-h2" in capsys.readouterr().err
     assert main(["plan", "--model", "gpt-70b", "--gpus", "2", "--global-batch", "2"]) == 1
     assert "nothing fits" in capsys.readouterr().out
+
+
+def test_evaluate_one_layout_is_what_the_search_reports():
+    hw = Hardware(gpu_memory=40 * GiB)
+    best = plan(SPEC, 16, 128, hw).ranked[0]
+    again = evaluate(SPEC, best.layout, hw)
+    assert again == best and again.fits
+    too_big = evaluate(SPEC, Layout(dp=16, micro_batch=8, grad_accum=1), Hardware(gpu_memory=8 * GiB))
+    assert not too_big.fits and too_big.memory.total > 8 * GiB * 0.9

@@ -11,7 +11,7 @@ from paratrain.planner.enumerate import SearchSpace, plan
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import RECOMPUTE, SCHEDULES
 from paratrain.planner.model_specs import PlanError, config_batch_size, model_spec
-from paratrain.planner.report import render
+from paratrain.planner.report import compact_json, render
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
 DEFAULT_GLOBAL_BATCH = 1024
@@ -97,7 +97,7 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(text)
     if config is not None and args.config_out:
-        Path(args.config_out).write_text(json.dumps(config, indent=2) + "\n")
+        Path(args.config_out).write_text(compact_json(config) + "\n")
         print(f"\nwrote {args.config_out}", file=sys.stderr)
     return 0 if config is not None else 1
 

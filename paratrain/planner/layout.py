@@ -98,16 +98,3 @@ def axis_name(sizes: dict[str, int], axes: tuple[str, ...]) -> str | None:
         return real[0]
     return "_".join(axes)
 
-
-def group_members(sizes: dict[str, int], axes: tuple[str, ...], rank: int = 0) -> list[int]:
-    """Global ranks of the group along `axes` containing `rank` (pure; same layout as ParallelDims)."""
-    strides, stride = {}, 1
-    for a in reversed(AXES):
-        strides[a] = stride
-        stride *= sizes[a]
-    coords = {a: (rank // strides[a]) % sizes[a] for a in AXES}
-    base = sum(coords[a] * strides[a] for a in AXES if a not in axes)
-    members = [base]
-    for a in axes:
-        members = [m + i * strides[a] for m in members for i in range(sizes[a])]
-    return sorted(members)

@@ -169,6 +169,14 @@ def activation_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attentio
     return total
 
 
+def zero3_gathered_bytes(spec: ModelSpec, layout: Layout, prefetch: int = 1) -> float:
+    """ZeRO-3's working set: the gathered 16-bit (or fp32) parameters of the unit in use and of `prefetch`
+    units fetched ahead, plus one unit's full gradient before its reduce-scatter. A unit is a block (or the
+    embedding, or the head), the granularity paratrain's stage 3 wraps."""
+    unit = max(spec.layer_params(layout.tp), spec.embed_params(layout.tp), spec.head_params(layout.tp))
+    return (prefetch + 2) * unit * layout.param_bytes
+
+
 def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention: bool = True,
                     prefetch: int = 1) -> float:
     """Peak working memory beyond states and stored activations on a rank of `stage`:
@@ -179,8 +187,7 @@ def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention
     if layout.recompute == "full":
         out += sum(layer_activations(spec, layout, recompute="none", flash_attention=flash_attention).values())
     if layout.zero_stage == 3:
-        unit = max(spec.layer_params(layout.tp), spec.embed_params(layout.tp), spec.head_params(layout.tp))
-        out += (prefetch + 2) * unit * layout.param_bytes
+        out += zero3_gathered_bytes(spec, layout, prefetch)
     if stage == layout.pp - 1:
         out += layout.micro_batch * (spec.seq_len // layout.cp) * spec.vocab_size / layout.tp * \
             (layout.activation_bytes + 4)

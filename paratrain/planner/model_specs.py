@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from paratrain.models.gpt import PRESETS, GPTConfig, gpt_config
@@ -161,11 +161,6 @@ def config_batch_size(model: str) -> int | None:
         return None
     value = json.loads(path.read_text()).get("train_batch_size")
     return int(value) if isinstance(value, int) else None
-
-
-def with_seq_len(spec: ModelSpec, seq_len: int) -> ModelSpec:
-    overrides = {**spec.overrides, "seq_len": seq_len}
-    return replace(spec, config=replace(spec.config, seq_len=seq_len), overrides=overrides)
 
 
 def divisors(n: int) -> list[int]:

@@ -59,6 +59,12 @@ def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> 
     return cfg
 
 
+def compact_json(cfg: dict) -> str:
+    """One top-level key per line, each value on one line: short enough to read, valid JSON."""
+    body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in cfg.items())
+    return "{\n" + body + "\n}"
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
@@ -121,5 +127,5 @@ def render(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, result: 
         "", f"Top {len(best)} by predicted step time — memory per GPU (GiB; the peak pipeline stage):",
         memory_table(best), "", "Time per optimizer step (seconds; comm = exposed, not hidden by compute):",
         time_table(best, hw), "", "Communication per step of #1 (a first-stage rank, paratrain.comm payload):",
-        comm_summary(spec, best[0].layout), "", "Config for #1:", json.dumps(config, indent=2)])
+        comm_summary(spec, best[0].layout), "", "Config for #1:", compact_json(config)])
     return text, config
