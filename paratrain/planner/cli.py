@@ -39,7 +39,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intra-node-bandwidth", default="300GB/s", help="achieved busbw per GPU in a node")
     parser.add_argument("--inter-node-bandwidth", default="40GB/s", help="achieved busbw per GPU between nodes")
     parser.add_argument("--latency", default="10us", help="seconds per ring step")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak per GPU (H100/H200 bf16)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="dense peak per GPU in the training precision (H100/H200: 989 bf16/fp16, ~495 tf32)")
     parser.add_argument("--mfu", type=float, default=0.5, help="fraction of peak the kernels reach")
     parser.add_argument("--memory-bandwidth", default="3.35TB/s", help="device memory bandwidth")
     parser.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free")
