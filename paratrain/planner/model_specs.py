@@ -110,7 +110,8 @@ class ModelSpec:
         return 12 * self.d_model * self.seq_len
 
     def describe(self) -> str:
-        return (f"{self.name}{'*' if self.overrides else ''}: {self.params / 1e9:.2f}B parameters, "
+        count = f"{self.params / 1e9:.2f}B" if self.params >= 1e9 else f"{self.params / 1e6:.2f}M"
+        return (f"{self.name}{'*' if self.overrides else ''}: {count} parameters, "
                 f"{self.n_layer} layers, d_model {self.d_model}, {self.n_head} heads, d_ff {self.d_ff}, "
                 f"seq {self.seq_len}, vocab {self.vocab_size}")
 

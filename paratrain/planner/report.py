@@ -65,10 +65,6 @@ def compact_json(cfg: dict) -> str:
     return "{\n" + body + "\n}"
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f}"
-
-
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 1 else c.rjust(w)  # noqa: E731
@@ -76,11 +72,19 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+def memory_unit(evals: list[Evaluation]) -> tuple[str, float]:
+    """GiB, or MiB when every layout shown needs less than a GiB (small models)."""
+    return ("GiB", 2**30) if max(e.memory.total for e in evals) >= 2**30 else ("MiB", 2**20)
+
+
 def memory_table(evals: list[Evaluation]) -> str:
-    rows = [[str(i + 1), e.layout.describe(), _gib(e.memory.total), _gib(e.memory.params), _gib(e.memory.grads),
-             _gib(e.memory.optimizer_state), _gib(e.memory.activations), _gib(e.memory.transient),
-             _gib(e.memory.host), str(e.memory.stage)] for i, e in enumerate(evals)]
-    return _table(["#", "layout", "GiB/rank", "params", "grads", "optim", "activ", "transient", "host", "stage"],
+    unit, size = memory_unit(evals)
+    rows = []
+    for i, e in enumerate(evals):
+        m = e.memory
+        amounts = (m.total, m.params, m.grads, m.optimizer_state, m.activations, m.transient, m.host)
+        rows.append([str(i + 1), e.layout.describe(), *(f"{x / size:.1f}" for x in amounts), str(m.stage)])
+    return _table(["#", "layout", f"{unit}/rank", "params", "grads", "optim", "activ", "transient", "host", "stage"],
                   rows)
 
 
@@ -124,7 +128,8 @@ def render(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, result: 
     best = result.ranked[:top]
     config = layout_config(spec, best[0].layout, base)
     text = "\n".join(head + [
-        "", f"Top {len(best)} by predicted step time — memory per GPU (GiB; the peak pipeline stage):",
+        "", f"Top {len(best)} by predicted step time — memory per GPU ({memory_unit(best)[0]}; the peak pipeline "
+            f"stage):",
         memory_table(best), "", "Time per optimizer step (seconds; comm = exposed, not hidden by compute):",
         time_table(best, hw), "", "Communication per step of #1 (a first-stage rank, paratrain.comm payload):",
         comm_summary(spec, best[0].layout), "", "Config for #1:", compact_json(config)])
