@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train (more subcommands register themselves in COMMANDS)."""
+"""The `paratrain` command: run | train | plan."""
 
 from __future__ import annotations
 
@@ -82,6 +82,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from paratrain.planner.cli import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from paratrain.launcher.run import add_launch_arguments
 
@@ -108,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="override trainer.steps")
     add_launch_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    from paratrain.planner.cli import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="rank parallel layouts for a model on N GPUs: memory, time, a config")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -1,0 +1,240 @@
+"""Does the planner rank layouts the way this machine does? Calibrate, predict, measure, compare.
+
+    python -m benchmarks.planner_ranking                       # writes docs/benchmarks.md's section
+    python -m benchmarks.planner_ranking --repeats 1 --steps 3 --no-doc
+
+1. Calibrate `Hardware` for this CPU on one process and two: one process times an engine step of one
+   micro-batch of 1 and of 8 sequences (-> FLOP/s from the difference, a fixed per-micro-batch overhead from
+   the rest) and an AdamW step (-> memory bandwidth); two processes time gloo all-reduces of 1 and of Psi
+   floats (-> latency and bandwidth). Communication is not overlapped (overlap = 0): gloo's threads share
+   the cores with compute.
+2. Predict the step time of a handful of DDP layouts of one global batch (world 1 and 2, different
+   micro-batch / accumulation splits) with `paratrain.planner.estimate_time`.
+3. Measure each layout's step time with the engine (fresh world per case, cases interleaved, medians).
+4. Report both rankings, Spearman's rho, Kendall's tau, and whether the predicted best is the measured best.
+The machine is shared and noisy: no test asserts any of this; the numbers are reported in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import ADAMW, BENCH_MODEL, Timer, bench_model, local_batches
+from benchmarks.suite import RESULTS, write_doc
+from paratrain.models import GPTConfig
+from paratrain.planner import Hardware, Layout, estimate_time, layout_config, spec_from_config
+from paratrain.testing import World
+
+SPEC = spec_from_config(GPTConfig(**BENCH_MODEL), "gpt-small")
+GLOBAL_BATCH = 16
+LAYOUTS = [Layout(dp=1, micro_batch=16, grad_accum=1, precision="fp32"),
+           Layout(dp=1, micro_batch=4, grad_accum=4, precision="fp32"),
+           Layout(dp=1, micro_batch=1, grad_accum=16, precision="fp32"),
+           Layout(dp=2, micro_batch=8, grad_accum=1, precision="fp32"),
+           Layout(dp=2, micro_batch=2, grad_accum=4, precision="fp32"),
+           Layout(dp=2, micro_batch=1, grad_accum=8, precision="fp32")]
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def calibrate_compute(repeats: int = 7) -> dict:
+    """Runs in a 1-process world: the engine's optimizer step with one micro-batch of 1 and of 8 sequences
+    (-> FLOP/s from the difference, the per-micro-batch overhead from the rest), and AdamW alone."""
+    import paratrain
+
+    times = {}
+    for b in (1, 8):
+        config = layout_config(SPEC, Layout(dp=1, micro_batch=b, grad_accum=1, precision="fp32"))
+        torch.manual_seed(0)
+        engine, *_ = paratrain.initialize(model=bench_model(), config=config)
+        batches = local_batches(b, 1, 0)
+        engine.train_batch(batches)  # warm-up (creates AdamW's moments)
+        times[b] = _median_time(lambda e=engine, it=batches: e.train_batch(it), repeats)
+    t_opt = _median_time(engine.optimizer.step, repeats)
+    tokens = SPEC.seq_len
+    flops1, flops8 = tokens * SPEC.flops_per_token, 8 * tokens * SPEC.flops_per_token
+    rate = (flops8 - flops1) / (times[8] - times[1])
+    overhead = max(0.0, times[1] - t_opt - flops1 / rate)
+    return {"flops_per_s": rate, "micro_batch_overhead": overhead, "memory_bandwidth": 28 * SPEC.params / t_opt,
+            "t_step_mb1": times[1], "t_step_mb8": times[8], "t_adamw": t_opt}
+
+
+def calibrate_comm(repeats: int = 10) -> dict:
+    """Runs on each rank of a 2-process world: all-reduce of 1 float (latency) and of Psi floats."""
+    small, big = torch.zeros(1), torch.zeros(SPEC.params)
+    for t in (small, big):
+        dist.all_reduce(t)
+
+    def timed(t):
+        dist.barrier()
+        return _median_time(lambda: dist.all_reduce(t), repeats)
+
+    t_small, t_big = timed(small), timed(big)
+    latency = t_small / 2  # a 2-rank ring all-reduce takes 2 (n - 1) = 2 steps
+    bandwidth = big.numel() * 4 / max(t_big - 2 * latency, 1e-9)  # moves 2 (n-1)/n B = B per rank
+    return {"latency": latency, "bandwidth": bandwidth, "t_small": t_small, "t_big": t_big}
+
+
+def hardware_for_this_cpu(compute: dict, comm: dict) -> Hardware:
+    return Hardware(gpu_memory=64 * 2**30, gpus_per_node=os.cpu_count() or 2, peak_flops=compute["flops_per_s"],
+                    mfu=1.0, micro_batch_overhead=compute["micro_batch_overhead"],
+                    memory_bandwidth=compute["memory_bandwidth"], intra_node_bandwidth=comm["bandwidth"],
+                    inter_node_bandwidth=comm["bandwidth"], latency=comm["latency"], overlap=0.0)
+
+
+def measure_layout(config: dict, steps: int, warmup: int) -> dict:
+    """Runs on every rank: the engine with the planner's config for this layout, timed per optimizer step."""
+    import paratrain
+
+    torch.manual_seed(0)
+    engine, *_ = paratrain.initialize(model=bench_model(), config=config)
+    batches = local_batches(engine.train_micro_batch_size_per_gpu(), dist.get_world_size(), dist.get_rank(),
+                            engine.gradient_accumulation_steps())
+    timer = Timer(warmup)
+    timer.measure(steps, lambda: engine.train_batch(batches))
+    return timer.result()
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for k in range(start, end + 1):
+            out[order[k]] = (start + end) / 2 + 1
+        start = end + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Pearson correlation of the (tie-averaged) ranks."""
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    norm = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / norm if norm else 0.0
+
+
+def kendall(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-b: concordant minus discordant pairs, ties neither, normalized for ties."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    signs = [((a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])) for i, j in pairs]
+    score = sum(x * y for x, y in signs)
+    untied_a, untied_b = sum(x != 0 for x, _ in signs), sum(y != 0 for _, y in signs)
+    return score / (untied_a * untied_b) ** 0.5 if untied_a and untied_b else 0.0
+
+
+def decisive_agreement(predicted: list[float], measured: list[float], margin: float = 0.05) -> tuple[int, int]:
+    """Among pairs the model separates by more than `margin`, how many the measurement orders the same way."""
+    agree = total = 0
+    for i in range(len(predicted)):
+        for j in range(i + 1, len(predicted)):
+            lo, hi = sorted((predicted[i], predicted[j]))
+            if hi > lo * (1 + margin):
+                total += 1
+                agree += (predicted[i] < predicted[j]) == (measured[i] < measured[j])
+    return agree, total
+
+
+def calibrate() -> tuple[Hardware, dict]:
+    with World(1, timeout_s=900) as world:
+        compute = world.run(calibrate_compute)[0]
+    with World(2, timeout_s=900) as world:
+        comm = world.run(calibrate_comm)[0]
+    return hardware_for_this_cpu(compute, comm), {"compute": compute, "comm": comm}
+
+
+def run(repeats: int, steps: int, warmup: int) -> dict:
+    """Each repeat calibrates, predicts and measures every layout, so a slow drift of this shared machine
+    moves the calibration and the measurements together; the medians over repeats are compared."""
+    predicted_runs: list[list[float]] = [[] for _ in LAYOUTS]
+    measured_runs: list[list[float]] = [[] for _ in LAYOUTS]
+    hardware, calibrations = [], []
+    for r in range(repeats):
+        print(f"[planner_ranking] repeat {r + 1}/{repeats}: calibrating", file=sys.stderr, flush=True)
+        hw, calibration = calibrate()
+        hardware.append(vars(hw))
+        calibrations.append(calibration)
+        for i, lay in enumerate(LAYOUTS):
+            print(f"[planner_ranking] repeat {r + 1}/{repeats}: {lay.describe()}", file=sys.stderr, flush=True)
+            predicted_runs[i].append(estimate_time(SPEC, lay, hw).total)
+            config = layout_config(SPEC, lay, {"optimizer": {"type": "AdamW", "params": {
+                **ADAMW, "betas": list(ADAMW["betas"])}}})
+            with World(lay.world, timeout_s=900) as world:
+                ranks = world.run(measure_layout, config, steps, warmup)
+            slowest = [max(step) for step in zip(*(rk["step_times"] for rk in ranks))]
+            measured_runs[i].append(statistics.median(slowest))
+    predicted = [statistics.median(runs) for runs in predicted_runs]
+    measured = [statistics.median(runs) for runs in measured_runs]
+    median_hw = {k: statistics.median(h[k] for h in hardware) for k in hardware[0]}
+    return {"hardware": median_hw, "calibrations": calibrations, "layouts": [lay.describe() for lay in LAYOUTS],
+            "predicted_s": predicted, "measured_s": measured, "predicted_runs": predicted_runs,
+            "measured_runs": measured_runs, "spearman": spearman(predicted, measured),
+            "kendall": kendall(predicted, measured),
+            "decisive_pairs": decisive_agreement(predicted, measured),
+            # The measured best is among the layouts the model predicts within 1% of its best.
+            "best_agrees": predicted[measured.index(min(measured))] <= 1.01 * min(predicted),
+            "repeats": repeats, "steps": steps}
+
+
+def table(result: dict) -> str:
+    pr, mr = _ranks(result["predicted_s"]), _ranks(result["measured_s"])
+    hw = result["hardware"]
+    lines = [f"Planner ranking of {len(pr)} DDP layouts of one global batch ({GLOBAL_BATCH} x {SPEC.seq_len} "
+             f"tokens, the benchmark GPT, fp32), {result['repeats']} repeats (each: calibrate, then every layout "
+             f"in turn) x {result['steps']} measured steps.",
+             f"Calibrated: {hw['peak_flops'] / 1e9:.2f} GFLOP/s per process, {hw['micro_batch_overhead'] * 1e3:.1f} "
+             f"ms per micro-batch, AdamW at {hw['memory_bandwidth'] / 1e9:.2f} GB/s, gloo all-reduce "
+             f"{hw['intra_node_bandwidth'] / 1e9:.2f} GB/s and {hw['latency'] * 1e6:.0f} us per ring step "
+             f"(medians of the per-repeat calibrations).", "",
+             "| layout | predicted (ms) | measured (ms) | predicted rank | measured rank |",
+             "|---|---:|---:|---:|---:|"]
+    for name, p, m, a, b in zip(result["layouts"], result["predicted_s"], result["measured_s"], pr, mr):
+        lines.append(f"| {name} | {p * 1e3:.1f} | {m * 1e3:.1f} | {a:g} | {b:g} |")
+    agree, total = result["decisive_pairs"]
+    lines += ["", f"Spearman rho {result['spearman']:.2f}, Kendall tau-b {result['kendall']:.2f} (ties share ranks); "
+                  f"of the {total} pairs the model separates by more than 5%, the measurement orders {agree} the "
+                  f"same way; the measured best is among the predicted best (within 1%): "
+                  f"{'yes' if result['best_agrees'] else 'no'}."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-doc", action="store_true", help="print the table, do not touch docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    result = run(args.repeats, args.steps, args.warmup)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "planner_ranking.json").write_text(json.dumps(result, indent=1))
+    body = table(result)
+    print(body)
+    if not args.no_doc:
+        write_doc("planner_ranking", body, f"python -m benchmarks.planner_ranking --repeats {args.repeats} "
+                                           f"--steps {args.steps} --warmup {args.warmup}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

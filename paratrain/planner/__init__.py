@@ -1,0 +1,43 @@
+"""The layout planner: a cost model of memory, communication and time, and a search over layouts.
+
+    from paratrain.planner import Hardware, model_spec, plan
+    result = plan(model_spec("gpt-7b"), gpus=64, global_batch=1024, hw=Hardware())
+    best = result.ranked[0]          # .layout, .memory (bytes by kind), .time (seconds by part)
+
+Every formula is a pure function (tested in one process); `tests/test_planner_calibration.py` checks the
+predicted model-state bytes and communication against `engine.memory_stats()` / `engine.comm_stats()`.
+See docs/planner.md.
+"""
+
+from paratrain.planner.comm import Transfer, predict_comm, rank_transfers
+from paratrain.planner.enumerate import Evaluation, PlanResult, SearchSpace, enumerate_layouts, evaluate, plan
+from paratrain.planner.hardware import Hardware
+from paratrain.planner.layout import Layout
+from paratrain.planner.memory import MemoryEstimate, estimate_memory, model_state_bytes
+from paratrain.planner.model_specs import ModelSpec, PlanError, model_spec, spec_from_config
+from paratrain.planner.report import layout_config
+from paratrain.planner.step_time import TimeEstimate, estimate_time
+
+__all__ = [
+    "Evaluation",
+    "Hardware",
+    "Layout",
+    "MemoryEstimate",
+    "ModelSpec",
+    "PlanError",
+    "PlanResult",
+    "SearchSpace",
+    "TimeEstimate",
+    "Transfer",
+    "enumerate_layouts",
+    "estimate_memory",
+    "estimate_time",
+    "evaluate",
+    "layout_config",
+    "model_spec",
+    "model_state_bytes",
+    "plan",
+    "predict_comm",
+    "rank_transfers",
+    "spec_from_config",
+]

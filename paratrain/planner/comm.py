@@ -1,0 +1,172 @@
+"""Communication per optimizer step for one rank, per mesh axis and collective, in paratrain.comm's units.
+
+The payload of each entry is counted exactly as `paratrain.comm.CommStats` counts it — the full tensor of
+an all-reduce, the gathered output of an all-gather, the unreduced input of a reduce-scatter, the message
+of a send or a recv — and keyed by the axis names `build_mesh` gives, so `by_axis(...)` can be compared
+with `engine.comm_stats()` for equality. Size-1 groups are skipped, as paratrain.comm skips them.
+
+Per optimizer step (Psi = parameters of this rank's model piece, padded to a multiple of N = dp x cp for
+ZeRO's flat shards; m = micro-batches per step; b s h = one micro-batch's activation, s local to cp):
+  DDP          all-reduce Psi                                    (dp x cp)
+  ZeRO-1       reduce-scatter Psi + all-gather Psi               (dp x cp)
+  ZeRO-2       reduce-scatter Psi per micro-batch + all-gather Psi
+  ZeRO-3       per micro-batch: all-gather Psi (forward) + all-gather Psi (backward) + reduce-scatter Psi
+  TP           per layer per micro-batch: 2 all-reduces of b s h forward + 2 backward (+2 forward again
+               under full recompute); with SP 4 all-gathers + 4 reduce-scatters of b s h instead (the same
+               bytes on the wire), and the layer norms' gradients all-reduced once per step; the
+               vocab-parallel embedding and the column-parallel head add one b s h each (one all-gather and
+               one reduce-scatter each with SP), the vocab-parallel loss three fp32 b s vectors (max, sum of
+               exponentials, target logit)
+  PP           per micro-batch and boundary the rank touches: b s h (/tp with SP) sent forward and its
+               gradient sent backward, as send and recv
+  CP (ring)    per layer per micro-batch: (cp - 1) exchanges of this rank's K and V blocks forward, and of
+               K, V, dK, dV backward (send and recv each)
+Bookkeeping scalars are listed too (the global mean loss of `train_batch`, the grad-norm sums), so a
+prediction can equal a measurement exactly.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from paratrain.planner.layout import Layout, axis_name
+from paratrain.planner.memory import ceil_div, rank_params
+from paratrain.planner.model_specs import ModelSpec, stage_layers
+
+DP_CP = ("dp", "cp")
+PP_TP = ("pp", "tp")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Collectives of one kind a rank issues per optimizer step."""
+
+    axes: tuple[str, ...]  # mesh axes of the group
+    op: str  # all_reduce | all_gather | reduce_scatter | send | recv
+    elements: int  # payload elements per optimizer step (all calls together)
+    element_size: int
+    calls: int  # collectives per step (a bucketed reduction counts as one)
+    kind: str  # what the time model overlaps it with: dp_grad, dp_param, zero3_param, tp, pp, cp, scalar
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * self.element_size
+
+
+def data_parallel_transfers(layout: Layout, params: int) -> list[Transfer]:
+    n, m, size = layout.shard_group, layout.grad_accum, layout.param_bytes
+    if n == 1:
+        return []
+    if layout.zero_stage == 0:
+        return [Transfer(DP_CP, "all_reduce", params, size, 1, "dp_grad")]
+    padded = ceil_div(params, n) * n
+    if layout.zero_stage == 1:
+        return [Transfer(DP_CP, "reduce_scatter", padded, size, 1, "dp_grad"),
+                Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param")]
+    if layout.zero_stage == 2:
+        return [Transfer(DP_CP, "reduce_scatter", m * padded, size, m, "dp_grad"),
+                Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param")]
+    return [Transfer(DP_CP, "all_gather", 2 * m * padded, size, 2 * m, "zero3_param"),
+            Transfer(DP_CP, "reduce_scatter", m * padded, size, m, "dp_grad")]
+
+
+def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+    if layout.tp == 1:
+        return []
+    m, e = layout.grad_accum, layout.activation_bytes
+    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    s_local = spec.seq_len // layout.cp
+    bsh = layout.micro_batch * s_local * spec.d_model
+    per_layer = 6 if layout.recompute == "full" else 4  # collectives of b s h per layer (see module doc)
+    first, last = stage == 0, stage == layout.pp - 1
+    out = []
+    if layout.sequence_parallel:
+        # Each all-reduce becomes an all-gather + a reduce-scatter; the embedding output is scattered
+        # (its gradient gathered), the head's input gathered (its gradient scattered).
+        gathers = scatters = layers * per_layer + int(first) + int(last)
+        out += [Transfer(("tp",), "all_gather", m * gathers * bsh, e, m * gathers, "tp"),
+                Transfer(("tp",), "reduce_scatter", m * scatters * bsh, e, m * scatters, "tp")]
+        # Layer norms are replicated but see different tokens under SP: their gradients are summed over tp.
+        norm_grads = layers * spec.layernorm_params_per_layer() + (2 * spec.d_model if last else 0)
+        out.append(Transfer(("tp",), "all_reduce", norm_grads, layout.param_bytes, 1, "tp"))
+    else:
+        reduces = layers * per_layer + int(first) + int(last)  # + embedding output, head input grad
+        out.append(Transfer(("tp",), "all_reduce", m * reduces * bsh, e, m * reduces, "tp"))
+    if last:  # vocab-parallel cross-entropy: max, sum of exponentials, target logit, per token, fp32
+        out.append(Transfer(("tp",), "all_reduce", m * 3 * layout.micro_batch * s_local, 4, 3 * m, "tp"))
+    return out
+
+
+def pipeline_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+    """Sends and receives of rank `stage`: it holds virtual stages stage, stage + p, ... (v of them)."""
+    p, v, m = layout.pp, layout.virtual_stages, layout.grad_accum
+    if p == 1:
+        return []
+    message = layout.micro_batch * (spec.seq_len // layout.cp) * spec.d_model
+    if layout.sequence_parallel:
+        message //= layout.tp
+    held = [stage + j * p for j in range(v)]
+    last = p * v - 1
+    sends = sum(k < last for k in held) + sum(k > 0 for k in held)  # activations forward, gradients back
+    recvs = sum(k > 0 for k in held) + sum(k < last for k in held)
+    e = layout.activation_bytes
+    return [Transfer(("pp",), "send", m * sends * message, e, m * sends, "pp"),
+            Transfer(("pp",), "recv", m * recvs * message, e, m * recvs, "pp")]
+
+
+def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+    c = layout.cp
+    if c == 1:
+        return []
+    m, e = layout.grad_accum, layout.activation_bytes
+    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    block = layout.micro_batch * (spec.seq_len // c) * spec.d_model // layout.tp  # one K (or V) block
+    forward_passes = 2 if layout.recompute == "full" else 1
+    per_layer = (c - 1) * block * (2 * forward_passes + 4)  # K, V per forward; K, V, dK, dV backward
+    calls = (c - 1) * (2 * forward_passes + 4)
+    return [Transfer(("cp",), "send", m * layers * per_layer, e, m * layers * calls, "cp"),
+            Transfer(("cp",), "recv", m * layers * per_layer, e, m * layers * calls, "cp")]
+
+
+def scalar_transfers(layout: Layout) -> list[Transfer]:
+    """The fp32 scalars of a step: train_batch's global mean loss over dp x cp, the squared grad norm
+    summed over pp x tp (and over dp x cp when ZeRO shards gradients), fp16's overflow flags."""
+    out = [Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
+    if layout.zero_stage >= 1:
+        out.append(Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"))
+    if layout.precision == "fp16":
+        out += [Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
+    return out
+
+
+def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
+    """Everything a rank of pipeline stage `stage` communicates in one optimizer step (`train_batch`)."""
+    sizes = layout.sizes
+    transfers = (data_parallel_transfers(layout, rank_params(spec, layout, stage))
+                 + tensor_parallel_transfers(spec, layout, stage) + pipeline_transfers(spec, layout, stage)
+                 + context_parallel_transfers(spec, layout, stage) + scalar_transfers(layout))
+    return [t for t in transfers if axis_name(sizes, t.axes) is not None and t.elements > 0]
+
+
+def by_axis(transfers: list[Transfer], sizes: dict[str, int]) -> dict[str, dict[str, dict[str, int]]]:
+    """{axis name: {op: {elements, bytes}}}: `engine.comm_stats()` without the call counts."""
+    out: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
+    for t in transfers:
+        name = axis_name(sizes, t.axes)
+        if name is None:
+            continue
+        entry = out[name].setdefault(t.op, {"elements": 0, "bytes": 0})
+        entry["elements"] += t.elements
+        entry["bytes"] += t.bytes
+    return dict(out)
+
+
+def predict_comm(spec: ModelSpec, layout: Layout, stage: int = 0) -> dict[str, dict[str, dict[str, int]]]:
+    return by_axis(rank_transfers(spec, layout, stage), layout.sizes)
+
+
+def measured_without_calls(snapshot: dict) -> dict[str, dict[str, dict[str, int]]]:
+    """Drop the call counts of an `engine.comm_stats()` snapshot (bucketing changes calls, not bytes)."""
+    return {axis: {op: {"elements": c["elements"], "bytes": c["bytes"]} for op, c in ops.items()}
+            for axis, ops in snapshot.items()}

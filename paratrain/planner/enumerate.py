@@ -1,0 +1,149 @@
+"""Every valid layout for N devices, evaluated and ranked: the planner's search.
+
+A layout is valid when (`invalid_reason` says which rule fails otherwise):
+  dp * tp * pp * cp = N and micro_batch * grad_accum * dp = the global batch
+  tp divides the heads, d_ff and the vocabulary, and fits in a node (tensor parallelism needs NVLink)
+  pp <= layers; interleaving needs layers divisible by pp * v and micro-batches divisible by pp (Megatron)
+  cp divides the sequence
+  ZeRO-3 is not combined with pipeline parallelism (every micro-batch would re-gather every stage)
+  optimizer offload needs ZeRO >= 1
+Variants that cannot differ are enumerated once: ZeRO stages when dp * cp = 1, sequence parallelism when
+tp = 1, selective recompute when attention is fused (flash attention keeps no s^2 scores to drop).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from paratrain.planner.hardware import Hardware
+from paratrain.planner.layout import RECOMPUTE, SCHEDULES, Layout
+from paratrain.planner.memory import MemoryEstimate, estimate_memory
+from paratrain.planner.model_specs import ModelSpec, PlanError, divisors
+from paratrain.planner.step_time import TimeEstimate, estimate_time
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    precision: str = "bf16"
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    schedules: tuple[str, ...] = SCHEDULES
+    virtual_stages: tuple[int, ...] = (2, 4)
+    recompute: tuple[str, ...] = RECOMPUTE
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    offload_optimizer: tuple[bool, ...] = (False,)
+    max_micro_batch: int = 16
+    flash_attention: bool = True
+
+
+def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str | None:
+    """Why `layout` cannot run `spec` (None when it can)."""
+    checks = [
+        (spec.n_head % layout.tp == 0, f"tp={layout.tp} does not divide the {spec.n_head} heads"),
+        (spec.d_ff % layout.tp == 0, f"tp={layout.tp} does not divide d_ff={spec.d_ff}"),
+        (spec.vocab_size % layout.tp == 0, f"tp={layout.tp} does not divide the vocabulary {spec.vocab_size}"),
+        (layout.tp <= gpus_per_node, f"tp={layout.tp} is larger than a node ({gpus_per_node} GPUs)"),
+        (layout.pp <= spec.n_layer, f"pp={layout.pp} is more than the {spec.n_layer} layers"),
+        (spec.seq_len % layout.cp == 0, f"cp={layout.cp} does not divide the sequence length {spec.seq_len}"),
+        (not (layout.zero_stage == 3 and layout.pp > 1), "ZeRO-3 with pipeline parallelism is not supported"),
+        (not layout.offload_optimizer or layout.zero_stage >= 1, "optimizer offload needs ZeRO stage >= 1"),
+        (not layout.sequence_parallel or layout.tp > 1, "sequence parallelism needs tp > 1"),
+        ((layout.pp == 1) == (layout.schedule == "none"), "a pipeline schedule is needed exactly when pp > 1"),
+        (layout.virtual_stages == 1 or layout.schedule == "interleaved", "virtual stages need 'interleaved'"),
+    ]
+    if layout.schedule == "interleaved":
+        checks += [
+            (layout.virtual_stages >= 2, "the interleaved schedule needs virtual_stages >= 2"),
+            (spec.n_layer % (layout.pp * layout.virtual_stages) == 0,
+             f"interleaving needs the {spec.n_layer} layers divisible by pp*v = {layout.pp * layout.virtual_stages}"),
+            (layout.grad_accum % layout.pp == 0,
+             f"interleaving needs the micro-batches ({layout.grad_accum}) divisible by pp={layout.pp}"),
+        ]
+    for ok, reason in checks:
+        if not ok:
+            return reason
+    return None
+
+
+def enumerate_layouts(spec: ModelSpec, gpus: int, global_batch: int, gpus_per_node: int,
+                      space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
+    for tp, pp, cp in itertools.product(divisors(gpus), repeat=3):
+        if gpus % (tp * pp * cp):
+            continue
+        dp = gpus // (tp * pp * cp)
+        if global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        zero_stages = space.zero_stages if dp * cp > 1 else (0,)
+        sps = space.sequence_parallel if tp > 1 else (False,)
+        recomputes = [r for r in space.recompute if not (r == "selective" and space.flash_attention)]
+        schedules = [("none", 1)] if pp == 1 else \
+            [(s, v) for s in space.schedules for v in (space.virtual_stages if s == "interleaved" else (1,))]
+        for mb in divisors(per_rank):
+            if mb > space.max_micro_batch:
+                continue
+            for (schedule, v), zero, offload, sp, recompute in itertools.product(
+                    schedules, zero_stages, space.offload_optimizer, sps, recomputes):
+                layout = Layout(dp=dp, micro_batch=mb, grad_accum=per_rank // mb, tp=tp, pp=pp, cp=cp,
+                                zero_stage=zero, offload_optimizer=offload, schedule=schedule, virtual_stages=v,
+                                recompute=recompute, sequence_parallel=sp, precision=space.precision)
+                if invalid_reason(spec, layout, gpus_per_node) is None:
+                    yield layout
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    layout: Layout
+    memory: MemoryEstimate
+    time: TimeEstimate
+    fits: bool
+
+
+def evaluate(spec: ModelSpec, layout: Layout, hw: Hardware, flash_attention: bool = True) -> Evaluation:
+    memory = estimate_memory(spec, layout, flash_attention)
+    return Evaluation(layout, memory, estimate_time(spec, layout, hw), memory.total <= hw.usable_memory)
+
+
+def complexity(layout: Layout) -> int:
+    """How many mechanisms a layout switches on: among equally fast layouts the simplest ranks first."""
+    return (sum(n > 1 for n in (layout.tp, layout.pp, layout.cp)) + (layout.zero_stage > 0)
+            + (layout.recompute != "none") + layout.sequence_parallel + layout.offload_optimizer
+            + (layout.virtual_stages > 1))
+
+
+def rank_key(e: Evaluation) -> tuple:
+    """Fastest first; ties (to a millionth of a second) go to the simpler layout, then to less memory."""
+    return round(e.time.total, 6), complexity(e.layout), e.memory.total
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    ranked: list[Evaluation]  # layouts that fit, fastest first
+    considered: int  # valid layouts enumerated
+    smallest: Evaluation | None  # the least memory-hungry layout (shown when nothing fits)
+
+
+def plan(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, space: SearchSpace = SearchSpace()
+         ) -> PlanResult:
+    """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory)."""
+    if gpus < 1:
+        raise PlanError(f"--gpus must be >= 1, got {gpus}")
+    if global_batch < 1:
+        raise PlanError(f"--global-batch must be >= 1, got {global_batch}")
+    fitting, considered, smallest = [], 0, None
+    for layout in enumerate_layouts(spec, gpus, global_batch, hw.gpus_per_node, space):
+        considered += 1
+        memory = estimate_memory(spec, layout, space.flash_attention)
+        if memory.total > hw.usable_memory:
+            if smallest is None or memory.total < smallest.memory.total:
+                smallest = Evaluation(layout, memory, estimate_time(spec, layout, hw), False)
+            continue
+        fitting.append(Evaluation(layout, memory, estimate_time(spec, layout, hw), True))
+    if considered == 0:
+        raise PlanError(f"no valid layout: {gpus} GPUs cannot split a global batch of {global_batch} sequences "
+                        f"(dp must divide it) with the model's constraints; choose a --global-batch that is a "
+                        f"multiple of the data-parallel sizes you want")
+    fitting.sort(key=rank_key)
+    best_small = min(fitting, key=lambda e: e.memory.total) if fitting else smallest
+    return PlanResult(fitting, considered, best_small)

@@ -1,0 +1,105 @@
+"""The machine the plan is for, and how long a collective takes on it (alpha-beta model, ring algorithms).
+
+Defaults describe an H100/H200 SXM node: 989 TFLOP/s dense bf16, NVLink inside a node of 8, InfiniBand
+between nodes. Bandwidths are *achieved bus bandwidths* per GPU (what nccl-tests reports as busbw), so the
+ring formulas below turn a payload into time without further efficiency factors.
+
+[Note: ring factors]
+For a group of n ranks and a payload of B bytes (paratrain.comm's payload: the full tensor of an all-reduce,
+the gathered output of an all-gather, the unreduced input of a reduce-scatter), a ring moves per rank
+  all-reduce       2 (n-1)/n * B   in 2 (n-1) steps
+  all-gather       (n-1)/n * B     in   (n-1) steps
+  reduce-scatter   (n-1)/n * B     in   (n-1) steps
+  send / recv      B               in 1 step
+so time = steps * latency + moved / bandwidth (Thakur, Rabenseifner & Gropp 2005; Chan et al. 2007).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from paratrain.mesh import AXES
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_memory: float = 80 * GiB
+    """Bytes of device memory per GPU."""
+    gpus_per_node: int = 8
+    intra_node_bandwidth: float = 300e9
+    """Achieved bus bandwidth per GPU inside a node, bytes/s (NVLink 4: ~360-450 GB/s busbw)."""
+    inter_node_bandwidth: float = 40e9
+    """Achieved bus bandwidth per GPU between nodes, bytes/s (one 400 Gb/s NIC per GPU: ~40-45 GB/s)."""
+    latency: float = 10e-6
+    """Seconds per ring step (alpha)."""
+    peak_flops: float = 989e12
+    """Dense peak of the training precision, FLOP/s per GPU (H100/H200 SXM bf16)."""
+    mfu: float = 0.5
+    """Fraction of peak the forward/backward kernels reach (model FLOPs utilization of the compute alone)."""
+    micro_batch_overhead: float = 0.0
+    """Fixed seconds per micro-batch forward+backward (launch/framework overhead; calibrated on CPU)."""
+    overlap: float = 1.0
+    """Fraction of an overlappable compute window communication can use (streams on a GPU; on a CPU gloo's
+    threads compete with the compute for the same cores)."""
+    memory_bandwidth: float = 3.35e12
+    """Device memory bandwidth, bytes/s: the optimizer step is memory-bound."""
+    pcie_bandwidth: float = 25e9
+    """Host-device bandwidth, bytes/s (optimizer offload moves gradients down and parameters up)."""
+    host_memory_bandwidth: float = 100e9
+    """Host memory bandwidth, bytes/s (an offloaded optimizer step runs on the CPU)."""
+    memory_headroom: float = 0.1
+    """Fraction of device memory kept free for the CUDA context, workspaces and fragmentation."""
+
+    @property
+    def usable_memory(self) -> float:
+        return self.gpu_memory * (1.0 - self.memory_headroom)
+
+
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+              "reduce_scatter": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0,
+              "broadcast": lambda n: n - 1}
+RING_MOVED = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 0.0,
+              "broadcast": lambda n: 1.0}
+
+
+def collective_seconds(op: str, payload_bytes: float, group_size: int, bandwidth: float, latency: float,
+                       calls: int = 1) -> float:
+    """Time of `calls` collectives of `op` moving `payload_bytes` in total over a ring of `group_size`.
+
+    A recv costs nothing on its own: the matching send on the peer carries the time.
+    """
+    if group_size <= 1 or payload_bytes == 0:
+        return 0.0
+    if op not in RING_STEPS:
+        raise ValueError(f"no ring model for collective {op!r}; known: {sorted(RING_STEPS)}")
+    return calls * RING_STEPS[op](group_size) * latency + RING_MOVED[op](group_size) * payload_bytes / bandwidth
+
+
+@functools.lru_cache(maxsize=4096)
+def spans_nodes(shape: tuple[int, ...], axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    """True when some group along `axes` contains ranks of two different nodes (ranks fill nodes in order).
+
+    `shape` is (dp, pp, cp, tp); groups are translates of rank 0's group, so checking every group's first
+    and last member is exact.
+    """
+    sizes = dict(zip(AXES, shape))
+    strides, stride = {}, 1
+    for a in reversed(AXES):
+        strides[a] = stride
+        stride *= sizes[a]
+    span = sum((sizes[a] - 1) * strides[a] for a in axes)  # last member minus first member of any group
+    world = stride
+    others = [a for a in AXES if a not in axes]
+    bases = [0]
+    for a in others:
+        bases = [b + i * strides[a] for b in bases for i in range(sizes[a])]
+    return any(b // gpus_per_node != (b + span) // gpus_per_node for b in bases if b < world)
+
+
+def axis_bandwidth(hw: Hardware, shape: tuple[int, ...], axes: tuple[str, ...]) -> float:
+    """The bandwidth a group along `axes` runs at: NVLink if every group stays in a node, else the network."""
+    return hw.inter_node_bandwidth if spans_nodes(shape, axes, hw.gpus_per_node) else hw.intra_node_bandwidth

@@ -1,0 +1,100 @@
+"""A layout: one way of running the model on N devices (mesh sizes, ZeRO stage, schedule, batch split, ...).
+
+The mesh naming mirrors `paratrain.mesh.build_mesh` exactly, because predicted communication is compared
+with `engine.comm_stats()`, which is keyed by those names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from paratrain.mesh import AXES
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Schedule = Literal["none", "gpipe", "1f1b", "interleaved", "zb-h1"]
+Recompute = Literal["none", "selective", "full"]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    micro_batch: int
+    grad_accum: int  # micro-batches per optimizer step per rank (= pipeline micro-batches when pp > 1)
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    schedule: Schedule = "none"
+    virtual_stages: int = 1
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    precision: Precision = "bf16"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks ZeRO shards over and gradients are averaged over: dp x cp (cp ranks see other tokens)."""
+        return self.dp * self.cp
+
+    # ---- byte sizes -------------------------------------------------------------------------------
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one model parameter (and of one gradient element) as the forward/backward sees it."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.param_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """AdamW state per parameter: fp32 moments (8), plus an fp32 master copy (4) under mixed precision
+        (DeepSpeed's K = 12)."""
+        return 8 if self.precision == "fp32" else 12
+
+    def describe(self) -> str:
+        mesh = " ".join(f"{a}{self.sizes[a]}" for a in AXES)
+        parts = [mesh, f"zero{self.zero_stage}" + ("+offload" if self.offload_optimizer else "")]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))
+        parts.append(f"mb{self.micro_batch}x{self.grad_accum}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.recompute != "none":
+            parts.append(f"ckpt:{self.recompute}")
+        return " ".join(parts)
+
+
+def axis_name(sizes: dict[str, int], axes: tuple[str, ...]) -> str | None:
+    """The name `build_mesh` gives the group over `axes` (canonical order), or None when it has size 1
+    (collectives on it are skipped and not counted).
+
+    All four axes are "world"; a combination with exactly one axis of size > 1 is that axis (e.g.
+    ("dp", "cp") is "dp" when cp = 1); otherwise it is the combination's names joined by "_".
+    """
+    axes = tuple(a for a in AXES if a in axes)
+    real = [a for a in axes if sizes[a] > 1]
+    if not real:
+        return None
+    if axes == AXES:
+        return "world"
+    if len(real) == 1:
+        return real[0]
+    return "_".join(axes)
+

@@ -1,0 +1,229 @@
+"""Bytes per rank: model states (ZeRO formulas) and activations (Korthikanti et al. 2022).
+
+Model states, Psi = parameters this rank's model piece has (after tensor/pipeline sharding), N = the ZeRO
+shard group (dp x cp), AdamW:
+                     fp32 (4+4+8 bytes)        bf16/fp16 mixed precision (2+2+12, DeepSpeed's K = 12)
+  stage 0 (DDP)      16 Psi                    16 Psi
+  stage 1            8 Psi + 8 Psi/N           4 Psi + 12 Psi/N
+  stage 2            4 Psi + 12 Psi/N          2 Psi + 14 Psi/N
+  stage 3            16 Psi/N                  16 Psi/N        (+ the gathered units in flight)
+Shards are padded to a multiple of N (a flat buffer split into N equal pieces). Under mixed precision the
+fp32 master copy counts as optimizer state, as `engine.memory_stats()` and DeepSpeed's K count it.
+
+Activations of one transformer layer for one micro-batch: see `layer_activations`; the classic result
+s*b*h*(34 + 5*a*s/h) bytes is the case 16-bit, dropout, non-fused attention, d_ff = 4h.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.planner.layout import Layout
+from paratrain.planner.model_specs import ModelSpec, stage_layers
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    params: int
+    grads: int
+    optimizer_state: int
+    host: int = 0  # bytes kept in host memory (optimizer offload)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state
+
+    def as_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer_state": self.optimizer_state,
+                "total": self.total}
+
+
+def model_state_bytes(params: int, shard_group: int, stage: int, precision: str = "fp32",
+                      offload_optimizer: bool = False) -> ModelStates:
+    """Device bytes of parameters, gradients and AdamW state for `params` parameters (see the module doc).
+
+    With `offload_optimizer` the optimizer state (and, for mixed precision, the fp32 gradient partition
+    the CPU optimizer reads) lives in host memory, as DeepSpeed's offload_optimizer does.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+    half = precision != "fp32"
+    p_bytes = 2 if half else 4
+    opt_bytes = 12 if half else 8
+    shard = ceil_div(params, shard_group)
+    full_or_shard = lambda sharded: shard if sharded else params  # noqa: E731
+    p = p_bytes * full_or_shard(stage >= 3)
+    g = p_bytes * full_or_shard(stage >= 2)
+    o = opt_bytes * full_or_shard(stage >= 1)
+    host = 0
+    if offload_optimizer:
+        host = o + (4 * full_or_shard(stage >= 1) if half else 0)
+        o = 0
+    return ModelStates(p, g, o, host)
+
+
+def rank_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
+    """Parameters held by a rank of pipeline stage `stage` (one tensor-parallel shard)."""
+    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    total = layers * spec.layer_params(layout.tp)
+    if stage == 0:
+        total += spec.embed_params(layout.tp)
+    if stage == layout.pp - 1:
+        total += spec.head_params(layout.tp)
+    return total
+
+
+# ---- activations ------------------------------------------------------------------------------------
+def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = None,
+                      flash_attention: bool = True) -> dict[str, float]:
+    """Bytes one transformer layer keeps for backward, for one micro-batch on one rank, by component.
+
+    In elements of the activation dtype (e bytes), per micro-batch of b sequences of s/cp local tokens:
+      inputs            4 s b h    the two layer-norm inputs, the q/k/v input and the fc input
+                                   (replicated over tp; sharded by sequence parallelism)
+      tensor_parallel   4 s b h + 2 s b f    q, k, v, the o input, the GELU input and the proj input (/tp)
+      attention_core    fused (flash): the softmax log-sum-exp, 4 a s b bytes (/tp)
+                        unfused: the softmax output a s^2 b, plus with dropout its output and a 1-byte mask
+      masks             with dropout: two 1-byte masks of s b h (after attention and after the MLP)
+      norm_stats        mean and rstd of both layer norms, fp32: 16 s b bytes
+    Recompute: "selective" drops attention_core (recomputed in backward, Korthikanti et al. section 5);
+    "full" keeps only the layer input, e s b h (/tp with sequence parallelism).
+    With e = 2, dropout, unfused attention and f = 4h the sum (without norm_stats) is the paper's
+    s b h (10 + 24/t + 5 a s/(h t)), and s b h (34 + 5 a s / h)/t with sequence parallelism.
+    """
+    recompute = layout.recompute if recompute is None else recompute
+    e = layout.activation_bytes
+    t = layout.tp
+    sp = t if layout.sequence_parallel else 1
+    b, s_local, s = layout.micro_batch, spec.seq_len // layout.cp, spec.seq_len
+    h, f, a = spec.d_model, spec.d_ff, spec.n_head
+    sbh = s_local * b * h
+    dropout = spec.config.dropout > 0
+    if recompute == "full":
+        return {"inputs": e * sbh / sp}
+    out = {
+        "inputs": e * 4 * sbh / sp,
+        "tensor_parallel": e * (4 * sbh + 2 * s_local * b * f) / t,
+        "masks": (2 * sbh / sp) if dropout else 0.0,
+        "norm_stats": 16 * s_local * b / sp,
+    }
+    if recompute != "selective":
+        if flash_attention:
+            out["attention_core"] = 4 * a * s_local * b / t
+        else:  # queries are local, keys span the whole sequence (ring attention visits every block)
+            scores = a * s_local * s * b / t
+            out["attention_core"] = scores * (2 * e + 1 if dropout else e)
+    return out
+
+
+def head_activations(spec: ModelSpec, layout: Layout) -> float:
+    """Bytes the last stage keeps for one micro-batch after the blocks: the final norm's input and stats,
+    the head's input, the fp32 log-softmax of the (vocab-parallel) logits, the int64 targets and the
+    loss's fp32 total weight."""
+    e, t = layout.activation_bytes, layout.tp
+    sp = t if layout.sequence_parallel else 1
+    b, s = layout.micro_batch, spec.seq_len // layout.cp
+    return (2 * e * s * b * spec.d_model / sp + 8 * s * b / sp + 4 * s * b * spec.vocab_size / t + 8 * s * b + 4)
+
+
+def embed_activations(spec: ModelSpec, layout: Layout) -> float:
+    """Bytes the first stage keeps for one micro-batch before the blocks: int64 token and position ids
+    (and the embedding dropout mask)."""
+    b, s = layout.micro_batch, spec.seq_len // layout.cp
+    mask = s * b * spec.d_model / (layout.tp if layout.sequence_parallel else 1) if spec.config.dropout else 0
+    return 8 * s * b + 8 * s + mask
+
+
+def in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations a rank of `stage` holds at its peak, in units of its whole stage.
+
+    GPipe runs every forward first: m. 1F1B (and ZB-H1, which keeps 1F1B's peak) starts p - stage
+    forwards before the first backward. Interleaved 1F1B with v chunks per rank warms up
+    2 (p - stage - 1) + (v - 1) p + 1 chunk-micro-batches (Megatron), each 1/v of the stage; for stage 0
+    that is p (1 + (p - 1)/(p v)), Korthikanti et al.'s factor.
+    """
+    m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved":
+        return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1) / v
+    return float(min(m, p - stage))
+
+
+def activation_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention: bool = True) -> float:
+    """Activation bytes a rank of `stage` holds at its peak."""
+    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    per_layer = sum(layer_activations(spec, layout, flash_attention=flash_attention).values())
+    flights = in_flight(layout, stage)
+    total = flights * layers * per_layer
+    if stage == 0:
+        total += flights * embed_activations(spec, layout)
+    if stage == layout.pp - 1:
+        total += (layout.grad_accum if layout.schedule == "gpipe" else 1) * head_activations(spec, layout)
+    return total
+
+
+def zero3_gathered_bytes(spec: ModelSpec, layout: Layout, prefetch: int = 1) -> float:
+    """ZeRO-3's working set: the gathered 16-bit (or fp32) parameters of the unit in use and of `prefetch`
+    units fetched ahead, plus one unit's full gradient before its reduce-scatter. A unit is a block (or the
+    embedding, or the head), the granularity paratrain's stage 3 wraps."""
+    unit = max(spec.layer_params(layout.tp), spec.embed_params(layout.tp), spec.head_params(layout.tp))
+    return (prefetch + 2) * unit * layout.param_bytes
+
+
+def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention: bool = True,
+                    prefetch: int = 1) -> float:
+    """Peak working memory beyond states and stored activations on a rank of `stage`:
+    - full recompute: one layer's activations rebuilt during its backward;
+    - ZeRO-3: the gathered parameters of (1 + prefetch) units and one unit's unreduced gradient;
+    - the last stage: the logits and their gradient during the loss (fp32 for the gradient)."""
+    out = 0.0
+    if layout.recompute == "full":
+        out += sum(layer_activations(spec, layout, recompute="none", flash_attention=flash_attention).values())
+    if layout.zero_stage == 3:
+        out += zero3_gathered_bytes(spec, layout, prefetch)
+    if stage == layout.pp - 1:
+        out += layout.micro_batch * (spec.seq_len // layout.cp) * spec.vocab_size / layout.tp * \
+            (layout.activation_bytes + 4)
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The peak rank's device bytes, by kind; `stage` is the pipeline stage that peaks."""
+
+    params: float
+    grads: float
+    optimizer_state: float
+    activations: float
+    transient: float
+    host: float
+    stage: int
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer_state
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.transient
+
+
+def estimate_memory(spec: ModelSpec, layout: Layout, flash_attention: bool = True) -> MemoryEstimate:
+    """Per-rank memory of `layout`: the worst of the first and the last pipeline stage."""
+    worst = None
+    for stage in sorted({0, layout.pp - 1}):
+        states = model_state_bytes(rank_params(spec, layout, stage), layout.shard_group, layout.zero_stage,
+                                   layout.precision, layout.offload_optimizer)
+        est = MemoryEstimate(states.params, states.grads, states.optimizer_state,
+                             activation_bytes(spec, layout, stage, flash_attention),
+                             transient_bytes(spec, layout, stage, flash_attention), states.host, stage)
+        if worst is None or est.total > worst.total:
+            worst = est
+    return worst

@@ -1,0 +1,169 @@
+"""The shape of the model being planned: a GPT preset, a GPTConfig, or a paratrain JSON config naming one.
+
+Everything the cost model needs is a count derived from `GPTConfig` (never from building the model), so
+a 70B model is planned in microseconds. `GPTConfig.num_params()` is exact for `paratrain.models.GPT`; the
+split of those parameters into sharded and replicated parts follows the tensor-parallel plan below.
+
+[Note: the tensor-parallel split]
+Megatron's plan for a GPT block, which paratrain's TP plan follows (`TP_PLAN`): q, k, v and mlp.fc are
+column-parallel (weight and bias split over tp), attn.o and mlp.proj are row-parallel (weight split, bias
+replicated), layer norms are replicated. The token embedding is vocab-parallel and the head column-parallel
+over the vocabulary (vocab-parallel loss); the position embedding and the final norm are replicated.
+`tests/test_planner_model.py` checks these counts against a real `Block` with the plan's patterns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from paratrain.models.gpt import PRESETS, GPTConfig, gpt_config
+
+# Which parameters tensor parallelism splits (fnmatch patterns over GPT parameter names).
+TP_PLAN: dict[str, str] = {
+    "embed.tok": "vocab",
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.o": "rowwise",
+    "blocks.*.mlp.fc": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+    "head": "colwise",
+}
+
+
+class PlanError(ValueError):
+    """A planning request that cannot be answered; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT's dimensions and parameter counts, and how to name it in a paratrain config."""
+
+    name: str  # preset the config's trainer.model names
+    config: GPTConfig
+    overrides: dict = field(default_factory=dict)  # trainer.model_overrides relative to the preset
+
+    # ---- dimensions (the letters of Korthikanti et al.: s, h, a, L, V) ----------------------------
+    @property
+    def seq_len(self) -> int:
+        return self.config.seq_len
+
+    @property
+    def d_model(self) -> int:
+        return self.config.d_model
+
+    @property
+    def n_head(self) -> int:
+        return self.config.n_head
+
+    @property
+    def n_layer(self) -> int:
+        return self.config.n_layer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def d_ff(self) -> int:
+        return self.config.d_ff
+
+    # ---- parameter counts -------------------------------------------------------------------------
+    @property
+    def params(self) -> int:
+        return self.config.num_params()
+
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one transformer block held by one tensor-parallel rank."""
+        h, f, b = self.d_model, self.d_ff, int(self.config.bias)
+        sharded = 4 * h * h + 2 * h * f + b * (3 * h + f)  # q, k, v, fc (weights + biases), o, proj weights
+        replicated = 4 * h + b * 2 * h  # two layer norms, the row-parallel biases of o and proj
+        return sharded // tp + replicated
+
+    def embed_params(self, tp: int = 1) -> int:
+        return self.vocab_size * self.d_model // tp + self.seq_len * self.d_model
+
+    def head_params(self, tp: int = 1) -> int:
+        """The final layer norm (replicated) and the output projection (split over the vocabulary)."""
+        h, v, b = self.d_model, self.vocab_size, int(self.config.bias)
+        return 2 * h + (h * v + b * v) // tp
+
+    def layernorm_params_per_layer(self) -> int:
+        return 4 * self.d_model
+
+    def largest_module_params(self) -> int:
+        """Parameters of the largest single module (DeepSpeed's `largest_layer_params`)."""
+        h, f, v, b = self.d_model, self.d_ff, self.vocab_size, int(self.config.bias)
+        return max(v * h, h * v + b * v, h * f + b * f, self.seq_len * h)
+
+    # ---- FLOPs ------------------------------------------------------------------------------------
+    @property
+    def flops_per_token(self) -> int:
+        """6 per parameter (forward + backward) + attention scores/values: `GPTConfig.flops_per_token`."""
+        return self.config.flops_per_token()
+
+    def attention_flops_per_token_per_layer(self) -> int:
+        """QK^T and AV: 2*s*h each forward, times 3 for forward + backward (the 12*s*h of flops_per_token)."""
+        return 12 * self.d_model * self.seq_len
+
+    def describe(self) -> str:
+        count = f"{self.params / 1e9:.2f}B" if self.params >= 1e9 else f"{self.params / 1e6:.2f}M"
+        return (f"{self.name}{'*' if self.overrides else ''}: {count} parameters, "
+                f"{self.n_layer} layers, d_model {self.d_model}, {self.n_head} heads, d_ff {self.d_ff}, "
+                f"seq {self.seq_len}, vocab {self.vocab_size}")
+
+
+def stage_layers(n_layer: int, stages: int) -> list[int]:
+    """Blocks per pipeline stage for a uniform split: the first `n_layer % stages` stages take one more."""
+    base, extra = divmod(n_layer, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def spec_from_config(config: GPTConfig, name: str = "custom") -> ModelSpec:
+    """A spec for an explicit GPTConfig; `name` is the preset it is expressed against (or "gpt-tiny")."""
+    base_name = name if name in PRESETS else "gpt-tiny"
+    base = asdict(PRESETS[base_name])
+    overrides = {k: v for k, v in asdict(config).items() if base[k] != v}
+    return ModelSpec(base_name, config, overrides)
+
+
+def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
+    """`model` is a preset name (gpt-7b, gpt-70b, ...) or the path of a paratrain JSON config whose
+    `trainer.model` / `trainer.model_overrides` name a GPT. `seq_len` replaces the sequence length."""
+    if model in PRESETS:
+        name, overrides = model, {}
+    else:
+        path = Path(model)
+        if not path.is_file():
+            raise PlanError(f"--model {model!r} is neither a GPT preset ({', '.join(PRESETS)}) nor a config file")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"--model {model!r}: not valid JSON ({exc})") from None
+        trainer = raw.get("trainer", {}) if isinstance(raw, dict) else {}
+        name = trainer.get("model", "gpt-tiny")
+        overrides = dict(trainer.get("model_overrides", {}))
+    if seq_len is not None:
+        overrides["seq_len"] = seq_len
+    try:
+        config = gpt_config(name, **overrides)
+    except ValueError as exc:
+        raise PlanError(f"--model {model!r}: {exc}") from None
+    return ModelSpec(name, config, overrides)
+
+
+def config_batch_size(model: str) -> int | None:
+    """The train_batch_size of a config file given as --model, if it sets one (the default global batch)."""
+    path = Path(model)
+    if model in PRESETS or not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("train_batch_size")
+    return int(value) if isinstance(value, int) else None
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -1,0 +1,152 @@
+"""Predicted time of one optimizer step: compute + exposed communication per axis + pipeline bubble.
+
+  t_mb      one micro-batch forward+backward on the slowest stage: micro_batch_overhead +
+            FLOPs / (peak * mfu), FLOPs = tokens * (6 * stage parameters + 12 h s per layer) / (tp cp)
+            (+ one more forward of the layers under full recompute, of attention under selective),
+            plus the tensor-parallel collectives (on the critical path) and whatever ring-attention
+            traffic the attention compute does not hide
+  pipeline  (m + bubble) * t_mb, bubble = p - 1 (GPipe, 1F1B), (p - 1)/v (interleaved),
+            (p - 1)/3 (ZB-H1, Qi et al. 2024: F, B and W each a third of t_mb and only F + B - W idle)
+            plus 2 (m v + p - 1) point-to-point messages on the critical path
+  data par. gradient reductions overlap the backward of the micro-batch that produces them (the last
+            one for DDP/ZeRO-1, each for ZeRO-2/3); ZeRO-1/2's parameter all-gather after the step is
+            exposed; ZeRO-3's gathers overlap the forward/backward they feed (prefetch)
+  optimizer AdamW is memory-bound: 28 bytes read+written per updated parameter at memory bandwidth
+            (on the host, plus gradients down and parameters up over PCIe, when offloaded)
+Collective times are the ring alpha-beta model of `hardware.collective_seconds`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from paratrain.planner.comm import Transfer, rank_transfers
+from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds
+from paratrain.planner.layout import Layout, axis_name
+from paratrain.planner.memory import ceil_div, rank_params
+from paratrain.planner.model_specs import ModelSpec, stage_layers
+
+OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW reads p, g, m, v and writes p, m, v (fp32 or 16-bit + fp32 master)
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    compute: float
+    bubble: float
+    comm: dict[str, float] = field(default_factory=dict)  # exposed seconds per axis name
+    optimizer: float = 0.0
+    offload: float = 0.0
+    tokens: int = 0
+    model_flops: float = 0.0  # 6N + attention per token, times tokens (no recompute)
+    world: int = 1
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + sum(self.comm.values()) + self.optimizer + self.offload
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total
+
+    def mfu(self, peak_flops: float) -> float:
+        return self.model_flops / (self.total * self.world * peak_flops)
+
+
+def bubble_factor(layout: Layout) -> float:
+    """Idle time of the pipeline in units of one micro-batch forward+backward of a stage."""
+    p, v = layout.pp, layout.virtual_stages
+    if p == 1:
+        return 0.0
+    return {"gpipe": p - 1, "1f1b": p - 1, "interleaved": (p - 1) / v, "zb-h1": (p - 1) / 3}[layout.schedule]
+
+
+def stage_flops_per_token(spec: ModelSpec, layout: Layout, stage: int, recompute: str | None = None) -> float:
+    """Training FLOPs per token of the whole (unsharded) stage, forward + backward (+ recomputation)."""
+    recompute = layout.recompute if recompute is None else recompute
+    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    layer_matmul = 6 * spec.layer_params()
+    attention = spec.attention_flops_per_token_per_layer()
+    if recompute == "full":
+        per_layer = layer_matmul * 4 / 3 + attention * 4 / 3
+    elif recompute == "selective":
+        per_layer = layer_matmul + attention * 4 / 3
+    else:
+        per_layer = layer_matmul + attention
+    total = layers * per_layer
+    if stage == 0:
+        total += 6 * spec.embed_params()
+    if stage == layout.pp - 1:
+        total += 6 * spec.head_params()
+    return total
+
+
+def _seconds(t: Transfer, layout: Layout, hw: Hardware, shape: tuple[int, ...]) -> float:
+    group = 1
+    for a in t.axes:
+        group *= layout.sizes[a]
+    return collective_seconds(t.op, t.bytes, group, axis_bandwidth(hw, shape, t.axes), hw.latency, t.calls)
+
+
+def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate:
+    shape = (layout.dp, layout.pp, layout.cp, layout.tp)
+    m, p = layout.grad_accum, layout.pp
+    tokens_mb = layout.micro_batch * spec.seq_len
+    rate = hw.peak_flops * hw.mfu
+    split = layout.tp * layout.cp
+
+    # The slowest stage sets the pace of the pipeline (and is the only stage when pp = 1).
+    stage = max(range(p), key=lambda s: stage_flops_per_token(spec, layout, s))
+    compute_mb = hw.micro_batch_overhead + tokens_mb * stage_flops_per_token(spec, layout, stage) / split / rate
+    attention_mb = tokens_mb * stage_layers(spec.n_layer, p)[stage] * \
+        spec.attention_flops_per_token_per_layer() / split / rate
+
+    transfers = rank_transfers(spec, layout, stage)
+    exposed: dict[str, float] = defaultdict(float)
+    seconds = {id(t): _seconds(t, layout, hw, shape) for t in transfers}
+    by_kind: dict[str, list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        by_kind[t.kind].append(t)
+
+    tp_mb = sum(seconds[id(t)] for t in by_kind["tp"]) / m
+    cp_mb = max(0.0, sum(seconds[id(t)] for t in by_kind["cp"] if t.op == "send") / m - hw.overlap * attention_mb)
+    t_mb = compute_mb + tp_mb + cp_mb
+    bubble = bubble_factor(layout) * t_mb
+    for t in by_kind["tp"]:  # the bubble (in units of t_mb) already holds the idle share of these
+        exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
+    if by_kind["cp"]:
+        exposed["cp"] += m * cp_mb
+
+    if p > 1:  # one message per forward and backward slot on the critical path
+        message = next(t for t in by_kind["pp"] if t.op == "send")
+        one = collective_seconds("send", message.bytes / message.calls, p,
+                                 axis_bandwidth(hw, shape, ("pp",)), hw.latency)
+        exposed["pp"] += 2 * (m * layout.virtual_stages + p - 1) * one
+
+    backward_mb, forward_mb = compute_mb * 2 / 3, compute_mb / 3
+    for t in by_kind["dp_grad"]:  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
+        each = seconds[id(t)] / t.calls
+        exposed[axis_name(layout.sizes, t.axes)] += t.calls * max(0.0, each - hw.overlap * backward_mb)
+    for t in by_kind["dp_param"]:
+        exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
+    for t in by_kind["zero3_param"]:  # half the gathers feed forwards, half feed backwards
+        each = seconds[id(t)] / t.calls
+        hidden = max(0.0, each - hw.overlap * forward_mb) + max(0.0, each - hw.overlap * backward_mb)
+        exposed[axis_name(layout.sizes, t.axes)] += m * hidden
+    for t in by_kind["scalar"]:
+        exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
+
+    updated = rank_params(spec, layout, stage)
+    if layout.zero_stage >= 1:
+        updated = ceil_div(updated, layout.shard_group)
+    optimizer = offload = 0.0
+    if layout.offload_optimizer:
+        optimizer = OPTIMIZER_BYTES_PER_PARAM * updated / hw.host_memory_bandwidth
+        offload = 2 * updated * layout.param_bytes / hw.pcie_bandwidth
+    else:
+        optimizer = OPTIMIZER_BYTES_PER_PARAM * updated / hw.memory_bandwidth
+
+    tokens = layout.global_batch * spec.seq_len
+    return TimeEstimate(compute=m * compute_mb, bubble=bubble, comm={k: v for k, v in exposed.items() if v > 0},
+                        optimizer=optimizer, offload=offload, tokens=tokens,
+                        model_flops=float(spec.flops_per_token) * tokens, world=layout.world)

@@ -1,0 +1,115 @@
+"""Planner, search and output: the enumeration's rules, the ranking, the config it writes, the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.config import load_config, resolve_batch
+from paratrain.planner.enumerate import SearchSpace, enumerate_layouts, evaluate, invalid_reason, plan
+from paratrain.planner.hardware import GiB, Hardware
+from paratrain.planner.layout import Layout
+from paratrain.planner.model_specs import model_spec
+from paratrain.planner.report import layout_config
+
+SPEC = model_spec("gpt-1.3b")  # 24 layers, 32 heads, seq 2048
+
+
+def test_every_enumerated_layout_obeys_the_rules():
+    layouts = list(enumerate_layouts(SPEC, 32, 256, gpus_per_node=8))
+    assert len(layouts) == len(set(layouts)) > 100
+    for lay in layouts:
+        assert invalid_reason(SPEC, lay, 8) is None
+        assert lay.world == 32 and lay.global_batch == 256
+        assert lay.tp <= 8 and SPEC.n_head % lay.tp == 0 and not (lay.zero_stage == 3 and lay.pp > 1)
+        assert lay.recompute != "selective"  # flash attention: nothing to drop, so not enumerated twice
+        if lay.dp * lay.cp == 1:
+            assert lay.zero_stage == 0
+    kinds = {(lay.tp, lay.pp, lay.cp, lay.schedule, lay.zero_stage) for lay in layouts}
+    assert (2, 4, 1, "interleaved", 1) in kinds and (8, 1, 4, "none", 3) in kinds
+    unfused = list(enumerate_layouts(SPEC, 4, 8, 8, SearchSpace(flash_attention=False)))
+    assert any(lay.recompute == "selective" for lay in unfused)
+
+
+@pytest.mark.parametrize("layout,reason", [
+    (Layout(dp=1, micro_batch=1, grad_accum=1, tp=16), "tp=16 is larger than a node"),
+    (Layout(dp=1, micro_batch=1, grad_accum=1, tp=3), "tp=3 does not divide the 32 heads"),
+    (Layout(dp=2, micro_batch=1, grad_accum=4, pp=2, zero_stage=3, schedule="1f1b"), "ZeRO-3 with pipeline"),
+    (Layout(dp=1, micro_batch=1, grad_accum=3, pp=2, schedule="interleaved", virtual_stages=2),
+     "micro-batches \\(3\\) divisible by pp=2"),
+    (Layout(dp=1, micro_batch=1, grad_accum=4, pp=5, schedule="interleaved", virtual_stages=2),
+     "24 layers divisible by pp\\*v = 10"),
+    (Layout(dp=1, micro_batch=1, grad_accum=1, cp=3), "cp=3 does not divide the sequence length 2048"),
+    (Layout(dp=2, micro_batch=1, grad_accum=1, offload_optimizer=True), "offload needs ZeRO stage >= 1"),
+    (Layout(dp=1, micro_batch=1, grad_accum=1, pp=2), "schedule is needed exactly when pp > 1"),
+])
+def test_invalid_layouts_say_why(layout, reason):
+    found = invalid_reason(SPEC, layout, 8)
+    assert found is not None and re.search(reason, found), found
+
+
+def test_plan_ranks_fitting_layouts_by_time_and_memory_decides_what_fits():
+    result = plan(SPEC, 16, 128, Hardware(gpu_memory=40 * GiB))
+    times = [round(e.time.total, 6) for e in result.ranked]  # ties within a microsecond go to simpler layouts
+    assert times == sorted(times) and len(result.ranked) > 10
+    assert all(e.memory.total <= 36 * GiB for e in result.ranked)
+    small = plan(SPEC, 16, 128, Hardware(gpu_memory=8 * GiB))
+    assert 0 < len(small.ranked) < len(result.ranked)
+    assert all(e.layout.zero_stage > 0 or e.layout.tp * e.layout.pp > 1 for e in small.ranked)  # 16 Psi > 8 GiB
+    none = plan(SPEC, 2, 8, Hardware(gpu_memory=1 * GiB))
+    assert none.ranked == [] and none.smallest is not None
+
+
+def test_the_best_layout_config_is_a_valid_paratrain_config():
+    result = plan(SPEC, 64, 512, Hardware())
+    for e in result.ranked[:20]:
+        cfg = load_config(layout_config(SPEC, e.layout))
+        resolved = resolve_batch(cfg, 64)
+        lay = e.layout
+        assert (resolved.train_batch_size, resolved.gradient_accumulation_steps) == (512, lay.grad_accum)
+        assert resolved.dp_size(64) == lay.dp and cfg.pipeline.stages == lay.pp
+        assert cfg.zero_optimization.stage == lay.zero_stage and cfg.precision == lay.precision
+
+
+def test_cli_prints_the_ranking_and_writes_the_config(tmp_path, capsys):
+    out = tmp_path / "best.json"
+    code = main(["plan", "--model", "gpt-1.3b", "--gpus", "16", "--gpu-memory", "40GiB", "--global-batch", "64",
+                 "--top", "3", "--config-out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "Top 3 by predicted step time" in text and "comm:" in text and "Config for #1" in text
+    cfg = json.loads(out.read_text())
+    assert cfg["trainer"]["model"] == "gpt-1.3b" and cfg["train_batch_size"] == 64
+    load_config(cfg)
+
+
+def test_cli_uses_a_config_file_as_the_model_and_keeps_its_optimizer(tmp_path, capsys):
+    base = {"train_batch_size": 32, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "trainer": {"model": "gpt-small", "model_overrides": {"n_layer": 4}, "steps": 7}}
+    (tmp_path / "c.json").write_text(json.dumps(base))
+    code = main(["plan", "--model", str(tmp_path / "c.json"), "--gpus", "4", "--json", "--top", "2"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(report["ranked"]) == 2
+    cfg = report["config"]
+    assert cfg["optimizer"]["type"] == "SGD" and cfg["trainer"]["steps"] == 7 and cfg["train_batch_size"] == 32
+
+
+def test_cli_errors_name_the_flag(capsys):
+    assert main(["plan", "--model", "gpt-1.3b", "--gpus", "8", "--gpu-memory", "lots"]) == 2
+    assert "--gpu-memory 'lots'" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt-1.3b", "--gpus", "8", "--schedules", "1f1b,zb-h2"]) == 2
+    assert "zb-h2" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt-70b", "--gpus", "2", "--global-batch", "2"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+
+
+def test_evaluate_one_layout_is_what_the_search_reports():
+    hw = Hardware(gpu_memory=40 * GiB)
+    best = plan(SPEC, 16, 128, hw).ranked[0]
+    again = evaluate(SPEC, best.layout, hw)
+    assert again == best and again.fits
+    too_big = evaluate(SPEC, Layout(dp=16, micro_batch=8, grad_accum=1), Hardware(gpu_memory=8 * GiB))
+    assert not too_big.fits and too_big.memory.total > 8 * GiB * 0.9
