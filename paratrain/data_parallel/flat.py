@@ -158,6 +158,8 @@ class MasterShard:
 def split_param_groups(named_params: list[tuple[str, nn.Parameter]],
                        param_groups: list[dict] | None) -> list[tuple[dict, list[tuple[str, nn.Parameter]]]]:
     """Map the engine's param groups (dicts of model parameters) to (options, named params) per group."""
+    if not named_params:
+        return []
     if not param_groups:
         return [({}, list(named_params))]
     group_of: dict[int, int] = {}

@@ -33,8 +33,14 @@ def config_wrap_policy(root: nn.Module, classes: list[str] | None, names: list[s
     if not classes and not names:
         return default_wrap_policy(root)
     classes, names = set(classes or ()), list(names or ())
-    return lambda name, module: type(module).__name__ in classes or any(fnmatch.fnmatchcase(name, p)
-                                                                        for p in names)
+    return lambda name, module: type(module).__name__ in classes or any(name_matches(name, p) for p in names)
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """Glob over dotted module names where `*` stands for one name component: "blocks.*" matches
+    "blocks.3" but not "blocks.3.attn" (the convention of tensor-parallel plans)."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, wanted))
 
 
 def assign_params(root: nn.Module, policy: WrapPolicy, persistence_threshold: int):
