@@ -159,9 +159,21 @@ class FullyShardedDataParallel(GradSync):
             unit.reshard()  # its backward is over: every parameter's gradient has been accumulated
 
     def _launch_reduce(self, unit: Unit) -> None:
+        # [Note: one reduce-scatter in flight] The previous unit's reduction had this unit's whole backward
+        # to finish; collecting it now frees its full-size gradient buffer, so at most two units' gradients
+        # exist at once instead of the whole model's (FSDP2 bounds its reduce-scatter inputs the same way).
+        self._collect_launched()
         unit.reduce_handles = [f.reduce(self.axis, self._first_in_window) for f in unit.flats]
         unit.reduce_launched = True
         self._launched.append(unit)
+
+    def _collect_launched(self) -> None:
+        for unit in self._launched:
+            for flat, handle in zip(unit.flats, unit.reduce_handles):
+                handle.wait()
+                flat.collect()
+            unit.reduce_handles = []
+        self._launched = []
 
     def prepare_backward(self, sync: bool) -> None:
         if self._backward_pending:
@@ -187,13 +199,9 @@ class FullyShardedDataParallel(GradSync):
         for unit in self._all_units():
             if unit.flats and not unit.reduce_launched:
                 self._launch_reduce(unit)
-        for unit in self._launched:
-            for flat, handle in zip(unit.flats, unit.reduce_handles):
-                handle.wait()
-                flat.collect()
-            unit.reduce_handles = []
+        self._collect_launched()
+        for unit in self._all_units():
             unit.reduce_launched = False
-        self._launched = []
         self._first_in_window = False
         self._backward_pending = False
 

@@ -55,7 +55,8 @@ from paratrain.precision import compute_dtype
 
 
 class _Bucket:
-    def __init__(self, layout: FlatLayout, params_full: torch.Tensor, master: MasterShard):
+    def __init__(self, index: int, layout: FlatLayout, params_full: torch.Tensor, master: MasterShard):
+        self.index = index
         self.layout = layout
         self.params_full = params_full  # (padded,) compute dtype: the model's parameters are views of it
         self.master = master
@@ -114,7 +115,7 @@ class ZeroDataParallel(GradSync):
         alias = self.dtype == torch.float32 and not self.placement.offload_optimizer and self.stage > 0
         master = MasterShard(layout, layout.shard_of(fp32), self.placement,
                              alias=layout.shard_of(params_full) if alias else None)
-        bucket = _Bucket(layout, params_full, master)
+        bucket = _Bucket(len(self.buckets), layout, params_full, master)
         for i, (slot, view) in enumerate(zip(layout.slots, layout.views(params_full))):
             slot.param.data = view
             self._slot[slot.param] = (bucket, i)
@@ -194,6 +195,8 @@ class ZeroDataParallel(GradSync):
             bucket.handle = comm.reduce_scatter_into(layout.shard_of(full), full, self.axis, tag="grad",
                                                      async_op=True)
         else:
+            if bucket.index > 0:  # one reduction in flight: the previous bucket's staging buffer is freed now
+                self._accumulate(self.buckets[bucket.index - 1])
             bucket.handle = comm.reduce_scatter_into(bucket.reduced, full, self.axis, tag="grad", async_op=True)
 
     def _flush(self, check_unused: bool) -> None:
@@ -210,13 +213,18 @@ class ZeroDataParallel(GradSync):
             self._launch(bucket)
         self._next_launch = 0
 
+    def _accumulate(self, bucket: _Bucket) -> None:
+        """Stage 2: wait for a bucket's reduce-scatter, add it into the shard, free the staging buffer."""
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.master.accumulate(bucket.reduced, bucket.first)
+            bucket.handle = bucket.staging = bucket.reduced = None
+
     def _collect(self) -> None:
         """Stage 2: finish this backward's reductions and add them into the gradient shards."""
         self._flush(check_unused=True)
         for bucket in self.buckets:
-            bucket.handle.wait()
-            bucket.master.accumulate(bucket.reduced, bucket.first)
-            bucket.handle = bucket.staging = bucket.reduced = None
+            self._accumulate(bucket)
             bucket.ready.clear()
         self._first_in_window = False
         self._backward_pending = False
