@@ -29,6 +29,9 @@ def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+PERSIST = 64  # LayerNorm weights and biases (31 elements) stay gathered
+
+
 def _engine(stage: int, accumulation: int = 1, precision: str = "fp32", **zero):
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation,
                        zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0, **zero})
@@ -52,12 +55,14 @@ def _count_cases() -> dict:
     cases = (("s1", 1, 1, {}), ("s1_acc2", 1, 2, {}), ("s1_small", 1, 1, small),
              ("s2", 2, 1, {}), ("s2_acc2", 2, 2, {}), ("s2_small", 2, 1, small),
              ("s3", 3, 1, {}), ("s3_acc2", 3, 2, {}), ("s3_no_reshard", 3, 1, {"reshard_after_forward": False}),
-             ("s3_root_empty", 3, 1, {"wrap_module_names": ["embed", "blocks.*", "ln_f", "head"]}))
+             ("s3_root_empty", 3, 1, {"wrap_module_names": ["embed", "blocks.*", "ln_f", "head"]}),
+             ("s3_persist", 3, 1, {"stage3_param_persistence_threshold": PERSIST}),
+             ("s3_bf16", 3, 1, {"precision": "bf16"}))
     for name, stage, acc, zero in cases:
         engine, loader = _engine(stage, acc, **zero)
         counts = _step_counts(engine, loader)
         buckets = [b.layout.numel for b in getattr(engine.grad_sync, "buckets", [])]
-        out[name] = {"counts": counts, "bucket_numels": buckets}
+        out[name] = {"counts": counts, "bucket_numels": buckets, "memory": engine.memory_stats()}
     return out
 
 
@@ -74,14 +79,14 @@ def test_collectives_per_step_match_the_zero_formulas(world, request):
     root_pad = _padded(root, n)
     assert psi_pad > psi and units_pad + root_pad > psi  # padding is really exercised
 
-    def check(name, all_gather, reduce_scatter, calls_ag, calls_rs):
+    def check(name, all_gather, reduce_scatter, calls_ag, calls_rs, element_size=4):
         counts = result[name]["counts"]
         assert set(counts) == {("all_gather", "param"), ("reduce_scatter", "grad"), ("all_reduce", "grad_norm"),
                                ("all_reduce", "metrics")}, (name, counts)
         assert counts[("all_gather", "param")] == {"calls": calls_ag, "elements": all_gather,
-                                                   "bytes": 4 * all_gather}, name
+                                                   "bytes": element_size * all_gather}, name
         assert counts[("reduce_scatter", "grad")] == {"calls": calls_rs, "elements": reduce_scatter,
-                                                      "bytes": 4 * reduce_scatter}, name
+                                                      "bytes": element_size * reduce_scatter}, name
         assert counts[("all_reduce", "grad_norm")]["elements"] == 1
 
     # ZeRO-1/2: one reduce-scatter of Ψ and one all-gather of Ψ (stage 2 reduces every micro-step).
@@ -105,6 +110,19 @@ def test_collectives_per_step_match_the_zero_formulas(world, request):
     leaves = [_numel(model.embed), *blocks, _numel(model.ln_f), _numel(model.head)]
     all_pad = sum(_padded(x, n) for x in leaves)
     check("s3_root_empty", 2 * all_pad, all_pad, 2 * len(leaves), len(leaves))
+    # bf16: the same elements in half the bytes (parameters and gradients travel in bf16).
+    check("s3_bf16", 2 * units_pad + root_pad, units_pad + root_pad, 2 * units + 1, units + 1, element_size=2)
+    # Persistent (small) parameters: one unit, gathered once per step (after the update), never freed.
+    small = lambda m: sum(p.numel() for p in m.parameters() if p.numel() <= PERSIST)  # noqa: E731
+    persist_pad = _padded(small(model), n)
+    big_blocks = sum(_padded(_numel(b) - small(b), n) for b in model.blocks)
+    big_root = _padded(root - (small(model) - sum(small(b) for b in model.blocks)), n)
+    check("s3_persist", 2 * big_blocks + big_root + persist_pad, big_blocks + big_root + persist_pad,
+          2 * units + 2, units + 2)
+    memory = result["s3_persist"]["memory"]
+    padded = big_blocks + big_root + persist_pad
+    assert memory["total"] == estimate_memory(padded, n, 3, persistent_params=persist_pad)["total"]
+    assert memory["gathered_params"] == 4 * persist_pad  # only the persistent unit stays gathered
 
 
 MEMORY_CASES = [  # (stage, precision, zero extras)
@@ -151,8 +169,11 @@ def _in_flight() -> dict:
     cfg = adamw_config(train_micro_batch_size_per_gpu=2,
                        zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
     model = tiny_gpt(n_layer=4)
+    before = (type(model.blocks[0]), model.blocks[0], model.blocks[0].attn.q.weight)
     engine, _, loader, _ = paratrain.initialize(model=model, config=cfg, training_data=corpus_windows())
     sync = engine.grad_sync
+    after = (type(model.blocks[0]), model.blocks[0], model.blocks[0].attn.q.weight)
+    identity = all(a is b for a, b in zip(before, after)) and engine.module is model
     seen = {"forward": [], "backward": []}
     for i, block in enumerate(model.blocks):
         block.register_forward_pre_hook(lambda m, a, i=i: seen["forward"].append((i, sync.gathered_units())))
@@ -169,11 +190,12 @@ def _in_flight() -> dict:
     with torch.no_grad():
         ours, theirs = float(engine(x, y)), float(plain(x, y))
     return {"seen": seen, "after_step": after_step, "after_eval": sync.gathered_units(), "sizes": sizes,
-            "ours": ours, "theirs": theirs}
+            "ours": ours, "theirs": theirs, "identity": identity}
 
 
 def test_stage3_only_units_in_flight_hold_full_parameters(world2):
     r = world2.run(_in_flight)[0]
+    assert r["identity"]  # modules and parameters changed in place, not wrapped
     for i, names in r["seen"]["forward"]:  # the root, this block, and the one prefetched after it
         assert set(names) <= {"<root>", f"blocks.{i}", f"blocks.{i + 1}"}, (i, names)
         assert f"blocks.{i}" in names

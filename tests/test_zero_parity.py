@@ -105,3 +105,33 @@ def _offload_matrix() -> list[dict]:
 def test_offload_runs_and_matches_the_reference(world2):
     for r in world2.run(_offload_matrix)[0]:
         assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+
+
+def _decay_groups(model) -> list[dict]:
+    """No weight decay on LayerNorm parameters: the usual reason to pass param groups."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _param_group_matrix() -> list[dict]:
+    data, out = corpus_windows(), []
+    ref = None
+    for stage in (0, 1, 2, 3):
+        cfg = _config(stage, 1)
+        model = tiny_gpt()
+        engine, *_ = paratrain.initialize(model=model, model_parameters=_decay_groups(model), config=cfg,
+                                          training_data=data)
+        losses = [float(engine.train_batch()) for _ in range(STEPS)]
+        if ref is None:
+            ref = reference_run(tiny_gpt, {**cfg, "train_batch_size": engine.train_batch_size()}, data, STEPS,
+                                param_groups=_decay_groups)
+        out.append({"stage": stage, "groups": [g["weight_decay"] for g in engine.optimizer.param_groups],
+                    "loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
+                    "param_err": max_rel_diff(engine.full_state_dict(), ref.state)[0]})
+    return out
+
+
+def test_param_groups_keep_their_options_in_every_stage(world2):
+    for r in world2.run(_param_group_matrix)[0]:
+        assert r["groups"] == [0.1, 0.0], r
+        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r

@@ -34,13 +34,15 @@ def global_batches(dataset, config: Config, seed: int | None = None) -> DataPara
 
 
 def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, dataset, steps: int,
-                  loss_of: Callable[[nn.Module, object], torch.Tensor] | None = None) -> RunRecord:
+                  loss_of: Callable[[nn.Module, object], torch.Tensor] | None = None,
+                  param_groups: Callable[[nn.Module], list[dict]] | None = None) -> RunRecord:
     """Train `steps` optimizer steps on one process. `config` must have train_batch_size resolved.
 
     Under bf16/fp16 the model computes in the low dtype and an fp32 master copy of every parameter (taken
     before the cast) is what the optimizer updates, with fp16's loss scaling and skipped steps: the
     textbook mixed-precision loop, which the distributed strategies must match within that dtype's
-    rounding. The returned state holds the fp32 masters.
+    rounding. The returned state holds the fp32 masters. `param_groups(model)` gives optimizer param
+    groups (dicts of the model's parameters with options), as passed to initialize(model_parameters=...).
     """
     cfg = load_config(config)
     model = make_model()
@@ -49,7 +51,12 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
     if cfg.precision != "fp32":
         masters = {name: nn.Parameter(p.detach().float().clone()) for name, p in model.named_parameters()}
         model.to(compute_dtype(cfg.precision))
-    optimizer = build_optimizer(cfg.optimizer, list(masters.values()))
+    if param_groups is None:
+        optimizer = build_optimizer(cfg.optimizer, list(masters.values()))
+    else:
+        master_of = {id(p): masters[name] for name, p in model.named_parameters()}
+        optimizer = build_optimizer(cfg.optimizer, [{**g, "params": [master_of[id(p)] for p in g["params"]]}
+                                                    for g in param_groups(model)])
     scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler is not None else None
     batches = global_batches(dataset, cfg)
     loss_of = loss_of or (lambda m, batch: m(*batch))
