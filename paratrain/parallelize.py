@@ -92,8 +92,8 @@ def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.d
     placement = Placement(device, offload_optimizer=zero.offload_optimizer.device == "cpu",
                           offload_param=zero.offload_param.device == "cpu",
                           pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
+    predivide = mesh.size(("dp", "cp")) if config.prescale_gradients else config.gradient_predivide_factor
     if zero.stage <= 2:
-        predivide = mesh.size(("dp", "cp")) if config.prescale_gradients else config.gradient_predivide_factor
         return ZeroDataParallel(model, mesh, zero.stage, precision=config.precision,
                                 bucket_numel=zero.reduce_bucket_size, placement=placement,
                                 allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide)
@@ -102,4 +102,4 @@ def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.d
         wrap_policy=config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names),
         reshard_after_forward=zero.reshard_after_forward,
         persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
-        allow_unused_parameters=dp.allow_unused_parameters)
+        allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide)

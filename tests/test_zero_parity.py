@@ -7,6 +7,7 @@ error, so the matrix costs one spawn per world size.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import paratrain
 from paratrain.testing import max_rel_diff, rel_diff
@@ -99,10 +100,12 @@ def _offload_matrix() -> list[dict]:
                         (3, {"offload_optimizer": cpu}), (3, {"offload_optimizer": cpu, "offload_param": cpu})):
         for accumulation in (1, 2):
             out.append(_run(_config(stage, accumulation, **zero), data, references))
+    for stage in (1, 2, 3):  # dividing before the reduction instead of after
+        out.append(_run({**_config(stage, 2), "prescale_gradients": True}, data, references))
     return out
 
 
-def test_offload_runs_and_matches_the_reference(world2):
+def test_offload_and_prescaling_match_the_reference(world2):
     for r in world2.run(_offload_matrix)[0]:
         assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
 
@@ -135,3 +138,34 @@ def test_param_groups_keep_their_options_in_every_stage(world2):
     for r in world2.run(_param_group_matrix)[0]:
         assert r["groups"] == [0.1, 0.0], r
         assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x).pow(2).mean()
+
+
+def _unused(stage: int, allow: bool) -> str:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "data_parallel": {"allow_unused_parameters": allow},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = paratrain.initialize(model=_WithUnused(), config=cfg)
+    engine.backward(engine(torch.randn(2, 4)))
+    try:
+        engine.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "stepped"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unused_parameters_error_by_default_and_tolerated_on_request(world2, stage):
+    messages = world2.run(_unused, stage, False)
+    assert "2 parameter(s) received no gradient in this step: unused." in messages[0], messages[0]
+    assert world2.run(_unused, stage, True) == ["stepped", "stepped"]

@@ -184,3 +184,20 @@ def optimizer_groups(groups: list[tuple[dict, list[MasterShard]]]) -> list:
     if len(groups) == 1 and not groups[0][0]:
         return [m.param for m in groups[0][1]]
     return [{**options, "params": [m.param for m in masters]} for options, masters in groups]
+
+
+def cast_untracked(module: nn.Module, dtype: torch.dtype, tracked: set) -> None:
+    """Cast floating buffers and frozen parameters to the compute dtype (DeepSpeed's module.half())."""
+    if dtype == torch.float32:
+        return
+    for t in list(module.buffers()) + [p for p in module.parameters() if p not in tracked]:
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)
+
+
+def state_with_gathered(module: nn.Module, gathered: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """module.state_dict() with sharded parameters replaced by their gathered fp32 values (copies)."""
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        out[name] = gathered[id(t)].detach().clone() if id(t) in gathered else t.detach().clone()
+    return out

@@ -38,9 +38,14 @@ from paratrain.data_parallel.base import (
     tensor_bytes,
 )
 from paratrain.data_parallel.ddp import UnusedParametersError, broadcast_module_state
-from paratrain.data_parallel.flat import Placement, optimizer_groups, split_param_groups
+from paratrain.data_parallel.flat import (
+    Placement,
+    cast_untracked,
+    optimizer_groups,
+    split_param_groups,
+    state_with_gathered,
+)
 from paratrain.data_parallel.fsdp_units import FlatParam, Unit, WrapPolicy, assign_params, config_wrap_policy
-from paratrain.data_parallel.zero import _cast_untracked, _state_with
 from paratrain.mesh import Mesh
 from paratrain.precision import compute_dtype
 
@@ -49,8 +54,10 @@ class FullyShardedDataParallel(GradSync):
     def __init__(self, module: nn.Module, mesh: Mesh, precision: str = "fp32", placement: Placement | None = None,
                  wrap_policy: WrapPolicy | None = None, reshard_after_forward: bool = True,
                  persistence_threshold: int = 100_000, prefetch_depth: int = 1,
-                 allow_unused_parameters: bool = False):
+                 allow_unused_parameters: bool = False, predivide_factor: float = 1.0):
         super().__init__(module, mesh)
+        self.pre_divide = predivide_factor
+        self.post_divide = self.axis.size / predivide_factor
         self.dtype = compute_dtype(precision)
         self.placement = placement or Placement(torch.device("cpu"))
         self.wrap_policy = wrap_policy or config_wrap_policy(module, None, None)
@@ -99,7 +106,7 @@ class FullyShardedDataParallel(GradSync):
             unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
         self.module.register_forward_pre_hook(lambda m, a: self._root_pre_forward())
         self.module.register_forward_hook(lambda m, a, out: self._root_post_forward())
-        _cast_untracked(self.module, self.dtype, set(self._slot))
+        cast_untracked(self.module, self.dtype, set(self._slot))
         groups = [by_group[k] for k in sorted(by_group)]
         self.optimizer = factory(optimizer_groups(groups))
         return self.optimizer
@@ -163,7 +170,7 @@ class FullyShardedDataParallel(GradSync):
         # to finish; collecting it now frees its full-size gradient buffer, so at most two units' gradients
         # exist at once instead of the whole model's (FSDP2 bounds its reduce-scatter inputs the same way).
         self._collect_launched()
-        unit.reduce_handles = [f.reduce(self.axis, self._first_in_window) for f in unit.flats]
+        unit.reduce_handles = [f.reduce(self.axis, self._first_in_window, self.pre_divide) for f in unit.flats]
         unit.reduce_launched = True
         self._launched.append(unit)
 
@@ -211,7 +218,7 @@ class FullyShardedDataParallel(GradSync):
         for unit in self._all_units():
             unit.reshard()  # whatever a prefetch gathered but no backward used
         for flat in self._flats():
-            flat.master.grad.div_(self.axis.size)
+            flat.master.grad.div_(self.post_divide)
 
     # ---- update -----------------------------------------------------------------------------------
     def _flats(self) -> list[FlatParam]:
@@ -276,7 +283,7 @@ class FullyShardedDataParallel(GradSync):
             comm.all_gather_into(full, mine, self.axis, tag="state_dict")
             for slot, view in zip(flat.layout.slots, flat.layout.views(full)):
                 gathered[id(slot.param)] = view
-        return _state_with(self.module, gathered)
+        return state_with_gathered(self.module, gathered)
 
 
 def _tensors(value) -> list[torch.Tensor]:

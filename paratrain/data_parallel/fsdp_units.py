@@ -121,10 +121,12 @@ class FlatParam:
         self.staging[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
         self.ready.add(index)
 
-    def reduce(self, axis: Axis, first: bool) -> comm.Handle:
+    def reduce(self, axis: Axis, first: bool, pre_divide: float = 1.0) -> comm.Handle:
         """Reduce-scatter this backward's gradients (missing ones count as zero) toward the fp32 shard."""
         if self.staging is None:
             self.staging = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.placement.device)
+        if pre_divide != 1.0:
+            self.staging.div_(pre_divide)
         grad = self.master.grad
         direct = first and grad.dtype == self.dtype and grad.device == self.staging.device
         self.reduced = grad if direct else torch.empty(self.layout.shard_numel, dtype=self.dtype,

@@ -47,8 +47,10 @@ from paratrain.data_parallel.flat import (
     FlatLayout,
     MasterShard,
     Placement,
+    cast_untracked,
     optimizer_groups,
     split_param_groups,
+    state_with_gathered,
 )
 from paratrain.mesh import Mesh
 from paratrain.precision import compute_dtype
@@ -103,7 +105,7 @@ class ZeroDataParallel(GradSync):
                 self.buckets.append(bucket)
                 masters.append(bucket.master)
             groups.append((options, masters))
-        _cast_untracked(self.module, self.dtype, {p for _, p in self.named_params})
+        cast_untracked(self.module, self.dtype, {p for _, p in self.named_params})
         self.optimizer = factory(optimizer_groups(groups))
         return self.optimizer
 
@@ -326,7 +328,7 @@ class ZeroDataParallel(GradSync):
                 comm.all_gather_into(full, mine, self.axis, tag="state_dict")
             for slot, view in zip(bucket.layout.slots, bucket.layout.views(full)):
                 gathered[id(slot.param)] = view
-        return _state_with(self.module, gathered)
+        return state_with_gathered(self.module, gathered)
 
 
 def _chunks(named: list[tuple[str, nn.Parameter]], cap: int):
@@ -339,21 +341,3 @@ def _chunks(named: list[tuple[str, nn.Parameter]], cap: int):
         size += p.numel()
     if current:
         yield current
-
-
-def _cast_untracked(module: nn.Module, dtype: torch.dtype, tracked: set) -> None:
-    """Cast floating buffers and frozen parameters to the compute dtype (DeepSpeed's module.half())."""
-    if dtype == torch.float32:
-        return
-    for t in list(module.buffers()) + [p for p in module.parameters() if p not in tracked]:
-        if t.is_floating_point():
-            t.data = t.data.to(dtype)
-
-
-def _state_with(module: nn.Module, gathered: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """module.state_dict() with sharded parameters replaced by their gathered fp32 values (copies)."""
-    out = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        out[name] = gathered[id(t)].detach().clone() if id(t) in gathered else t.detach().clone()
-    return out
-
