@@ -142,17 +142,18 @@ class MasterShard:
         else:
             self.param.grad.add_(reduced.to(self.param.grad.device, torch.float32))
 
-    def grad_sq(self, mesh: Mesh) -> torch.Tensor:
-        """Squared norm of this shard's gradient, each parameter weighted for tensor parallelism."""
+    def grad_sq(self, mesh: Mesh, device: torch.device) -> torch.Tensor:
+        """Squared norm of this shard's gradient (on `device`, where the norm is reduced), each parameter
+        weighted for tensor parallelism."""
         grad = self.param.grad
         if grad is None:
-            return torch.zeros((), dtype=torch.float32)
+            return torch.zeros((), dtype=torch.float32, device=device)
         if mesh.size("tp") == 1:
-            return grad.float().pow(2).sum().cpu()
-        total = torch.zeros((), dtype=torch.float32)
+            return grad.float().pow(2).sum().to(device)
+        total = torch.zeros((), dtype=torch.float32, device=grad.device)
         for slot, start, end in self.layout.shard_segments():
-            total += grad[start:end].float().pow(2).sum().cpu() * model_parallel_weight(slot.param, mesh)
-        return total
+            total += grad[start:end].float().pow(2).sum() * model_parallel_weight(slot.param, mesh)
+        return total.to(device)
 
 
 def split_param_groups(named_params: list[tuple[str, nn.Parameter]],

@@ -225,9 +225,10 @@ class FullyShardedDataParallel(GradSync):
         return [f for u in self._all_units() for f in u.flats]
 
     def local_grad_sq(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
+        # On the compute device: the norm is all-reduced there (NCCL reduces no host tensors).
+        total = torch.zeros((), dtype=torch.float32, device=self.placement.device)
         for flat in self._flats():
-            total += flat.master.grad_sq(self.mesh)
+            total += flat.master.grad_sq(self.mesh, self.placement.device)
         return total
 
     def global_grad_norm(self) -> float:

@@ -254,9 +254,10 @@ class ZeroDataParallel(GradSync):
 
     # ---- update -----------------------------------------------------------------------------------
     def local_grad_sq(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
+        # On the compute device: the norm is all-reduced there (NCCL reduces no host tensors).
+        total = torch.zeros((), dtype=torch.float32, device=self.placement.device)
         for bucket in self.buckets:
-            total += bucket.master.grad_sq(self.mesh)
+            total += bucket.master.grad_sq(self.mesh, self.placement.device)
         return total
 
     def global_grad_norm(self) -> float:
