@@ -53,14 +53,16 @@ def run_suite(name: str, repeats: int, steps: int, warmup: int) -> dict:
             print(f"[{name}] repeat {r + 1}/{repeats}: {case}", file=sys.stderr, flush=True)
             with World(world_size, timeout_s=900) as world:
                 raw[case].append(world.run(fn, steps, warmup))
-    baseline_of = getattr(module, "BASELINE_OF", {})
-    return {"suite": name, "baseline": module.BASELINE, "baseline_of": baseline_of, "repeats": repeats,
-            "steps": steps, "raw": raw, "summary": summarize(raw, module.BASELINE, baseline_of)}
+    peers, reference = getattr(module, "PEERS", None), getattr(module, "REFERENCE", None)
+    return {"suite": name, "baseline": module.BASELINE, "repeats": repeats, "steps": steps, "raw": raw,
+            "peers": peers, "reference": reference,
+            "summary": summarize(raw, module.BASELINE, peers, reference)}
 
 
-def summarize(raw: dict[str, list[list[dict]]], baseline: str,
-              baseline_of: dict[str, str] | None = None) -> dict[str, dict]:
-    """Per case: medians, and the ratio to its baseline (`baseline_of[case]`, else the suite's)."""
+def summarize(raw: dict[str, list[list[dict]]], baseline: str, peers: dict[str, list[str]] | None = None,
+              reference: str | None = None) -> dict[str, dict]:
+    """Per case: median step time, its ratio to the baseline and (optional) to each of its peers, peak RSS,
+    model state, last loss and (optional) the largest per-step loss difference to the reference case."""
     out = {}
     for case, runs in raw.items():
         medians = []
@@ -72,23 +74,35 @@ def summarize(raw: dict[str, list[list[dict]]], baseline: str,
                      "state_mib": max(r["state_bytes"] for r in runs[0]) / 2**20,
                      "last_loss": runs[0][0]["losses"][-1]}
         out[case].update({k: v for k, v in runs[0][0].items() if k.startswith("extra_")})
-    for case, row in out.items():
-        row["baseline"] = (baseline_of or {}).get(case, baseline)
-        row["ratio"] = row["median_step_s"] / out[row["baseline"]]["median_step_s"]
+    base = out[baseline]["median_step_s"]
+    for row in out.values():
+        row["ratio"] = row["median_step_s"] / base
+    for case, others in (peers or {}).items():
+        out[case]["peer_ratios"] = {p: out[case]["median_step_s"] / out[p]["median_step_s"] for p in others}
+    if reference is not None:
+        want = raw[reference][0][0]["losses"]
+        for case, runs in raw.items():
+            got = runs[0][0]["losses"]
+            out[case]["loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     return out
 
 
 def table(result: dict) -> str:
-    others = sorted(set(result.get("baseline_of", {}).values()) - {result["baseline"]})
-    also = f" (ratios of the cases {', '.join(k for k in result.get('baseline_of', {}))} are to " \
-        f"{', '.join(others)})" if others else ""
-    lines = [f"Baseline: **{result['baseline']}**{also}; {result['repeats']} interleaved repeats x "
-             f"{result['steps']} measured steps.", "",
-             "| case | median step (ms) | ratio to baseline | peak RSS / rank (MiB) | model state / rank (MiB) "
-             "| last loss |", "|---|---:|---:|---:|---:|---:|"]
+    """The markdown table; suites with PEERS / REFERENCE get a peer-ratio / loss-difference column."""
+    peers, reference = result.get("peers"), result.get("reference")
+    head = ["case", "median step (ms)", "ratio to baseline"] + (["ratio to peers"] if peers else []) + \
+        ["peak RSS / rank (MiB)", "model state / rank (MiB)", "last loss"] + \
+        (["max loss diff vs reference"] if reference else [])
+    lines = [f"Baseline: **{result['baseline']}**; {result['repeats']} interleaved repeats x {result['steps']} "
+             f"measured steps.", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for case, row in result["summary"].items():
-        lines.append(f"| {case} | {row['median_step_s'] * 1e3:.1f} | {row['ratio']:.3f} | "
-                     f"{row['peak_rss_mib']:.0f} | {row['state_mib']:.2f} | {row['last_loss']:.5f} |")
+        cells = [case, f"{row['median_step_s'] * 1e3:.1f}", f"{row['ratio']:.3f}"]
+        if peers:
+            cells.append(", ".join(f"{r:.3f} vs {p}" for p, r in row.get("peer_ratios", {}).items()) or "")
+        cells += [f"{row['peak_rss_mib']:.0f}", f"{row['state_mib']:.2f}", f"{row['last_loss']:.5f}"]
+        if reference:
+            cells.append(f"{row['loss_diff']:.1e}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

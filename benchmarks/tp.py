@@ -149,4 +149,5 @@ CASES = {
 }
 BASELINE = "torch TP"
 # Each of our cases against its own torch counterpart (the table's ratio column).
-BASELINE_OF = {"paratrain TP+SP": "torch TP+SP", "torch TP+SP": "torch TP+SP"}
+# Each of ours is also compared with the peer doing the same thing (sequence parallel or not).
+PEERS = {"paratrain TP": ["torch TP"], "paratrain TP+SP": ["torch TP+SP"]}

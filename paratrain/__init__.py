@@ -3,6 +3,7 @@
 The public API mirrors DeepSpeed's (`import paratrain as deepspeed` works for the common surface).
 """
 
+from paratrain import zero  # paratrain.zero.estimate_memory
 from paratrain.api import add_config_arguments, initialize, resolve_config
 from paratrain.comm import CommStats
 from paratrain.config import Config, ConfigError, load_config
@@ -28,4 +29,5 @@ __all__ = [
     "initialize",
     "load_config",
     "resolve_config",
+    "zero",
 ]

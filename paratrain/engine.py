@@ -13,6 +13,7 @@ belong to the `GradSync` it returns.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from paratrain.distributed import current_device, local_rank
 from paratrain.mesh import Mesh
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallelize import parallelize
+from paratrain.precision import make_loss_scaler
 
 log = logging.getLogger("paratrain")
 
@@ -50,6 +52,7 @@ class Engine:
         self.micro_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        self.loss_scaler = make_loss_scaler(config)  # fp16 only
         self._grad_norm: float | None = None
         self._times: dict[str, float] = defaultdict(float)
 
@@ -126,6 +129,10 @@ class Engine:
         """The global gradient norm (before clipping) of the last optimizer step."""
         return self._grad_norm
 
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 when no loss scaling is in use)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
@@ -162,6 +169,8 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
                              f"(e.g. loss.mean()) first")
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
         self.grad_sync.prepare_backward(sync=self.is_gradient_accumulation_boundary())
         with self._timed("backward"):
             scaled.backward(retain_graph=retain_graph)
@@ -177,12 +186,26 @@ class Engine:
     def _optimizer_update(self) -> None:
         with self._timed("comm_wait"):
             self.grad_sync.finish_gradients()
-        self._grad_norm = self.grad_sync.global_grad_norm()
+        norm = self.grad_sync.global_grad_norm()
+        factor = 1.0
+        if self.loss_scaler is not None:
+            # A non-finite norm means some gradient on some rank overflowed: every rank sees the same
+            # norm, so every rank skips the same step.
+            scale = self.loss_scaler.scale
+            overflow = not math.isfinite(norm)
+            self.loss_scaler.update(overflow)
+            if overflow:
+                self._skip_step(norm)
+                return
+            norm, factor = norm / scale, 1.0 / scale
+        self._grad_norm = norm
         clip = self.gradient_clipping()
         if clip > 0.0:
-            coef = clip / (self._grad_norm + 1e-6)
+            coef = clip / (norm + 1e-6)
             if coef < 1.0:
-                self.grad_sync.scale_gradients(coef)
+                factor *= coef
+        if factor != 1.0:
+            self.grad_sync.scale_gradients(factor)  # unscale and clip in one pass
         self.grad_sync.optimizer_step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -192,6 +215,16 @@ class Engine:
             log.info("step=%d lr=%s grad_norm=%.4g", self.global_steps, self.get_lr(), self._grad_norm)
             if self.config.wall_clock_breakdown:
                 log.info("time (s): %s", {k: round(v, 4) for k, v in self._times.items()})
+
+    def _skip_step(self, norm: float) -> None:
+        """fp16 overflow: no update and no LR step (DeepSpeed's behaviour); the step still counts."""
+        self._grad_norm = norm
+        self.grad_sync.zero_grad()
+        self.skipped_steps += 1
+        self.global_steps += 1
+        if self.global_rank == 0:
+            log.warning("step %d skipped: fp16 gradients overflowed (skipped_steps=%d, loss scale now %g)",
+                        self.global_steps, self.skipped_steps, self.loss_scale())
 
     def _run_micro_batch(self, batch) -> torch.Tensor:
         batch = _to_device(batch, self.device)

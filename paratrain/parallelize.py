@@ -20,6 +20,10 @@ from torch import nn
 from paratrain.config import Config, ConfigError
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
+from paratrain.data_parallel.flat import Placement
+from paratrain.data_parallel.fsdp import FullyShardedDataParallel
+from paratrain.data_parallel.fsdp_units import config_wrap_policy
+from paratrain.data_parallel.zero import ZeroDataParallel
 from paratrain.mesh import Mesh
 from paratrain.tensor_parallel import parallelize as tensor_parallelize
 from paratrain.tensor_parallel.plan import check_plan_syntax
@@ -55,12 +59,18 @@ def check_supported(config: Config) -> None:
     if config.context_parallel.size > 1:
         raise ConfigError("config key 'context_parallel.size' > 1: context parallelism is not available in "
                           "this build yet; set it to 1")
-    if config.zero_optimization.stage > 0:
-        raise ConfigError(f"config key 'zero_optimization.stage' = {config.zero_optimization.stage}: ZeRO is "
-                          f"not available in this build yet; use stage 0 (DDP)")
-    if config.fp16.enabled or config.bf16.enabled:
-        raise ConfigError("fp16/bf16 training is not available in this build yet; disable fp16.enabled and "
-                          "bf16.enabled")
+    zero = config.zero_optimization
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer.device' = \"cpu\" needs sharded "
+                          "optimizer states; set zero_optimization.stage to 1, 2 or 3")
+    if zero.offload_param.device != "none":
+        if zero.stage != 3:
+            raise ConfigError(f"config key 'zero_optimization.offload_param.device' = \"cpu\" needs sharded "
+                              f"parameters; set zero_optimization.stage to 3 (it is {zero.stage})")
+        if zero.offload_optimizer.device == "none":
+            raise ConfigError("config key 'zero_optimization.offload_param.device' = \"cpu\": the parameter "
+                              "shard is the fp32 master the optimizer updates, so it can only live on the host "
+                              "with the optimizer; also set zero_optimization.offload_optimizer.device to \"cpu\"")
     if config.activation_checkpointing.enabled:
         raise ConfigError("config key 'activation_checkpointing.enabled': not available in this build yet")
 
@@ -74,9 +84,28 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         unshard.append(applied.unshard)
     if device is not None:
         model.to(device)
-    dp = config.data_parallel
-    grad_sync = DistributedDataParallel(
-        model, mesh, bucket_cap_mb=dp.bucket_cap_mb, allow_unused_parameters=dp.allow_unused_parameters,
-        prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor,
-        broadcast_buffers=dp.broadcast_buffers)
-    return ParallelModel(model, grad_sync, unshard)
+    return ParallelModel(model, _data_parallel(model, mesh, config, device or torch.device("cpu")), unshard)
+
+
+def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device) -> GradSync:
+    """Step 5: DDP (stage 0, fp32), ZeRO-1/2 (or mixed-precision stage 0) over flat buckets, or FSDP."""
+    dp, zero = config.data_parallel, config.zero_optimization
+    if zero.stage == 0 and config.precision == "fp32":
+        return DistributedDataParallel(
+            model, mesh, bucket_cap_mb=dp.bucket_cap_mb, allow_unused_parameters=dp.allow_unused_parameters,
+            prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor,
+            broadcast_buffers=dp.broadcast_buffers)
+    placement = Placement(device, offload_optimizer=zero.offload_optimizer.device == "cpu",
+                          offload_param=zero.offload_param.device == "cpu",
+                          pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
+    predivide = mesh.size(("dp", "cp")) if config.prescale_gradients else config.gradient_predivide_factor
+    if zero.stage <= 2:
+        return ZeroDataParallel(model, mesh, zero.stage, precision=config.precision,
+                                bucket_numel=zero.reduce_bucket_size, placement=placement,
+                                allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide)
+    return FullyShardedDataParallel(
+        model, mesh, precision=config.precision, placement=placement,
+        wrap_policy=config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names),
+        reshard_after_forward=zero.reshard_after_forward,
+        persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
+        allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide)

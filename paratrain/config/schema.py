@@ -81,8 +81,13 @@ class ZeroConfig(Section):
     stage3_gather_16bit_weights_on_model_save: bool = False
     # paratrain's FSDP knobs: which modules become stage-3 units, and whether to free after forward.
     reshard_after_forward: bool = True
+    """Stage 3: free a unit's gathered parameters after its forward (regather for backward)."""
     wrap_module_classes: list[str] | None = None
+    """Stage 3: class names of the modules that become units (default: every child of an nn.ModuleList)."""
+    wrap_module_names: list[str] | None = None
+    """Stage 3: glob patterns over module names that become units, e.g. ["blocks.*", "head"]."""
     prefetch_depth: int = Field(1, ge=0)
+    """Stage 3: how many units ahead to start gathering while the current one computes."""
 
 
 class DataParallelConfig(Section):

@@ -97,7 +97,8 @@ class GradSync(ABC):
 
     @abstractmethod
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds: params, grads, optimizer_state (and their total)."""
+        """Bytes this rank holds: params, grads, optimizer_state, total, and how much of it is on the host
+        (offloaded) vs the device."""
 
     # ---- shared behaviour ------------------------------------------------------------------------
     def global_grad_norm(self) -> float:

@@ -193,4 +193,6 @@ class DistributedDataParallel(GradSync):
         params = tensor_bytes(p for _, p in self.named_params)
         grads = tensor_bytes(b.buffer for b in self.buckets)
         optim = tensor_bytes(optimizer_state_tensors(self.optimizer)) if self.optimizer else 0
-        return {"params": params, "grads": grads, "optimizer_state": optim, "total": params + grads + optim}
+        total = params + grads + optim
+        return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": 0,
+                "device": total}

@@ -6,6 +6,7 @@ the engine, and torch's own `clip_grad_norm_`, so a parity failure points at the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from torch import nn
 from paratrain.config import Config, load_config
 from paratrain.data import DataParallelLoader, DataParallelSampler
 from paratrain.optim import build_optimizer, build_scheduler
+from paratrain.precision import compute_dtype, make_loss_scaler
 
 
 @dataclass
@@ -32,23 +34,58 @@ def global_batches(dataset, config: Config, seed: int | None = None) -> DataPara
 
 
 def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, dataset, steps: int,
-                  loss_of: Callable[[nn.Module, object], torch.Tensor] | None = None) -> RunRecord:
-    """Train `steps` optimizer steps on one process. `config` must have train_batch_size resolved."""
+                  loss_of: Callable[[nn.Module, object], torch.Tensor] | None = None,
+                  param_groups: Callable[[nn.Module], list[dict]] | None = None) -> RunRecord:
+    """Train `steps` optimizer steps on one process. `config` must have train_batch_size resolved.
+
+    Under bf16/fp16 the model computes in the low dtype and an fp32 master copy of every parameter (taken
+    before the cast) is what the optimizer updates, with fp16's loss scaling and skipped steps: the
+    textbook mixed-precision loop, which the distributed strategies must match within that dtype's
+    rounding. The returned state holds the fp32 masters. `param_groups(model)` gives optimizer param
+    groups (dicts of the model's parameters with options), as passed to initialize(model_parameters=...).
+    """
     cfg = load_config(config)
     model = make_model()
-    optimizer = build_optimizer(cfg.optimizer, model.parameters())
+    masters = {name: p for name, p in model.named_parameters()}
+    scaler = make_loss_scaler(cfg)
+    if cfg.precision != "fp32":
+        masters = {name: nn.Parameter(p.detach().float().clone()) for name, p in model.named_parameters()}
+        model.to(compute_dtype(cfg.precision))
+    if param_groups is None:
+        optimizer = build_optimizer(cfg.optimizer, list(masters.values()))
+    else:
+        master_of = {id(p): masters[name] for name, p in model.named_parameters()}
+        optimizer = build_optimizer(cfg.optimizer, [{**g, "params": [master_of[id(p)] for p in g["params"]]}
+                                                    for g in param_groups(model)])
     scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler is not None else None
     batches = global_batches(dataset, cfg)
     loss_of = loss_of or (lambda m, batch: m(*batch))
     losses, norms = [], []
     for _ in range(steps):
         loss = loss_of(model, next(batches))
-        loss.backward()
+        (loss * (scaler.scale if scaler else 1.0)).backward()
+        losses.append(float(loss.detach()))
+        if cfg.precision != "fp32":
+            for name, p in model.named_parameters():
+                masters[name].grad = p.grad.float() / (scaler.scale if scaler else 1.0)
+                p.grad = None
         max_norm = cfg.gradient_clipping if cfg.gradient_clipping > 0 else float("inf")
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        norm = float(torch.nn.utils.clip_grad_norm_(list(masters.values()), max_norm))
+        norms.append(norm)
+        if scaler is not None:
+            overflow = not math.isfinite(norm)
+            scaler.update(overflow)
+            if overflow:
+                optimizer.zero_grad(set_to_none=True)
+                continue
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return RunRecord(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        if cfg.precision != "fp32":
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(masters[name])
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state.update({k: v.detach().clone() for k, v in masters.items() if k in state})
+    return RunRecord(losses, norms, state)

@@ -1,0 +1,185 @@
+"""Our ZeRO-1/2/3 vs torch FSDP2 (`fully_shard` per block) and DeepSpeed ZeRO-1/2/3, 2 ranks, CPU/gloo.
+
+Every case trains the same GPT from the same seed on the same batches with the same optimizer: torch's
+AdamW (fused, lr 1e-3, betas (0.9, 0.95), weight decay 0.1 — passed explicitly, since DeepSpeed's AdamW
+defaults to weight decay 0 and torch's to 0.01) and global-norm clipping at 1.0, fp32. DeepSpeed gets the
+torch optimizer as a client optimizer (its own FusedAdam needs a compiled op) and runs on its CPU
+accelerator (DS_ACCELERATOR=cpu, set by the suite) over the gloo group already initialized. Every
+sharded case uses stage3_param_persistence_threshold = 0 (shard everything, as FSDP2 does), so the
+memory columns compare the same sharding. "reference" is one process on the whole global batch (16): its
+losses are what every other case must reproduce; its time is not comparable.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import ADAMW, Timer, bench_model, local_batches
+
+MICRO_BATCH = 8
+OPTIMIZER = {**ADAMW, "fused": True}
+
+
+def _mean_loss(loss: torch.Tensor) -> torch.Tensor:
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)  # the same metric cost as train_batch's global mean loss
+    return mean / dist.get_world_size()
+
+
+def _tensor_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _paratrain(stage: int, steps: int, warmup: int) -> dict:
+    import paratrain
+
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = paratrain.initialize(model=bench_model(), config=cfg)
+    batches = local_batches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    timer = Timer(warmup)
+    timer.measure(steps, lambda: engine.train_batch(batches))
+    return timer.result(state_bytes=engine.memory_stats()["total"])
+
+
+def paratrain_zero1(steps: int, warmup: int) -> dict:
+    return _paratrain(1, steps, warmup)
+
+
+def paratrain_zero2(steps: int, warmup: int) -> dict:
+    return _paratrain(2, steps, warmup)
+
+
+def paratrain_zero3(steps: int, warmup: int) -> dict:
+    return _paratrain(3, steps, warmup)
+
+
+def torch_fsdp2(steps: int, warmup: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model = bench_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    batches = local_batches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+
+    def step():
+        x, y = next(batches)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return _mean_loss(loss)
+
+    timer = Timer(warmup)
+    timer.measure(steps, step)
+    state = _tensor_bytes([*model.parameters(), *(p.grad for p in model.parameters())] +
+                          [v for s in opt.state.values() for v in s.values()])
+    return timer.result(state_bytes=state)
+
+
+def _deepspeed(stage: int, steps: int, warmup: int) -> dict:
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    model = bench_model()
+    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+    batches = local_batches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+
+    def step():
+        x, y = next(batches)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return _mean_loss(loss)
+
+    timer = Timer(warmup)
+    timer.measure(steps, step)
+    return timer.result(state_bytes=_deepspeed_state_bytes(engine))
+
+
+def _deepspeed_state_bytes(engine) -> int:
+    """Every tensor the ZeRO optimizer and the model hold between steps (flat buffers, partitions,
+    optimizer state, gradients), each storage once."""
+    zero = engine.optimizer
+    tensors = []
+    for value in vars(zero).values():
+        items = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else [value]
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                tensors += [item, item.grad]
+            elif isinstance(item, (list, tuple)):
+                tensors += [t for t in item if isinstance(t, torch.Tensor)]
+    for p in engine.module.parameters():
+        tensors += [getattr(p, "ds_tensor", p), p.grad]
+    tensors += [v for s in zero.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return _tensor_bytes(tensors)
+
+
+def deepspeed_zero1(steps: int, warmup: int) -> dict:
+    return _deepspeed(1, steps, warmup)
+
+
+def deepspeed_zero2(steps: int, warmup: int) -> dict:
+    return _deepspeed(2, steps, warmup)
+
+
+def deepspeed_zero3(steps: int, warmup: int) -> dict:
+    return _deepspeed(3, steps, warmup)
+
+
+def reference(steps: int, warmup: int) -> dict:
+    model = bench_model()
+    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    batches = local_batches(2 * MICRO_BATCH, 1, 0)  # the global batch of the 2-rank cases
+
+    def step():
+        x, y = next(batches)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    timer = Timer(warmup)
+    timer.measure(steps, step)
+    return timer.result(state_bytes=_tensor_bytes([*model.parameters(), *(p.grad for p in model.parameters())] +
+                                                  [v for s in opt.state.values() for v in s.values()]))
+
+
+CASES = {
+    "paratrain ZeRO-1": (paratrain_zero1, 2),
+    "paratrain ZeRO-2": (paratrain_zero2, 2),
+    "paratrain ZeRO-3": (paratrain_zero3, 2),
+    "torch FSDP2": (torch_fsdp2, 2),
+    "DeepSpeed ZeRO-1": (deepspeed_zero1, 2),
+    "DeepSpeed ZeRO-2": (deepspeed_zero2, 2),
+    "DeepSpeed ZeRO-3": (deepspeed_zero3, 2),
+    "reference (1 process)": (reference, 1),
+}
+BASELINE = "torch FSDP2"
+# Each of our stages against its peers, ratio of median step times (the targets: <= 1.00 vs FSDP2,
+# <= 0.85 vs DeepSpeed at the same stage).
+PEERS = {
+    "paratrain ZeRO-1": ["DeepSpeed ZeRO-1"],
+    "paratrain ZeRO-2": ["DeepSpeed ZeRO-2"],
+    "paratrain ZeRO-3": ["torch FSDP2", "DeepSpeed ZeRO-3"],
+}
+REFERENCE = "reference (1 process)"

@@ -1,0 +1,316 @@
+"""ZeRO stage 3 / FSDP: parameters, gradients and optimizer states all sharded over the dp axis.
+
+The model is changed in place (FSDP2-style: every module and parameter keeps its identity, no wrapper):
+each unit's parameters become views of a flat buffer (`fsdp_units.FlatParam`) whose storage exists only
+while the unit is in use. Per micro-step:
+
+  root pre-forward   gather the root unit (and the persistent one, if stale); prefetch the first unit
+  unit pre-forward   wait for / start its all-gather, prefetch the next `prefetch_depth` units
+  unit post-forward  free it (`reshard_after_forward`), hook its outputs for the backward
+  unit pre-backward  gather it again, prefetch the unit before it in forward order
+  unit post-backward (every parameter's gradient accumulated) reduce-scatter its gradients toward the
+                     fp32 gradient shard and free it
+Reductions are collected at the next backward or at the step, so they overlap what follows. The update
+touches only the shards; nothing is gathered after the step (the next forward gathers).
+
+[Note: the root is not freed after forward]
+The root's backward starts as soon as its forward ends (the loss), so freeing it would only regather it
+at once; FSDP2 keeps the root gathered for the same reason. Per optimizer step the root unit therefore
+moves one all-gather, every other unit two: all-gather elements = 2 Ψ_units + Ψ_root (exactly 2Ψ when the
+root owns no parameters), reduce-scatter = Ψ, both padded to a multiple of N per flat buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from paratrain import comm
+from paratrain.data_parallel.base import (
+    GradSync,
+    OptimizerFactory,
+    optimizer_state_tensors,
+    sum_over_model_parallel,
+    tensor_bytes,
+)
+from paratrain.data_parallel.ddp import UnusedParametersError, broadcast_module_state
+from paratrain.data_parallel.flat import (
+    Placement,
+    cast_untracked,
+    optimizer_groups,
+    split_param_groups,
+    state_with_gathered,
+)
+from paratrain.data_parallel.fsdp_units import FlatParam, Unit, WrapPolicy, assign_params, config_wrap_policy
+from paratrain.mesh import Mesh
+from paratrain.precision import compute_dtype
+
+
+class FullyShardedDataParallel(GradSync):
+    def __init__(self, module: nn.Module, mesh: Mesh, precision: str = "fp32", placement: Placement | None = None,
+                 wrap_policy: WrapPolicy | None = None, reshard_after_forward: bool = True,
+                 persistence_threshold: int = 100_000, prefetch_depth: int = 1,
+                 allow_unused_parameters: bool = False, predivide_factor: float = 1.0):
+        super().__init__(module, mesh)
+        self.pre_divide = predivide_factor
+        self.post_divide = self.axis.size / predivide_factor
+        self.dtype = compute_dtype(precision)
+        self.placement = placement or Placement(torch.device("cpu"))
+        self.wrap_policy = wrap_policy or config_wrap_policy(module, None, None)
+        self.reshard_after_forward = reshard_after_forward
+        self.persistence_threshold = persistence_threshold
+        self.prefetch_depth = prefetch_depth
+        self.allow_unused = allow_unused_parameters
+        broadcast_module_state(module, self.axis)
+        self.root: Unit | None = None
+        self.units: list[Unit] = []  # non-root units, in module order
+        self.persistent: Unit | None = None
+        self._slot: dict[nn.Parameter, tuple[Unit, FlatParam, int]] = {}
+        self._order: list[Unit] = []  # units in the order the last forward ran them
+        self._recording: list[Unit] = []
+        self._launched: list[Unit] = []  # units whose reduce-scatter is in flight, in launch order
+        self._backward_pending = False
+        self._first_in_window = True
+
+    # ---- sharding (needs the param groups, so it happens with the optimizer) ---------------------
+    def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
+        owned, persistent = assign_params(self.module, self.wrap_policy, self.persistence_threshold)
+        modules = dict(self.module.named_modules())
+        by_group: dict[int, tuple[dict, list]] = {}
+
+        def make_unit(name: str, named: list, keep: bool = False) -> Unit:
+            flats = []
+            for gi, (options, part) in enumerate(split_param_groups(named, _restrict(param_groups, named))):
+                flat = FlatParam(part, self.axis, self.dtype, self.placement)
+                flats.append(flat)
+                by_group.setdefault(_group_key(param_groups, part, gi), (options, []))[1].append(flat.master)
+            unit = Unit(name, modules[name], flats, self.reshard_after_forward and bool(name), keep)
+            for flat in flats:
+                for i, slot in enumerate(flat.layout.slots):
+                    self._slot[slot.param] = (unit, flat, i)
+                    slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            return unit
+
+        self.root = make_unit("", owned[""])
+        self.units = [make_unit(name, named) for name, named in owned.items() if name and named]
+        self.persistent = make_unit("", persistent, keep=True) if persistent else None
+        if self.persistent is not None:
+            self.persistent.name = "<persistent>"
+        self._order = list(self.units)
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+        self.module.register_forward_pre_hook(lambda m, a: self._root_pre_forward())
+        self.module.register_forward_hook(lambda m, a, out: self._root_post_forward())
+        cast_untracked(self.module, self.dtype, set(self._slot))
+        groups = [by_group[k] for k in sorted(by_group)]
+        self.optimizer = factory(optimizer_groups(groups))
+        return self.optimizer
+
+    def _all_units(self) -> list[Unit]:
+        return [u for u in [self.root, *self.units, self.persistent] if u is not None]
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def _prefetch(self, units: list[Unit]) -> None:
+        for unit in units[:self.prefetch_depth]:
+            unit.gather(self.axis)
+
+    def _root_pre_forward(self) -> None:
+        self._recording = []
+        for unit in (self.persistent, self.root):
+            if unit is not None:
+                unit.wait(self.axis)
+        self._prefetch(self._order)
+
+    def _pre_forward(self, unit: Unit) -> None:
+        self._recording.append(unit)
+        unit.wait(self.axis)
+        if unit in self._order:
+            i = self._order.index(unit)
+            self._prefetch(self._order[i + 1:])
+
+    def _post_forward(self, unit: Unit, output) -> None:
+        if not torch.is_grad_enabled():
+            unit.reshard()
+            return
+        if unit.reshard_after_forward:
+            unit.reshard()
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grad, u=unit: self._pre_backward(u), mode="any")
+
+    def _root_post_forward(self) -> None:
+        if self._recording:
+            self._order = self._recording
+        if not torch.is_grad_enabled():
+            for unit in self._all_units():
+                unit.reshard()
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.wait(self.axis)
+        if unit in self._order:
+            i = self._order.index(unit)
+            self._prefetch(self._order[:i][::-1])
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        unit, flat, i = self._slot[param]
+        flat.add_grad(i, param.grad)
+        param.grad = None
+        if unit.complete and not unit.reduce_launched:
+            self._launch_reduce(unit)
+            unit.reshard()  # its backward is over: every parameter's gradient has been accumulated
+
+    def _launch_reduce(self, unit: Unit) -> None:
+        # [Note: one reduce-scatter in flight] The previous unit's reduction had this unit's whole backward
+        # to finish; collecting it now frees its full-size gradient buffer, so at most two units' gradients
+        # exist at once instead of the whole model's (FSDP2 bounds its reduce-scatter inputs the same way).
+        self._collect_launched()
+        unit.reduce_handles = [f.reduce(self.axis, self._first_in_window, self.pre_divide) for f in unit.flats]
+        unit.reduce_launched = True
+        self._launched.append(unit)
+
+    def _collect_launched(self) -> None:
+        for unit in self._launched:
+            for flat, handle in zip(unit.flats, unit.reduce_handles):
+                handle.wait()
+                flat.collect()
+            unit.reduce_handles = []
+        self._launched = []
+
+    def prepare_backward(self, sync: bool) -> None:
+        if self._backward_pending:
+            self._collect()
+        self._backward_pending = True
+
+    @contextmanager
+    def no_sync(self):
+        raise RuntimeError("no_sync() needs full gradients to accumulate into, which ZeRO stage 3 does not keep; "
+                           "use gradient_accumulation_steps instead")
+        yield  # pragma: no cover
+
+    def _collect(self) -> None:
+        """Finish this backward: reduce what did not complete, wait, add into the gradient shards."""
+        missing = [s.name for u in self._all_units() if not u.reduce_launched and u.flats
+                   for f in u.flats for i, s in enumerate(f.layout.slots) if i not in f.ready]
+        if missing and not self.allow_unused:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise UnusedParametersError(
+                f"{len(missing)} parameter(s) received no gradient in this step: {shown}. Either use them in "
+                f"the forward pass, freeze them (requires_grad=False), or set data_parallel."
+                f"allow_unused_parameters to true")
+        for unit in self._all_units():
+            if unit.flats and not unit.reduce_launched:
+                self._launch_reduce(unit)
+        self._collect_launched()
+        for unit in self._all_units():
+            unit.reduce_launched = False
+        self._first_in_window = False
+        self._backward_pending = False
+
+    def finish_gradients(self) -> None:
+        if self._backward_pending:
+            self._collect()
+        for unit in self._all_units():
+            unit.reshard()  # whatever a prefetch gathered but no backward used
+        for flat in self._flats():
+            flat.master.grad.div_(self.post_divide)
+
+    # ---- update -----------------------------------------------------------------------------------
+    def _flats(self) -> list[FlatParam]:
+        return [f for u in self._all_units() for f in u.flats]
+
+    def local_grad_sq(self) -> torch.Tensor:
+        # On the compute device: the norm is all-reduced there (NCCL reduces no host tensors).
+        total = torch.zeros((), dtype=torch.float32, device=self.placement.device)
+        for flat in self._flats():
+            total += flat.master.grad_sq(self.mesh, self.placement.device)
+        return total
+
+    def global_grad_norm(self) -> float:
+        local = self.local_grad_sq()
+        comm.all_reduce(local, self.axis, tag="grad_norm")
+        return math.sqrt(float(sum_over_model_parallel(local, self.mesh)))
+
+    def scale_gradients(self, factor: float) -> None:
+        for flat in self._flats():
+            flat.master.grad.mul_(factor)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        with torch.no_grad():
+            for flat in self._flats():
+                flat.refresh_device_shard()
+        if self.persistent is not None:
+            self.persistent.gathered = False  # stale: regathered by the next forward
+
+    def zero_grad(self) -> None:
+        self._first_in_window = True  # the first reduction of the next window overwrites the shards
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def gathered_units(self) -> list[str]:
+        """Names of the units whose full parameters are materialized on this rank right now."""
+        return [u.name for u in self._all_units() if u.flats and u.allocated_bytes() > 0]
+
+    def padded_numel(self) -> int:
+        return sum(f.layout.padded for f in self._flats())
+
+    def shard_layout(self) -> list[dict]:
+        return [{"unit": u.name, **f.layout.describe()} for u in self._all_units() for f in u.flats]
+
+    def memory_stats(self) -> dict[str, int]:
+        flats = self._flats()
+        masters = [f.master.param for f in flats]
+        master_grads = [f.master.grad for f in flats]
+        states = optimizer_state_tensors(self.optimizer) if self.optimizer else []
+        gathered = sum(f.full.untyped_storage().nbytes() for f in flats)
+        params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + gathered
+        grads = tensor_bytes(master_grads)
+        optim = tensor_bytes(states)
+        host = tensor_bytes(masters + master_grads + states) if self.placement.offload_optimizer else 0
+        total = params + grads + optim
+        return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
+                "device": total - host, "gathered_params": gathered}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        gathered: dict[int, torch.Tensor] = {}
+        for flat in self._flats():
+            full = torch.empty(flat.layout.padded, dtype=torch.float32, device=self.placement.device)
+            mine = flat.master.param.detach().to(self.placement.device)
+            comm.all_gather_into(full, mine, self.axis, tag="state_dict")
+            for slot, view in zip(flat.layout.slots, flat.layout.views(full)):
+                gathered[id(slot.param)] = view
+        return state_with_gathered(self.module, gathered)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _restrict(param_groups: list | None, named: list) -> list | None:
+    """The param groups, each restricted to the parameters in `named` (empty groups dropped later)."""
+    if not param_groups:
+        return None
+    mine = {id(p) for _, p in named}
+    return [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in param_groups]
+
+
+def _group_key(param_groups: list | None, part: list, fallback: int) -> int:
+    """Index of the engine param group that `part` (a non-empty list of named params) belongs to."""
+    if not param_groups:
+        return 0
+    first = id(part[0][1])
+    for gi, g in enumerate(param_groups):
+        if any(id(p) == first for p in g["params"]):
+            return gi
+    return fallback

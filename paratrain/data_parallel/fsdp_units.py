@@ -1,0 +1,189 @@
+"""Stage-3 units: which modules own which parameters, and one unit's flat sharded storage.
+
+A unit is a module whose parameters are gathered together just before it runs and freed after. By default
+every child of an `nn.ModuleList` (a transformer's blocks) is a unit and the root module is the unit of
+whatever is left; `wrap_module_classes` (class names) and `wrap_module_names` (glob patterns over module
+names, e.g. "blocks.*", "head") choose other modules. Units may nest: a parameter belongs to the innermost
+unit around it. Parameters of at most `stage3_param_persistence_threshold` elements go to one persistent
+unit that stays gathered (DeepSpeed's persistence: gathering tiny tensors costs more latency than memory).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from paratrain import comm
+from paratrain.data_parallel.flat import FlatLayout, MasterShard, Placement
+from paratrain.mesh import Axis
+
+WrapPolicy = Callable[[str, nn.Module], bool]
+
+
+def default_wrap_policy(root: nn.Module) -> WrapPolicy:
+    """Every child of an nn.ModuleList: the blocks of a transformer, whatever the list is called."""
+    in_lists = {id(child) for m in root.modules() if isinstance(m, nn.ModuleList) for child in m}
+    return lambda name, module: id(module) in in_lists
+
+
+def config_wrap_policy(root: nn.Module, classes: list[str] | None, names: list[str] | None) -> WrapPolicy:
+    if not classes and not names:
+        return default_wrap_policy(root)
+    classes, names = set(classes or ()), list(names or ())
+    return lambda name, module: type(module).__name__ in classes or any(name_matches(name, p) for p in names)
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """Glob over dotted module names where `*` stands for one name component: "blocks.*" matches
+    "blocks.3" but not "blocks.3.attn" (the convention of tensor-parallel plans)."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, wanted))
+
+
+def assign_params(root: nn.Module, policy: WrapPolicy, persistence_threshold: int):
+    """{unit name: [(param name, param)]} with "" = root, plus the persistent parameters, in module order."""
+    units = [name for name, m in root.named_modules() if name and policy(name, m)]
+    owned: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], **{u: [] for u in units}}
+    persistent: list[tuple[str, nn.Parameter]] = []
+    for pname, p in root.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.numel() <= persistence_threshold:
+            persistent.append((pname, p))
+            continue
+        owner = max((u for u in units if pname.startswith(u + ".")), key=len, default="")
+        owned[owner].append((pname, p))
+    return owned, persistent
+
+
+class FlatParam:
+    """One unit's parameters of one param group: a flat buffer gathered on demand, and this rank's shard.
+
+    The module's parameters are views of `full`; while the unit is sharded, `full`'s storage is resized to
+    zero bytes (the views keep their shapes but own no memory) and gathering resizes it back and
+    all-gathers into it. The version counter of the parameters is untouched by these writes (they go
+    through `full`, a different tensor), so autograd accepts the regathered values in backward.
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, dtype: torch.dtype, placement: Placement):
+        self.layout = FlatLayout(named, axis.size, axis.rank)
+        self.dtype = dtype
+        self.placement = placement
+        fp32 = self.layout.flatten([p.detach() for _, p in named], torch.float32, placement.device)
+        self.master = MasterShard(self.layout, self.layout.shard_of(fp32), placement)
+        self.master.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.master.param.device)
+        # offload_optimizer keeps the master on the host: a compute-dtype copy of the shard stays on the
+        # device as the all-gather input, unless offload_param sends that to the host too.
+        self.device_shard = None
+        if placement.offload_optimizer and not placement.offload_param:
+            self.device_shard = self.layout.shard_of(fp32).to(placement.device, dtype, copy=True)
+        self.full = torch.empty(self.layout.padded, dtype=dtype, device=placement.device)
+        for slot, view in zip(self.layout.slots, self.layout.views(self.full)):
+            slot.param.data = view
+        self.free()
+        self.staging: torch.Tensor | None = None  # this backward's gradients, until reduce-scattered
+        self.reduced: torch.Tensor | None = None
+        self.first = True
+        self.ready: set[int] = set()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.layout.slots)
+
+    def is_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def gather(self, axis: Axis) -> comm.Handle:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.padded * self.full.element_size())
+        master = self.master.param.detach()
+        if self.device_shard is not None:
+            source = self.device_shard
+        elif master.device == self.full.device and master.dtype == self.dtype:
+            source = master
+        else:
+            source = master.to(self.full.device, self.dtype)  # cast, or copy from the host (offload_param)
+        handle = comm.all_gather_into(self.full, source, axis, tag="param", async_op=True)
+        handle.source = source  # keep a transient input alive until the gather is done
+        return handle
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        if self.staging is None:
+            self.staging = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.placement.device)
+        slot = self.layout.slots[index]
+        self.staging[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+        self.ready.add(index)
+
+    def reduce(self, axis: Axis, first: bool, pre_divide: float = 1.0) -> comm.Handle:
+        """Reduce-scatter this backward's gradients (missing ones count as zero) toward the fp32 shard."""
+        if self.staging is None:
+            self.staging = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.placement.device)
+        if pre_divide != 1.0:
+            self.staging.div_(pre_divide)
+        grad = self.master.grad
+        direct = first and grad.dtype == self.dtype and grad.device == self.staging.device
+        self.reduced = grad if direct else torch.empty(self.layout.shard_numel, dtype=self.dtype,
+                                                       device=self.staging.device)
+        self.first = first
+        return comm.reduce_scatter_into(self.reduced, self.staging, axis, tag="grad", async_op=True)
+
+    def collect(self) -> None:
+        self.master.accumulate(self.reduced, self.first)
+        self.staging = self.reduced = None
+        self.ready.clear()
+
+    def refresh_device_shard(self) -> None:
+        if self.device_shard is not None:
+            self.device_shard.copy_(self.master.param.detach())
+
+
+class Unit:
+    """A module whose parameters are gathered and freed together (one FlatParam per param group)."""
+
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam], reshard_after_forward: bool,
+                 keep: bool = False):
+        self.name = name or "<root>"
+        self.module = module
+        self.flats = flats
+        self.reshard_after_forward = reshard_after_forward
+        self.keep = keep  # persistent: never freed, regathered once after each optimizer step
+        self.handles: list[comm.Handle] = []
+        self.gathered = False  # the full parameters are present and current
+        self.reduce_handles: list[comm.Handle] = []
+        self.reduce_launched = False
+
+    @property
+    def complete(self) -> bool:
+        return all(f.complete for f in self.flats)
+
+    def gather(self, axis: Axis) -> None:
+        """Start the all-gather (no-op if gathered or already in flight)."""
+        if not self.gathered and not self.handles:
+            self.handles = [f.gather(axis) for f in self.flats]
+
+    def wait(self, axis: Axis) -> None:
+        self.gather(axis)
+        for h in self.handles:
+            h.wait()
+        self.handles = []
+        self.gathered = True
+
+    def reshard(self) -> None:
+        if self.keep:
+            return
+        for h in self.handles:
+            h.wait()
+        self.handles = []
+        for f in self.flats:
+            f.free()
+        self.gathered = False
+
+    def allocated_bytes(self) -> int:
+        return sum(f.full.untyped_storage().nbytes() for f in self.flats)

@@ -1,0 +1,65 @@
+"""ZeRO's memory arithmetic: the model-state bytes per rank each stage holds, from the parameter count.
+
+    paratrain.zero.estimate_memory(model, dp=8, stage=3, offload="optimizer", precision="bf16")
+
+The formulas are what `engine.memory_stats()` measures (tests assert equality), so they count exactly the
+persistent buffers the strategies keep (Ψ = trainable parameters, N = dp size, p = bytes of the compute
+dtype, K = optimizer-state bytes per parameter, 8 for Adam/AdamW):
+
+| stage | params                        | grads        | optimizer |
+|-------|-------------------------------|--------------|-----------|
+| 0     | pΨ (+ 4Ψ fp32 master if mixed) | pΨ           | KΨ        |
+| 1     | pΨ + 4Ψ/N if the master is a copy | pΨ        | KΨ/N      |
+| 2     | pΨ + 4Ψ/N if the master is a copy | 4Ψ/N (fp32) | KΨ/N     |
+| 3     | 4Ψ/N (+ pΨ/N device shard under optimizer offload) + p·Ψ_persistent | 4Ψ/N | KΨ/N |
+
+The master is a copy under mixed precision or optimizer offload; in fp32 without offload it is the model's
+own slice (stages 1-2). fp32 AdamW gives DeepSpeed's figures: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N. Offloaded
+states (master, its gradient at stages 2-3, optimizer state) are counted under "host". Pass the padded
+count (`grad_sync.padded_numel()`) to get a strategy's figure to the byte; with the raw count the
+difference is the padding (< N elements per flat buffer). Transient buffers (buckets in flight, a gathered
+unit, the fp32 gradient copy at stages 0-1 under mixed precision) are not model state and are not counted.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paratrain.precision import compute_dtype
+
+OFFLOAD = ("none", "optimizer", "optimizer+param")
+
+
+def estimate_memory(model: nn.Module | int, dp: int, stage: int, offload: str = "none", precision: str = "fp32",
+                    optimizer_state_bytes: int = 8, persistent_params: int = 0) -> dict[str, int]:
+    """Per-rank model-state bytes: params, grads, optimizer_state, total, and the host/device split."""
+    psi = model if isinstance(model, int) else sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if offload not in OFFLOAD:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOAD)}, got {offload!r}")
+    if offload != "none" and stage == 0 or offload == "optimizer+param" and stage != 3:
+        raise ValueError(f"offload={offload!r} is not available at stage {stage} (optimizer offload needs stage "
+                         f">= 1, parameter offload stage 3)")
+    p = compute_dtype(precision).itemsize
+    mixed = precision != "fp32"
+    off = offload != "none"
+    k = optimizer_state_bytes
+    n = 1 if stage == 0 else dp
+    shard = -(-psi // n)
+    if stage == 0:
+        params, grads = p * psi + (4 * psi if mixed else 0), p * psi
+    elif stage in (1, 2):
+        params = p * psi + (4 * shard if mixed or off else 0)
+        grads = p * psi if stage == 1 else 4 * shard
+    else:
+        device_shard = p * shard if offload == "optimizer" else 0
+        params = 4 * shard + device_shard + p * persistent_params
+        grads = 4 * shard
+    optim = k * shard
+    host = 0
+    if off:
+        host = 4 * shard + optim + (4 * shard if stage >= 2 else 0)
+    total = params + grads + optim
+    return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
+            "device": total - host}
