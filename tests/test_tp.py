@@ -122,10 +122,11 @@ MODELS = {"gpt": (tiny_gpt, corpus_windows, None), "llama": (tiny_llama, lambda:
 
 
 # ---- parity ------------------------------------------------------------------------------------------
-def _parity(model: str, tp: int, sp: bool, accumulation: int = 1) -> dict:
+def _parity(model: str, tp: int, sp: bool, accumulation: int = 1, stage: int = 0) -> dict:
     make, make_data, plan = MODELS[model]
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation,
-                       tensor_parallel={"size": tp, "sequence_parallel": sp, "plan": plan})
+                       tensor_parallel={"size": tp, "sequence_parallel": sp, "plan": plan},
+                       zero_optimization={"stage": stage})
     data = make_data()
     dense = make()
     engine, *_ = paratrain.initialize(model=make(), config=cfg, training_data=data)
@@ -138,7 +139,8 @@ def _parity(model: str, tp: int, sp: bool, accumulation: int = 1) -> dict:
     local = dict(engine.module.named_parameters())
     sharded = {n for n, p in local.items() if getattr(p, "tp_sharded", False)}
     dense_params = dict(dense.named_parameters())
-    return {"case": f"{model} tp{tp} sp={sp} dp{engine.pmesh.size('dp')} gas{accumulation}",
+    zero = f" zero{stage}" if stage else ""
+    return {"case": f"{model} tp{tp} sp={sp} dp{engine.pmesh.size('dp')} gas{accumulation}{zero}",
             "loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
             "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)),
             "param_err": param_err, "where": where, "losses": losses,
@@ -171,7 +173,7 @@ def _check(per_rank: list[list[dict]], tp: int) -> None:
             padded = -(-rows // tp) * tp if name in VOCAB_SPLIT else rows
             assert local * tp == dense // rows * padded, (first["case"], name, local, dense)
         split_dense = sum(first["dense_numel"].values())
-        if "gpt" in first["case"]:  # no padding: exactly 1/tp
+        if "gpt" in first["case"] and "zero" not in first["case"]:  # no padding, unsharded over dp: exactly 1/tp
             assert sum(first["sharded_numel"].values()) * tp == split_dense
             assert first["param_bytes"] == first["replicated_bytes"] + 4 * split_dense // tp
 
@@ -188,6 +190,15 @@ def test_tp4_and_dp2_tp2_parity(world4):
     _check([r[4:] for r in per_rank], tp=2)
     assert [c["case"] for c in per_rank[0][4:]] == ["gpt tp2 sp=False dp2 gas2", "gpt tp2 sp=True dp2 gas2",
                                                       "llama tp2 sp=True dp2 gas1"]
+
+
+def test_dp2_tp2_with_every_zero_stage(world4):
+    """TP on the tp axis, ZeRO-1/2/3 on the dp axis: the ZeRO strategy only sees the local (split) module."""
+    cases = [("gpt", 2, False, 2, 1), ("gpt", 2, True, 1, 2), ("llama", 2, True, 2, 3), ("gpt", 2, False, 1, 3)]
+    per_rank = world4.run(_parity_cases, cases)
+    _check(per_rank, tp=2)
+    assert [c["case"] for c in per_rank[0]] == ["gpt tp2 sp=False dp2 gas2 zero1", "gpt tp2 sp=True dp2 gas1 zero2",
+                                                  "llama tp2 sp=True dp2 gas2 zero3", "gpt tp2 sp=False dp2 gas1 zero3"]
 
 
 # ---- communication, counted ---------------------------------------------------------------------------
