@@ -10,6 +10,7 @@ from paratrain.data_parallel.dp import DataParallel
 from paratrain.distributed import init_distributed
 from paratrain.engine import Engine
 from paratrain.mesh import Mesh, ParallelDims, build_mesh
+from paratrain.pipeline import LayerSpec, PipelineModule
 
 __version__ = "0.1.0"
 
@@ -19,8 +20,10 @@ __all__ = [
     "ConfigError",
     "DataParallel",
     "Engine",
+    "LayerSpec",
     "Mesh",
     "ParallelDims",
+    "PipelineModule",
     "__version__",
     "add_config_arguments",
     "build_mesh",

@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train (more subcommands register themselves in COMMANDS)."""
+"""The `paratrain` command: run | train | report."""
 
 from __future__ import annotations
 
@@ -43,6 +43,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from paratrain.report import ReportError, build_report
+
+    try:
+        parts = build_report(args.run_dir)
+    except ReportError as exc:
+        print(f"paratrain report: {exc}", file=sys.stderr)
+        return 2
+    if not parts:
+        print(f"paratrain report: nothing to report in {args.run_dir} (a pipeline run writes timeline.json)",
+              file=sys.stderr)
+        return 1
+    print("\n\n".join(parts))
+    return 0
+
+
 def _with_module(opts):
     opts.module = True
     return opts
@@ -65,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="override trainer.steps")
     add_launch_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    report = sub.add_parser("report", help="render a run directory: pipeline timeline (Gantt PNG) and bubbles")
+    report.add_argument("run_dir", help="the run directory of a `paratrain train` run")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

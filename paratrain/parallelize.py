@@ -21,6 +21,10 @@ from paratrain.config import Config, ConfigError
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.mesh import Mesh
+from paratrain.pipeline.module import PipelineModule
+from paratrain.pipeline.runtime import PipelineRunner
+from paratrain.pipeline.schedules import ScheduleError, check_sizes
+from paratrain.pipeline.split import make_unshard, split_pipeline
 
 
 @dataclass
@@ -30,12 +34,15 @@ class ParallelModel:
     `unshard` undoes the model-parallel steps for `full_state_dict`: the data-parallel strategy first
     gives this rank's module state with ZeRO shards gathered, then each function (added by the TP, PP, ...
     steps, in the order they are to be undone) turns it into the state of the original model.
+    `pipeline` (pipeline.stages > 1) runs whole steps of micro-batches; the engine delegates train_batch
+    and eval_batch to it.
     """
 
     module: nn.Module
     grad_sync: GradSync
     unshard: list[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelineRunner | None = None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state = self.grad_sync.full_state_dict()
@@ -49,9 +56,12 @@ def check_supported(config: Config) -> None:
     if config.tensor_parallel.size > 1:
         raise ConfigError("config key 'tensor_parallel.size' > 1: tensor parallelism is not available in this "
                           "build yet; set it to 1")
-    if config.pipeline.stages > 1:
-        raise ConfigError("config key 'pipeline.stages' > 1: pipeline parallelism is not available in this "
-                          "build yet; set it to 1")
+    pp = config.pipeline
+    if pp.stages > 1 and config.gradient_accumulation_steps is not None:
+        try:
+            check_sizes(pp.schedule, pp.stages, config.gradient_accumulation_steps, pp.virtual_stages)
+        except ScheduleError as exc:
+            raise ConfigError(f"config section 'pipeline': {exc}") from None
     if config.context_parallel.size > 1:
         raise ConfigError("config key 'context_parallel.size' > 1: context parallelism is not available in "
                           "this build yet; set it to 1")
@@ -67,10 +77,23 @@ def check_supported(config: Config) -> None:
 
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
     check_supported(config)
+    pipeline, unshard = None, []
+    pp = config.pipeline
+    if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
+        split = split_pipeline(model, mesh, pp.stages, pp.virtual_stages, pp.partition,
+                               micro_batch=config.train_micro_batch_size_per_gpu, device=device)
+        model = split.module
+        pipeline = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
+                                  pp.virtual_stages, split.pipe.loss_fn, device or torch.device("cpu"))
+        unshard.append(make_unshard(split, mesh))
+    elif isinstance(model, PipelineModule):
+        model.materialize()  # used whole, a PipelineModule is an ordinary model
     if device is not None:
         model.to(device)
     dp = config.data_parallel
     grad_sync = DistributedDataParallel(
         model, mesh, bucket_cap_mb=dp.bucket_cap_mb, allow_unused_parameters=dp.allow_unused_parameters,
         prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor)
-    return ParallelModel(model, grad_sync)
+    if pipeline is not None:
+        pipeline.grad_sync = grad_sync
+    return ParallelModel(model, grad_sync, unshard=unshard, pipeline=pipeline)
