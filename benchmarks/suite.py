@@ -54,10 +54,12 @@ def run_suite(name: str, repeats: int, steps: int, warmup: int) -> dict:
             with World(world_size, timeout_s=900) as world:
                 raw[case].append(world.run(fn, steps, warmup))
     return {"suite": name, "baseline": module.BASELINE, "repeats": repeats, "steps": steps, "raw": raw,
-            "summary": summarize(raw, module.BASELINE)}
+            "summary": summarize(raw, module.BASELINE, getattr(module, "PEERS", None))}
 
 
-def summarize(raw: dict[str, list[list[dict]]], baseline: str) -> dict[str, dict]:
+def summarize(raw: dict[str, list[list[dict]]], baseline: str, peers: dict[str, str] | None = None) -> dict[str, dict]:
+    """Per case: medians, the ratio to the suite's baseline and, when the suite names one (PEERS), the ratio
+    to the case's own peer; `extra_*` measurements of rank 0 are carried along as extra columns."""
     out = {}
     for case, runs in raw.items():
         medians = []
@@ -70,19 +72,37 @@ def summarize(raw: dict[str, list[list[dict]]], baseline: str) -> dict[str, dict
                      "last_loss": runs[0][0]["losses"][-1]}
         out[case].update({k: v for k, v in runs[0][0].items() if k.startswith("extra_")})
     base = out[baseline]["median_step_s"]
-    for row in out.values():
+    for case, row in out.items():
         row["ratio"] = row["median_step_s"] / base
+        if peers and case in peers and peers[case] in out:
+            row["peer"] = peers[case]
+            row["ratio_to_peer"] = row["median_step_s"] / out[peers[case]]["median_step_s"]
     return out
 
 
+def _cell(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, list):
+        return " / ".join(_cell(v) for v in value)
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def table(result: dict) -> str:
+    rows = result["summary"]
+    peers = any("peer" in row for row in rows.values())
+    extras = sorted({k for row in rows.values() for k in row if k.startswith("extra_")})
+    head = "| case | median step (ms) | ratio to baseline | " + ("ratio to peer (peer) | " if peers else "") + \
+        "peak RSS / rank (MiB) | model state / rank (MiB) | last loss |" + \
+        "".join(f" {k.removeprefix('extra_').replace('_', ' ')} |" for k in extras)
     lines = [f"Baseline: **{result['baseline']}**; {result['repeats']} interleaved repeats x {result['steps']} "
-             f"measured steps.", "",
-             "| case | median step (ms) | ratio to baseline | peak RSS / rank (MiB) | model state / rank (MiB) "
-             "| last loss |", "|---|---:|---:|---:|---:|---:|"]
-    for case, row in result["summary"].items():
-        lines.append(f"| {case} | {row['median_step_s'] * 1e3:.1f} | {row['ratio']:.3f} | "
-                     f"{row['peak_rss_mib']:.0f} | {row['state_mib']:.2f} | {row['last_loss']:.5f} |")
+             f"measured steps.", "", head, "|---|---:|---:|" + ("---:|" if peers else "") + "---:|---:|---:|" +
+             "---:|" * len(extras)]
+    for case, row in rows.items():
+        peer = f"{row['ratio_to_peer']:.3f} ({row['peer']}) | " if "peer" in row else ("— | " if peers else "")
+        lines.append(f"| {case} | {row['median_step_s'] * 1e3:.1f} | {row['ratio']:.3f} | {peer}"
+                     f"{row['peak_rss_mib']:.0f} | {row['state_mib']:.2f} | {row['last_loss']:.5f} |" +
+                     "".join(f" {_cell(row.get(k))} |" for k in extras))
     return "\n".join(lines)
 
 

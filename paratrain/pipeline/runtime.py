@@ -37,6 +37,12 @@ class _Step:
     incoming: dict = field(default_factory=dict)  # receive action -> p2p.Incoming
     losses: list = field(default_factory=list)
     events: list = field(default_factory=list)  # (kind, stage, micro, start, end), wall-clock seconds
+    peak_in_flight: int = 0  # most micro-batch stages holding activations at once
+
+    def leftovers(self) -> list[str]:
+        held = {"inputs": self.inputs, "outputs": self.outputs, "input_grads": self.input_grads,
+                "incoming": self.incoming}
+        return [f"{name}: {sorted(map(str, value))}" for name, value in held.items() if value]
 
 
 class PipelineRunner:
@@ -54,6 +60,8 @@ class PipelineRunner:
             self.deferral.install(module)
         self.grad_sync = None  # set by parallelize once the data-parallel strategy wraps `module`
         self.last_events: list = []
+        self.last_peak_in_flight = 0
+        self._shapes_known = False
         self.last_schedule: Schedule = self.schedule
         # NCCL wants a group's first operation to involve all its ranks; p2p batches do not.
         comm.barrier(self.axis)
@@ -90,6 +98,8 @@ class PipelineRunner:
             if not (isinstance(b, (tuple, list)) and len(b) == 2):
                 raise TypeError("in pipeline mode every micro-batch must be a pair (inputs, targets): the first "
                                 "stage consumes the inputs, the last stage the targets")
+        if not self._shapes_known:
+            self._learn_shapes(batches[0][0])
         step = _Step(batches, training)
         actions = schedule.actions[self.rank]
         wall0, clock0 = time.time(), time.perf_counter()
@@ -113,13 +123,27 @@ class PipelineRunner:
             step.events.append((a.kind, a.stage, a.micro, wall0 + start - clock0, wall0 + time.perf_counter() - clock0))
             j += 1
         self.links.wait_sends()
+        if step.leftovers() or self.deferral.pending():  # every activation must be gone by now
+            raise RuntimeError(f"pipeline step ended holding {step.leftovers()} and {self.deferral.pending()} "
+                               f"pending weight gradients; the schedule is not complete")
         if training:  # the timeline shows the last training step (an evaluation does not replace it)
             self.last_events, self.last_schedule = step.events, schedule
+            self.last_peak_in_flight = step.peak_in_flight
         loss = torch.zeros((), dtype=torch.float32)
         if step.losses:  # this rank holds the last stage
             loss += torch.stack([x.float().cpu() for x in step.losses]).mean()
         comm.all_reduce(loss, self.axis, tag="metrics")  # every pp rank returns the loss
         return loss
+
+    def _learn_shapes(self, first_inputs) -> None:
+        was_training = self.module.training
+        self.module.eval()  # no dropout, no buffer updates
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            self.links.learn_shapes(self.module.stages, self.num_stages, self.schedule.rank_of,
+                                    lambda stage, x: self._chunk(stage)(x), first_inputs)
+        self.module.train(was_training)
+        self._shapes_known = True
 
     def gather_timeline(self) -> dict:
         """The last step's events of every rank (collective over the world); see pipeline.timeline."""
@@ -129,20 +153,22 @@ class PipelineRunner:
 
     # ---- actions ---------------------------------------------------------------------------------
     def _communicate(self, schedule: Schedule, batch: list[Action], step: _Step) -> None:
+        """Post one gap of the schedule as one batch (sends, then receives, in action order)."""
         sends, recvs, recv_actions = [], [], []
         for a in batch:
             key, peer = (a.stage, a.micro), schedule.rank_of(a.peer_stage)
             if a.kind == SEND_F:
                 value = step.outputs[key] if step.training else step.outputs.pop(key)
-                sends.append((a.stage, value, peer, True))
+                self.links.check_sent(a.stage, value)
+                sends.append((value, peer))
             elif a.kind == SEND_B:
-                sends.append((a.stage, step.input_grads.pop(key), peer, False))
+                sends.append((step.input_grads.pop(key), peer))
             elif a.kind == RECV_F:
-                recvs.append((a.stage, peer, None))
+                recvs.append((self.links.known[a.stage], peer))
                 recv_actions.append(a)
             elif a.kind == RECV_B:  # gradients of this stage's floating-point outputs, shaped like them
                 floats = [t for t in as_tensors(step.outputs[key]) if t.is_floating_point()]
-                recvs.append((a.stage, peer, describe(tuple(floats))))
+                recvs.append((describe(tuple(floats)), peer))
                 recv_actions.append(a)
         for a, incoming in zip(recv_actions, self.links.post(sends, recvs)):
             step.incoming[a] = incoming
@@ -166,6 +192,7 @@ class PipelineRunner:
         if step.training:
             step.inputs[key] = x
             step.outputs[key] = out
+            step.peak_in_flight = max(step.peak_in_flight, len(step.outputs))
         elif a.stage < schedule.num_stages - 1:
             step.outputs[key] = out
 

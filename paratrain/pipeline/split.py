@@ -102,10 +102,11 @@ def make_unshard(split: PipelineSplit, mesh: Mesh):
     axis = mesh.axis("pp")
 
     def unshard(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        mine = {names[k]: v for k, v in state.items()}
+        device = next(iter(state.values())).device if state else torch.device("cpu")
+        mine = {names[k]: v.cpu() for k, v in state.items()}  # pickled tensors must not name another GPU
         merged: dict[str, torch.Tensor] = {}
         for part in comm.all_gather_object(mine, axis, tag="unshard"):
             merged.update(part)
-        return {k: merged[k] for k in order if k in merged}
+        return {k: merged[k].to(device) for k in order if k in merged}
 
     return unshard

@@ -3,7 +3,8 @@
 A timeline is plain JSON-able data (`gather_timeline` collects the runners' last step over the world):
 
     {"schedule": "1f1b", "stages": 4, "virtual": 1, "micro_batches": 8, "split_backward": false,
-     "ranks": [{"rank": 0, "pp": 0, "dp": 0, "events": [["F", stage, micro, start_s, end_s], ...]}, ...],
+     "ranks": [{"rank": 0, "pp": 0, "dp": 0, "events": [["F", stage, micro, start_s, end_s], ...],
+                "peak_in_flight": 4}, ...],
      "theory": 0.273, "unit_idle": [0.273, ...]}
 
 The measured bubble of a rank is the part of its replica's step span (first start to last end over the
@@ -27,7 +28,7 @@ def gather_timeline(runner) -> dict:
     """Collective over the world: every rank's events of the runner's last step."""
     mesh, s = runner.mesh, runner.last_schedule
     mine = {"rank": mesh.rank, "pp": mesh.local_rank("pp"), "dp": mesh.local_rank("dp"),
-            "events": [list(e) for e in runner.last_events]}
+            "events": [list(e) for e in runner.last_events], "peak_in_flight": runner.last_peak_in_flight}
     ranks = comm.all_gather_object(mine, mesh.axis(AXES), tag="timeline")
     return {"schedule": s.name, "stages": s.stages, "virtual": s.virtual, "micro_batches": s.micro_batches,
             "split_backward": s.split_backward, "forward_only": s.forward_only, "ranks": ranks,
