@@ -22,7 +22,19 @@ from paratrain import comm
 from paratrain.mesh import Mesh
 from paratrain.pipeline.module import StageModule
 from paratrain.pipeline.p2p import StageLinks, as_tensors, describe
-from paratrain.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule, W, build_schedule
+from paratrain.pipeline.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    build_schedule,
+)
 from paratrain.pipeline.validate import check_schedule
 from paratrain.pipeline.weight_grad import WeightGradDeferral
 
@@ -90,7 +102,11 @@ class PipelineRunner:
         m = len(batches)
         if m not in self._eval_schedules:
             s = self.schedule
-            self._eval_schedules[m] = build_schedule(s.name, s.stages, m, s.virtual, forward_only=True)
+            try:
+                self._eval_schedules[m] = build_schedule(s.name, s.stages, m, s.virtual, forward_only=True)
+            except ScheduleError as exc:
+                raise ScheduleError(f"eval_batch with {m} micro-batches: {exc} (pass num_micro_batches=...)") from None
+            check_schedule(self._eval_schedules[m])
         return self._run(self._eval_schedules[m], batches, training=False)
 
     def _run(self, schedule: Schedule, batches: list, training: bool) -> torch.Tensor:
@@ -113,6 +129,7 @@ class PipelineRunner:
                 j = k
                 continue
             a = actions[j]
+            self._wait_for_inputs(schedule, a, step)  # waiting is idle time, not part of the action
             start = time.perf_counter()
             if a.kind == F:
                 self._forward(schedule, a, step)
@@ -172,6 +189,12 @@ class PipelineRunner:
                 recv_actions.append(a)
         for a, incoming in zip(recv_actions, self.links.post(sends, recvs)):
             step.incoming[a] = incoming
+
+    def _wait_for_inputs(self, schedule: Schedule, a: Action, step: _Step) -> None:
+        if a.kind == F and a.stage > 0:
+            step.incoming[Action(RECV_F, a.stage, a.micro)].wait()
+        elif a.kind == B and a.stage < schedule.num_stages - 1:
+            step.incoming[Action(RECV_B, a.stage, a.micro)].wait()
 
     def _forward(self, schedule: Schedule, a: Action, step: _Step) -> None:
         key = (a.stage, a.micro)
