@@ -7,9 +7,10 @@ An action is (kind, stage, micro-batch). Compute kinds: `F` forward; `B` backwar
 and, unless the schedule splits the backward, the weight gradient too; `W` the weight gradient of a split
 backward (ZB-H1). Communication kinds: `SEND_F`/`RECV_F` carry activations from stage s to s+1,
 `SEND_B`/`RECV_B` carry their gradients back. A schedule generator only orders the compute actions of
-each rank; `with_communication` then places every send right after the compute that produces it and
-every receive right before the compute that needs it, so each gap between two computes holds at most one
-run of communication actions, which the runtime posts together (one batched isend/irecv).
+each rank, in steps (one compute; or Megatron's F + B pair in the interleaved steady state);
+`with_communication` then places every send right after the step that produces it and every receive
+right before the step that needs it, so each gap between two steps holds one run of communication
+actions, which the runtime posts together (one batched isend/irecv).
 
 Stage s of S = p·v lives on rank s % p as its chunk s // p (Megatron's interleaved layout): with v = 1
 stage s is rank s; with v = 2 and p = 4 rank 1 holds stages 1 and 5.
@@ -228,21 +229,20 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1,
                    forward_only: bool = False) -> Schedule:
     """The schedule `name` for p = `stages` ranks, m micro-batches and v chunks per rank.
 
-    `forward_only` (evaluation) runs every schedule's forwards in GPipe order with no backward.
+    `forward_only` (evaluation) keeps only the forwards, in GPipe's order (Megatron's for interleaved).
     """
     name = name.lower()
     check_sizes(name, stages, micro_batches, virtual)
     p, m, v = stages, micro_batches, virtual
-    if forward_only:
-        orders = _gpipe(p, m, forward_only=True) if v == 1 else \
-            [[step[0] for step in steps if step[0].kind == F] for steps in _interleaved(p, v, m)]
-    elif name == "gpipe":
-        orders = _gpipe(p, m, forward_only=False)
-    elif name == "1f1b":
-        orders = _one_f_one_b(p, m)
-    elif name == "zb-h1":
-        orders = _zb_h1(p, m)
-    steps = _interleaved(p, v, m) if name == "interleaved" and not forward_only else \
-        [[[a] for a in order] for order in orders]
+    if name == "interleaved" and not forward_only:
+        steps = _interleaved(p, v, m)
+    else:
+        if forward_only:  # the forwards of the schedule's own order (Megatron's for interleaved)
+            orders = _gpipe(p, m, forward_only=True) if v == 1 else \
+                [[step[0] for step in rank_steps if step[0].kind == F] for rank_steps in _interleaved(p, v, m)]
+        else:
+            orders = {"gpipe": lambda: _gpipe(p, m, forward_only=False), "1f1b": lambda: _one_f_one_b(p, m),
+                      "zb-h1": lambda: _zb_h1(p, m)}[name]()
+        steps = [[[a] for a in order] for order in orders]
     return Schedule(name, p, v, m, split_backward=name == "zb-h1" and not forward_only,
                     actions=with_communication(steps, p * v), forward_only=forward_only)
