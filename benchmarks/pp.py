@@ -1,9 +1,11 @@
 """Our pipeline schedules vs torch.distributed.pipelining on the same GPT, split, data and AdamW + clipping.
 
 Both sides cut the model (embed, 6 blocks, final norm + head) at the same boundaries (balanced parameter
-counts), run m = 8 micro-batches of 2 sequences per step, clip the global gradient norm to 1.0 (summed over
-the stages) and report the mean loss on every rank. Our cases also report the measured bubble of each rank
-in the last step (idle time within the step span) and the unit-slot bubble of the same schedule.
+counts), run m = 2p micro-batches of 2 sequences per step (the same m for every schedule at a given p),
+clip the global gradient norm to 1.0 (summed over the stages) and report the mean loss on every rank. Our
+cases also report the measured bubble of each rank in the last step (idle time within the step span) and
+the unit-slot bubble of the same schedule. On a CPU shared by more processes than cores a waiting rank's
+core goes to someone else, so the bubble shows only when every rank has a core of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from benchmarks.common import ADAMW, Timer, bench_model, local_batches, peak_rss
 
 PP_MODEL = dict(n_layer=6)
 MICRO_BATCH = 2
-MICRO_BATCHES = 8
+
+
+def micro_batches(stages: int) -> int:
+    return 2 * stages
 
 
 def _boundaries(stages: int) -> list[int]:
@@ -38,12 +43,13 @@ def paratrain_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int =
     from paratrain.pipeline.timeline import measured_bubbles
 
     p = dist.get_world_size()
-    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": MICRO_BATCHES,
+    m = micro_batches(p)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": m,
            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
            "pipeline": {"stages": p, "schedule": schedule, "virtual_stages": virtual,
                         "partition": _boundaries(p * virtual)}}
     engine, *_ = paratrain.initialize(model=bench_model(**PP_MODEL), config=cfg)
-    batches = local_batches(MICRO_BATCH, 1, 0, MICRO_BATCHES)
+    batches = local_batches(MICRO_BATCH, 1, 0, m)
     timer = Timer(warmup)
     timer.measure(steps, lambda: engine.train_batch(batches))
     bubbles = measured_bubbles(engine.pipeline_timeline())
@@ -59,6 +65,7 @@ def torch_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1) 
     from paratrain.pipeline.module import gpt_pipeline_module
 
     p, rank = dist.get_world_size(), dist.get_rank()
+    m = micro_batches(p)
     model = bench_model(**PP_MODEL)
     pipe = gpt_pipeline_module(model)
     bounds = _boundaries(p * virtual)
@@ -72,14 +79,14 @@ def torch_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1) 
                                        torch.device("cpu"), group=group) for s in mine]
     kind = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
             "interleaved": pipelining.ScheduleInterleaved1F1B}[schedule]
-    runner = kind(stages if virtual > 1 else stages[0], n_microbatches=MICRO_BATCHES, loss_fn=model.loss_fn)
+    runner = kind(stages if virtual > 1 else stages[0], n_microbatches=m, loss_fn=model.loss_fn)
     params = [q for s in stages for q in s.submod.parameters()]
     opt = torch.optim.AdamW(params, **ADAMW)
-    batches = local_batches(MICRO_BATCH, 1, 0, MICRO_BATCHES)
+    batches = local_batches(MICRO_BATCH, 1, 0, m)
     first, last = 0 in mine, p * virtual - 1 in mine
 
     def step():
-        micro = [next(batches) for _ in range(MICRO_BATCHES)]
+        micro = [next(batches) for _ in range(m)]
         x, y = torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])
         losses: list = []
         if first and last:
