@@ -74,14 +74,16 @@ def _unit_events(timeline: dict) -> list[list]:
 
 
 def _draw(ax, rows: list[tuple[str, list]], split: bool, virtual: int, stages: int, scale: float, unit: str) -> None:
+    span = max((e[4] for _, events in rows for e in events), default=1.0)
     for y, (_, events) in enumerate(rows):
         for kind, stage, micro, start, end in events:
             color = COLORS["B_split"] if kind == "B" and split else COLORS[kind]
             chunk = stage // stages
             ax.barh(y, (end - start) * scale, left=start * scale, height=0.8, color=color,
                     alpha=1.0 if chunk == 0 else 0.6, edgecolor="white", linewidth=0.5)
-            label = f"{micro}" if virtual == 1 else f"{micro}.{chunk}"
-            ax.text((start + end) / 2 * scale, y, label, ha="center", va="center", fontsize=7, color="white")
+            label = f"{micro}" if virtual == 1 else f"{micro}.{chunk}"  # micro-batch.chunk
+            if end - start >= 0.005 * len(label) * span:  # only where the number fits
+                ax.text((start + end) / 2 * scale, y, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)), [name for name, _ in rows])
     ax.invert_yaxis()
     ax.set_xlabel(unit)
