@@ -11,6 +11,7 @@ from paratrain.data_parallel.dp import DataParallel
 from paratrain.distributed import init_distributed
 from paratrain.engine import Engine
 from paratrain.mesh import Mesh, ParallelDims, build_mesh
+from paratrain.pipeline import LayerSpec, PipelineModule
 
 __version__ = "0.1.0"
 
@@ -20,8 +21,10 @@ __all__ = [
     "ConfigError",
     "DataParallel",
     "Engine",
+    "LayerSpec",
     "Mesh",
     "ParallelDims",
+    "PipelineModule",
     "__version__",
     "add_config_arguments",
     "build_mesh",

@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train | plan."""
+"""The `paratrain` command: run | train | plan | report."""
 
 from __future__ import annotations
 
@@ -88,6 +88,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from paratrain.report import ReportError, build_report
+
+    try:
+        parts = build_report(args.run_dir)
+    except ReportError as exc:
+        print(f"paratrain report: {exc}", file=sys.stderr)
+        return 2
+    if not parts:
+        print(f"paratrain report: nothing to report in {args.run_dir} (a pipeline run writes timeline.json)",
+              file=sys.stderr)
+        return 1
+    print("\n\n".join(parts))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from paratrain.launcher.run import add_launch_arguments
 
@@ -120,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="rank parallel layouts for a model on N GPUs: memory, time, a config")
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+    report = sub.add_parser("report", help="render a run directory: pipeline timeline (Gantt PNG) and bubbles")
+    report.add_argument("run_dir", help="the run directory of a `paratrain train` run")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

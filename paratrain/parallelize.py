@@ -25,6 +25,10 @@ from paratrain.data_parallel.fsdp import FullyShardedDataParallel
 from paratrain.data_parallel.fsdp_units import config_wrap_policy
 from paratrain.data_parallel.zero import ZeroDataParallel
 from paratrain.mesh import Mesh
+from paratrain.pipeline.module import PipelineModule
+from paratrain.pipeline.runtime import PipelineRunner
+from paratrain.pipeline.schedules import ScheduleError, check_sizes
+from paratrain.pipeline.split import make_unshard, split_pipeline
 from paratrain.tensor_parallel import parallelize as tensor_parallelize
 from paratrain.tensor_parallel.plan import check_plan_syntax
 
@@ -36,12 +40,15 @@ class ParallelModel:
     `unshard` undoes the model-parallel steps for `full_state_dict`: the data-parallel strategy first
     gives this rank's module state with ZeRO shards gathered, then each function (added by the TP, PP, ...
     steps, in the order they are to be undone) turns it into the state of the original model.
+    `pipeline` (pipeline.stages > 1) runs whole steps of micro-batches; the engine delegates train_batch
+    and eval_batch to it.
     """
 
     module: nn.Module
     grad_sync: GradSync
     unshard: list[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelineRunner | None = None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state = self.grad_sync.full_state_dict()
@@ -53,9 +60,17 @@ class ParallelModel:
 def check_supported(config: Config) -> None:
     """Raise, before any collective, for layouts this build cannot run."""
     check_plan_syntax(config.tensor_parallel.plan)  # a PlanError is a ConfigError
-    if config.pipeline.stages > 1:
-        raise ConfigError("config key 'pipeline.stages' > 1: pipeline parallelism is not available in this "
-                          "build yet; set it to 1")
+    pp = config.pipeline
+    if pp.stages > 1 and config.gradient_accumulation_steps is not None:
+        try:
+            check_sizes(pp.schedule, pp.stages, config.gradient_accumulation_steps, pp.virtual_stages)
+        except ScheduleError as exc:
+            raise ConfigError(f"config section 'pipeline': {exc}") from None
+    if pp.stages > 1 and config.zero_optimization.stage == 3:
+        raise ConfigError("zero_optimization.stage 3 with pipeline.stages > 1 is not supported: every micro-batch "
+                          "would all-gather each unit's parameters again in its forward and its backward (2m "
+                          "gathers of the stage per step), which costs more than the pipeline saves; a stage "
+                          "already holds only its share of the model. Use zero_optimization.stage 1 or 2")
     if config.context_parallel.size > 1:
         raise ConfigError("config key 'context_parallel.size' > 1: context parallelism is not available in "
                           "this build yet; set it to 1")
@@ -77,14 +92,28 @@ def check_supported(config: Config) -> None:
 
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
     check_supported(config)
-    unshard = []
+    pipeline, unshard = None, []
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
         unshard.append(applied.unshard)
+    pp = config.pipeline
+    if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
+        split = split_pipeline(model, mesh, pp.stages, pp.virtual_stages, pp.partition,
+                               micro_batch=config.train_micro_batch_size_per_gpu, device=device)
+        model = split.module
+        pipeline = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
+                                  pp.virtual_stages, split.pipe.loss_fn, device or torch.device("cpu"))
+        # Undone before the TP step: gather the stages over pp, then the tp shards of the whole model.
+        unshard.insert(0, make_unshard(split, mesh))
+    elif isinstance(model, PipelineModule):
+        model.materialize()  # used whole, a PipelineModule is an ordinary model
     if device is not None:
         model.to(device)
-    return ParallelModel(model, _data_parallel(model, mesh, config, device or torch.device("cpu")), unshard)
+    grad_sync = _data_parallel(model, mesh, config, device or torch.device("cpu"))
+    if pipeline is not None:
+        pipeline.grad_sync = grad_sync
+    return ParallelModel(model, grad_sync, unshard=unshard, pipeline=pipeline)
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device) -> GradSync:

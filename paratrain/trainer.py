@@ -1,7 +1,8 @@
 """The built-in job behind `paratrain train`: the GPT on the embedded corpus, in any configured layout.
 
 It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metrics.csv` (one row per step),
-`summary.json`. Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
+`summary.json`, and with pipeline.stages > 1 `timeline.json` (the last step's actions per rank, for
+`paratrain report`). Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
     if bar is not None:
         bar.close()
     metrics.close()
+    timeline = engine.pipeline_timeline()  # collective; None without a pipeline
+    if timeline is not None and rank0:
+        (out / "timeline.json").write_text(json.dumps(timeline))
     total = time.perf_counter() - start
     summary = {"steps": steps, "first_loss": first_loss, "last_loss": last_loss, "val_loss": val_loss,
                "tokens_per_s": steps * tokens_per_step / total, "wall_s": total, "world_size": engine.world_size,

@@ -121,11 +121,18 @@ class TensorParallelConfig(Section):
 
 
 class PipelineConfig(Section):
+    """Pipeline parallelism: the model's layers cut into stages over the pp axis (see docs/strategies.md)."""
+
     stages: int = Field(1, ge=1)
+    """Pipeline ranks (p); 1 disables pipelining."""
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    """Order of forwards and backwards: gpipe, 1f1b, interleaved (virtual_stages chunks per rank), zb-h1."""
     micro_batches: int | None = Field(None, ge=1)
+    """Micro-batches per optimizer step (m): the same number as gradient_accumulation_steps, which it sets."""
     virtual_stages: int = Field(1, ge=1)
+    """Stages (chunks) per rank for the interleaved schedule (v)."""
     partition: Literal["uniform", "parameters", "balanced"] | list[int] = "parameters"
+    """How layers are cut: uniform (count), parameters, balanced (profiled time), or boundaries [0, ..., L]."""
 
     @field_validator("schedule", mode="before")
     @classmethod
