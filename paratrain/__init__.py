@@ -1,9 +1,11 @@
 """paratrain: train one model across many processes with every classic parallel strategy.
 
-The public API mirrors DeepSpeed's (`import paratrain as deepspeed` works for the common surface).
+The public API mirrors DeepSpeed's: `import paratrain as deepspeed` runs scripts written against DeepSpeed's
+public API; DeepSpeed names paratrain does not implement raise an error that says so and what to use
+(docs/deepspeed-compat.md).
 """
 
-from paratrain import zero  # paratrain.zero.estimate_memory
+from paratrain import comm, pipeline, zero  # paratrain.zero.estimate_memory; DeepSpeed's comm/zero/pipe names
 from paratrain.api import add_config_arguments, initialize, resolve_config
 from paratrain.comm import CommStats
 from paratrain.config import Config, ConfigError, load_config
@@ -20,6 +22,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataParallel",
+    "DeepSpeedEngine",
     "Engine",
     "LayerSpec",
     "Mesh",
@@ -28,9 +31,22 @@ __all__ = [
     "__version__",
     "add_config_arguments",
     "build_mesh",
+    "comm",
     "init_distributed",
     "initialize",
     "load_config",
+    "pipe",
+    "pipeline",
     "resolve_config",
     "zero",
 ]
+
+DeepSpeedEngine = Engine  # isinstance(engine, deepspeed.DeepSpeedEngine) holds
+pipe = pipeline  # deepspeed.pipe.PipelineModule / LayerSpec
+
+
+def __getattr__(name: str):
+    """deepspeed.<name> that paratrain does not provide: an error naming it and the replacement."""
+    from paratrain.compat.names import TOP_LEVEL, refuse
+
+    refuse(TOP_LEVEL, "paratrain (as deepspeed)", name)

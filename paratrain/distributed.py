@@ -18,13 +18,18 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelta | float | None = None,
-                     **_ignored) -> None:
-    """Initialize torch.distributed once (DeepSpeed's `init_distributed`).
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: datetime.timedelta | float | None = None,
+                     init_method: str | None = None, dist_init_required: bool | None = None, config=None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialize torch.distributed once (DeepSpeed's `init_distributed`, same arguments).
 
-    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) it joins that world. Without them it starts a world
-    of one process on an in-memory store, so scripts and the single-process reference run unchanged.
-    Extra DeepSpeed keyword arguments (auto_mpi_discovery, verbose, ...) are accepted and ignored.
+    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) it joins that world; `init_method` with `rank` and
+    `world_size` joins an explicit one. Without either it starts a world of one process on an in-memory
+    store, so scripts and the single-process reference run unchanged. `verbose`, `config` (DeepSpeed's comms
+    logger) and `dist_init_required` change nothing here; `distributed_port` only serves DeepSpeed's MPI
+    discovery, which paratrain does not do: a job started by mpirun without torchrun's variables is refused
+    rather than silently split into one-process worlds.
     """
     if dist.is_initialized():
         return
@@ -34,8 +39,14 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if init_method is not None or rank >= 0:
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, **kwargs)
+    elif auto_mpi_discovery and any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        raise RuntimeError("this process was started by MPI, but paratrain does not discover ranks from MPI "
+                           "(DeepSpeed's auto_mpi_discovery); launch with `paratrain run` or torchrun, or pass "
+                           "init_method=, rank= and world_size= to init_distributed")
     else:
         store = dist.HashStore()
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, **kwargs)

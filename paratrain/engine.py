@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from paratrain import comm
+from paratrain.compat.engine_api import DeepSpeedEngineAPI
 from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
-from paratrain.distributed import current_device, local_rank
+from paratrain.distributed import current_device
 from paratrain.mesh import Mesh
+from paratrain.monitor import StepReporter, setup_logging
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallelize import parallelize
 from paratrain.precision import make_loss_scaler
@@ -33,11 +35,14 @@ from paratrain.precision import make_loss_scaler
 log = logging.getLogger("paratrain")
 
 
-class Engine:
+class Engine(DeepSpeedEngineAPI):
+    """DeepSpeed's engine contract; the accessors DeepSpeed scripts use live in `compat/engine_api.py`."""
+
     def __init__(self, model: nn.Module, config: Config, mesh: Mesh, optimizer=None, lr_scheduler=None,
                  model_parameters=None, training_data=None, collate_fn=None):
         self.config = config
         self.pmesh = mesh
+        setup_logging(mesh.rank)
         self.device = current_device()
         self.parallel = parallelize(model, mesh, config, device=self.device)
         self.module = self.parallel.module
@@ -56,6 +61,10 @@ class Engine:
         self.loss_scaler = make_loss_scaler(config)  # fp16 only
         self._grad_norm: float | None = None
         self._times: dict[str, float] = defaultdict(float)
+        self._window_start = 0  # micro_steps when the current accumulation size took effect
+        self._step_applied = False
+        self._reporter = StepReporter(config, mesh.rank)
+        self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled)
 
     # ---- construction helpers --------------------------------------------------------------------
     def _optimizer_factory(self, optimizer):
@@ -93,49 +102,14 @@ class Engine:
                                       self.gradient_accumulation_steps(), seed=self.config.seed)
         return DataParallelLoader(dataset, sampler, collate_fn)
 
-    # ---- DeepSpeed accessors ---------------------------------------------------------------------
+    # ---- state of the step ----------------------------------------------------------------------
     @property
     def mesh(self):
         """The torch DeviceMesh with axes dp, pp, cp, tp (size-1 axes included)."""
         return self.pmesh.device_mesh
 
-    @property
-    def global_rank(self) -> int:
-        return self.pmesh.rank
-
-    @property
-    def local_rank(self) -> int:
-        return local_rank()
-
-    @property
-    def world_size(self) -> int:
-        return self.pmesh.world_size
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm (before clipping) of the last optimizer step."""
-        return self._grad_norm
-
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 when no loss scaling is in use)."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self._micro_steps_in_window() + 1 == self.gradient_accumulation_steps()
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -177,6 +151,7 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
                              f"(e.g. loss.mean()) first")
         self._not_in_pipeline("backward()")
+        self._reporter.record_loss(loss)
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
@@ -187,11 +162,16 @@ class Engine:
     def step(self) -> None:
         """Called after every backward; updates the model only at the accumulation boundary."""
         self._not_in_pipeline("step()")
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        skipped = self.skipped_steps
+        if boundary:
             with self._timed("step"):
                 self._optimizer_update()
+        self._step_applied = boundary and self.skipped_steps == skipped
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp")
+        if boundary:
+            self._reporter.after_step(self)
 
     def _optimizer_update(self) -> None:
         with self._timed("comm_wait"):
@@ -221,10 +201,6 @@ class Engine:
             self.lr_scheduler.step()
         self.grad_sync.zero_grad()
         self.global_steps += 1
-        if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
-            log.info("step=%d lr=%s grad_norm=%.4g", self.global_steps, self.get_lr(), self._grad_norm)
-            if self.config.wall_clock_breakdown:
-                log.info("time (s): %s", {k: round(v, 4) for k, v in self._times.items()})
 
     def _skip_step(self, norm: float) -> None:
         """fp16 overflow: no update and no LR step (DeepSpeed's behaviour); the step still counts."""
@@ -284,10 +260,14 @@ class Engine:
         batches = [_to_device(next(data_iter), self.device) for _ in range(count)]
         with self._timed("pipeline"):
             mean = self.pipeline.train_step(batches)
+        self._reporter.record_loss(mean)
+        skipped = self.skipped_steps
         with self._timed("step"):
             self._optimizer_update()
+        self._step_applied = self.skipped_steps == skipped
         self.micro_steps += count
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp") * count
+        self._reporter.after_step(self)
         return self._mean_over_dp(mean)
 
     def pipeline_timeline(self) -> dict | None:
@@ -316,7 +296,9 @@ class Engine:
         """The complete, unsharded state dict under the original names, on every rank."""
         return self.parallel.full_state_dict()
 
-    def wall_clock_breakdown(self, reset: bool = False) -> dict[str, float]:
+    def timings(self, reset: bool = False) -> dict[str, float]:
+        """Seconds spent so far in forward, backward, step (with comm_wait, the wait for gradient reductions,
+        inside it) and, with a pipeline, the pipeline's part of the step."""
         out = dict(self._times)
         if reset:
             self._times.clear()

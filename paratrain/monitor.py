@@ -3,7 +3,8 @@
 DeepSpeed's config keys drive it: `steps_per_print` (a log line every N optimizer steps),
 `wall_clock_breakdown` (forward/backward/step/comm-wait times in that line), `tensorboard {enabled,
 output_path, job_name}` and `csv_monitor {enabled, output_path, job_name}` (one event per optimizer step:
-Train/Samples/train_loss, lr, grad_norm, loss_scale). Only global rank 0 writes.
+Train/Samples/train_loss, lr, grad_norm, loss_scale, with wall_clock_breakdown the elapsed_time_ms_* of the
+step; the x-axis is the number of samples trained, as DeepSpeed's). Only global rank 0 writes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import csv
 import logging
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger("paratrain")
 
@@ -53,9 +57,14 @@ class _Csv:
     def write(self, events: list[tuple[str, float, int]]) -> None:
         for name, value, step in events:
             if name not in self._files:
-                handle = (self.directory / (name.replace("/", "_") + ".csv")).open("w", newline="")
+                # DeepSpeed's naming: Train/Samples/lr -> Train_Samples_lr.csv with the header "step,lr"
+                # Appended to, as DeepSpeed does, so a resumed job continues its curves.
+                path = self.directory / (name.replace("/", "_").replace(" ", "_") + ".csv")
+                fresh = not path.exists() or path.stat().st_size == 0
+                handle = path.open("a", newline="")
                 writer = csv.writer(handle)
-                writer.writerow(["step", name])
+                if fresh:
+                    writer.writerow(["step", name.split("/")[-1]])
                 self._files[name] = (handle, writer)
             handle, writer = self._files[name]
             writer.writerow([step, value])
@@ -73,24 +82,99 @@ class Monitor:
         self.backends = []
         if rank != 0:
             return
+        # DeepSpeed's placement: output_path/job_name, relative to the working directory ("" = here).
         if tensorboard.enabled:
-            directory = Path(tensorboard.output_path or "runs") / tensorboard.job_name
+            directory = Path(tensorboard.output_path) / tensorboard.job_name
             try:
                 self.backends.append(_TensorBoard(directory))
             except ImportError:
                 log.warning("tensorboard.enabled is true but the tensorboard package is not installed "
                             "(pip install tensorboard); metrics go to the other monitors only")
         if csv_monitor.enabled:
-            self.backends.append(_Csv(Path(csv_monitor.output_path or "runs") / csv_monitor.job_name))
+            self.backends.append(_Csv(Path(csv_monitor.output_path) / csv_monitor.job_name))
 
     @property
     def enabled(self) -> bool:
         return bool(self.backends)
 
-    def write(self, events: list[tuple[str, float, int]]) -> None:
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        """(name, value, step) tuples, as DeepSpeed's engine.monitor.write_events takes them."""
         for backend in self.backends:
             backend.write(events)
 
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
+
+
+class StepReporter:
+    """The engine's voice after each optimizer step: monitor events and, every `steps_per_print` steps, a
+    DeepSpeed-style log line on rank 0 (step, skipped, lr, mom, loss scale, grad norm, samples/s, and with
+    `wall_clock_breakdown` the mean forward/backward/step/comm-wait milliseconds per step since the last line).
+
+    `train_loss` is the mean loss of this rank's micro-batches of the step (rank 0 writes; averaging over
+    ranks would cost a collective per step). The engine hands in its losses; nothing is recorded unless a
+    monitor is enabled.
+    """
+
+    def __init__(self, config, rank: int):
+        self.rank0 = rank == 0
+        self.monitor = Monitor(config.tensorboard, config.csv_monitor, rank)
+        self.every = config.steps_per_print
+        self.breakdown = config.wall_clock_breakdown
+        self.fp16 = config.fp16.enabled
+        self._losses: list[torch.Tensor] = []
+        self._step_times: dict[str, float] = {}  # timings at the previous optimizer step
+        self._print_times: dict[str, float] = {}  # ... and at the previous log line
+        self._print_mark = (time.perf_counter(), 0, 0)  # wall time, samples, steps at the previous line
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        if self.monitor.enabled:
+            self._losses.append(loss.detach())
+
+    def after_step(self, engine) -> None:
+        times = engine.timings()
+        if self.monitor.enabled:
+            self.monitor.write_events(self._events(engine, times))
+        self._step_times = times
+        if self.rank0 and engine.global_steps % self.every == 0:
+            log.info(self._line(engine, times))
+
+    def _events(self, engine, times: dict[str, float]) -> list[tuple[str, float, int]]:
+        x = engine.global_samples
+        events = []
+        if self._losses:
+            events.append(("Train/Samples/train_loss", float(torch.stack(self._losses).float().mean()), x))
+            self._losses.clear()
+        events.append(("Train/Samples/lr", engine.get_lr()[0], x))
+        if engine.get_global_grad_norm() is not None:
+            events.append(("Train/Samples/grad_norm", engine.get_global_grad_norm(), x))
+        if self.fp16:
+            events.append(("Train/Samples/loss_scale", engine.loss_scale(), x))
+        if self.breakdown:
+            for phase, seconds in _delta(times, self._step_times).items():
+                events.append((f"Train/Samples/elapsed_time_ms_{phase}", seconds * 1000.0, x))
+        return events
+
+    def _line(self, engine, times: dict[str, float]) -> str:
+        now = time.perf_counter()
+        wall, samples, steps = self._print_mark
+        rate = (engine.global_samples - samples) / max(now - wall, 1e-9)
+        norm = engine.get_global_grad_norm()
+        line = (f"step={engine.global_steps}, skipped={engine.skipped_steps}, lr={engine.get_lr()}, "
+                f"mom={engine.get_mom()}, loss_scale={engine.loss_scale():g}, "
+                f"grad_norm={'n/a' if norm is None else f'{norm:.4g}'}, samples/s={rate:.1f}")
+        if self.breakdown:
+            n = max(engine.global_steps - steps, 1)
+            parts = " | ".join(f"{k}: {v * 1000.0 / n:.2f}" for k, v in _delta(times, self._print_times).items())
+            line += f"\ntime (ms, mean per step over the last {n}) | {parts}"
+        self._print_times = times
+        self._print_mark = (now, engine.global_samples, engine.global_steps)
+        return line
+
+    def close(self) -> None:
+        self.monitor.close()
+
+
+def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in now.items()}

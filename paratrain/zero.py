@@ -63,3 +63,10 @@ def estimate_memory(model: nn.Module | int, dp: int, stage: int, offload: str = 
     total = params + grads + optim
     return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
             "device": total - host}
+
+
+def __getattr__(name: str):
+    """deepspeed.zero.<name> that paratrain does not provide (Init, GatheredParameters, ...)."""
+    from paratrain.compat.names import ZERO, refuse
+
+    refuse(ZERO, "paratrain.zero (deepspeed.zero)", name)

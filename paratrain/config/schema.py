@@ -47,6 +47,16 @@ class FP16Config(Section):
     hysteresis: int = Field(2, ge=1)
     consecutive_hysteresis: bool = False
     min_loss_scale: float = Field(1.0, gt=0.0)
+    fp16_master_weights_and_grads: bool = False
+    """DeepSpeed's fp16 master weights; only false is supported (paratrain keeps fp32 master weights)."""
+
+    @field_validator("fp16_master_weights_and_grads")
+    @classmethod
+    def _fp32_masters(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("fp16 master weights and gradients are not supported: paratrain keeps the master "
+                             "weights and optimizer state in fp32; set it to false")
+        return value
 
 
 class BF16Config(Section):
@@ -88,6 +98,26 @@ class ZeroConfig(Section):
     """Stage 3: glob patterns over module names that become units, e.g. ["blocks.*", "head"]."""
     prefetch_depth: int = Field(1, ge=0)
     """Stage 3: how many units ahead to start gathering while the current one computes."""
+    cpu_offload: bool | None = None
+    """Deprecated DeepSpeed spelling of offload_optimizer.device = "cpu" (true sets it)."""
+    cpu_offload_param: bool | None = None
+    """Deprecated DeepSpeed spelling of offload_param.device = "cpu" (true sets it)."""
+    cpu_offload_use_pin_memory: bool | None = None
+    """Deprecated DeepSpeed spelling of the offload sections' pin_memory."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_offload(cls, data: Any) -> Any:
+        """DeepSpeed's old offload switches, translated the way DeepSpeed translates them."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if data.get(old):
+                if new in data:
+                    raise ValueError(f"'{old}' is the deprecated spelling of '{new}'; give only '{new}'")
+                data[new] = {"device": "cpu", "pin_memory": bool(data.get("cpu_offload_use_pin_memory"))}
+        return data
 
 
 class DataParallelConfig(Section):
@@ -147,11 +177,31 @@ class ContextParallelConfig(Section):
 class ActivationCheckpointingConfig(Section):
     enabled: bool = False
     granularity: Literal["full", "selective"] = "full"
+    # DeepSpeed's keys. As in DeepSpeed they act only through deepspeed.checkpointing.configure(deepspeed_config=...)
+    # (paratrain.checkpointing), which refuses partition_activations and cpu_checkpointing.
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
 
 
 class TensorboardConfig(Section):
+    """TensorBoard events of every optimizer step (needs the tensorboard package: paratrain[monitor])."""
+
     enabled: bool = False
     output_path: str = ""
+    """Directory that gets the job_name folder ("" = the working directory), as in DeepSpeed."""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CsvMonitorConfig(Section):
+    """One CSV file per metric (step,value), DeepSpeed's csv_monitor: output_path/job_name/Train_Samples_lr.csv."""
+
+    enabled: bool = False
+    output_path: str = ""
+    """Directory that gets the job_name folder ("" = the working directory), as in DeepSpeed."""
     job_name: str = "DeepSpeedJobName"
 
 
@@ -214,6 +264,7 @@ class Config(Section):
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 

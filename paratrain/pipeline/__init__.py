@@ -11,3 +11,10 @@ from paratrain.pipeline.validate import check_schedule, simulate, theoretical_bu
 
 __all__ = ["Action", "LayerSpec", "PipelineModule", "Schedule", "ScheduleError", "build_schedule", "check_schedule",
            "simulate", "theoretical_bubble", "validate"]
+
+
+def __getattr__(name: str):
+    """deepspeed.pipe.<name> that paratrain does not provide (TiedLayerSpec, topologies)."""
+    from paratrain.compat.names import PIPE, refuse
+
+    refuse(PIPE, "paratrain.pipeline (deepspeed.pipe)", name)

@@ -1,0 +1,217 @@
+"""`import paratrain as deepspeed`: DeepSpeed's names, config keys and engine calls, and a DeepSpeed-style
+script that gives DeepSpeed's own losses (when DeepSpeed is installed: the `dev`/`bench` extras)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import paratrain as deepspeed
+from paratrain.compat.names import COMM, ENGINE, PIPE, TOP_LEVEL, ZERO, DeepSpeedNotSupported
+from paratrain.config import ConfigError, load_config, resolve_batch
+from tests.test_cli import ROOT, _free_port, _paratrain  # noqa: I001
+
+SCRIPT = ROOT / "tests" / "scripts" / "ds_style.py"
+
+
+def tutorial_config(stage: int, dtype: str) -> dict:
+    """The config of DeepSpeed's CIFAR-10 tutorial (DeepSpeedExamples training/cifar), key for key."""
+    return {
+        "train_batch_size": 16, "steps_per_print": 2000,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                 "weight_decay": 3e-7}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                     "warmup_num_steps": 1000}},
+        "gradient_clipping": 1.0, "prescale_gradients": False,
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "fp16_master_weights_and_grads": False, "loss_scale": 0,
+                 "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": stage, "allgather_partitions": True, "reduce_scatter": True,
+                              "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000,
+                              "overlap_comm": True, "contiguous_gradients": True, "cpu_offload": False},
+    }
+
+
+def test_the_tutorial_config_loads_as_written():
+    cfg = resolve_batch(load_config(tutorial_config(2, "bf16")), 2)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage, cfg.precision) == (8, 2, "bf16")
+    assert cfg.zero_optimization.offload_optimizer.device == "none"
+
+
+def test_deprecated_and_refused_precision_keys():
+    cfg = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}})
+    assert (cfg.zero_optimization.offload_optimizer.device, cfg.zero_optimization.offload_optimizer.pin_memory) \
+        == ("cpu", True)
+    with pytest.raises(ConfigError, match="'cpu_offload' is the deprecated spelling of 'offload_optimizer'"):
+        load_config({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match="fp16.fp16_master_weights_and_grads.*paratrain keeps the master"):
+        load_config({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
+    load_config({"csv_monitor": {"enabled": True, "output_path": "x", "job_name": "y"}})
+    with pytest.raises(ConfigError, match="'wandb' is a DeepSpeed feature paratrain does not support"):
+        load_config({"wandb": {"enabled": True}})
+
+
+@pytest.mark.parametrize("owner, table", [
+    (deepspeed, TOP_LEVEL), (deepspeed.zero, ZERO), (deepspeed.comm, COMM), (deepspeed.pipe, PIPE)])
+def test_deepspeed_names_paratrain_lacks_raise_with_the_replacement(owner, table):
+    for name, advice in table.items():
+        with pytest.raises(DeepSpeedNotSupported, match=f"{name} is DeepSpeed API that paratrain does not support"):
+            getattr(owner, name)
+        assert advice[:40] in str(pytest.raises(DeepSpeedNotSupported, getattr, owner, name).value)
+        assert not hasattr(owner, name)
+    with pytest.raises(AttributeError) as info:
+        owner.certainly_not_a_deepspeed_name  # noqa: B018
+    assert not isinstance(info.value, DeepSpeedNotSupported)
+
+
+def test_deepspeed_names_paratrain_has():
+    assert deepspeed.DeepSpeedEngine is deepspeed.Engine
+    assert deepspeed.pipe.PipelineModule is deepspeed.PipelineModule and deepspeed.pipe.LayerSpec
+    assert deepspeed.comm.get_local_rank() == int(os.environ.get("LOCAL_RANK", "0"))
+    assert callable(deepspeed.comm.get_rank) and callable(deepspeed.comm.get_world_size)
+
+
+def test_every_refused_name_is_documented():
+    doc = (ROOT / "docs" / "deepspeed-compat.md").read_text()
+    missing = [n for table in (TOP_LEVEL, ENGINE, ZERO, PIPE) for n in table if f"`{n}`" not in doc]
+    assert not missing, f"docs/deepspeed-compat.md does not list {missing}"
+
+
+def test_add_config_arguments_as_tutorials_use_it():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)  # the tutorials declare it themselves
+    args = deepspeed.add_config_arguments(parser).parse_args(["--local_rank=1", "--deepspeed",
+                                                              "--deepspeed_config", "ds.json"])
+    assert (args.local_rank, args.deepspeed, args.deepspeed_config) == (1, True, "ds.json")
+    bare = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(["--local-rank", "3"])
+    assert bare.local_rank == 3 and bare.deepspeed_config is None
+
+
+def test_mpi_launch_is_refused_not_split_into_one_process_worlds():
+    env = {**os.environ, "OMPI_COMM_WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
+    env.pop("RANK", None)
+    run = subprocess.run([sys.executable, "-c", "import paratrain; paratrain.init_distributed()"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "does not discover ranks from MPI" in run.stderr
+
+
+# ---- the engine's DeepSpeed calls, on 2 ranks ---------------------------------------------------------------
+def _mlp_engine(**config):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95]}}, **config}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine, optimizer
+
+
+def _micro_step(engine, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed * 10 + engine.global_rank)
+    engine.backward(engine(torch.randn(2, 8, generator=g)).pow(2).mean())
+    engine.step()
+
+
+def check_engine_calls() -> dict:
+    engine, optimizer = _mlp_engine(zero_optimization={"stage": 1})
+    assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.optimizer is optimizer
+    assert (engine.train_batch_size(), engine.dp_world_size, engine.zero_optimization_stage()) == (8, 2, 1)
+    assert engine.zero_optimization() and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.get_mom() == [(0.9, 0.95)] and engine.optimizer_name() == "AdamW"
+    assert [n for n, _ in engine.named_parameters()][:2] == ["module.0.weight", "module.0.bias"]
+    assert len(list(engine.parameters())) == 4 and engine.wall_clock_breakdown() is False
+    applied = []
+    for i in range(4):
+        _micro_step(engine, i)
+        applied.append(engine.was_step_applied())
+        if i == 2:
+            with pytest.raises(ValueError, match="zero_grad.*inside a gradient accumulation window"):
+                engine.zero_grad()
+            with pytest.raises(ValueError, match="inside a gradient accumulation window"):
+                engine.set_train_batch_size(16)
+    engine.zero_grad()  # at a boundary: gradients are already zero
+    with pytest.raises(ValueError, match="must be divisible by micro-batch"):
+        engine.set_train_batch_size(10)
+    engine.set_train_batch_size(16)  # 4 micro-batches per step from now on
+    boundaries = []
+    for i in range(8):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        _micro_step(engine, 10 + i)
+    with pytest.raises(DeepSpeedNotSupported, match="engine.save_16bit_model is DeepSpeed API"):
+        engine.save_16bit_model("x")
+    return {"applied": applied, "boundaries": boundaries, "steps": engine.global_steps,
+            "gas": engine.gradient_accumulation_steps(), "state": engine.module_state_dict()["0.weight"].sum().item()}
+
+
+def test_engine_calls_keep_deepspeed_meaning(world2):
+    results = world2.run(check_engine_calls)
+    assert results[0]["applied"] == [False, True, False, True]
+    assert results[0]["boundaries"] == [False, False, False, True] * 2
+    assert (results[0]["steps"], results[0]["gas"]) == (4, 4)
+    assert results[0]["state"] == results[1]["state"]  # module_state_dict: the full model, equal on every rank
+
+
+# ---- a DeepSpeed-style script, under paratrain and under DeepSpeed --------------------------------------------
+STAGES = (0, 1, 2)
+
+
+def _script_configs(folder) -> list[str]:
+    paths = []
+    for stage in STAGES:
+        config = {
+            "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 100,
+            # torch_adam: DeepSpeed's own switch for torch.optim.AdamW (its fused CPU kernel needs a compiler)
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                      "weight_decay": 0.01, "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01,
+                                                         "warmup_num_steps": 4, "warmup_type": "linear"}},
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+        }
+        path = folder / f"stage{stage}.json"
+        path.write_text(json.dumps(config))
+        paths.append(str(path))
+    return paths
+
+
+def _script_args(folder, out: str) -> list[str]:
+    first, *more = _script_configs(folder)
+    return [str(SCRIPT), "--deepspeed_config", first, "--more_configs", ",".join(more), "--out", out]
+
+
+@pytest.fixture(scope="module")
+def paratrain_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ds_style")
+    run = _paratrain("run", "--nproc-per-node", "2", "--master-port", _free_port(),
+                     *_script_args(folder, "paratrain.json"), cwd=folder, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((folder / "paratrain.json").read_text())
+
+
+def test_deepspeed_style_script_runs_under_paratrain(paratrain_runs):
+    assert [r["zero_stage"] for r in paratrain_runs] == list(STAGES)
+    assert paratrain_runs[0]["lrs"] == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01])  # WarmupLR
+    base = paratrain_runs[0]
+    for other in paratrain_runs[1:]:  # ZeRO-1/2 are the same training as DDP
+        assert other["losses"] == pytest.approx(base["losses"], rel=1e-6)
+        assert other["param_norm"] == pytest.approx(base["param_norm"], rel=1e-6)
+    assert base["losses"][-1] < base["losses"][0] or base["losses"][-2] < base["losses"][1]
+
+
+def test_deepspeed_style_script_matches_deepspeed(paratrain_runs, tmp_path):
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PARATRAIN_TEST_USE_DEEPSPEED": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                          _free_port(), *_script_args(tmp_path, "deepspeed.json")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    theirs = json.loads((tmp_path / "deepspeed.json").read_text())
+    for ours, ds in zip(paratrain_runs, theirs, strict=True):
+        assert ds["zero_stage"] == ours["zero_stage"] and ds["lrs"] == pytest.approx(ours["lrs"], rel=1e-12)
+        assert ours["losses"] == pytest.approx(ds["losses"], rel=1e-5), f"ZeRO stage {ds['zero_stage']}"
+        assert ours["param_norm"] == pytest.approx(ds["param_norm"], rel=1e-5)
