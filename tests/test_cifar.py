@@ -80,3 +80,14 @@ def test_cifar_example_falls_back_to_digits_and_learns(tmp_path):
     assert metrics["data"].startswith("scikit-learn digits (fallback: no CIFAR-10 under")
     assert metrics["accuracy"] > 0.6  # ten classes: chance is 0.1
     assert "Accuracy of          0" in run.stdout
+
+
+def test_cifar_example_with_zero2_and_bf16(tmp_path):
+    run = _paratrain("run", "--nproc-per-node", "2", "--master-port", _free_port(),
+                     str(ROOT / "examples" / "cifar10" / "train.py"), "--epochs", "1", "--stage", "2", "--dtype",
+                     "bf16", "--data-dir", str(tmp_path), "--metrics", "m.json", cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert (metrics["zero_stage"], metrics["bf16"]) == (2, True)
+    assert "ZeRO stage 2, bf16=True, fp16=False" in run.stdout and "Finished Training" in run.stdout
+    assert metrics["steps"] > 20 and metrics["accuracy"] > 0.3  # one epoch of bf16 ZeRO-2 learns (chance: 0.1)
