@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paratrain.config import Config, ConfigError
+from paratrain.context_parallel import check_context_parallel, context_parallelize
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.mesh import Mesh
@@ -52,9 +53,6 @@ def check_supported(config: Config) -> None:
     if config.pipeline.stages > 1:
         raise ConfigError("config key 'pipeline.stages' > 1: pipeline parallelism is not available in this "
                           "build yet; set it to 1")
-    if config.context_parallel.size > 1:
-        raise ConfigError("config key 'context_parallel.size' > 1: context parallelism is not available in "
-                          "this build yet; set it to 1")
     if config.zero_optimization.stage > 0:
         raise ConfigError(f"config key 'zero_optimization.stage' = {config.zero_optimization.stage}: ZeRO is "
                           f"not available in this build yet; use stage 0 (DDP)")
@@ -65,13 +63,29 @@ def check_supported(config: Config) -> None:
         raise ConfigError("config key 'activation_checkpointing.enabled': not available in this build yet")
 
 
+def _check_model(model: nn.Module, config: Config) -> None:
+    """Checks that need the model, before anything changes or communicates."""
+    cp, tp = config.context_parallel.size, config.tensor_parallel
+    check_context_parallel(model, cp)
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if cp > 1 and tp.size > 1 and tp.sequence_parallel and isinstance(seq_len, int) and seq_len % (cp * tp.size):
+        raise ConfigError(f"context_parallel.size ({cp}) with tensor_parallel.sequence_parallel: each cp rank's "
+                          f"{seq_len // cp} tokens are split again over tensor_parallel.size ({tp.size}); use a "
+                          f"sequence length (model seq_len {seq_len}) divisible by {cp * tp.size}")
+
+
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
     check_supported(config)
+    _check_model(model, config)
     unshard = []
+    notes = []
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
         unshard.append(applied.unshard)
+    if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
+        ring = context_parallelize(model, mesh)
+        notes.append(f"context parallel over {ring.axis.size} ranks: ring attention in {len(ring.cores)} layers")
     if device is not None:
         model.to(device)
     dp = config.data_parallel
@@ -79,4 +93,4 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         model, mesh, bucket_cap_mb=dp.bucket_cap_mb, allow_unused_parameters=dp.allow_unused_parameters,
         prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor,
         broadcast_buffers=dp.broadcast_buffers)
-    return ParallelModel(model, grad_sync, unshard)
+    return ParallelModel(model, grad_sync, unshard, notes)
