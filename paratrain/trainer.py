@@ -75,9 +75,11 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
     seq_len = model.config.seq_len
     train_tokens, val_tokens = load_corpus()
     train_data = TokenWindows(train_tokens, seq_len)
+    out = Path(run_dir or t.run_dir)
+    if not cfg.comm.report_dir:  # hang reports land next to the metrics
+        cfg.comm.report_dir = str(out)
     engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
     rank0 = engine.global_rank == 0
-    out = Path(run_dir or t.run_dir)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         resolved = engine.config.model_dump(mode="json")
