@@ -62,7 +62,7 @@ def test_model_checks_name_the_problem():
 
 
 # ---- ring attention against dense attention -----------------------------------------------------------
-def _ring_vs_dense(cp: int) -> dict:
+def _ring_vs_dense(cp: int, kernel: str = "auto") -> dict:
     from paratrain.context_parallel import ring_attention
     from paratrain.mesh import ParallelDims, build_mesh
 
@@ -76,7 +76,7 @@ def _ring_vs_dense(cp: int) -> dict:
     want.backward(grad)
     local = [split_sequence(t, cp, axis.rank, dim=2).requires_grad_() for t in (q, k, v)]
     mesh.stats.reset()
-    out = ring_attention(*local, axis)
+    out = ring_attention(*local, axis, kernel=kernel)
     forward = mesh.stats.snapshot(by_tag=True)
     mesh.stats.reset()
     out.backward(split_sequence(grad, cp, axis.rank, dim=2))
@@ -99,7 +99,8 @@ def _check_ring(results: list[dict], cp: int) -> None:
 
 
 def test_ring_attention_cp2_equals_dense_with_counted_exchanges(world2):
-    _check_ring(world2.run(_ring_vs_dense, 2), 2)
+    for kernel in ("flash_cpu", "math"):  # torch's fused CPU kernel per block, and plain matmuls
+        _check_ring(world2.run(_ring_vs_dense, 2, kernel), 2)
 
 
 def test_ring_attention_cp4_equals_dense_with_counted_exchanges(world4):

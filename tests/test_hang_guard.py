@@ -96,13 +96,26 @@ def _block_in_cpp() -> None:
         dist.recv(torch.zeros(1), src=1, group=group)  # rank 1 never sends: blocked in gloo
 
 
+def _fail_while_peer_waits() -> None:
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=600))
+    if dist.get_rank() == 0:
+        raise ValueError("rank 0 gives up")
+    dist.recv(torch.zeros(1), src=0, group=group)
+
+
 def test_world_kills_ranks_stuck_in_a_collective_and_restarts():
-    with World(2, timeout_s=2.0, grace_s=2.0) as world:
+    with World(2, timeout_s=2.0, grace_s=2.0, after_failure_s=2.0) as world:
         start = time.monotonic()
         with pytest.raises(WorldError, match="rank 0: no answer within 4s"):
             world.run(_block_in_cpp)
         assert time.monotonic() - start < 20
         assert world.run(dist.get_world_size) == [2, 2]  # a fresh world
+        world.timeout_s = 600.0  # only the other rank's failure can end the next sub-case early
+        start = time.monotonic()
+        with pytest.raises(WorldError, match="(?s)rank 0 gives up.*rank 1: no answer after another rank failed"):
+            world.run(_fail_while_peer_waits)
+        assert time.monotonic() - start < 20
+        assert world.run(dist.get_world_size) == [2, 2]
 
 
 # ---- a launched job stops instead of hanging at exit ------------------------------------------------------

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import Handle, send_recv
+from paratrain.context_parallel import blocks
 from paratrain.mesh import Axis
 
 KV_TAG = "cp"  # K and V blocks, forward and backward
@@ -42,6 +43,7 @@ GRAD_TAG = "cp_grad"  # the dK, dV accumulators travelling back to their owners
 def _exchange(tensors: list[torch.Tensor], axis: Axis, tag: str) -> tuple[list[torch.Tensor], list[Handle]]:
     """Send `tensors` to the next cp rank and receive the same shapes from the previous one (async)."""
     nxt, prev = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
+    tensors = [t.contiguous() for t in tensors]  # a fused kernel's gradients may come in another layout
     received = [torch.empty_like(t) for t in tensors]
     handles = send_recv([(t, nxt) for t in tensors], [(t, prev) for t in received], axis, tag=tag)
     return received, handles
@@ -52,20 +54,6 @@ def _wait(handles: list[Handle]) -> None:
         handle.wait()
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (b, h, sq, sk)
-    if causal:
-        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
-        s.masked_fill_(future, float("-inf"))
-    return s
-
-
-def _block_forward(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    s = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(s, dim=-1)  # (b, h, sq)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
-
-
 def _merge(out, lse, block_out, block_lse) -> None:
     """Fold one block's (output, log-sum-exp) into the running ones, in place."""
     new = torch.logaddexp(lse, block_lse)
@@ -73,35 +61,28 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
-def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool):
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (b, h, sq, sk), globally normalized
-    dv = torch.matmul(p.transpose(-2, -1), do)
-    ds = p * (torch.matmul(do, v.transpose(-2, -1)) - delta.unsqueeze(-1))
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
-
-
-def _ring_forward(q, k, v, axis: Axis, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(q, k, v, axis: Axis, scale: float, block_forward) -> tuple[torch.Tensor, torch.Tensor]:
     r, c, half = axis.rank, axis.size, q.shape[-2] // 2
     kv, in_flight = _exchange([k, v], axis, KV_TAG)  # the first block travels while the own block computes
-    out, lse = _block_forward(q, k, v, scale, causal=True)  # (b, h, s/cp, d), (b, h, s/cp)
+    out, lse = block_forward(q, k, v, scale, True)  # (b, h, s/cp, d), (b, h, s/cp)
     for step in range(1, c):
         _wait(in_flight)
         block_k, block_v = kv
         if step < c - 1:  # pass this block on while working on it
             kv, in_flight = _exchange([block_k, block_v], axis, KV_TAG)
         if (r - step) % c < r:  # all queries, the block's head chunk
-            _merge(out, lse, *_block_forward(q, block_k[..., :half, :], block_v[..., :half, :], scale, False))
+            _merge(out, lse, *block_forward(q, block_k[..., :half, :], block_v[..., :half, :], scale, False))
         else:  # the tail-chunk queries, the whole block
-            _merge(out[..., half:, :], lse[..., half:], *_block_forward(q[..., half:, :], block_k, block_v,
-                                                                         scale, False))
+            _merge(out[..., half:, :], lse[..., half:], *block_forward(q[..., half:, :], block_k, block_v,
+                                                                       scale, False))
     return out, lse
 
 
-def _ring_backward(q, k, v, out, lse, do, axis: Axis, scale: float):
+def _ring_backward(do, q, k, v, out, lse, axis: Axis, scale: float, block_backward):
     r, c, half = axis.rank, axis.size, q.shape[-2] // 2
-    delta = (do * out).sum(-1)  # (b, h, s/cp)
     kv, in_flight = _exchange([k, v], axis, KV_TAG)
-    dq, dk_own, dv_own = _block_backward(q, k, v, do, lse, delta, scale, causal=True)
+    dq, dk_own, dv_own = block_backward(do, q, k, v, out, lse, scale, True)
+    tail = (do[..., half:, :], q[..., half:, :])  # the tail-chunk query rows
     grads, grads_in_flight = None, []
     for step in range(1, c):
         _wait(in_flight)
@@ -109,14 +90,14 @@ def _ring_backward(q, k, v, out, lse, do, axis: Axis, scale: float):
         if step < c - 1:
             kv, in_flight = _exchange([block_k, block_v], axis, KV_TAG)
         if (r - step) % c < r:
-            dq_part, dk_head, dv_head = _block_backward(q, block_k[..., :half, :], block_v[..., :half, :], do, lse,
-                                                        delta, scale, False)
+            dq_part, dk_head, dv_head = block_backward(do, q, block_k[..., :half, :], block_v[..., :half, :], out,
+                                                       lse, scale, False)
             dq += dq_part
             dk, dv = torch.zeros_like(block_k), torch.zeros_like(block_v)
             dk[..., :half, :], dv[..., :half, :] = dk_head, dv_head
         else:
-            dq_part, dk, dv = _block_backward(q[..., half:, :], block_k, block_v, do[..., half:, :],
-                                              lse[..., half:], delta[..., half:], scale, False)
+            dq_part, dk, dv = block_backward(*tail, block_k, block_v, out[..., half:, :], lse[..., half:], scale,
+                                             False)
             dq[..., half:, :] += dq_part
         if grads is not None:  # what the ranks before this one added to this block's gradient
             _wait(grads_in_flight)
@@ -132,11 +113,12 @@ def _ring_backward(q, k, v, out, lse, do, axis: Axis, scale: float):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis: Axis, scale: float):
+    def forward(ctx, q, k, v, axis: Axis, scale: float, kernel: str):
         # At least fp32 math and accumulators (bf16/fp16 inputs are promoted; fp64 stays fp64).
         math_dtype = torch.promote_types(q.dtype, torch.float32)
         qm, km, vm = (t.to(math_dtype).contiguous() for t in (q, k, v))  # (b, h, s/cp, d)
-        out, lse = _ring_forward(qm, km, vm, axis, scale)
+        block_forward, ctx.block_backward = blocks.pick(kernel, q.device)
+        out, lse = _ring_forward(qm, km, vm, axis, scale, block_forward)
         ctx.save_for_backward(qm, km, vm, out, lse)
         ctx.axis, ctx.scale, ctx.dtypes = axis, scale, (q.dtype, k.dtype, v.dtype)
         return out.to(q.dtype)
@@ -144,16 +126,18 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = _ring_backward(q, k, v, out, lse, grad.to(q.dtype).contiguous(), ctx.axis, ctx.scale)
-        return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None)
+        grads = _ring_backward(grad.to(q.dtype).contiguous(), q, k, v, out, lse, ctx.axis, ctx.scale,
+                               ctx.block_backward)
+        return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, kernel: str = "auto") -> torch.Tensor:
     """Causal softmax(q kᵀ · scale) v over the whole sequence, for this rank's chunks (see `sharding.py`).
 
     q, k, v, output: (b, heads, s/cp, head_dim), the local tokens in `split_sequence` order; `scale`
-    defaults to 1/sqrt(head_dim) as in `F.scaled_dot_product_attention`.
+    defaults to 1/sqrt(head_dim) as in `F.scaled_dot_product_attention`; `kernel` is the per-block
+    attention (`blocks.py`: auto, flash_cpu, math).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if axis.size == 1:
@@ -161,7 +145,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis
     if q.shape[-2] % 2 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"ring attention on {axis.name}: q, k, v must have one shape (b, h, s/cp, d) with an even "
                          f"local length (two chunks); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    return _RingAttention.apply(q, k, v, axis, scale)
+    return _RingAttention.apply(q, k, v, axis, scale, kernel)
 
 
 class RingAttentionCore(nn.Module):

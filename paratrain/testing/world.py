@@ -18,6 +18,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_for
 
 import torch.multiprocessing as mp
 
@@ -54,12 +55,14 @@ def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> No
 
 class World:
     """`timeout_s` is gloo's timeout in every rank; a rank that has not answered `timeout_s + grace_s`
-    after a `run` started counts as hung."""
+    after a `run` started, or `after_failure_s` after another rank failed, counts as hung."""
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0, grace_s: float = 30.0):
+    def __init__(self, world_size: int, timeout_s: float = 300.0, grace_s: float = 30.0,
+                 after_failure_s: float = 10.0):
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.grace_s = grace_s
+        self.after_failure_s = after_failure_s
         self._procs: list = []
         self._conns: list = []
 
@@ -106,27 +109,39 @@ class World:
         self.stop()
 
     def run(self, fn, *args, **kwargs) -> list:
-        """Run fn(*args, **kwargs) on every rank; return the per-rank results or raise the first failure."""
+        """Run fn(*args, **kwargs) on every rank; return the per-rank results or raise the first failure.
+
+        Once a rank has failed, the others get `after_failure_s` more to answer: they are usually waiting
+        for it inside a collective that will never complete.
+        """
         if not self._procs:
             self.start()
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        results, failures = [], []
+        results: list = [None] * self.world_size
+        failures: dict[int, str] = {}
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
         deadline = time.monotonic() + self.timeout_s + self.grace_s
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                failures.append(f"rank {rank}: no answer within {self.timeout_s + self.grace_s:.0f}s")
-                results.append(None)
-                continue
-            try:
-                ok, value = conn.recv()
-            except EOFError:
-                ok, value = False, "the process died"
-            results.append(value if ok else None)
-            if not ok:
-                failures.append(f"rank {rank}:\n{value}")
+        while pending:
+            ready = wait_for(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    ok, value = conn.recv()
+                except EOFError:
+                    ok, value = False, "the process died"
+                if ok:
+                    results[rank] = value
+                    continue
+                failures[rank] = f"rank {rank}:\n{value}"
+                deadline = min(deadline, time.monotonic() + self.after_failure_s)
+        for rank in sorted(pending.values()):
+            waited = "after another rank failed" if failures else f"within {self.timeout_s + self.grace_s:.0f}s"
+            failures[rank] = f"rank {rank}: no answer {waited}"
         if failures:
             self.kill()
             raise WorldError(f"{getattr(fn, '__name__', fn)} failed on {len(failures)} rank(s):\n" +
-                             "\n".join(failures))
+                             "\n".join(failures[r] for r in sorted(failures)))
         return results
