@@ -24,6 +24,42 @@ from tests.cases import adamw_config, corpus_windows, tiny_gpt
 GUARD_TIMEOUT_S = 2.0
 
 
+# ---- the guard's bookkeeping, in one process -----------------------------------------------------------
+class _FakeWork:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def wait(self, timeout=None):
+        if not self.done:
+            raise RuntimeError("Operation timed out!")  # what torch's Work.wait(timeout) raises
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_guard_numbers_calls_forgets_finished_ones_and_reports_the_stuck_one(tmp_path, capsys):
+    from paratrain.comm import Handle
+
+    guard = CommGuard(rank=5, timeout_s=0.5, report_dir=tmp_path)
+    x = torch.zeros(4, 2)
+    first = Handle(_FakeWork(True), guard=guard, key=guard.begin("dp", "all_reduce", "grad", [x], (4, 5)))
+    first.wait()
+    polled = Handle(_FakeWork(True), guard=guard, key=guard.begin("tp", "all_gather", "tp", [x], (5,)))
+    assert polled.is_completed()
+    dropped = Handle(_FakeWork(False), guard=guard, key=guard.begin("cp", "send", "cp", [x], (4,)))
+    del dropped  # nobody will wait for it any more
+    assert guard._in_flight == {}
+    stuck = Handle(_FakeWork(False), guard=guard, key=guard.begin("dp", "all_reduce", "grad", [x], (4, 5)))
+    with pytest.raises(CollectiveTimeout, match=r"rank 5 stopped: waited 0.\d s \(comm.timeout_s = 0.5\) in "
+                       r"all_reduce #2 on axis 'dp' \(ranks 4, 5\) \[grad\] shapes \[\(4, 2\)\] float32"):
+        stuck.wait()
+    written = json.loads((tmp_path / "hang_report_rank5.json").read_text())
+    assert written["waiting_in"]["call"] == 2 and written["calls_made"] == {
+        "cp/send": 1, "dp/all_reduce": 2, "tp/all_gather": 1}
+    assert "all_reduce #2 on axis 'dp'" in capsys.readouterr().err
+
+
 def _wait_for_skipped(run) -> dict:
     """Run `run()` on every rank but the last, which skips it; return what the guard reported."""
     if dist.get_rank() == dist.get_world_size() - 1:

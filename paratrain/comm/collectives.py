@@ -47,7 +47,15 @@ class Handle:
             done()
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        done = self._work is None or self._work.is_completed()
+        if done and self._guard is not None:
+            self._guard.end(self._key)
+        return done
+
+    def __del__(self) -> None:
+        # A handle dropped without a wait is no longer anyone's wait: keep the in-flight table small.
+        if self._guard is not None:
+            self._guard.end(self._key)
 
 
 def _reduce_op(op: str):
