@@ -23,7 +23,12 @@ gradient: dS = P ∘ (dO Vᵀ − D). dQ accumulates locally. K and V travel aro
 gradient of each block travels with it: the accumulator for rank j's block starts at rank j + 1, collects
 every other rank's contribution and arrives back at rank j after cp − 1 hops, where j's own (diagonal)
 contribution is added. Per layer and micro-batch each rank therefore sends (and receives) cp − 1 K blocks
-and cp − 1 V blocks forward, and cp − 1 each of K, V, dK, dV backward.
+and cp − 1 V blocks forward, and cp − 1 each of K, V, dK, dV backward. In backward an accumulator exchange
+and the next K/V exchange are in flight to the same neighbour at once; point-to-point messages between two
+ranks are matched in the order they are posted, and every rank posts them in the same order.
+
+The attention of one block pair and its backward are `blocks.py` (torch's fused CPU flash kernels, or
+plain matmuls).
 """
 
 from __future__ import annotations
