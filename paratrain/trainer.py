@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from paratrain import comm
 from paratrain.api import initialize
@@ -136,5 +135,5 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
         print(f"trained {steps} steps on {engine.world_size} process(es) [{summary['layout']}]: loss "
               f"{first_loss:.3f} -> {last_loss:.3f}{validation}, {summary['tokens_per_s']:.0f} tokens/s; "
               f"run directory {out}")
-    dist.barrier()
+    comm.barrier(engine.pmesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
     return summary
