@@ -26,7 +26,7 @@ import torch
 
 from paratrain.testing import World
 
-SUITES = ["ddp", "zero", "tp", "pp"]
+SUITES = ["ddp", "zero", "tp", "pp", "cp"]
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "benchmarks" / "results"

@@ -43,6 +43,8 @@ class Engine(DeepSpeedEngineAPI):
         self.config = config
         self.pmesh = mesh
         setup_logging(mesh.rank)
+        if mesh.guard is not None:  # every collective below waits at most comm.timeout_s, then reports
+            mesh.guard.configure(timeout_s=config.comm.timeout_s, report_dir=config.comm.report_dir or ".")
         self.device = current_device()
         self.parallel = parallelize(model, mesh, config, device=self.device)
         self.module = self.parallel.module

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paratrain.config import Config, ConfigError
+from paratrain.context_parallel import check_context_parallel, context_parallelize
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.data_parallel.flat import Placement
@@ -71,9 +72,10 @@ def check_supported(config: Config) -> None:
                           "would all-gather each unit's parameters again in its forward and its backward (2m "
                           "gathers of the stage per step), which costs more than the pipeline saves; a stage "
                           "already holds only its share of the model. Use zero_optimization.stage 1 or 2")
-    if config.context_parallel.size > 1:
-        raise ConfigError("config key 'context_parallel.size' > 1: context parallelism is not available in "
-                          "this build yet; set it to 1")
+    if pp.stages > 1 and config.context_parallel.size > 1:
+        raise ConfigError("context_parallel.size > 1 with pipeline.stages > 1 is not supported yet: the sequence "
+                          "split happens at the model's forward, which a pipeline stage never calls; use one of "
+                          "the two")
     zero = config.zero_optimization
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("config key 'zero_optimization.offload_optimizer.device' = \"cpu\" needs sharded "
@@ -90,9 +92,21 @@ def check_supported(config: Config) -> None:
         raise ConfigError("config key 'activation_checkpointing.enabled': not available in this build yet")
 
 
+def _check_model(model: nn.Module, config: Config) -> None:
+    """Checks that need the model, before anything changes or communicates."""
+    cp, tp = config.context_parallel.size, config.tensor_parallel
+    check_context_parallel(model, cp)
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if cp > 1 and tp.size > 1 and tp.sequence_parallel and isinstance(seq_len, int) and seq_len % (cp * tp.size):
+        raise ConfigError(f"context_parallel.size ({cp}) with tensor_parallel.sequence_parallel: each cp rank's "
+                          f"{seq_len // cp} tokens are split again over tensor_parallel.size ({tp.size}); use a "
+                          f"sequence length (model seq_len {seq_len}) divisible by {cp * tp.size}")
+
+
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
     check_supported(config)
-    pipeline, unshard = None, []
+    _check_model(model, config)
+    pipeline, unshard, notes = None, [], []
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
@@ -108,12 +122,15 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         unshard.insert(0, make_unshard(split, mesh))
     elif isinstance(model, PipelineModule):
         model.materialize()  # used whole, a PipelineModule is an ordinary model
+    if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
+        ring = context_parallelize(model, mesh)
+        notes.append(f"context parallel over {ring.axis.size} ranks: ring attention in {len(ring.cores)} layers")
     if device is not None:
         model.to(device)
     grad_sync = _data_parallel(model, mesh, config, device or torch.device("cpu"))
     if pipeline is not None:
         pipeline.grad_sync = grad_sync
-    return ParallelModel(model, grad_sync, unshard=unshard, pipeline=pipeline)
+    return ParallelModel(model, grad_sync, unshard=unshard, notes=notes, pipeline=pipeline)
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device) -> GradSync:

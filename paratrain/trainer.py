@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from paratrain import comm
 from paratrain.api import initialize
@@ -76,9 +75,11 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
     seq_len = model.config.seq_len
     train_tokens, val_tokens = load_corpus()
     train_data = TokenWindows(train_tokens, seq_len)
+    out = Path(run_dir or t.run_dir)
+    if not cfg.comm.report_dir:  # hang reports land next to the metrics
+        cfg.comm.report_dir = str(out)
     engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
     rank0 = engine.global_rank == 0
-    out = Path(run_dir or t.run_dir)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         resolved = engine.config.model_dump(mode="json")
@@ -138,5 +139,5 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
         print(f"trained {steps} steps on {engine.world_size} process(es) [{summary['layout']}]: loss "
               f"{first_loss:.3f} -> {last_loss:.3f}{validation}, {summary['tokens_per_s']:.0f} tokens/s; "
               f"run directory {out}")
-    dist.barrier()
+    comm.barrier(engine.pmesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
     return summary

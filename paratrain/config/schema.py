@@ -171,7 +171,10 @@ class PipelineConfig(Section):
 
 
 class ContextParallelConfig(Section):
+    """Ring attention over the cp axis: each rank holds 2 mirrored chunks of every sequence."""
+
     size: int = Field(1, ge=1)
+    """Ranks that split each sequence (the model's seq_len must be divisible by 2 x size)."""
 
 
 class ActivationCheckpointingConfig(Section):
@@ -209,7 +212,10 @@ class CommConfig(Section):
     """Collective time-outs: a collective that waits longer reports what it was waiting in and stops."""
 
     timeout_s: float = Field(600.0, gt=0.0)
-    """Seconds a collective may wait before the job stops with a report."""
+    """Seconds a collective may wait before the job stops with a report (also the backend's own timeout)."""
+    report_dir: str = ""
+    """Where each stopped rank writes hang_report_rank{r}.json; empty: the run directory under
+    `paratrain train`, else the current directory."""
 
 
 class TrainerConfig(Section):
