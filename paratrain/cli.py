@@ -97,8 +97,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"paratrain report: {exc}", file=sys.stderr)
         return 2
     if not parts:
-        print(f"paratrain report: nothing to report in {args.run_dir} (a pipeline run writes timeline.json)",
-              file=sys.stderr)
+        print(f"paratrain report: nothing to report in {args.run_dir} (a `paratrain train` run writes "
+              f"metrics.jsonl, a pipeline run also timeline.json)", file=sys.stderr)
         return 1
     print("\n\n".join(parts))
     return 0
@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 
-    report = sub.add_parser("report", help="render a run directory: pipeline timeline (Gantt PNG) and bubbles")
+    report = sub.add_parser("report", help="render a run directory: loss, throughput, memory and communication "
+                                           "plots, a summary, the pipeline timeline")
     report.add_argument("run_dir", help="the run directory of a `paratrain train` run")
     report.set_defaults(func=cmd_report)
     return parser

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import resource
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,11 @@ def setup_logging(rank: int) -> logging.Logger:
         log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         log.propagate = False
     return log
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _TensorBoard:

@@ -7,8 +7,10 @@ It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metric
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from paratrain.config import load_config
 from paratrain.data import DataParallelLoader, DataParallelSampler, TokenWindows, corpus_fingerprint, load_corpus
 from paratrain.distributed import init_distributed
 from paratrain.models import GPT
+from paratrain.monitor import peak_rss_bytes
 
 
 class MetricsWriter:
@@ -51,11 +54,14 @@ class MetricsWriter:
             self._csv_file.close()
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, stack: contextlib.ExitStack):
     if not enabled:
         return None
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
+    # The engine's steps_per_print lines go above the bar instead of through it.
+    stack.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger("paratrain")]))
     return tqdm(total=total, desc="train", dynamic_ncols=True, mininterval=0.5)
 
 
@@ -93,7 +99,8 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
             engine.pmesh.local_rank("dp"), seed=cfg.seed, shuffle=False))
 
     tokens_per_step = engine.train_batch_size() * seq_len
-    bar = _progress(steps, rank0 and t.progress_bar)
+    redirect = contextlib.ExitStack()
+    bar = _progress(steps, rank0 and t.progress_bar, redirect)
     engine.comm_stats(reset=True)
     first_loss = last_loss = val_loss = None
     start = time.perf_counter()
@@ -112,10 +119,13 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
         if t.eval_every and (step % t.eval_every == 0 or step == steps):
             val_loss = float(engine.eval_batch(val_loader(), t.eval_batches))
             row["val_loss"] = val_loss
+            engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
         if step % cfg.steps_per_print == 0 or step == steps:
-            # Every rank's model-state bytes (a small all-gather, counted under the "metrics" tag).
-            row["state_bytes_per_rank"] = comm.all_gather_object(memory["total"], engine.pmesh.axis(
+            # Every rank's model-state bytes and peak RSS (a small all-gather, counted under the "metrics" tag).
+            per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.pmesh.axis(
                 ("dp", "pp", "cp", "tp")), tag="metrics")
+            row["state_bytes_per_rank"] = [state for state, _ in per_rank]
+            row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
             engine.comm_stats(reset=True)
         metrics.write(row)
         if bar is not None:
@@ -124,6 +134,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
             bar.update(1)
     if bar is not None:
         bar.close()
+    redirect.close()
     metrics.close()
     timeline = engine.pipeline_timeline()  # collective; None without a pipeline
     if timeline is not None and rank0:

@@ -54,6 +54,7 @@ def test_train_command_runs_two_processes_and_writes_a_run_dir(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[3]["state_bytes_per_rank"] == [rows[3]["state_bytes"]] * 2
+    assert len(rows[3]["peak_rss_per_rank"]) == 2 and min(rows[3]["peak_rss_per_rank"]) > 50 * 2**20
     assert all(r["comm"]["dp"]["all_reduce"]["calls"] >= 1 for r in rows)
     assert (tmp_path / "out" / "metrics.csv").read_text().startswith("step,loss,")
     assert "val_loss" in rows[5] and "val_loss" in rows[11]

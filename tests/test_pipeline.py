@@ -211,3 +211,6 @@ def test_train_command_writes_a_timeline_for_a_pipeline(tmp_path):
     report = _paratrain("report", "out", cwd=tmp_path)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "measured bubble" in report.stdout and (tmp_path / "out" / "timeline.png").is_file()
+    # the metrics part of the same report: pictures and a summary with every rank's memory
+    assert all((tmp_path / "out" / f"{name}.png").is_file() for name in ("loss", "throughput", "memory", "comm"))
+    assert "layout pp2 on 2 process(es)" in report.stdout and "- peak RSS per rank:" in report.stdout

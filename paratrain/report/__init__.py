@@ -1,20 +1,20 @@
 """`paratrain report RUN_DIR`: turn a run directory into pictures and tables.
 
-Each part looks for its own input in the run directory and reports what it wrote; today there is one part,
-the pipeline timeline (`timeline.json` -> `timeline.png` + `bubbles.md`).
+Each part looks for its own input in the run directory and reports what it wrote: the metrics
+(`metrics.jsonl` -> `loss.png`, `throughput.png`, `memory.png`, `comm.png` + `summary.md`) and the pipeline
+timeline (`timeline.json` -> `timeline.png` + `bubbles.md`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from paratrain.report.errors import ReportError
+from paratrain.report.metrics import metrics_report
 from paratrain.report.pipeline import pipeline_report
 
-PARTS = (pipeline_report,)
-
-
-class ReportError(ValueError):
-    pass
+PARTS = (metrics_report, pipeline_report)
+__all__ = ["PARTS", "ReportError", "build_report"]
 
 
 def build_report(run_dir: str | Path) -> list[str]:

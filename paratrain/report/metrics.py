@@ -1,0 +1,104 @@
+"""The metrics part of a report: pictures of metrics.jsonl and a short text summary (summary.md).
+
+metrics.jsonl (written by `paratrain train` on rank 0) has one row per optimizer step: loss, lr, grad norm,
+step time, tokens/s, model-state bytes, comm bytes and counts per axis/op, sometimes val_loss, and every
+`steps_per_print` steps every rank's model-state bytes and peak RSS. summary.json adds the layout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+from paratrain.report.errors import ReportError
+
+MIB = 2**20
+
+
+def load_rows(path: Path) -> list[dict]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ReportError(f"{path} line {number} is not JSON ({exc}); was the run interrupted while writing?") \
+                from None
+    return rows
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", MIB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _spread(values: list[int]) -> str:
+    low, high = min(values), max(values)
+    return _bytes(low) if low == high else f"{_bytes(low)} to {_bytes(high)}"
+
+
+def summarize(rows: list[dict], summary: dict, pictures: list[Path]) -> str:
+    """The text summary: layout, loss, speed, memory and communication, in a few lines of markdown."""
+    from paratrain.report.plots import comm_per_axis
+
+    lines = [f"# Run summary: {summary.get('run_dir', '')}".rstrip(), ""]
+    if summary:
+        params = summary.get("params")
+        lines.append(f"- layout {summary.get('layout', '?')} on {summary.get('world_size', '?')} process(es)"
+                     + (f", {params / 1e6:.2f}M parameters" if params else "")
+                     + f", {len(rows)} steps" + (f" in {summary['wall_s']:.1f} s" if "wall_s" in summary else ""))
+    val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    lines.append(f"- loss {rows[0]['loss']:.4f} (step 1) -> {rows[-1]['loss']:.4f} (step {rows[-1]['step']})"
+                 + (f", last validation loss {val[-1]:.4f}" if val else ""))
+    times = [r["step_time_s"] for r in rows]
+    lines.append(f"- speed: median step {statistics.median(times) * 1000:.1f} ms, median "
+                 f"{statistics.median(r['tokens_per_s'] for r in rows):,.0f} tokens/s (timings are wall clock on "
+                 f"whatever else the machine was doing)")
+    last = next((r for r in reversed(rows) if "state_bytes_per_rank" in r), None)
+    if last is not None:
+        lines.append(f"- model state per rank (params + grads + optimizer state): "
+                     f"{_spread(last['state_bytes_per_rank'])}")
+        if last.get("peak_rss_per_rank"):
+            lines.append(f"- peak RSS per rank: {_spread(last['peak_rss_per_rank'])}")
+    else:
+        lines.append(f"- model state on rank 0: {_bytes(rows[-1]['state_bytes'])}")
+    per_axis: dict[str, list[int]] = {}
+    for row in rows:
+        for axis, count in comm_per_axis(row).items():
+            per_axis.setdefault(axis, []).append(count)
+    if per_axis:
+        parts = ", ".join(f"{axis} {_bytes(statistics.median(v))}" for axis, v in sorted(per_axis.items()))
+        lines.append(f"- communication per step on rank 0 (median): {parts}")
+    lines += ["", "Pictures: " + ", ".join(p.name for p in pictures)]
+    return "\n".join(lines)
+
+
+def metrics_report(run_dir: Path) -> str | None:
+    """metrics.jsonl -> loss.png, throughput.png, memory.png, comm.png and summary.md; None without metrics."""
+    source = run_dir / "metrics.jsonl"
+    if not source.is_file():
+        return None
+    rows = load_rows(source)
+    if not rows:
+        raise ReportError(f"{source} is empty: the run stopped before its first step")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ReportError("drawing the metrics needs matplotlib: pip install 'paratrain[plot]'")
+    from paratrain.report import plots
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    pictures = [plots.plot_loss(rows, run_dir / "loss.png"), plots.plot_throughput(rows, run_dir / "throughput.png")]
+    last = next((r for r in reversed(rows) if "state_bytes_per_rank" in r), None)
+    state = last["state_bytes_per_rank"] if last else [rows[-1]["state_bytes"]]
+    pictures.append(plots.plot_memory(state, last.get("peak_rss_per_rank") if last else None,
+                                      run_dir / "memory.png"))
+    comm_png = plots.plot_comm(rows, run_dir / "comm.png")
+    if comm_png is not None:
+        pictures.append(comm_png)
+    text = summarize(rows, summary, pictures)
+    (run_dir / "summary.md").write_text(text + "\n")
+    return text

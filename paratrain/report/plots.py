@@ -1,0 +1,107 @@
+"""The pictures of a run's per-step metrics: loss, throughput, per-rank memory, communication per axis.
+
+Each function takes the rows of `metrics.jsonl` (one dict per optimizer step, see paratrain/trainer.py) and
+writes one PNG. matplotlib is optional (`pip install paratrain[plot]`); it is imported here only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+MIB = 2**20
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def _rolling_median(values: list[float], window: int) -> list[float]:
+    return [statistics.median(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def plot_loss(rows: list[dict], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2, label="training loss (global batch)")
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val), "o-", color="tab:red", ms=4, label="validation loss")
+    ax.set(xlabel="optimizer step", ylabel="loss", title="Loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_throughput(rows: list[dict], path: Path) -> Path:
+    plt = _pyplot()
+    steps = [r["step"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    window = max(1, len(rows) // 20)
+    tokens = [r["tokens_per_s"] for r in rows]
+    top.plot(steps, tokens, lw=0.6, alpha=0.4, color="tab:blue", label="per step")
+    top.plot(steps, _rolling_median(tokens, window), lw=1.6, color="tab:blue",
+             label=f"median of {window} step{'s' if window > 1 else ''}")
+    top.set(ylabel="tokens / s", title="Throughput")
+    top.legend()
+    times = [r["step_time_s"] * 1000 for r in rows]
+    bottom.plot(steps, times, lw=0.6, alpha=0.4, color="tab:orange")
+    bottom.plot(steps, _rolling_median(times, window), lw=1.6, color="tab:orange")
+    bottom.set(xlabel="optimizer step", ylabel="step time (ms)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    return _save(fig, path)
+
+
+def plot_memory(per_rank_state: list[int], per_rank_rss: list[int] | None, path: Path) -> Path:
+    """Model-state bytes per rank (what the strategy keeps) and, beside it, each process's peak RSS: two
+    panels with their own scales, since a process carries far more than its model state."""
+    plt = _pyplot()
+    panels = [("model state per rank\n(params + grads + optimizer state)", per_rank_state, "tab:green")]
+    if per_rank_rss:
+        panels.append(("peak RSS per process", per_rank_rss, "tab:gray"))
+    ranks = list(range(len(per_rank_state)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(5.0, 0.8 * len(ranks) + 2.5) * len(panels), 4),
+                             squeeze=False)
+    for ax, (title, values, color) in zip(axes[0], panels):
+        bars = ax.bar(ranks, [v / MIB for v in values], 0.6, color=color)
+        ax.bar_label(bars, fmt="%.2f" if max(values) < 10 * MIB else "%.0f", fontsize=8)
+        ax.set(xlabel="global rank", ylabel="MiB", title=title, xticks=ranks)
+        ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def comm_per_axis(row: dict) -> dict[str, int]:
+    """Bytes this step moved on each axis (all operations, rank 0's count)."""
+    return {axis: sum(op["bytes"] for op in ops.values()) for axis, ops in row.get("comm", {}).items()}
+
+
+def plot_comm(rows: list[dict], path: Path) -> Path | None:
+    per_step = [comm_per_axis(r) for r in rows]
+    axes = sorted({axis for step in per_step for axis in step})
+    if not axes:
+        return None
+    plt = _pyplot()
+    peak = max(sum(step.values()) for step in per_step)
+    unit, scale = ("MiB", MIB) if peak >= MIB else ("KiB", 1024) if peak >= 1024 else ("B", 1)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in rows]
+    ax.stackplot(steps, [[step.get(axis, 0) / scale for step in per_step] for axis in axes], labels=axes,
+                 alpha=0.8, step="mid")
+    ax.set(xlabel="optimizer step", ylabel=f"{unit} per step (rank 0)", title="Communication per step, by axis")
+    ax.grid(alpha=0.3)
+    ax.legend(title="axis", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
