@@ -15,15 +15,20 @@ from paratrain.parallelize import check_supported
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's launcher arguments: --deepspeed, --deepspeed_config, --local_rank."""
+    """Add DeepSpeed's arguments: --deepspeed, --deepspeed_config and (unless the script declares it) --local_rank."""
     group = parser.add_argument_group("paratrain", "paratrain / DeepSpeed configuration")
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="enable the engine (accepted for DeepSpeed compatibility)")
     group.add_argument("--deepspeed_config", "--paratrain_config", dest="deepspeed_config", default=None,
                        type=str, help="path of the JSON config")
-    if not any("--local_rank" in a.option_strings for a in parser._actions):
+    declared = [a for a in parser._actions if "--local_rank" in a.option_strings]
+    if not declared:
         group.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                            help="set by the launcher")
+    elif "LOCAL_RANK" in os.environ:
+        # DeepSpeed's launcher passes --local_rank=N; torchrun (under `paratrain run`) sets LOCAL_RANK instead.
+        # A script that declares --local_rank (default -1, as the tutorials do) still gets its local rank.
+        declared[0].default = int(os.environ["LOCAL_RANK"])
     return parser
 
 

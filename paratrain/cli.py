@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train | plan | report."""
+"""The `paratrain` command: run | train | plan | bench | report."""
 
 from __future__ import annotations
 
@@ -88,6 +88,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from paratrain.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from paratrain.report import ReportError, build_report
 
@@ -136,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="rank parallel layouts for a model on N GPUs: memory, time, a config")
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+    from paratrain.bench.cli import add_bench_arguments
+
+    bench = sub.add_parser("bench", help="every strategy on the same small GPT: memory, communication, time")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
 
     report = sub.add_parser("report", help="render a run directory: loss, throughput, memory and communication "
                                            "plots, a summary, the pipeline timeline")

@@ -94,6 +94,14 @@ def test_add_config_arguments_as_tutorials_use_it():
     assert bare.local_rank == 3 and bare.deepspeed_config is None
 
 
+
+def test_a_declared_local_rank_gets_torchruns_value(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "2")  # what `paratrain run` (torchrun) sets; DeepSpeed passes --local_rank=2
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    assert deepspeed.add_config_arguments(parser).parse_args([]).local_rank == 2
+
+
 def test_mpi_launch_is_refused_not_split_into_one_process_worlds():
     env = {**os.environ, "OMPI_COMM_WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
     env.pop("RANK", None)

@@ -180,8 +180,8 @@ class ContextParallelConfig(Section):
 class ActivationCheckpointingConfig(Section):
     enabled: bool = False
     granularity: Literal["full", "selective"] = "full"
-    # DeepSpeed's keys. As in DeepSpeed they act only through deepspeed.checkpointing.configure(deepspeed_config=...)
-    # (paratrain.checkpointing), which refuses partition_activations and cpu_checkpointing.
+    # DeepSpeed's keys: DeepSpeed's engine ignores them too (only deepspeed.checkpointing.configure reads them,
+    # and paratrain refuses deepspeed.checkpointing by name), so a tutorial config loads unchanged.
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False

@@ -47,7 +47,7 @@ def train(args) -> dict:
     engine, optimizer, _, scheduler = deepspeed.initialize(args=args, model=model,
                                                            model_parameters=model.parameters())
     rank, world = engine.global_rank, dist.get_world_size()
-    assert engine.local_rank == int(os.environ.get("LOCAL_RANK", "0"))
+    assert engine.local_rank == args.local_rank == int(os.environ["LOCAL_RANK"])  # either launcher's way
     size, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     criterion = nn.CrossEntropyLoss()
     losses, lrs = [], []
