@@ -48,7 +48,11 @@ def markdown(rows: list[dict], command: str, nproc: int, model: str, steps: int)
         "is `engine.memory_stats()` (parameters + gradients + optimizer state, B/Ψ = bytes per parameter), "
         "communication the payload of the collectives a rank takes part in per optimizer step "
         "(`engine.comm_stats()`, the largest rank per axis, the 4-byte loss report left out; Ψ = that many fp32 "
-        "elements). Step time (median of the slowest rank) and peak RSS (largest process) are measured: on a "
+        "elements). Payload is the logical tensor: an all-reduce of Ψ counts Ψ, though a ring moves about "
+        "2Ψ(N−1)/N per rank, while an all-gather or a reduce-scatter of Ψ counts Ψ and moves Ψ(N−1)/N — so "
+        "ZeRO-1/2's 2Ψ is DDP's wire traffic, ZeRO-3's 3Ψ is 1.5× it, and SP's all-gathers + reduce-scatters "
+        "are TP's all-reduces; point-to-point messages count once sent and once received. "
+        "Step time (median of the slowest rank) and peak RSS (largest process) are measured: on a "
         "shared CPU machine they are noisy, so rerun the command on yours. Every row starts from the same "
         "weights and trains on the same batches: the loss column agrees to rounding.",
         "",
