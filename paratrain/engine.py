@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from paratrain import comm
-from paratrain.compat.engine_api import DeepSpeedEngineAPI
+from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
 from paratrain.distributed import current_device
@@ -148,7 +148,7 @@ class Engine(DeepSpeedEngineAPI):
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
                              f"(e.g. loss.mean()) first")
@@ -239,8 +239,12 @@ class Engine(DeepSpeedEngineAPI):
         return self._mean_over_dp(total / self.gradient_accumulation_steps())
 
     @torch.no_grad()
-    def eval_batch(self, data_iter, num_micro_batches: int | None = None) -> torch.Tensor:
-        """Mean loss over `num_micro_batches` (default: gradient_accumulation_steps) without updating."""
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> torch.Tensor:
+        """Mean loss over `num_micro_batches` (default: gradient_accumulation_steps) without updating.
+        DeepSpeed's PipelineEngine signature; only its defaults are supported (the loss, averaged)."""
+        check_eval_arguments(return_logits, compute_loss, reduce_output, bcast_loss)
         was_training = self.module.training
         self.module.eval()
         count = num_micro_batches or self.gradient_accumulation_steps()

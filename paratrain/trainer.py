@@ -117,7 +117,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
                "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, "state_bytes": memory["total"],
                "comm_bytes": comm_bytes, "comm": stats}
         if t.eval_every and (step % t.eval_every == 0 or step == steps):
-            val_loss = float(engine.eval_batch(val_loader(), t.eval_batches))
+            val_loss = float(engine.eval_batch(val_loader(), num_micro_batches=t.eval_batches))
             row["val_loss"] = val_loss
             engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
         if step % cfg.steps_per_print == 0 or step == steps:

@@ -154,6 +154,8 @@ def check_engine_calls() -> dict:
         _micro_step(engine, 10 + i)
     with pytest.raises(DeepSpeedNotSupported, match="engine.save_16bit_model is DeepSpeed API"):
         engine.save_16bit_model("x")
+    with pytest.raises(DeepSpeedNotSupported, match=r"engine.eval_batch\(return_logits=True\) is DeepSpeed API"):
+        engine.eval_batch(iter([]), return_logits=True)
     return {"applied": applied, "boundaries": boundaries, "steps": engine.global_steps,
             "gas": engine.gradient_accumulation_steps(), "state": engine.module_state_dict()["0.weight"].sum().item()}
 

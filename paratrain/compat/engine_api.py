@@ -8,7 +8,7 @@ stand-in.
 
 from __future__ import annotations
 
-from paratrain.compat.names import ENGINE, refuse
+from paratrain.compat.names import DOCS, ENGINE, DeepSpeedNotSupported, refuse
 from paratrain.distributed import local_rank
 
 
@@ -149,3 +149,14 @@ class DeepSpeedEngineAPI:
         if name.startswith("_"):
             raise AttributeError(name)
         refuse(ENGINE, "engine", name)
+
+
+def check_eval_arguments(return_logits: bool, compute_loss: bool, reduce_output: str, bcast_loss: bool) -> None:
+    """eval_batch takes DeepSpeed's PipelineEngine arguments; anything but their defaults is refused by name."""
+    given = {"return_logits": (return_logits, False), "compute_loss": (compute_loss, True),
+             "reduce_output": (reduce_output, "avg"), "bcast_loss": (bcast_loss, True)}
+    for name, (value, default) in given.items():
+        if value != default:
+            raise DeepSpeedNotSupported(f"engine.eval_batch({name}={value!r}) is DeepSpeed API that paratrain does "
+                                        f"not support: eval_batch returns the mean loss over the data-parallel "
+                                        f"ranks; run engine.module yourself for outputs (see {DOCS})")
