@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train | plan."""
+"""The `paratrain` command: run | train | plan | checkpoint."""
 
 from __future__ import annotations
 
@@ -88,6 +88,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint.cli import run_checkpoint
+
+    return run_checkpoint(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from paratrain.launcher.run import add_launch_arguments
 
@@ -120,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="rank parallel layouts for a model on N GPUs: memory, time, a config")
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+    from paratrain.checkpoint.cli import add_checkpoint_arguments
+
+    checkpoint = sub.add_parser("checkpoint", help="inspect, export or convert a sharded checkpoint")
+    add_checkpoint_arguments(checkpoint)
+    checkpoint.set_defaults(func=cmd_checkpoint)
     return parser
 
 

@@ -24,11 +24,12 @@ from torch import nn
 from paratrain import comm
 from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
+from paratrain.data.batch_check import BatchChecker
 from paratrain.distributed import current_device, local_rank
 from paratrain.mesh import Mesh
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallelize import parallelize
-from paratrain.precision import make_loss_scaler
+from paratrain.precision import NonFiniteLossError, make_loss_scaler
 
 log = logging.getLogger("paratrain")
 
@@ -55,6 +56,9 @@ class Engine:
         self.loss_scaler = make_loss_scaler(config)  # fp16 only
         self._grad_norm: float | None = None
         self._times: dict[str, float] = defaultdict(float)
+        self._check_train_batch = BatchChecker(config.batch_check, "training")
+        self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")
+        self.auto_resumed: tuple[str, dict] | None = None  # (path, client_state) when initialize() resumed
 
     # ---- construction helpers --------------------------------------------------------------------
     def _optimizer_factory(self, optimizer):
@@ -177,11 +181,14 @@ class Engine:
 
     def step(self) -> None:
         """Called after every backward; updates the model only at the accumulation boundary."""
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             with self._timed("step"):
                 self._optimizer_update()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp")
+        if boundary:
+            self._save_if_due()
 
     def _optimizer_update(self) -> None:
         with self._timed("comm_wait"):
@@ -198,6 +205,9 @@ class Engine:
                 self._skip_step(norm)
                 return
             norm, factor = norm / scale, 1.0 / scale
+        elif not math.isfinite(norm):
+            self._nonfinite(norm)
+            return
         self._grad_norm = norm
         clip = self.gradient_clipping()
         if clip > 0.0:
@@ -216,17 +226,31 @@ class Engine:
             if self.config.wall_clock_breakdown:
                 log.info("time (s): %s", {k: round(v, 4) for k, v in self._times.items()})
 
-    def _skip_step(self, norm: float) -> None:
-        """fp16 overflow: no update and no LR step (DeepSpeed's behaviour); the step still counts."""
+    def _nonfinite(self, norm: float) -> None:
+        """bf16/fp32: a NaN/inf loss or gradient. The norm is the same number on every rank, so every rank
+        stops, or skips, at the same step."""
+        if self.config.nonfinite_loss == "skip":
+            self._skip_step(norm, f"the global gradient norm is {norm} (the loss or a gradient is NaN/inf)")
+            return
+        message = (f"step {self.global_steps + 1}: the global gradient norm is {norm}: the loss or a gradient "
+                   f"became NaN/inf on some rank, and nothing was updated. Lower the learning rate, enable "
+                   f"gradient_clipping, check the data, or set nonfinite_loss to \"skip\" to skip such steps")
+        if self.global_rank == 0:
+            log.error(message)
+        raise NonFiniteLossError(message)
+
+    def _skip_step(self, norm: float, reason: str | None = None) -> None:
+        """No update and no LR step (DeepSpeed's behaviour on an fp16 overflow); the step still counts."""
         self._grad_norm = norm
         self.grad_sync.zero_grad()
         self.skipped_steps += 1
         self.global_steps += 1
         if self.global_rank == 0:
-            log.warning("step %d skipped: fp16 gradients overflowed (skipped_steps=%d, loss scale now %g)",
-                        self.global_steps, self.skipped_steps, self.loss_scale())
+            reason = reason or f"fp16 gradients overflowed (loss scale now {self.loss_scale():g})"
+            log.warning("step %d skipped: %s (skipped_steps=%d)", self.global_steps, reason, self.skipped_steps)
 
     def _run_micro_batch(self, batch) -> torch.Tensor:
+        (self._check_train_batch if self.module.training else self._check_eval_batch)(batch)
         batch = _to_device(batch, self.device)
         if isinstance(batch, dict):
             return self(**batch)
@@ -264,6 +288,30 @@ class Engine:
         axis = self.pmesh.axis(("dp", "cp"))
         comm.all_reduce(value, axis, tag="metrics")
         return value / axis.size
+
+    # ---- checkpoints (paratrain/checkpoint, docs/checkpoints.md) ---------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N}."""
+        from paratrain.checkpoint import save_checkpoint
+
+        save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load a checkpoint saved under any layout (collective); returns (path, client_state), (None, None)
+        when `load_dir` holds none. `tag` defaults to the one the `latest` file names."""
+        from paratrain.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def _save_if_due(self) -> None:
+        every = self.config.checkpoint.save_every
+        if every and self.global_steps % every == 0:
+            self.save_checkpoint(self.config.checkpoint.dir)
 
     # ---- introspection ---------------------------------------------------------------------------
     def comm_stats(self, reset: bool = False, by_tag: bool = False) -> dict:

@@ -25,6 +25,8 @@ from paratrain.data_parallel.fsdp import FullyShardedDataParallel
 from paratrain.data_parallel.fsdp_units import config_wrap_policy
 from paratrain.data_parallel.zero import ZeroDataParallel
 from paratrain.mesh import Mesh
+from paratrain.origin import Origin
+from paratrain.tensor_parallel import RNGTracker
 from paratrain.tensor_parallel import parallelize as tensor_parallelize
 from paratrain.tensor_parallel.plan import check_plan_syntax
 
@@ -36,18 +38,30 @@ class ParallelModel:
     `unshard` undoes the model-parallel steps for `full_state_dict`: the data-parallel strategy first
     gives this rank's module state with ZeRO shards gathered, then each function (added by the TP, PP, ...
     steps, in the order they are to be undone) turns it into the state of the original model.
+    `origins` does the same for one tensor's coordinates, without communication (checkpoints): each step
+    inserts its function at the front, so the last step applied is undone first. `random_streams` are the
+    per-rank random generators the steps created (their states go into checkpoints).
     """
 
     module: nn.Module
     grad_sync: GradSync
     unshard: list[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    origins: list[Callable[[Origin], Origin]] = field(default_factory=list)
+    random_streams: dict[str, RNGTracker] = field(default_factory=dict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state = self.grad_sync.full_state_dict()
         for fn in self.unshard:
             state = fn(state)
         return state
+
+    def origin(self, local_name: str, tensor: torch.Tensor) -> Origin:
+        """Which tensor of the original model a tensor of the local module is, and which box of it."""
+        found = Origin.local(local_name, tensor)
+        for fn in self.origins:
+            found = fn(found)
+        return found
 
 
 def check_supported(config: Config) -> None:
@@ -77,14 +91,17 @@ def check_supported(config: Config) -> None:
 
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
     check_supported(config)
-    unshard = []
+    unshard, origins, streams = [], [], {}
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
         unshard.append(applied.unshard)
+        origins.insert(0, applied.origin)
+        streams["tp"] = applied.tracker
     if device is not None:
         model.to(device)
-    return ParallelModel(model, _data_parallel(model, mesh, config, device or torch.device("cpu")), unshard)
+    grad_sync = _data_parallel(model, mesh, config, device or torch.device("cpu"))
+    return ParallelModel(model, grad_sync, unshard, origins=origins, random_streams=streams)
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device) -> GradSync:

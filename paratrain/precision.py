@@ -38,6 +38,10 @@ class LossScaleError(RuntimeError):
     """An fp16 overflow at the minimum loss scale: training cannot continue."""
 
 
+class NonFiniteLossError(RuntimeError):
+    """bf16/fp32 with `nonfinite_loss: "stop"`: the loss or a gradient became NaN/inf."""
+
+
 class LossScaler:
     """A static loss scale (fp16.loss_scale > 0). An overflowing step is still skipped, never applied."""
 
