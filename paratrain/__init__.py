@@ -5,22 +5,26 @@ The public API mirrors DeepSpeed's (`import paratrain as deepspeed` works for th
 
 from paratrain import zero  # paratrain.zero.estimate_memory
 from paratrain.api import add_config_arguments, initialize, resolve_config
+from paratrain.checkpoint import CheckpointError
 from paratrain.comm import CommStats
 from paratrain.config import Config, ConfigError, load_config
 from paratrain.data_parallel.dp import DataParallel
 from paratrain.distributed import init_distributed
 from paratrain.engine import Engine
 from paratrain.mesh import Mesh, ParallelDims, build_mesh
+from paratrain.precision import NonFiniteLossError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CommStats",
     "Config",
     "ConfigError",
     "DataParallel",
     "Engine",
     "Mesh",
+    "NonFiniteLossError",
     "ParallelDims",
     "__version__",
     "add_config_arguments",

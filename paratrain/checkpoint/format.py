@@ -132,7 +132,7 @@ def _canonical(manifest: dict) -> bytes:
 
 def write_manifest(tag_dir: Path, manifest: dict) -> None:
     manifest = {**manifest, "checksum": hashlib.sha256(_canonical(manifest)).hexdigest()}
-    atomic_write_text(tag_dir / MANIFEST, json.dumps(manifest, indent=1))
+    atomic_write_text(tag_dir / MANIFEST, json.dumps(manifest, separators=(",", ":")))
 
 
 def read_manifest(tag_dir: Path) -> dict:

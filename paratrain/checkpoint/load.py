@@ -82,7 +82,7 @@ class _Plan:
                            end, dtype)
 
 
-def _plan(engine, path: Path, strict: bool, optimizer_states: bool) -> _Plan:
+def _plan(engine, path: Path, optimizer_states: bool) -> _Plan:
     manifest = read_manifest(path)
     tensors = manifest["tensors"]
     plan = _Plan(path, manifest, {k: [Piece.from_json(p) for p in v] for k, v in manifest["pieces"].items()})
@@ -92,7 +92,6 @@ def _plan(engine, path: Path, strict: bool, optimizer_states: bool) -> _Plan:
             raise CheckpointError(f"checkpoint '{path}': {problem}; load another tag")
     gs, parallel = engine.grad_sync, engine.parallel
     local = dict(gs.named_params)
-    missing: list[str] = []
 
     def need(key: str, origin: Origin, start: int, end: int) -> bool:
         if key not in tensors:
@@ -113,8 +112,6 @@ def _plan(engine, path: Path, strict: bool, optimizer_states: bool) -> _Plan:
             plan.names.add(origin.name)
             if need(f"model/{origin.name}", origin, seg.start, seg.end):
                 held.append((seg, origin))
-            else:
-                missing.append(origin.name)
         plan.masters.append((master, held))
     trainable = {id(p) for p in local.values()}
     for name, t in parallel.module.state_dict(keep_vars=True).items():
@@ -123,21 +120,16 @@ def _plan(engine, path: Path, strict: bool, optimizer_states: bool) -> _Plan:
             plan.names.add(origin.name)
             if need(f"model/{origin.name}", origin, 0, t.numel()):
                 plan.buffers.append((t, origin))
-            else:
-                missing.append(origin.name)
-    if missing and strict:
-        raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} tensor(s) of this model: "
-                              f"{', '.join(sorted(missing)[:8])}: it is of a different model; load a checkpoint of "
-                              f"this model, or pass load_module_strict=False to keep their current values")
     if optimizer_states and manifest["optimizer"] is not None:
         saved, mine = manifest["optimizer"]["type"], type(engine.optimizer).__name__
         if saved != mine:
             raise CheckpointError(f"checkpoint '{path}' holds {saved} optimizer states but the engine's optimizer is "
                                   f"{mine}; use the same optimizer, or pass load_optimizer_states=False to start "
                                   f"it fresh")
+        states = _optimizer_states(tensors)
         for _, held in plan.masters:
             for seg, origin in held:
-                for key in _state_keys(tensors, origin.name):
+                for key in states.get(origin.name, []):
                     need(f"optim/{key}/{origin.name}", origin, seg.start, seg.end)
     layout, dims = manifest["layout"], engine.pmesh.dims
     plan.same_layout = layout["world_size"] == dims.world_size and all(layout[a] == dims.sizes[a] for a in AXES)
@@ -150,10 +142,14 @@ def _plan(engine, path: Path, strict: bool, optimizer_states: bool) -> _Plan:
     return plan
 
 
-def _state_keys(tensors: dict, name: str) -> list[str]:
-    suffix = "/" + name
-    return sorted(k[len("optim/"):-len(suffix)] for k in tensors if k.startswith("optim/") and k.endswith(suffix)
-                  and "/" not in k[len("optim/"):-len(suffix)])
+def _optimizer_states(tensors: dict) -> dict[str, list[str]]:
+    """{parameter name: the optimizer states stored for it}, from keys `optim/<state>/<name>`."""
+    out: dict[str, list[str]] = {}
+    for key in tensors:
+        if key.startswith("optim/"):
+            state, _, name = key[len("optim/"):].partition("/")
+            out.setdefault(name, []).append(state)
+    return {name: sorted(states) for name, states in out.items()}
 
 
 def resolve_tag(engine, load_dir, tag) -> str | None:
@@ -181,7 +177,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     optimizer_states = load_optimizer_states and not load_module_only
     plan, error = None, None
     try:
-        plan = _plan(engine, path, load_module_strict, optimizer_states)
+        plan = _plan(engine, path, optimizer_states)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, or they would hang
@@ -190,10 +186,14 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     errors = [e for e, _ in everyone if e]
     if errors:
         raise CheckpointError(errors[0])
-    if load_module_strict:
+    if load_module_strict:  # names over every rank (a pipeline stage alone does not hold the whole model)
         held = set().union(*(set(names) for _, names in everyone))
-        extra = sorted(k[len("model/"):] for k in plan.manifest["tensors"] if k.startswith("model/") and
-                       k[len("model/"):] not in held)
+        saved = {k[len("model/"):] for k in plan.manifest["tensors"] if k.startswith("model/")}
+        missing, extra = sorted(held - saved), sorted(saved - held)
+        if missing:
+            raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} tensor(s) of this model: "
+                                  f"{', '.join(missing[:8])}: it is of a different model; load a checkpoint of "
+                                  f"this model, or pass load_module_strict=False to keep their current values")
         if extra:
             raise CheckpointError(f"checkpoint '{path}' has {len(extra)} tensor(s) this model does not: "
                                   f"{', '.join(extra[:8])}: it is of a different model; load a checkpoint of this "
@@ -237,12 +237,13 @@ def _load_optimizer(engine, plan: _Plan, files: PieceFiles) -> None:
     optimizer, tensors = engine.optimizer, plan.manifest["tensors"]
     saved = plan.manifest["optimizer"]
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    states = _optimizer_states(tensors)
     names_of_group: dict[int, set[str]] = {}
     for master, held in plan.masters:
         names = [origin.name for _, origin in held]
         names_of_group.setdefault(id(group_of[id(master)]), set()).update(names)
         state = {}
-        for key in sorted({k for n in names for k in _state_keys(tensors, n)}):
+        for key in sorted({k for n in names for k in states.get(n, [])}):
             out = torch.zeros(master.shape, dtype=DTYPE_BY_NAME[tensors[f"optim/{key}/{names[0]}"]["dtype"]],
                               device=master.device)
             flat = out.view(-1)

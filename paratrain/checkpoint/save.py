@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain import __version__, comm
+from paratrain import comm
 from paratrain.checkpoint.format import (
     DTYPE_NAMES,
     FORMAT,
@@ -180,6 +180,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 
 
 def _manifest(engine, tag: str, everyone: list[dict]) -> dict:
+    from paratrain import __version__
+
     tensors, pieces, scalars, groups = {}, {}, {}, {}
     for s in everyone:
         tensors.update(s["tensors"])

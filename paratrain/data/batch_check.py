@@ -15,10 +15,18 @@ class BatchError(ValueError):
     """A micro-batch whose structure, dtype or shape differs from the first one's."""
 
 
+def _a(word: str) -> str:
+    return f"an {word}" if word[:1] in "aeiou" else f"a {word}"
+
+
+def tensor_spec(dtype: torch.dtype, shape: tuple) -> str:
+    return f"{_a(str(dtype).removeprefix('torch.'))} tensor of shape {tuple(shape)}"
+
+
 def describe(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
+        return tensor_spec(value.dtype, value.shape)
+    return _a(type(value).__name__)
 
 
 class BatchChecker:
@@ -52,8 +60,7 @@ class BatchChecker:
             dtype, shape = want[1], want[2]
             wrong_shape = tuple(got.shape) != shape if self.mode == "shape" else got.dim() != len(shape)
             if got.dtype != dtype or wrong_shape:
-                first = f"a {str(dtype).removeprefix('torch.')} tensor of shape {shape}"
-                return f"{where} is {describe(got)}, but in the first micro-batch it was {first}"
+                return f"{where} is {describe(got)}, but in the first micro-batch it was {tensor_spec(dtype, shape)}"
             return None
         if kind == "dict":
             if not isinstance(got, dict) or set(got) != set(want[1]):
@@ -74,7 +81,7 @@ class BatchChecker:
                     return problem
             return None
         if type(got) is not want[1]:
-            return f"{where} is {describe(got)}, but in the first micro-batch it was a {want[1].__name__}"
+            return f"{where} is {describe(got)}, but in the first micro-batch it was {_a(want[1].__name__)}"
         return None
 
 
