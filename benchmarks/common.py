@@ -54,7 +54,7 @@ class Timer:
             tic = time.perf_counter()
             loss = one_step()
             elapsed = time.perf_counter() - tic
-            self.losses.append(float(loss))
+            self.losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
             if i >= self.warmup:
                 self.times.append(elapsed)
 

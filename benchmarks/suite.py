@@ -26,7 +26,7 @@ import torch
 
 from paratrain.testing import World
 
-SUITES = ["ddp", "zero", "tp", "pp"]
+SUITES = ["ddp", "zero", "tp", "pp", "cp"]
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -78,6 +78,7 @@ def summarize(raw: dict[str, list[list[dict]]], baseline: str, peers: dict[str, 
     for row in out.values():
         row["ratio"] = row["median_step_s"] / base
     for case, others in (peers or {}).items():
+        others = [others] if isinstance(others, str) else others
         out[case]["peer_ratios"] = {p: out[case]["median_step_s"] / out[p]["median_step_s"] for p in others}
     if reference is not None:
         want = raw[reference][0][0]["losses"]
@@ -87,21 +88,34 @@ def summarize(raw: dict[str, list[list[dict]]], baseline: str, peers: dict[str, 
     return out
 
 
+def _cell(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, list):
+        return " / ".join(_cell(v) for v in value)
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def table(result: dict) -> str:
-    """The markdown table; suites with PEERS / REFERENCE get a peer-ratio / loss-difference column."""
+    """The markdown table; suites with PEERS / REFERENCE get a peer-ratio / loss-difference column, and
+    `extra_*` measurements (e.g. pipeline bubbles) get a column each."""
     peers, reference = result.get("peers"), result.get("reference")
+    rows = result["summary"]
+    extras = sorted({k for row in rows.values() for k in row if k.startswith("extra_")})
     head = ["case", "median step (ms)", "ratio to baseline"] + (["ratio to peers"] if peers else []) + \
         ["peak RSS / rank (MiB)", "model state / rank (MiB)", "last loss"] + \
-        (["max loss diff vs reference"] if reference else [])
+        (["max loss diff vs reference"] if reference else []) + \
+        [k.removeprefix("extra_").replace("_", " ") for k in extras]
     lines = [f"Baseline: **{result['baseline']}**; {result['repeats']} interleaved repeats x {result['steps']} "
              f"measured steps.", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for case, row in result["summary"].items():
+    for case, row in rows.items():
         cells = [case, f"{row['median_step_s'] * 1e3:.1f}", f"{row['ratio']:.3f}"]
         if peers:
-            cells.append(", ".join(f"{r:.3f} vs {p}" for p, r in row.get("peer_ratios", {}).items()) or "")
+            cells.append(", ".join(f"{r:.3f} vs {p}" for p, r in row.get("peer_ratios", {}).items()) or "—")
         cells += [f"{row['peak_rss_mib']:.0f}", f"{row['state_mib']:.2f}", f"{row['last_loss']:.5f}"]
         if reference:
             cells.append(f"{row['loss_diff']:.1e}")
+        cells += [_cell(row.get(k)) for k in extras]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

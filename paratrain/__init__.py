@@ -12,6 +12,7 @@ from paratrain.data_parallel.dp import DataParallel
 from paratrain.distributed import init_distributed
 from paratrain.engine import Engine
 from paratrain.mesh import Mesh, ParallelDims, build_mesh
+from paratrain.pipeline import LayerSpec, PipelineModule
 from paratrain.precision import NonFiniteLossError
 
 __version__ = "0.1.0"
@@ -23,9 +24,11 @@ __all__ = [
     "ConfigError",
     "DataParallel",
     "Engine",
+    "LayerSpec",
     "Mesh",
     "NonFiniteLossError",
     "ParallelDims",
+    "PipelineModule",
     "__version__",
     "add_config_arguments",
     "build_mesh",

@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train | plan | checkpoint."""
+"""The `paratrain` command: run | train | plan | report | checkpoint."""
 
 from __future__ import annotations
 
@@ -88,6 +88,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from paratrain.report import ReportError, build_report
+
+    try:
+        parts = build_report(args.run_dir)
+    except ReportError as exc:
+        print(f"paratrain report: {exc}", file=sys.stderr)
+        return 2
+    if not parts:
+        print(f"paratrain report: nothing to report in {args.run_dir} (a pipeline run writes timeline.json)",
+              file=sys.stderr)
+        return 1
+    print("\n\n".join(parts))
+    return 0
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from paratrain.checkpoint.cli import run_checkpoint
 
@@ -126,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="rank parallel layouts for a model on N GPUs: memory, time, a config")
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+    report = sub.add_parser("report", help="render a run directory: pipeline timeline (Gantt PNG) and bubbles")
+    report.add_argument("run_dir", help="the run directory of a `paratrain train` run")
+    report.set_defaults(func=cmd_report)
 
     from paratrain.checkpoint.cli import add_checkpoint_arguments
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
+
+from paratrain.comm.guard import CollectiveTimeout
 
 
 def default_backend() -> str:
@@ -42,6 +45,25 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     # Scripts rarely tear the group down; without this, gloo's threads can abort the interpreter at exit
     # ("terminate called without an active exception") and torchrun reports a failed job.
     atexit.register(_destroy_at_exit)
+    sys.excepthook = _exit_on_collective_timeout(sys.excepthook)
+
+
+def _exit_on_collective_timeout(previous):
+    """After an uncaught CollectiveTimeout, end the process right after the traceback.
+
+    [Note: why not a normal exit] The backend still holds the collective that never completed, and
+    destroying the process group (at exit) blocks until every peer has left — the hang the guard just
+    reported. The report is written and the traceback printed; nothing else is worth waiting for.
+    """
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        if isinstance(value, CollectiveTimeout):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    return hook
 
 
 def _destroy_at_exit() -> None:

@@ -39,10 +39,13 @@ class Engine:
                  model_parameters=None, training_data=None, collate_fn=None):
         self.config = config
         self.pmesh = mesh
+        if mesh.guard is not None:  # every collective below waits at most comm.timeout_s, then reports
+            mesh.guard.configure(timeout_s=config.comm.timeout_s, report_dir=config.comm.report_dir or ".")
         self.device = current_device()
         self.parallel = parallelize(model, mesh, config, device=self.device)
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
+        self.pipeline = self.parallel.pipeline  # set when pipeline.stages > 1: whole steps only
         self.optimizer = self.grad_sync.build_optimizer(self._optimizer_factory(optimizer),
                                                         self._param_groups(model_parameters))
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -162,7 +165,14 @@ class Engine:
         finally:
             self._times[name] += time.perf_counter() - start
 
+    def _not_in_pipeline(self, what: str) -> None:
+        if self.pipeline is not None:
+            raise RuntimeError(f"engine.{what} is not available with pipeline.stages > 1: a pipeline runs whole "
+                               f"steps of micro-batches; call engine.train_batch(data_iter) or "
+                               f"engine.eval_batch(data_iter) (DeepSpeed's PipelineEngine does the same)")
+
     def forward(self, *inputs, **kwargs):
+        self._not_in_pipeline("forward()")
         with self._timed("forward"):
             return self.module(*inputs, **kwargs)
 
@@ -172,6 +182,7 @@ class Engine:
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
                              f"(e.g. loss.mean()) first")
+        self._not_in_pipeline("backward()")
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
@@ -181,6 +192,7 @@ class Engine:
 
     def step(self) -> None:
         """Called after every backward; updates the model only at the accumulation boundary."""
+        self._not_in_pipeline("step()")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             with self._timed("step"):
@@ -250,8 +262,7 @@ class Engine:
             log.warning("step %d skipped: %s (skipped_steps=%d)", self.global_steps, reason, self.skipped_steps)
 
     def _run_micro_batch(self, batch) -> torch.Tensor:
-        (self._check_train_batch if self.module.training else self._check_eval_batch)(batch)
-        batch = _to_device(batch, self.device)
+        batch = self._checked(batch, self._check_train_batch if self.module.training else self._check_eval_batch)
         if isinstance(batch, dict):
             return self(**batch)
         if isinstance(batch, (tuple, list)):
@@ -264,6 +275,8 @@ class Engine:
             if self.training_dataloader is None:
                 raise ValueError("train_batch() needs data_iter= or training_data= passed to initialize()")
             data_iter = self.training_dataloader
+        if self.pipeline is not None:
+            return self._train_pipeline(data_iter)
         total = torch.zeros((), dtype=torch.float32)
         for _ in range(self.gradient_accumulation_steps()):
             loss = self._run_micro_batch(next(data_iter))
@@ -278,11 +291,39 @@ class Engine:
         was_training = self.module.training
         self.module.eval()
         count = num_micro_batches or self.gradient_accumulation_steps()
-        total = torch.zeros((), dtype=torch.float32)
-        for _ in range(count):
-            total += self._run_micro_batch(next(data_iter)).float().cpu()
+        if self.pipeline is not None:
+            batches = [self._checked(next(data_iter), self._check_eval_batch) for _ in range(count)]
+            mean = self.pipeline.eval_step(batches)
+        else:
+            total = torch.zeros((), dtype=torch.float32)
+            for _ in range(count):
+                total += self._run_micro_batch(next(data_iter)).float().cpu()
+            mean = total / count
         self.module.train(was_training)
-        return self._mean_over_dp(total / count)
+        return self._mean_over_dp(mean)
+
+    def _train_pipeline(self, data_iter) -> torch.Tensor:
+        """Every rank of a dp replica draws the same micro-batches; the first stage uses the inputs, the last
+        the targets. The runner accumulates the step's gradients; the update is the engine's as always."""
+        count = self.gradient_accumulation_steps()
+        batches = [self._checked(next(data_iter), self._check_train_batch) for _ in range(count)]
+        with self._timed("pipeline"):
+            mean = self.pipeline.train_step(batches)
+        with self._timed("step"):
+            self._optimizer_update()
+        self.micro_steps += count
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp") * count
+        self._save_if_due()
+        return self._mean_over_dp(mean)
+
+    def _checked(self, batch, check: BatchChecker):
+        check(batch)
+        return _to_device(batch, self.device)
+
+    def pipeline_timeline(self) -> dict | None:
+        """The last step's executed actions with start/end times on every rank (collective over the world;
+        None without a pipeline). `paratrain report` renders it."""
+        return None if self.pipeline is None else self.pipeline.gather_timeline()
 
     def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         axis = self.pmesh.axis(("dp", "cp"))

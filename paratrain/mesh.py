@@ -138,6 +138,7 @@ class Axis:
     rank: int  # this process's index inside `ranks`
     group: object | None
     stats: object = field(default=None, compare=False, repr=False)  # CommStats that counts this axis
+    guard: object = field(default=None, compare=False, repr=False)  # CommGuard that times its waits
 
     @property
     def size(self) -> int:
@@ -148,14 +149,17 @@ class Axis:
 
 
 class Mesh:
-    """The explicit mesh object every strategy receives: sizes, axes (process groups), comm stats."""
+    """The explicit mesh object every strategy receives: sizes, axes (process groups), comm stats and
+    the comm guard (timeouts and hang reports; the engine configures it from the config's `comm`)."""
 
-    def __init__(self, dims: ParallelDims, rank: int, device_mesh, axes: dict[tuple[str, ...], Axis], stats):
+    def __init__(self, dims: ParallelDims, rank: int, device_mesh, axes: dict[tuple[str, ...], Axis], stats,
+                 guard=None):
         self.dims = dims
         self.rank = rank
         self.device_mesh = device_mesh
         self._axes = axes
         self.stats = stats
+        self.guard = guard
         self.coords = dims.coords(rank)
 
     @property
@@ -178,14 +182,16 @@ class Mesh:
         return f"Mesh({self.dims.describe()}, rank={self.rank}, coords={self.coords})"
 
 
-def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None) -> Mesh:
+def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=None) -> Mesh:
     """Create the torch DeviceMesh and one process group per axis (and per combined axis).
 
-    Collective: every rank must call it with the same `dims`.
+    Collective: every rank must call it with the same `dims`. `stats` (a CommStats) counts and `guard`
+    (a CommGuard) watches every collective on the mesh's axes; fresh ones are made when not given.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from paratrain.comm.guard import CommGuard
     from paratrain.comm.stats import CommStats
 
     if not dist.is_initialized():
@@ -197,12 +203,13 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None) -> Mesh
         )
     rank = dist.get_rank()
     stats = stats if stats is not None else CommStats()
+    guard = guard if guard is not None else CommGuard(rank)
     device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
     axes: dict[tuple[str, ...], Axis] = {}
     for name in AXES:
         members = dims.group_of(rank, name)
         group = device_mesh.get_group(name) if len(members) > 1 else None
-        axes[(name,)] = Axis(name, tuple(members), members.index(rank), group, stats)
+        axes[(name,)] = Axis(name, tuple(members), members.index(rank), group, stats, guard)
     for combo in COMBINED_AXES:
         all_groups = dims.groups(combo)
         members = dims.group_of(rank, combo)
@@ -219,7 +226,7 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None) -> Mesh
                 created = dist.new_group(ranks)
                 if rank in ranks:
                     group = created
-        axes[combo] = Axis("_".join(combo), tuple(members), members.index(rank), group, stats)
+        axes[combo] = Axis("_".join(combo), tuple(members), members.index(rank), group, stats, guard)
     world = tuple(range(dims.world_size))
-    axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats)
-    return Mesh(dims, rank, device_mesh, axes, stats)
+    axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats, guard)
+    return Mesh(dims, rank, device_mesh, axes, stats, guard)

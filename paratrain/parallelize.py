@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paratrain.config import Config, ConfigError
+from paratrain.context_parallel import check_context_parallel, context_parallelize
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.data_parallel.flat import Placement
@@ -26,6 +27,10 @@ from paratrain.data_parallel.fsdp_units import config_wrap_policy
 from paratrain.data_parallel.zero import ZeroDataParallel
 from paratrain.mesh import Mesh
 from paratrain.origin import Origin
+from paratrain.pipeline.module import PipelineModule
+from paratrain.pipeline.runtime import PipelineRunner
+from paratrain.pipeline.schedules import ScheduleError, check_sizes
+from paratrain.pipeline.split import make_origin, make_unshard, split_pipeline
 from paratrain.tensor_parallel import RNGTracker
 from paratrain.tensor_parallel import parallelize as tensor_parallelize
 from paratrain.tensor_parallel.plan import check_plan_syntax
@@ -38,6 +43,8 @@ class ParallelModel:
     `unshard` undoes the model-parallel steps for `full_state_dict`: the data-parallel strategy first
     gives this rank's module state with ZeRO shards gathered, then each function (added by the TP, PP, ...
     steps, in the order they are to be undone) turns it into the state of the original model.
+    `pipeline` (pipeline.stages > 1) runs whole steps of micro-batches; the engine delegates train_batch
+    and eval_batch to it.
     `origins` does the same for one tensor's coordinates, without communication (checkpoints): each step
     inserts its function at the front, so the last step applied is undone first. `random_streams` are the
     per-rank random generators the steps created (their states go into checkpoints).
@@ -47,6 +54,7 @@ class ParallelModel:
     grad_sync: GradSync
     unshard: list[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelineRunner | None = None
     origins: list[Callable[[Origin], Origin]] = field(default_factory=list)
     random_streams: dict[str, RNGTracker] = field(default_factory=dict)
 
@@ -67,12 +75,21 @@ class ParallelModel:
 def check_supported(config: Config) -> None:
     """Raise, before any collective, for layouts this build cannot run."""
     check_plan_syntax(config.tensor_parallel.plan)  # a PlanError is a ConfigError
-    if config.pipeline.stages > 1:
-        raise ConfigError("config key 'pipeline.stages' > 1: pipeline parallelism is not available in this "
-                          "build yet; set it to 1")
-    if config.context_parallel.size > 1:
-        raise ConfigError("config key 'context_parallel.size' > 1: context parallelism is not available in "
-                          "this build yet; set it to 1")
+    pp = config.pipeline
+    if pp.stages > 1 and config.gradient_accumulation_steps is not None:
+        try:
+            check_sizes(pp.schedule, pp.stages, config.gradient_accumulation_steps, pp.virtual_stages)
+        except ScheduleError as exc:
+            raise ConfigError(f"config section 'pipeline': {exc}") from None
+    if pp.stages > 1 and config.zero_optimization.stage == 3:
+        raise ConfigError("zero_optimization.stage 3 with pipeline.stages > 1 is not supported: every micro-batch "
+                          "would all-gather each unit's parameters again in its forward and its backward (2m "
+                          "gathers of the stage per step), which costs more than the pipeline saves; a stage "
+                          "already holds only its share of the model. Use zero_optimization.stage 1 or 2")
+    if pp.stages > 1 and config.context_parallel.size > 1:
+        raise ConfigError("context_parallel.size > 1 with pipeline.stages > 1 is not supported yet: the sequence "
+                          "split happens at the model's forward, which a pipeline stage never calls; use one of "
+                          "the two")
     zero = config.zero_optimization
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("config key 'zero_optimization.offload_optimizer.device' = \"cpu\" needs sharded "
@@ -89,19 +106,49 @@ def check_supported(config: Config) -> None:
         raise ConfigError("config key 'activation_checkpointing.enabled': not available in this build yet")
 
 
+def _check_model(model: nn.Module, config: Config) -> None:
+    """Checks that need the model, before anything changes or communicates."""
+    cp, tp = config.context_parallel.size, config.tensor_parallel
+    check_context_parallel(model, cp)
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if cp > 1 and tp.size > 1 and tp.sequence_parallel and isinstance(seq_len, int) and seq_len % (cp * tp.size):
+        raise ConfigError(f"context_parallel.size ({cp}) with tensor_parallel.sequence_parallel: each cp rank's "
+                          f"{seq_len // cp} tokens are split again over tensor_parallel.size ({tp.size}); use a "
+                          f"sequence length (model seq_len {seq_len}) divisible by {cp * tp.size}")
+
+
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
     check_supported(config)
-    unshard, origins, streams = [], [], {}
+    _check_model(model, config)
+    pipeline, unshard, notes, origins, streams = None, [], [], [], {}
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
         unshard.append(applied.unshard)
         origins.insert(0, applied.origin)
         streams["tp"] = applied.tracker
+    pp = config.pipeline
+    if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
+        split = split_pipeline(model, mesh, pp.stages, pp.virtual_stages, pp.partition,
+                               micro_batch=config.train_micro_batch_size_per_gpu, device=device)
+        model = split.module
+        pipeline = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
+                                  pp.virtual_stages, split.pipe.loss_fn, device or torch.device("cpu"))
+        # Undone before the TP step: gather the stages over pp, then the tp shards of the whole model.
+        unshard.insert(0, make_unshard(split, mesh))
+        origins.insert(0, make_origin(split))
+    elif isinstance(model, PipelineModule):
+        model.materialize()  # used whole, a PipelineModule is an ordinary model
+    if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
+        ring = context_parallelize(model, mesh)
+        notes.append(f"context parallel over {ring.axis.size} ranks: ring attention in {len(ring.cores)} layers")
     if device is not None:
         model.to(device)
     grad_sync = _data_parallel(model, mesh, config, device or torch.device("cpu"))
-    return ParallelModel(model, grad_sync, unshard, origins=origins, random_streams=streams)
+    if pipeline is not None:
+        pipeline.grad_sync = grad_sync
+    return ParallelModel(model, grad_sync, unshard=unshard, notes=notes, pipeline=pipeline, origins=origins,
+                         random_streams=streams)
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device) -> GradSync:

@@ -1,7 +1,8 @@
 """The built-in job behind `paratrain train`: the GPT on the embedded corpus, in any configured layout.
 
 It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metrics.csv` (one row per step),
-`summary.json`. Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
+`summary.json`, and with pipeline.stages > 1 `timeline.json` (the last step's actions per rank, for
+`paratrain report`). Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from paratrain import comm
 from paratrain.api import initialize
@@ -86,9 +86,11 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
     seq_len = model.config.seq_len
     train_tokens, val_tokens = load_corpus()
     train_data = TokenWindows(train_tokens, seq_len)
+    out = Path(run_dir or t.run_dir)
+    if not cfg.comm.report_dir:  # hang reports land next to the metrics
+        cfg.comm.report_dir = str(out)
     engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
     rank0 = engine.global_rank == 0
-    out = Path(run_dir or t.run_dir)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         resolved = engine.config.model_dump(mode="json")
@@ -142,6 +144,9 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
     ck = cfg.checkpoint
     if ck.dir and steps > done and not (ck.save_every and steps % ck.save_every == 0):
         engine.save_checkpoint(ck.dir)  # the final state, unless the last step just saved it
+    timeline = engine.pipeline_timeline()  # collective; None without a pipeline
+    if timeline is not None and rank0:
+        (out / "timeline.json").write_text(json.dumps(timeline))
     total = time.perf_counter() - start
     summary = {"steps": steps, "first_loss": first_loss, "last_loss": last_loss, "val_loss": val_loss,
                "resumed_at": done, "tokens_per_s": (steps - done) * tokens_per_step / max(total, 1e-9),
@@ -155,5 +160,5 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
         losses = f"{first_loss:.3f} -> {last_loss:.3f}" if last_loss is not None else "-"
         print(f"trained {steps} steps{resumed} on {engine.world_size} process(es) [{summary['layout']}]: loss "
               f"{losses}{validation}, {summary['tokens_per_s']:.0f} tokens/s; run directory {out}")
-    dist.barrier()
+    comm.barrier(engine.pmesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
     return summary

@@ -35,6 +35,9 @@ CALIBRATION = [
     pytest.param(Layout(dp=2, micro_batch=1, grad_accum=3, precision="fp32"),
                  {"data_parallel": {"bucket_cap_mb": 0.01}}, id="ddp-dp2-accum3-small-buckets"),
     pytest.param(Layout(dp=4, micro_batch=2, grad_accum=2, precision="fp32"), {}, id="ddp-dp4-accum2"),
+    pytest.param(Layout(dp=1, cp=2, micro_batch=2, grad_accum=2, precision="fp32"), {}, id="cp2-accum2"),
+    pytest.param(Layout(dp=2, cp=2, micro_batch=1, grad_accum=1, precision="fp32"), {}, id="dp2-cp2"),
+    pytest.param(Layout(dp=1, cp=2, tp=2, micro_batch=2, grad_accum=1, precision="fp32"), {}, id="tp2-cp2"),
 ]
 
 

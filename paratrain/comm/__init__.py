@@ -19,9 +19,12 @@ from paratrain.comm.collectives import (
     reduce_scatter_into,
     send_recv,
 )
+from paratrain.comm.guard import CollectiveTimeout, CommGuard
 from paratrain.comm.stats import CommStats, OpCount
 
 __all__ = [
+    "CollectiveTimeout",
+    "CommGuard",
     "CommStats",
     "Handle",
     "OpCount",

@@ -2,7 +2,8 @@
 
 Every function takes the `Axis` (a named group from the mesh) explicitly; there is no default group.
 On a size-1 axis the call is skipped entirely and not counted: nothing crosses a wire. Every launch goes
-through `_launch`, the single place that counts and (with the hang guard) watches for timeouts.
+through `_launch` (point-to-point through `send_recv`), the single place that counts and, through the
+axis' `CommGuard`, bounds every wait with `comm.timeout_s` and reports a hang.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from paratrain.comm.guard import CommGuard
 from paratrain.mesh import Axis
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -22,23 +24,38 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 
 
 class Handle:
-    """An in-flight collective. `wait()` blocks until it is done (a no-op for skipped calls)."""
+    """An in-flight collective. `wait()` blocks until it is done (a no-op for skipped calls); with a
+    `CommGuard` the wait is bounded by its timeout and a hang is reported (see `comm/guard.py`)."""
 
-    def __init__(self, work=None, on_done: Callable[[], None] | None = None, describe: str = ""):
+    def __init__(self, work=None, on_done: Callable[[], None] | None = None, describe: str = "",
+                 guard: CommGuard | None = None, key: int | None = None):
         self._work = work
         self._on_done = on_done
+        self._guard = guard
+        self._key = key
         self.describe = describe
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
-            self._work = None
+            work, self._work = self._work, None
+            if self._guard is not None:
+                self._guard.wait(work, self._key)
+            else:
+                work.wait()
         if self._on_done is not None:
             done, self._on_done = self._on_done, None
             done()
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        done = self._work is None or self._work.is_completed()
+        if done and self._guard is not None:
+            self._guard.end(self._key)
+        return done
+
+    def __del__(self) -> None:
+        # A handle dropped without a wait is no longer anyone's wait: keep the in-flight table small.
+        if self._guard is not None:
+            self._guard.end(self._key)
 
 
 def _reduce_op(op: str):
@@ -53,11 +70,17 @@ def _launch(axis: Axis, op: str, tag: str, payload: torch.Tensor, call: Callable
     elements = payload.numel() if elements is None else elements
     if axis.stats is not None:
         axis.stats.record(axis.name, op, elements, payload.element_size(), tag)
-    work = call(async_op)
     describe = f"{op} on {axis.name} [{tag}] {elements} x {payload.dtype}"
-    if async_op:
-        return Handle(work, describe=describe)
-    return Handle(describe=describe)
+    guard = axis.guard
+    if guard is None:
+        work = call(async_op)
+        return Handle(work if async_op else None, describe=describe)
+    # Guarded: always launched asynchronously, so that the wait (here, or the caller's) has a timeout.
+    key = guard.begin(axis.name, op, tag, [payload], axis.ranks)
+    handle = Handle(call(True), describe=describe, guard=guard, key=key)
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", tag: str = "",
@@ -126,27 +149,44 @@ def all_gather_object(obj, axis: Axis, tag: str = "") -> list:
     out = [None] * axis.size
     if axis.stats is not None:
         axis.stats.record(axis.name, "all_gather_object", 0, 1, tag)
-    dist.all_gather_object(out, obj, group=axis.group)
+    if axis.guard is None:
+        dist.all_gather_object(out, obj, group=axis.group)
+        return out
+    # Blocking inside torch (no Work to wait on): bounded by the backend's own timeout, reported alike.
+    key = axis.guard.begin(axis.name, "all_gather_object", tag, [], axis.ranks)
+    axis.guard.run(lambda: dist.all_gather_object(out, obj, group=axis.group), key)
     return out
 
 
 def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
               axis: Axis, tag: str = "") -> list[Handle]:
     """Batched point-to-point: each pair is (tensor, peer index inside the axis). Returns handles."""
-    ops = []
-    for tensor, peer in sends:
-        if axis.stats is not None:
-            axis.stats.record(axis.name, "send", tensor.numel(), tensor.element_size(), tag)
-        ops.append(dist.P2POp(dist.isend, tensor, axis.global_rank(peer), group=axis.group))
-    for tensor, peer in recvs:
-        if axis.stats is not None:
-            axis.stats.record(axis.name, "recv", tensor.numel(), tensor.element_size(), tag)
-        ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
+    ops, guarded = [], []
+    for op, pairs, kind in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
+        for tensor, peer in pairs:
+            if axis.stats is not None:
+                axis.stats.record(axis.name, op, tensor.numel(), tensor.element_size(), tag)
+            ops.append(dist.P2POp(kind, tensor, axis.global_rank(peer), group=axis.group))
+            guarded.append((op, tensor, axis.global_rank(peer)))
     if not ops:
         return []
-    return [Handle(w, describe=f"p2p on {axis.name} [{tag}]") for w in dist.batch_isend_irecv(ops)]
+    works = dist.batch_isend_irecv(ops)
+    describe = f"p2p on {axis.name} [{tag}]"
+    if axis.guard is None:
+        return [Handle(w, describe=describe) for w in works]
+    if len(works) != len(guarded):  # coalesced into fewer works (NCCL): one record for the whole batch
+        keys = [axis.guard.begin(axis.name, "send_recv", tag, [t for _, t, _ in guarded],
+                                 tuple(sorted({p for _, _, p in guarded})))] * len(works)
+    else:
+        keys = [axis.guard.begin(axis.name, op, tag, [t], (peer,)) for op, t, peer in guarded]
+    return [Handle(w, describe=describe, guard=axis.guard, key=k) for w, k in zip(works, keys)]
 
 
 def barrier(axis: Axis) -> None:
-    if axis.size > 1:
+    if axis.size == 1:
+        return
+    if axis.guard is None:
         dist.barrier(group=axis.group)
+        return
+    key = axis.guard.begin(axis.name, "barrier", "", [], axis.ranks)
+    Handle(dist.barrier(group=axis.group, async_op=True), guard=axis.guard, key=key).wait()

@@ -125,6 +125,13 @@ def resolve_batch(config: Config, world_size: int) -> Config:
         raise ConfigError(f"data_parallel.size ({dp}) x {sizes} = {dp * mp}, but {world_size} processes were "
                           f"launched; set data_parallel.size to {world_size // mp} or -1 (the rest)")
     tbs, mbs, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    pipe_m = cfg.pipeline.micro_batches
+    if pipe_m is not None:  # DeepSpeed's pipeline: the micro-batches of a step are the accumulation steps
+        if gas is not None and gas != pipe_m:
+            raise ConfigError(f"pipeline.micro_batches ({pipe_m}) and gradient_accumulation_steps ({gas}) disagree: "
+                              f"a pipeline runs gradient_accumulation_steps micro-batches per optimizer step; set "
+                              f"them equal or remove one")
+        gas = pipe_m
     rule = (f"train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
             f"data-parallel size ({dp})")
     if tbs is None and mbs is None:
@@ -155,4 +162,6 @@ def resolve_batch(config: Config, world_size: int) -> Config:
         gas = gas or 1
         tbs = mbs * gas * dp
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = tbs, mbs, gas
+    if cfg.pipeline.stages > 1:
+        cfg.pipeline.micro_batches = gas
     return cfg

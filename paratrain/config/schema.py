@@ -121,11 +121,18 @@ class TensorParallelConfig(Section):
 
 
 class PipelineConfig(Section):
+    """Pipeline parallelism: the model's layers cut into stages over the pp axis (see docs/strategies.md)."""
+
     stages: int = Field(1, ge=1)
+    """Pipeline ranks (p); 1 disables pipelining."""
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    """Order of forwards and backwards: gpipe, 1f1b, interleaved (virtual_stages chunks per rank), zb-h1."""
     micro_batches: int | None = Field(None, ge=1)
+    """Micro-batches per optimizer step (m): the same number as gradient_accumulation_steps, which it sets."""
     virtual_stages: int = Field(1, ge=1)
+    """Stages (chunks) per rank for the interleaved schedule (v)."""
     partition: Literal["uniform", "parameters", "balanced"] | list[int] = "parameters"
+    """How layers are cut: uniform (count), parameters, balanced (profiled time), or boundaries [0, ..., L]."""
 
     @field_validator("schedule", mode="before")
     @classmethod
@@ -134,7 +141,10 @@ class PipelineConfig(Section):
 
 
 class ContextParallelConfig(Section):
+    """Ring attention over the cp axis: each rank holds 2 mirrored chunks of every sequence."""
+
     size: int = Field(1, ge=1)
+    """Ranks that split each sequence (the model's seq_len must be divisible by 2 x size)."""
 
 
 class ActivationCheckpointingConfig(Section):
@@ -152,7 +162,10 @@ class CommConfig(Section):
     """Collective time-outs: a collective that waits longer reports what it was waiting in and stops."""
 
     timeout_s: float = Field(600.0, gt=0.0)
-    """Seconds a collective may wait before the job stops with a report."""
+    """Seconds a collective may wait before the job stops with a report (also the backend's own timeout)."""
+    report_dir: str = ""
+    """Where each stopped rank writes hang_report_rank{r}.json; empty: the run directory under
+    `paratrain train`, else the current directory."""
 
 
 class CheckpointConfig(Section):

@@ -4,8 +4,10 @@
         results = world.run(check_ddp_parity, steps=5)   # one result per rank
 
 `fn` must be importable (a module-level function). Each rank runs with torch.distributed (gloo) already
-initialized and one thread. If a sub-case fails or times out on any rank, the world is torn down and
-restarted on the next `run`, so one failure cannot hang the rest of a test session.
+initialized and one thread. If a sub-case fails or times out on any rank, the world is killed (its ranks
+may be stuck inside a collective, where no message reaches them) and restarted on the next `run`, so one
+failure cannot hang the rest of a test session. A sub-case that leaves collectives unfinished on purpose
+(a hang test) calls `restart()` afterwards.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_for
 
 import torch.multiprocessing as mp
 
@@ -50,9 +54,15 @@ def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> No
 
 
 class World:
-    def __init__(self, world_size: int, timeout_s: float = 300.0):
+    """`timeout_s` is gloo's timeout in every rank; a rank that has not answered `timeout_s + grace_s`
+    after a `run` started, or `after_failure_s` after another rank failed, counts as hung."""
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0, grace_s: float = 30.0,
+                 after_failure_s: float = 10.0):
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self.after_failure_s = after_failure_s
         self._procs: list = []
         self._conns: list = []
 
@@ -66,15 +76,30 @@ class World:
             self._procs.append(p)
             self._conns.append(parent)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Ask every rank to leave; kill those still there after `wait_s` (all ranks share the wait)."""
         for conn in self._conns:
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
+        deadline = time.monotonic() + wait_s
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every rank still alive (a rank blocked inside a C++ collective reads no messages)."""
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
         self._procs, self._conns = [], []
+
+    def restart(self) -> None:
+        """Kill the ranks now; the next `run` starts a fresh world."""
+        self.kill()
 
     def __enter__(self) -> World:
         self.start()
@@ -84,26 +109,39 @@ class World:
         self.stop()
 
     def run(self, fn, *args, **kwargs) -> list:
-        """Run fn(*args, **kwargs) on every rank; return the per-rank results or raise the first failure."""
+        """Run fn(*args, **kwargs) on every rank; return the per-rank results or raise the first failure.
+
+        Once a rank has failed, the others get `after_failure_s` more to answer: they are usually waiting
+        for it inside a collective that will never complete.
+        """
         if not self._procs:
             self.start()
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        results, failures = [], []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(self.timeout_s + 30):
-                failures.append(f"rank {rank}: no answer within {self.timeout_s + 30:.0f}s")
-                results.append(None)
-                continue
-            try:
-                ok, value = conn.recv()
-            except EOFError:
-                ok, value = False, "the process died"
-            results.append(value if ok else None)
-            if not ok:
-                failures.append(f"rank {rank}:\n{value}")
+        results: list = [None] * self.world_size
+        failures: dict[int, str] = {}
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        deadline = time.monotonic() + self.timeout_s + self.grace_s
+        while pending:
+            ready = wait_for(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    ok, value = conn.recv()
+                except EOFError:
+                    ok, value = False, "the process died"
+                if ok:
+                    results[rank] = value
+                    continue
+                failures[rank] = f"rank {rank}:\n{value}"
+                deadline = min(deadline, time.monotonic() + self.after_failure_s)
+        for rank in sorted(pending.values()):
+            waited = "after another rank failed" if failures else f"within {self.timeout_s + self.grace_s:.0f}s"
+            failures[rank] = f"rank {rank}: no answer {waited}"
         if failures:
-            self.stop()
+            self.kill()
             raise WorldError(f"{getattr(fn, '__name__', fn)} failed on {len(failures)} rank(s):\n" +
-                             "\n".join(failures))
+                             "\n".join(failures[r] for r in sorted(failures)))
         return results

@@ -1,0 +1,159 @@
+"""The hang guard: every collective is recorded while in flight and waited on with a timeout.
+
+A rank that skips a collective (a branch taken on one rank only, a crashed peer, a mismatched schedule)
+leaves the others blocked forever inside the backend. Instead, every wait here is bounded by
+`comm.timeout_s`; when it expires — or when the backend gives up first with its own timeout (gloo's,
+set at `init_process_group`) or a broken connection — the waiting rank writes a report naming what it was
+waiting in, and raises `CollectiveTimeout`:
+
+    paratrain: rank 2 stopped after waiting 2.0 s (comm.timeout_s) in all_reduce #3 on axis 'dp'
+    (ranks 0, 1, 2, 3) [grad] shapes [(53248,)] float32; report: runs/x/hang_report_rank2.json
+
+The report (`hang_report_rank{r}.json`, also printed to stderr) holds the collective (op, axis, call
+number of that op on that axis on this process, tag, shapes, dtypes, the group's ranks, seconds waited),
+everything else this rank had launched and not yet seen complete, and how many calls of each op it had
+made per axis. Ranks that write no report are the ones that never reached the collective; comparing call
+numbers across reports shows who fell behind.
+
+[Note: why timed waits only for CPU tensors]
+A timed `Work.wait` on a CUDA (NCCL) collective blocks the host until the GPU finishes, which would
+serialize every tensor-parallel collective with the host. On NCCL the guard records calls but waits
+untimed; NCCL's watchdog enforces the same timeout (`init_process_group(timeout=comm.timeout_s)`).
+
+[Note: stopping]
+After a timeout the backend still holds the unfinished operation, and tearing the process group down
+blocks until the peers leave. `paratrain.distributed` therefore ends the process at once (after the
+traceback) when a `CollectiveTimeout` is not caught, instead of hanging at exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within comm.timeout_s (or the backend failed while waiting)."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class CallRecord:
+    axis: str
+    op: str
+    call: int  # 1-based: the call-th `op` on `axis` made by this process
+    tag: str
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    ranks: tuple[int, ...]  # global ranks of the group (or the peer, for send/recv)
+    timed: bool  # wait with the timeout (CPU tensors; see the note on NCCL)
+    started: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        ranks = ", ".join(map(str, self.ranks))
+        shapes = ", ".join(str(s) for s in self.shapes)
+        return (f"{self.op} #{self.call} on axis '{self.axis}' (ranks {ranks}) [{self.tag}] shapes [{shapes}] "
+                f"{'/'.join(sorted(set(self.dtypes)))}")
+
+    def as_dict(self, now: float) -> dict:
+        out = asdict(self)
+        out.pop("started")
+        out["seconds_in_flight"] = round(now - self.started, 3)
+        return out
+
+
+class CommGuard:
+    """Per-mesh watch over collectives: in-flight records, call numbers, timed waits, hang reports."""
+
+    def __init__(self, rank: int, timeout_s: float = 600.0, report_dir: str | os.PathLike = "."):
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.report_dir = Path(report_dir)
+        self._calls: dict[tuple[str, str], int] = {}
+        self._in_flight: dict[int, CallRecord] = {}
+        self._ids = itertools.count()
+
+    def configure(self, timeout_s: float | None = None, report_dir: str | os.PathLike | None = None) -> None:
+        """Set the timeout and the report directory (the engine does this from the config's `comm` section)."""
+        if timeout_s is not None:
+            if timeout_s <= 0:
+                raise ValueError(f"comm.timeout_s must be > 0, got {timeout_s}")
+            self.timeout_s = float(timeout_s)
+        if report_dir is not None:
+            self.report_dir = Path(report_dir or ".")
+
+    # ---- records ------------------------------------------------------------------------------------
+    def begin(self, axis: str, op: str, tag: str, tensors: list[torch.Tensor], ranks: tuple[int, ...]) -> int:
+        number = self._calls.get((axis, op), 0) + 1
+        self._calls[(axis, op)] = number
+        record = CallRecord(axis, op, number, tag, [tuple(t.shape) for t in tensors],
+                            [str(t.dtype).removeprefix("torch.") for t in tensors], tuple(ranks),
+                            timed=all(t.device.type == "cpu" for t in tensors))
+        key = next(self._ids)
+        self._in_flight[key] = record
+        return key
+
+    def end(self, key: int) -> None:
+        self._in_flight.pop(key, None)
+
+    def record(self, key: int) -> CallRecord | None:
+        return self._in_flight.get(key)
+
+    # ---- waiting ------------------------------------------------------------------------------------
+    def wait(self, work, key: int) -> None:
+        """Wait for `work` (a torch.distributed Work) with the timeout; report and raise if it expires."""
+        record = self._in_flight.get(key)
+        try:
+            if record is not None and record.timed:
+                if work.wait(timeout=timedelta(seconds=self.timeout_s)) is False:
+                    raise TimeoutError("Work.wait returned False")
+            else:
+                work.wait()
+        except Exception as exc:  # the timeout above, or the backend's own (gloo: RuntimeError/DistBackendError)
+            raise self.fail(key, exc) from exc
+        self.end(key)
+
+    def run(self, fn, key: int):
+        """Run a blocking call the backend bounds with its own timeout (e.g. all_gather_object)."""
+        try:
+            out = fn()
+        except Exception as exc:
+            raise self.fail(key, exc) from exc
+        self.end(key)
+        return out
+
+    def fail(self, key: int, exc: BaseException) -> CollectiveTimeout:
+        """Write the report for the collective `key`, print it, and return the exception to raise."""
+        now = time.monotonic()
+        record = self._in_flight.pop(key)
+        waited = now - record.started
+        # torch's Work.wait(timeout) raises "Operation timed out!"; anything else came from the backend.
+        ours = isinstance(exc, TimeoutError) or "Operation timed out" in str(exc)
+        reason = (f"waited {waited:.1f} s (comm.timeout_s = {self.timeout_s:g})" if ours
+                  else f"the backend failed after {waited:.1f} s: {str(exc).strip()[:300]}")
+        report = {"rank": self.rank, "reason": reason, "waiting_in": record.as_dict(now), "timeout_s": self.timeout_s,
+                  "also_in_flight": [r.as_dict(now) for r in sorted(self._in_flight.values(), key=lambda r: r.started)],
+                  "calls_made": {f"{axis}/{op}": n for (axis, op), n in sorted(self._calls.items())},
+                  "pid": os.getpid(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        path = self.report_dir / f"hang_report_rank{self.rank}.json"
+        try:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2))
+            where = f"report: {path}"
+        except OSError as err:
+            where = f"(could not write {path}: {err})"
+        report["path"] = str(path)
+        message = f"paratrain: rank {self.rank} stopped: {reason} in {record.describe()}; {where}"
+        print(message + "\n" + json.dumps(report), file=sys.stderr, flush=True)
+        return CollectiveTimeout(message, report)

@@ -1,0 +1,28 @@
+"""Context parallelism: the sequence split over the cp axis, exact causal attention by ring attention.
+
+    from paratrain.context_parallel import context_parallelize
+    applied = context_parallelize(model, mesh)   # ring attention cores + the split of the inputs
+"""
+
+from paratrain.context_parallel.apply import AppliedContextParallel, check_context_parallel, context_parallelize
+from paratrain.context_parallel.ring_attention import RingAttentionCore, ring_attention
+from paratrain.context_parallel.sharding import (
+    SequenceSplitError,
+    chunk_ids,
+    local_positions,
+    merge_sequence,
+    split_sequence,
+)
+
+__all__ = [
+    "AppliedContextParallel",
+    "RingAttentionCore",
+    "SequenceSplitError",
+    "check_context_parallel",
+    "chunk_ids",
+    "context_parallelize",
+    "local_positions",
+    "merge_sequence",
+    "ring_attention",
+    "split_sequence",
+]

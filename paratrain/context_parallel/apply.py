@@ -1,0 +1,111 @@
+"""Apply context parallelism to a model in place: ring attention cores and the split of its inputs.
+
+    applied = context_parallelize(model, mesh)   # mesh.axis("cp") of size > 1
+    loss = model(idx, targets)                   # idx, targets: the full (b, s) batch, the same on every cp rank
+
+[Note: where the sequence is split]
+A forward pre-hook on the model splits the token ids, the targets and the position ids (`arange(s)`
+unless the caller passes its own) into this rank's two mirrored chunks (`sharding.py`) before anything
+runs, so the data pipeline, the engine and the data-parallel sampler are unchanged: every cp rank of a
+data-parallel group receives the same micro-batch and keeps its share of the tokens. Everything after
+the attention cores is token-wise, so only the cores need to see the other ranks' tokens.
+
+[Note: the loss and the gradients]
+Each cp rank's loss is the mean over its s/cp tokens. Every rank has the same number of tokens, so the
+mean of the cp ranks' means is the mean over the whole sequence: the data-parallel strategy's average over
+dp × cp gives the single-process gradient, and `train_batch`'s mean over dp × cp the single-process loss.
+(Targets marked ignore_index would break the equal counts; the built-in data has none.) Parameters are
+replicated over cp and receive identical averaged gradients, so they stay identical on every cp rank.
+Without targets the model returns the logits of this rank's tokens in local order; `merge_sequence`
+puts gathered pieces back in sequence order.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.config import ConfigError
+from paratrain.context_parallel.ring_attention import RingAttentionCore
+from paratrain.context_parallel.sharding import SequenceSplitError, check_divisible, split_sequence
+from paratrain.mesh import Axis, Mesh
+from paratrain.models.gpt import CausalAttentionCore
+
+
+@dataclass
+class AppliedContextParallel:
+    axis: Axis
+    cores: list[str] = field(default_factory=list)  # module paths now running ring attention
+
+
+def _cores(model: nn.Module) -> list[tuple[str, CausalAttentionCore]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, CausalAttentionCore)]
+
+
+def check_context_parallel(model: nn.Module, cp: int) -> None:
+    """Raise a ConfigError if `model` cannot run with context_parallel.size = cp (pure, no collectives)."""
+    if cp == 1:
+        return
+    name = type(model).__name__
+    cores = _cores(model)
+    if not cores:
+        raise ConfigError(f"context_parallel.size = {cp}: {name} has no replaceable causal attention core "
+                          f"(paratrain.models.gpt.CausalAttentionCore) for ring attention to replace; build the "
+                          f"model's attention with one, or set context_parallel.size to 1")
+    dropping = [(path, core.dropout) for path, core in cores if core.dropout > 0]
+    if dropping:
+        raise ConfigError(f"context_parallel.size = {cp}: attention dropout ({dropping[0][0]}.dropout = "
+                          f"{dropping[0][1]}) is not supported by ring attention; set the model's dropout "
+                          f"to 0 (trainer.model_overrides.dropout for the built-in job) or context_parallel.size "
+                          f"to 1")
+    params = inspect.signature(model.forward).parameters
+    if "position_ids" not in params:
+        raise ConfigError(f"context_parallel.size = {cp}: {name}.forward must accept `position_ids` (the positions "
+                          f"of this rank's tokens), as paratrain.models.GPT does")
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if isinstance(seq_len, int):
+        try:
+            check_divisible(seq_len, cp, f"{name} seq_len (trainer.model_overrides.seq_len for the built-in job)")
+        except SequenceSplitError as exc:
+            raise ConfigError(f"context_parallel.size = {cp}: {exc}") from None
+
+
+def _split_inputs_hook(axis: Axis, signature: inspect.Signature):
+    tokens_name = next(iter(signature.parameters))
+
+    def hook(module, args, kwargs):
+        bound = signature.bind(*args, **kwargs)
+        values = bound.arguments
+        tokens = values[tokens_name]  # (b, s)
+        seq = tokens.shape[1]
+        check_divisible(seq, axis.size, f"context parallel input '{tokens_name}' of shape {tuple(tokens.shape)}")
+        positions = values.get("position_ids")
+        if positions is None:
+            positions = torch.arange(seq, device=tokens.device)
+        values[tokens_name] = split_sequence(tokens, axis.size, axis.rank, dim=1)  # (b, s/cp)
+        values["position_ids"] = split_sequence(positions, axis.size, axis.rank, dim=-1)  # (s/cp,) or (b, s/cp)
+        if values.get("targets") is not None:
+            values["targets"] = split_sequence(values["targets"], axis.size, axis.rank, dim=1)
+        return bound.args, bound.kwargs
+
+    return hook
+
+
+def context_parallelize(model: nn.Module, mesh: Mesh | Axis) -> AppliedContextParallel:
+    """Swap every causal attention core for ring attention over the cp axis and split the inputs. In place."""
+    axis = mesh.axis("cp") if isinstance(mesh, Mesh) else mesh
+    applied = AppliedContextParallel(axis)
+    if axis.size == 1:
+        return applied
+    check_context_parallel(model, axis.size)
+    for path, core in _cores(model):
+        parent, _, attr = path.rpartition(".")
+        ring = RingAttentionCore(axis)
+        ring.train(core.training)
+        setattr(model.get_submodule(parent) if parent else model, attr, ring)
+        applied.cores.append(path)
+    model.register_forward_pre_hook(_split_inputs_hook(axis, inspect.signature(model.forward)), with_kwargs=True)
+    return applied

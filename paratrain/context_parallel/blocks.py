@@ -1,0 +1,66 @@
+"""Attention on one (query block, key block) pair, returning what the ring needs: the block's output
+normalized within the block and the log-sum-exp of its scores; and the exact backward of a block given
+the *final* output and log-sum-exp of its query rows (so the probabilities are the globally normalized
+ones: P = exp(S − lse), dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))).
+
+Two implementations with one contract, all tensors (b, h, s, d), lse (b, h, s):
+  flash_cpu  torch's fused CPU flash-attention kernels (the ones behind F.scaled_dot_product_attention on
+             CPU), which take and return the log-sum-exp; never materialize the (s, s) scores
+  math       plain matmuls (any device and dtype); the reference the fused kernels are tested against
+`pick("auto", device)` uses flash_cpu on CPU when this torch has it, math elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (b, h, sq, sk)
+    if causal:
+        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
+        s.masked_fill_(future, float("-inf"))
+    return s
+
+
+def math_forward(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)  # (b, h, sq)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def math_backward(do, q, k, v, out, lse, scale: float, causal: bool):
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (b, h, sq, sk), globally normalized
+    dv = torch.matmul(p.transpose(-2, -1), do)
+    ds = p * (torch.matmul(do, v.transpose(-2, -1)) - (do * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
+
+
+def flash_cpu_forward(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+    return out, lse
+
+
+def flash_cpu_backward(do, q, k, v, out, lse, scale: float, causal: bool):
+    # The kernel derives rowsum(dO ∘ O) from the `out` it is given: the final output, as the ring needs.
+    dq, dk, dv = _FLASH_CPU_BACKWARD(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                     out.contiguous(), lse.contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+    return dq, dk, dv
+
+
+KERNELS = {"math": (math_forward, math_backward), "flash_cpu": (flash_cpu_forward, flash_cpu_backward)}
+
+
+def pick(kernel: str, device: torch.device):
+    """(forward, backward) for `kernel` in {"auto", "math", "flash_cpu"}."""
+    if kernel == "auto":
+        kernel = "flash_cpu" if device.type == "cpu" and _FLASH_CPU is not None else "math"
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention block kernel {kernel!r}; use auto, {', '.join(KERNELS)}")
+    if kernel == "flash_cpu" and (device.type != "cpu" or _FLASH_CPU is None):
+        raise ValueError("the flash_cpu block kernel needs CPU tensors and a torch with "
+                         "aten._scaled_dot_product_flash_attention_for_cpu; use kernel='math'")
+    return KERNELS[kernel]

@@ -1,0 +1,177 @@
+"""`PipelineModule`: a model written as a list of layers, the shape DeepSpeed's pipeline users know.
+
+    model = paratrain.PipelineModule(layers=[Embed(), *[Block() for _ in range(8)], Head()],
+                                     loss_fn=cross_entropy, partition="parameters")
+
+Each layer takes the previous layer's output (a tensor or a tuple of tensors) as its one argument; the
+first takes the micro-batch's inputs, and `loss_fn(output, targets)` closes the last stage. Layers may be
+modules, plain functions (no parameters) or `LayerSpec`s, which are built only on the stage that owns
+them. Used whole (pipeline.stages = 1) a PipelineModule is an ordinary model: forward(inputs, targets)
+runs every layer and returns the loss, so the same object is its own single-process reference.
+
+`as_pipeline_module` also gives the built-in GPT its ready split: embed -> blocks[i] -> (ln_f + head),
+keeping the GPT's parameter names for `full_state_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from paratrain.models.gpt import GPT
+
+
+class LayerSpec:
+    """A layer to build later, on its stage only: `LayerSpec(nn.Linear, 64, 64)` (DeepSpeed's LayerSpec)."""
+
+    def __init__(self, typename: type[nn.Module], *args, **kwargs):
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise TypeError(f"LayerSpec needs an nn.Module class, got {typename!r}")
+        self.typename, self.args, self.kwargs = typename, args, kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.typename.__name__})"
+
+
+class FunctionLayer(nn.Module):
+    """A parameter-free function used as a layer (e.g. `lambda x: x.transpose(1, 2)`)."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class PipelineModule(nn.Module):
+    """A list of layers plus a loss; `partition` is uniform | parameters | balanced | [boundaries] (None:
+    the config's pipeline.partition). `layer_names[i]` is the prefix of layer i's parameters in
+    `full_state_dict` ("" for none; default: the index, as DeepSpeed names them). `example_input` is the
+    micro-batch the `balanced` partition profiles on."""
+
+    def __init__(self, layers: Sequence, loss_fn: Callable | None = None, partition=None,
+                 num_stages: int | None = None, layer_names: Sequence[str] | None = None, example_input=None,
+                 partition_method: str | None = None):
+        super().__init__()
+        if not layers:
+            raise ValueError("PipelineModule needs at least one layer")
+        if partition is not None and partition_method is not None:
+            raise ValueError("give partition= or DeepSpeed's partition_method=, not both")
+        self.specs: list = []
+        for i, layer in enumerate(layers):
+            if isinstance(layer, nn.Module):
+                self.add_module(str(i), layer)
+            elif not isinstance(layer, LayerSpec):
+                if not callable(layer):
+                    raise TypeError(f"layer {i} is a {type(layer).__name__}; layers are modules, LayerSpecs or "
+                                    f"functions")
+                layer = FunctionLayer(layer)
+                self.add_module(str(i), layer)
+            self.specs.append(layer)
+        self.loss_fn = loss_fn
+        self.partition = partition if partition is not None else partition_method
+        self.num_stages = num_stages
+        self.layer_names = [str(i) for i in range(len(self.specs))] if layer_names is None else list(layer_names)
+        if len(self.layer_names) != len(self.specs):
+            raise ValueError(f"layer_names has {len(self.layer_names)} entries for {len(self.specs)} layers")
+        self.example_input = example_input
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def layer(self, index: int) -> nn.Module:
+        """Layer `index`, building it first if it is a LayerSpec."""
+        spec = self.specs[index]
+        if isinstance(spec, LayerSpec):
+            spec = spec.build()
+            self.specs[index] = spec
+            self.add_module(str(index), spec)
+        return spec
+
+    def materialize(self) -> PipelineModule:
+        """Build every LayerSpec (to use the module whole, on one stage)."""
+        for i in range(len(self.specs)):
+            self.layer(i)
+        return self
+
+    def forward(self, inputs, targets=None):
+        unbuilt = [i for i, s in enumerate(self.specs) if isinstance(s, LayerSpec)]
+        if unbuilt:
+            raise RuntimeError(f"layers {unbuilt} are LayerSpecs that were never built; call materialize() to "
+                               f"run the whole module on one stage")
+        x = inputs
+        for layer in self.specs:
+            x = layer(x)
+        if targets is None or self.loss_fn is None:
+            return x
+        return self.loss_fn(x, targets)
+
+    def original_name(self, index: int, key: str) -> str:
+        prefix = self.layer_names[index]
+        return f"{prefix}.{key}" if prefix else key
+
+    def layer_state_keys(self, index: int) -> list[str]:
+        spec = self.specs[index]
+        if isinstance(spec, LayerSpec):
+            with torch.device("meta"):
+                spec = spec.build()
+        return list(spec.state_dict().keys())
+
+
+class FinalNormHead(nn.Module):
+    """The GPT's last pipeline layer: final norm and output projection (names kept: ln_f.*, head.*)."""
+
+    def __init__(self, ln_f: nn.Module, head: nn.Module):
+        super().__init__()
+        self.ln_f = ln_f
+        self.head = head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(h))  # (b, s, d) -> (b, s, V)
+
+
+def gpt_pipeline_module(model: GPT, micro_batch: int = 1) -> PipelineModule:
+    """The GPT as embed -> blocks[0..n-1] -> (ln_f + head), sharing the GPT's own modules."""
+    cfg = model.config
+    layers = [model.embed, *model.blocks, FinalNormHead(model.ln_f, model.head)]
+    names = ["embed", *(f"blocks.{i}" for i in range(len(model.blocks))), ""]
+    example = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    return PipelineModule(layers, loss_fn=model.loss_fn, layer_names=names, example_input=example)
+
+
+def as_pipeline_module(model: nn.Module, micro_batch: int = 1) -> PipelineModule:
+    if isinstance(model, PipelineModule):
+        return model
+    if isinstance(model, GPT):
+        return gpt_pipeline_module(model, micro_batch)
+    raise TypeError(f"pipeline.stages > 1 needs the model as a list of layers: wrap it as "
+                    f"paratrain.PipelineModule(layers=[...], loss_fn=...) (got {type(model).__name__}; the built-in "
+                    f"GPT is split automatically)")
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage: consecutive layers, each fed the previous one's output."""
+
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class StageModule(nn.Module):
+    """What one rank keeps: its v stages (chunk c is global stage c·p + rank)."""
+
+    def __init__(self, chunks: list[StageChunk], stages: list[int]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.stages = stages

@@ -1,0 +1,257 @@
+"""Executing one rank's action list: forwards, backwards, weight gradients and the sends/receives between.
+
+The runner owns nothing the engine owns: gradients land in the parameters (so the data-parallel strategy's
+hooks see them), and the optimizer step stays the engine's. Before every action that produces parameter
+gradients it tells the strategy whether that action is the stage's last one of the step
+(`grad_sync.prepare_backward(sync=...)`), so DDP reduces each bucket once per step, as soon as its last
+gradient has landed — for ZB-H1 that is the last W for Linear weights and the last B for the rest.
+
+Memory: a micro-batch's stage input and output are dropped as soon as its B has run (its input gradient
+only until the send completes); with a split backward the Linear inputs and output gradients live on until
+its W.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from paratrain import comm
+from paratrain.mesh import Mesh
+from paratrain.pipeline.module import StageModule
+from paratrain.pipeline.p2p import StageLinks, as_tensors, describe
+from paratrain.pipeline.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    build_schedule,
+)
+from paratrain.pipeline.validate import check_schedule
+from paratrain.pipeline.weight_grad import WeightGradDeferral
+
+
+@dataclass
+class _Step:
+    batches: list
+    training: bool
+    inputs: dict = field(default_factory=dict)  # (stage, micro) -> what the stage's chunk was called with
+    outputs: dict = field(default_factory=dict)  # (stage, micro) -> its output (the scaled loss on the last)
+    input_grads: dict = field(default_factory=dict)  # (stage, micro) -> gradients to send back
+    incoming: dict = field(default_factory=dict)  # receive action -> p2p.Incoming
+    losses: list = field(default_factory=list)
+    events: list = field(default_factory=list)  # (kind, stage, micro, start, end), wall-clock seconds
+    peak_in_flight: int = 0  # most micro-batch stages holding activations at once
+
+    def leftovers(self) -> list[str]:
+        held = {"inputs": self.inputs, "outputs": self.outputs, "input_grads": self.input_grads,
+                "incoming": self.incoming}
+        return [f"{name}: {sorted(map(str, value))}" for name, value in held.items() if value]
+
+
+class PipelineRunner:
+    def __init__(self, module: StageModule, mesh: Mesh, schedule: str, micro_batches: int, virtual: int,
+                 loss_fn, device: torch.device):
+        self.module, self.mesh, self.loss_fn, self.device = module, mesh, loss_fn, device
+        self.axis = mesh.axis("pp")
+        self.rank = mesh.local_rank("pp")
+        self.schedule = build_schedule(schedule, self.axis.size, micro_batches, virtual)
+        check_schedule(self.schedule)
+        self._eval_schedules: dict[int, Schedule] = {}
+        self.links = StageLinks(self.axis, device)
+        self.deferral = WeightGradDeferral()
+        if self.schedule.split_backward:
+            self.deferral.install(module)
+        self.grad_sync = None  # set by parallelize once the data-parallel strategy wraps `module`
+        self.last_events: list = []
+        self.last_peak_in_flight = 0
+        self._shapes_known = False
+        self.last_schedule: Schedule = self.schedule
+        # NCCL wants a group's first operation to involve all its ranks; p2p batches do not.
+        comm.barrier(self.axis)
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    def _chunk(self, stage: int):
+        return self.module.chunks[self.schedule.chunk_of(stage)]
+
+    # ---- one step --------------------------------------------------------------------------------
+    def train_step(self, batches: list) -> torch.Tensor:
+        """Run one optimizer step's micro-batches ((inputs, targets) each); gradients accumulate in the
+        stage's parameters. Returns the mean loss over the micro-batches, on every pp rank."""
+        if len(batches) != self.schedule.micro_batches:
+            raise ValueError(f"the {self.schedule.name} schedule runs {self.schedule.micro_batches} micro-batches "
+                             f"per step, got {len(batches)}")
+        if self.grad_sync is None:
+            raise RuntimeError("PipelineRunner.grad_sync is not set; parallelize() attaches it")
+        self._sync_actions = _last_gradient_actions(self.schedule, self.rank)
+        return self._run(self.schedule, batches, training=True)
+
+    @torch.no_grad()
+    def eval_step(self, batches: list) -> torch.Tensor:
+        m = len(batches)
+        if m not in self._eval_schedules:
+            s = self.schedule
+            try:
+                self._eval_schedules[m] = build_schedule(s.name, s.stages, m, s.virtual, forward_only=True)
+            except ScheduleError as exc:
+                raise ScheduleError(f"eval_batch with {m} micro-batches: {exc} (pass num_micro_batches=...)") from None
+            check_schedule(self._eval_schedules[m])
+        return self._run(self._eval_schedules[m], batches, training=False)
+
+    def _run(self, schedule: Schedule, batches: list, training: bool) -> torch.Tensor:
+        for b in batches:
+            if not (isinstance(b, (tuple, list)) and len(b) == 2):
+                raise TypeError("in pipeline mode every micro-batch must be a pair (inputs, targets): the first "
+                                "stage consumes the inputs, the last stage the targets")
+        if not self._shapes_known:
+            self._learn_shapes(batches[0][0])
+        step = _Step(batches, training)
+        actions = schedule.actions[self.rank]
+        wall0, clock0 = time.time(), time.perf_counter()
+        j = 0
+        while j < len(actions):
+            if actions[j].is_comm:
+                k = j
+                while k < len(actions) and actions[k].is_comm:
+                    k += 1
+                self._communicate(schedule, actions[j:k], step)
+                j = k
+                continue
+            a = actions[j]
+            self._wait_for_inputs(schedule, a, step)  # waiting is idle time, not part of the action
+            start = time.perf_counter()
+            if a.kind == F:
+                self._forward(schedule, a, step)
+            elif a.kind == B:
+                self._backward(schedule, a, step)
+            else:
+                self._weight(a)
+            step.events.append((a.kind, a.stage, a.micro, wall0 + start - clock0, wall0 + time.perf_counter() - clock0))
+            j += 1
+        self.links.wait_sends()
+        if step.leftovers() or self.deferral.pending():  # every activation must be gone by now
+            raise RuntimeError(f"pipeline step ended holding {step.leftovers()} and {self.deferral.pending()} "
+                               f"pending weight gradients; the schedule is not complete")
+        if training:  # the timeline shows the last training step (an evaluation does not replace it)
+            self.last_events, self.last_schedule = step.events, schedule
+            self.last_peak_in_flight = step.peak_in_flight
+        loss = torch.zeros((), dtype=torch.float32)
+        if step.losses:  # this rank holds the last stage
+            loss += torch.stack([x.float().cpu() for x in step.losses]).mean()
+        comm.all_reduce(loss, self.axis, tag="metrics")  # every pp rank returns the loss
+        return loss
+
+    def _learn_shapes(self, first_inputs) -> None:
+        was_training = self.module.training
+        self.module.eval()  # no dropout, no buffer updates
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            self.links.learn_shapes(self.module.stages, self.num_stages, self.schedule.rank_of,
+                                    lambda stage, x: self._chunk(stage)(x), first_inputs)
+        self.module.train(was_training)
+        self._shapes_known = True
+
+    def gather_timeline(self) -> dict:
+        """The last step's events of every rank (collective over the world); see pipeline.timeline."""
+        from paratrain.pipeline.timeline import gather_timeline
+
+        return gather_timeline(self)
+
+    # ---- actions ---------------------------------------------------------------------------------
+    def _communicate(self, schedule: Schedule, batch: list[Action], step: _Step) -> None:
+        """Post one gap of the schedule as one batch (sends, then receives, in action order)."""
+        sends, recvs, recv_actions = [], [], []
+        for a in batch:
+            key, peer = (a.stage, a.micro), schedule.rank_of(a.peer_stage)
+            if a.kind == SEND_F:
+                value = step.outputs[key] if step.training else step.outputs.pop(key)
+                self.links.check_sent(a.stage, value)
+                sends.append((value, peer))
+            elif a.kind == SEND_B:
+                sends.append((step.input_grads.pop(key), peer))
+            elif a.kind == RECV_F:
+                recvs.append((self.links.known[a.stage], peer))
+                recv_actions.append(a)
+            elif a.kind == RECV_B:  # gradients of this stage's floating-point outputs, shaped like them
+                floats = [t for t in as_tensors(step.outputs[key]) if t.is_floating_point()]
+                recvs.append((describe(tuple(floats)), peer))
+                recv_actions.append(a)
+        for a, incoming in zip(recv_actions, self.links.post(sends, recvs)):
+            step.incoming[a] = incoming
+
+    def _wait_for_inputs(self, schedule: Schedule, a: Action, step: _Step) -> None:
+        if a.kind == F and a.stage > 0:
+            step.incoming[Action(RECV_F, a.stage, a.micro)].wait()
+        elif a.kind == B and a.stage < schedule.num_stages - 1:
+            step.incoming[Action(RECV_B, a.stage, a.micro)].wait()
+
+    def _forward(self, schedule: Schedule, a: Action, step: _Step) -> None:
+        key = (a.stage, a.micro)
+        inputs, targets = step.batches[a.micro]
+        if a.stage == 0:
+            x = inputs
+        else:
+            incoming = step.incoming.pop(Action(RECV_F, a.stage, a.micro))
+            tensors = incoming.wait()
+            if step.training:
+                tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+            x = tuple(tensors) if incoming.is_tuple else tensors[0]
+        out = self._chunk(a.stage)(x)
+        if a.stage == schedule.num_stages - 1:
+            loss = self.loss_fn(out, targets)
+            step.losses.append(loss.detach())
+            out = loss / schedule.micro_batches  # the mean over micro-batches is what backward differentiates
+        if step.training:
+            step.inputs[key] = x
+            step.outputs[key] = out
+            step.peak_in_flight = max(step.peak_in_flight, len(step.outputs))
+        elif a.stage < schedule.num_stages - 1:
+            step.outputs[key] = out
+
+    def _backward(self, schedule: Schedule, a: Action, step: _Step) -> None:
+        key = (a.stage, a.micro)
+        out, x = step.outputs.pop(key), step.inputs.pop(key)
+        if a.stage == schedule.num_stages - 1:
+            roots, grads = [out], [None]
+        else:
+            incoming = step.incoming.pop(Action(RECV_B, a.stage, a.micro)).wait()
+            floats = [t for t in as_tensors(out) if t.is_floating_point()]
+            pairs = [(t, g) for t, g in zip(floats, incoming) if t.requires_grad]
+            roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        self.grad_sync.prepare_backward(sync=a in self._sync_actions)
+        self.deferral.key = key
+        try:
+            if roots:
+                torch.autograd.backward(roots, grads)
+        finally:
+            self.deferral.key = None
+        if a.stage > 0:
+            step.input_grads[key] = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                          for t in as_tensors(x) if t.is_floating_point())
+
+    def _weight(self, a: Action) -> None:
+        weights, grads = self.deferral.pop((a.stage, a.micro))
+        self.grad_sync.prepare_backward(sync=a in self._sync_actions)
+        if weights:
+            torch.autograd.backward(weights, grads)
+
+
+def _last_gradient_actions(schedule: Schedule, rank: int) -> set[Action]:
+    """The actions after which a stage's parameters hold their last gradient contribution of the step:
+    per stage, its last B, and with a split backward also its last W."""
+    last: dict[tuple[str, int], Action] = {}
+    for a in schedule.actions[rank]:
+        if a.kind in (B, W):
+            last[(a.kind, a.stage)] = a
+    return set(last.values())

@@ -1,0 +1,117 @@
+"""Cutting models into stages (one process): partition methods, the GPT split, LayerSpec, config errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.api import resolve_config
+from paratrain.config import ConfigError
+from paratrain.pipeline import LayerSpec, PipelineModule
+from paratrain.pipeline.module import gpt_pipeline_module
+from paratrain.pipeline.partition import PartitionError, balanced_boundaries, parameter_counts
+from paratrain.pipeline.split import choose_boundaries, split_pipeline
+from tests.cases import tiny_gpt
+
+
+class Heavy(nn.Module):
+    """Few parameters, much compute: one small matrix applied many times."""
+
+    def __init__(self, width: int = 32, repeats: int = 48):
+        super().__init__()
+        self.w = nn.Linear(width, width)
+        self.repeats = repeats
+
+    def forward(self, x):
+        for _ in range(self.repeats):
+            x = torch.tanh(self.w(x))
+        return x
+
+
+def unbalanced_model() -> PipelineModule:
+    """A huge, cheap embedding, four expensive small layers and a cheap head."""
+    torch.manual_seed(0)
+    layers = [nn.Embedding(20_000, 32), Heavy(), Heavy(), Heavy(), Heavy(), nn.Linear(32, 8)]
+    return PipelineModule(layers, loss_fn=nn.functional.cross_entropy,
+                          example_input=torch.randint(0, 20_000, (64,)))
+
+
+def test_parameters_and_balanced_give_different_sensible_splits():
+    torch.set_num_threads(1)
+    model = unbalanced_model()
+    counts = parameter_counts(model.specs)
+    assert counts == [640_000, 1056, 1056, 1056, 1056, 264]
+    by_params, _ = choose_boundaries(model, "parameters", 2)
+    by_time, _ = choose_boundaries(model, "balanced", 2)
+    assert by_params == [0, 1, 6]  # the embedding alone holds 99% of the parameters
+    assert by_time == [0, 3, 6]  # embedding + 2 heavy layers | 2 heavy layers + head: equal time
+    assert choose_boundaries(model, "uniform", 2)[0] == [0, 3, 6]
+    assert choose_boundaries(model, [0, 2, 6], 2) == ([0, 2, 6], "manual")
+
+
+def test_balanced_boundaries_minimize_the_heaviest_stage_then_even_out():
+    bounds = balanced_boundaries([1] * 10, 4)
+    assert sorted(b - a for a, b in zip(bounds, bounds[1:])) == [2, 2, 3, 3]  # not 3, 3, 3, 1
+    assert balanced_boundaries([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]
+    assert balanced_boundaries([1, 1, 1, 1, 4], 3) == [0, 2, 4, 5]
+
+
+def test_partition_errors_name_the_numbers():
+    model = unbalanced_model()
+    with pytest.raises(PartitionError, match="8 stages, but the model has only 6 layers"):
+        choose_boundaries(model, "uniform", 8)
+    with pytest.raises(PartitionError, match=r"pipeline.partition \[0, 4, 3, 6\] must list the stage boundaries: "
+                                             r"4 strictly increasing numbers from 0 to the number of layers \(6\)"):
+        choose_boundaries(model, [0, 4, 3, 6], 3)
+    with pytest.raises(PartitionError, match="unknown pipeline.partition 'type:Heavy'"):
+        choose_boundaries(model, "type:Heavy", 2)
+    no_example = PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)])
+    with pytest.raises(PartitionError, match="pass PipelineModule\\(..., example_input=...\\)"):
+        choose_boundaries(no_example, "balanced", 2)
+
+
+def test_gpt_split_is_the_same_function_and_keeps_names():
+    model = tiny_gpt(n_layer=2)
+    pipe = gpt_pipeline_module(model)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    assert torch.equal(pipe(x, y), model(x, y))
+    assert len(pipe) == 4
+    names = [pipe.original_name(i, k) for i in range(len(pipe)) for k in pipe.layer_state_keys(i)]
+    assert names == list(model.state_dict().keys())
+
+
+def test_split_keeps_only_this_ranks_layers_and_builds_layerspecs_there():
+    torch.manual_seed(0)
+    pipe = PipelineModule([nn.Linear(4, 4), LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 4),
+                           lambda x: x * 2], partition="uniform")
+    mesh = SimpleNamespace(local_rank=lambda axis: 1)  # pp rank 1 of 2: layers 2 and 3
+    split = split_pipeline(pipe, mesh, stages=2, virtual=1, partition="parameters")
+    assert split.bounds == [0, 2, 4] and split.method == "uniform"  # the module's own partition wins
+    assert pipe.specs[0].weight.device.type == "meta"  # another stage's layer: freed
+    assert isinstance(pipe.specs[1], LayerSpec)  # another stage's spec: never built
+    assert isinstance(pipe.specs[2], nn.Linear) and pipe.specs[2].weight.device.type == "cpu"
+    assert [type(m).__name__ for m in split.module.chunks[0].layers] == ["Linear", "FunctionLayer"]
+
+
+def _resolve(pipeline: dict, **batch):
+    return resolve_config({"train_micro_batch_size_per_gpu": 2, **batch, "pipeline": pipeline}, 4)
+
+
+def test_pipeline_config_batch_arithmetic():
+    cfg = _resolve({"stages": 2, "micro_batches": 8})
+    assert cfg.gradient_accumulation_steps == 8 and cfg.train_batch_size == 2 * 8 * 2
+    cfg = _resolve({"stages": 4}, gradient_accumulation_steps=4)
+    assert cfg.pipeline.micro_batches == 4 and cfg.dp_size(4) == 1
+    with pytest.raises(ConfigError, match=r"pipeline.micro_batches \(8\) and gradient_accumulation_steps \(4\) "
+                                          r"disagree"):
+        _resolve({"stages": 2, "micro_batches": 8}, gradient_accumulation_steps=4)
+    with pytest.raises(ConfigError, match=r"train_batch_size = .* but 24 != 2 x 8 x 2 = 32"):
+        _resolve({"stages": 2, "micro_batches": 8}, train_batch_size=24)
+    with pytest.raises(ConfigError, match=r"config section 'pipeline': .*micro-batches \(6\) must be a multiple of "
+                                          r"stages \(4\)"):
+        _resolve({"stages": 4, "schedule": "interleaved", "virtual_stages": 2}, gradient_accumulation_steps=6)
+    with pytest.raises(ConfigError, match="virtual_stages = 2 needs schedule 'interleaved'"):
+        _resolve({"stages": 2, "virtual_stages": 2}, gradient_accumulation_steps=4)

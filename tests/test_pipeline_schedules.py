@@ -1,0 +1,108 @@
+"""Pipeline schedules as data, checked in one process: complete, deadlock-free, and as idle as theory says."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.pipeline.schedules import RECV_F, SEND_F, Action, B, F, Schedule, ScheduleError, build_schedule
+from paratrain.pipeline.validate import check_schedule, simulate, theoretical_bubble, validate
+
+GRID = [(name, p, m, v)
+        for name, vs in [("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2]), ("zb-h1", [1])]
+        for p in (2, 4) for m in sorted({1, p, 2 * p, 8}) for v in vs
+        if not (name == "interleaved" and m % p)]  # interleaved runs micro-batches in groups of p
+
+
+@pytest.mark.parametrize("name,p,m,v", GRID)
+def test_every_schedule_is_complete_and_deadlock_free(name, p, m, v):
+    schedule = build_schedule(name, p, m, v)
+    validate(schedule)  # static checks, then both the buffered (gloo) and the rendezvous (NCCL) model
+    for rank in range(p):
+        for stage in range(rank, p * v, p):
+            for micro in range(m):
+                assert Action(F, stage, micro) in schedule.actions[rank]
+    validate(build_schedule(name, p, m, v, forward_only=True))
+
+
+@pytest.mark.parametrize("name,p,m,v", GRID)
+def test_idle_fraction_in_unit_slots_equals_theory(name, p, m, v):
+    sim = simulate(build_schedule(name, p, m, v))
+    one_f_one_b = simulate(build_schedule("1f1b", p, m))
+    if name in ("gpipe", "1f1b"):
+        assert sim.idle_fraction == pytest.approx([(p - 1) / (m + p - 1)] * p)
+    elif name == "interleaved":
+        assert sim.idle_fraction == pytest.approx([(p - 1) / (v * m + p - 1)] * p)  # the bubble divided by v
+        assert sim.idle_slots == pytest.approx(one_f_one_b.idle_slots)  # same idle time, v times the chunks
+    elif m >= p:  # ZB-H1: p - 1 idle slots instead of 1F1B's 3(p - 1)
+        assert sim.idle_fraction == pytest.approx([theoretical_bubble(sim.schedule)] * p)
+        assert max(sim.idle_slots) <= max(one_f_one_b.idle_slots) / 3 + 1e-9
+    else:  # fewer micro-batches than stages: nothing fills the wait for the first gradient
+        assert max(sim.idle_slots) < max(one_f_one_b.idle_slots)
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8)])
+def test_peak_in_flight_micro_batches(p, m):
+    assert simulate(build_schedule("gpipe", p, m)).peak_in_flight == [m] * p
+    one_f_one_b = simulate(build_schedule("1f1b", p, m)).peak_in_flight
+    assert one_f_one_b == [min(p - rank, m) for rank in range(p)] and max(one_f_one_b) <= p
+    assert simulate(build_schedule("zb-h1", p, m)).peak_in_flight == one_f_one_b  # same activation limit
+
+
+def test_zb_h1_fills_the_bubble_with_weight_gradients():
+    schedule = build_schedule("zb-h1", 4, 8)
+    assert schedule.split_backward
+    kinds = [a.kind for a in schedule.compute(0)]
+    assert kinds.count("W") == 8 and kinds.index("W") < len(kinds) - 8  # some W run before the last B
+    # Pending weight gradients stay bounded by p, so W's memory does not grow with m.
+    for rank in range(4):
+        pending, worst = 0, 0
+        for a in schedule.compute(rank):
+            pending += 1 if a.kind == "B" else -1 if a.kind == "W" else 0
+            worst = max(worst, pending)
+        assert worst <= 4
+
+
+def _replace(schedule: Schedule, rank: int, actions: list[Action]) -> Schedule:
+    per_rank = list(schedule.actions)
+    per_rank[rank] = tuple(actions)
+    return Schedule(schedule.name, schedule.stages, schedule.virtual, schedule.micro_batches,
+                    schedule.split_backward, tuple(per_rank))
+
+
+def test_validator_rejects_broken_schedules():
+    good = build_schedule("1f1b", 2, 2)
+    rank0 = list(good.actions[0])
+    with pytest.raises(ScheduleError, match="runs 0 times"):
+        check_schedule(_replace(good, 0, [a for a in rank0 if a != Action(B, 0, 1)]))
+    with pytest.raises(ScheduleError, match=r"rank 0 runs SEND_F0@s0 before F0@s0"):
+        check_schedule(_replace(good, 0, [Action(SEND_F, 0, 0)] + [a for a in rank0 if a != Action(SEND_F, 0, 0)]))
+    # Sending micro-batch 1 before 0 while the receiver expects 0 first: messages match by order.
+    swapped = [a for a in rank0 if a != Action(SEND_F, 0, 0)]
+    swapped.insert(swapped.index(Action(SEND_F, 0, 1)) + 1, Action(SEND_F, 0, 0))
+    with pytest.raises(ScheduleError, match="messages are matched by order"):
+        check_schedule(_replace(good, 0, swapped))
+
+
+def test_validator_finds_a_deadlock():
+    # Rank 1 wants both activations before any backward; rank 0 wants the first gradient before it sends
+    # the second activation: each waits for the other.
+    p, m = 2, 2
+    rank0 = [Action(F, 0, 0), Action(SEND_F, 0, 0), Action("RECV_B", 0, 0), Action(B, 0, 0), Action(F, 0, 1),
+             Action(SEND_F, 0, 1), Action("RECV_B", 0, 1), Action(B, 0, 1)]
+    rank1 = [Action(RECV_F, 1, 0), Action(RECV_F, 1, 1), Action(F, 1, 0), Action(F, 1, 1), Action(B, 1, 0),
+             Action("SEND_B", 1, 0), Action(B, 1, 1), Action("SEND_B", 1, 1)]
+    schedule = Schedule("custom", p, 1, m, False, (tuple(rank0), tuple(rank1)))
+    check_schedule(schedule)  # locally fine
+    with pytest.raises(ScheduleError, match="deadlocks.*rank 0 waits for \\[RECV_B0@s0\\]"):
+        simulate(schedule)
+
+
+def test_schedule_size_errors_name_the_fix():
+    with pytest.raises(ScheduleError, match=r"micro-batches \(6\) must be a multiple of stages \(4\)"):
+        build_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="virtual_stages = 2 needs schedule 'interleaved'"):
+        build_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ScheduleError, match="needs pipeline.virtual_stages >= 2"):
+        build_schedule("interleaved", 2, 4, 1)
+    with pytest.raises(ScheduleError, match="unknown pipeline schedule 'pipedream'"):
+        build_schedule("pipedream", 2, 4)
