@@ -13,21 +13,25 @@ import torch
 import paratrain
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
+# Every layout: DDP, ZeRO-1/2/3 (bf16, fp16, offload), TP (+SP), PP, CP and their products.
+
 SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}
 
 
-def _config(stage: int = 0, tp: int = 1, precision: str = "fp32", accumulation: int = 2, **extra) -> dict:
+def _config(stage: int = 0, tp: int = 1, precision: str = "fp32", accumulation: int = 2, pp: int = 1, cp: int = 1,
+            **extra) -> dict:
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation, scheduler=SCHEDULE,
                        zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 16},
-                       tensor_parallel={"size": tp, "sequence_parallel": extra.pop("sp", False)}, **extra)
+                       tensor_parallel={"size": tp, "sequence_parallel": extra.pop("sp", False)},
+                       pipeline={"stages": pp}, context_parallel={"size": cp}, **extra)
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     return cfg
 
 
-def _resume(directory: str, cfg: dict) -> dict:
+def _resume(directory: str, cfg: dict, dropout: float) -> dict:
     data = corpus_windows()
-    engine, *_ = paratrain.initialize(model=tiny_gpt(dropout=0.1), config=cfg, training_data=data)
+    engine, *_ = paratrain.initialize(model=tiny_gpt(dropout=dropout), config=cfg, training_data=data)
     first = [float(engine.train_batch()) for _ in range(3)]
     engine.save_checkpoint(directory, client_state={"epoch": 3, "ids": torch.arange(4)})
     uninterrupted = [float(engine.train_batch()) for _ in range(3)]
@@ -35,7 +39,7 @@ def _resume(directory: str, cfg: dict) -> dict:
     scale = engine.loss_scale()
 
     torch.manual_seed(engine.global_rank + 100)
-    resumed, *_ = paratrain.initialize(model=tiny_gpt(seed=3, dropout=0.1), config=cfg, training_data=data)
+    resumed, *_ = paratrain.initialize(model=tiny_gpt(seed=3, dropout=dropout), config=cfg, training_data=data)
     torch.rand(17)  # the generators are somewhere else entirely
     path, client = resumed.load_checkpoint(directory)
     steps_after_load = resumed.global_steps
@@ -43,12 +47,14 @@ def _resume(directory: str, cfg: dict) -> dict:
     got = resumed.full_state_dict()
     return {"first": first, "uninterrupted": uninterrupted, "resumed": again, "steps": steps_after_load,
             "path": path, "client": client, "scale": (scale, resumed.loss_scale()),
-            "params_equal": all(torch.equal(got[k], want[k]) for k in want),
+            "params_equal": all(torch.equal(got[k], want[k]) for k in want), "layout": engine.pmesh.dims.describe(),
             "lr": (engine.get_lr(), resumed.get_lr())}
 
 
 def _cases(root: str, configs: dict[str, dict]) -> dict:
-    return {name: _resume(f"{root}/{name}", cfg) for name, cfg in configs.items()}
+    # context parallelism refuses dropout (ring attention has none); every other layout resumes with it
+    return {name: _resume(f"{root}/{name}", cfg, 0.0 if cfg["context_parallel"]["size"] > 1 else 0.1)
+            for name, cfg in configs.items()}
 
 
 def _check(results: list[dict], names) -> None:
@@ -71,10 +77,18 @@ def test_exact_resume_ddp_and_every_zero_stage(world2, tmp_path):
     _check(world2.run(_cases, str(tmp_path), configs), configs)
 
 
-def test_exact_resume_tensor_parallel_and_hybrid_layouts(world4, tmp_path):
+def test_exact_resume_model_parallel_and_hybrid_layouts(world4, tmp_path):
     configs = {"tp2_dp2_ddp": _config(0, tp=2), "tp2_dp2_zero1_sp": _config(1, tp=2, sp=True),
-               "tp4_bf16": _config(0, tp=4, precision="bf16"), "tp2_dp2_zero3": _config(3, tp=2)}
-    _check(world4.run(_cases, str(tmp_path), configs), configs)
+               "tp4_bf16": _config(0, tp=4, precision="bf16"), "tp2_dp2_zero3": _config(3, tp=2),
+               "pp2_dp2_zero1": _config(1, pp=2, accumulation=4),
+               "pp2_tp2_1f1b": _config(0, pp=2, tp=2, accumulation=4),
+               "cp2_dp2_zero2": _config(2, cp=2), "cp2_tp2_sp": _config(1, cp=2, tp=2, sp=True)}
+    results = world4.run(_cases, str(tmp_path), configs)
+    _check(results, configs)
+    assert {k: v["layout"] for k, v in results[0].items()} == {
+        "tp2_dp2_ddp": "dp2 x tp2", "tp2_dp2_zero1_sp": "dp2 x tp2", "tp4_bf16": "tp4", "tp2_dp2_zero3": "dp2 x tp2",
+        "pp2_dp2_zero1": "dp2 x pp2", "pp2_tp2_1f1b": "pp2 x tp2", "cp2_dp2_zero2": "dp2 x cp2",
+        "cp2_tp2_sp": "cp2 x tp2"}
 
 
 def _auto(directory: str) -> dict:
