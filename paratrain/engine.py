@@ -244,12 +244,10 @@ class Engine:
         if self.config.nonfinite_loss == "skip":
             self._skip_step(norm, f"the global gradient norm is {norm} (the loss or a gradient is NaN/inf)")
             return
-        message = (f"step {self.global_steps + 1}: the global gradient norm is {norm}: the loss or a gradient "
-                   f"became NaN/inf on some rank, and nothing was updated. Lower the learning rate, enable "
-                   f"gradient_clipping, check the data, or set nonfinite_loss to \"skip\" to skip such steps")
+        error = NonFiniteLossError.at(self.global_steps + 1, norm)
         if self.global_rank == 0:
-            log.error(message)
-        raise NonFiniteLossError(message)
+            log.error(str(error))
+        raise error
 
     def _skip_step(self, norm: float, reason: str | None = None) -> None:
         """No update and no LR step (DeepSpeed's behaviour on an fp16 overflow); the step still counts."""
