@@ -334,7 +334,7 @@ class Engine:
         """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N}."""
         from paratrain.checkpoint import save_checkpoint
 
-        save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,

@@ -110,3 +110,32 @@ def test_engine_saves_every_n_steps_keeps_the_last_k_and_auto_resumes(world2, tm
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step4", "global_step6", "latest"]
     assert (tmp_path / "ck" / "latest").read_text() == "global_step6\n"
     assert r["resumed_at"] == 6 and r["path"].endswith("global_step6") and not r["equal_to_step_7"]
+
+
+def _frozen(directory: str) -> dict:
+    def model(seed: int):
+        gpt = tiny_gpt(seed)
+        gpt.embed.pos.weight.requires_grad_(False)  # a frozen parameter
+        return gpt
+
+    cfg = _config(1)
+    engine, *_ = paratrain.initialize(model=model(1), config=cfg, training_data=corpus_windows())
+    engine.train_batch()
+    engine.save_checkpoint(directory, exclude_frozen_parameters=True)
+    fresh, *_ = paratrain.initialize(model=model(2), config=cfg, training_data=corpus_windows())
+    try:
+        fresh.load_checkpoint(directory)
+        strict = None
+    except paratrain.CheckpointError as exc:
+        strict = str(exc)
+    fresh.load_checkpoint(directory, load_module_strict=False)
+    got, want = fresh.full_state_dict(), engine.full_state_dict()
+    return {"strict": strict, "kept_own": torch.equal(got["embed.pos.weight"], tiny_gpt(2).embed.pos.weight),
+            "rest_equal": all(torch.equal(got[k], want[k]) for k in want if k != "embed.pos.weight")}
+
+
+def test_frozen_parameters_can_be_left_out(world2, tmp_path):
+    r = world2.run(_frozen, str(tmp_path))[0]
+    assert r["strict"].startswith(f"checkpoint '{tmp_path}/global_step1' lacks 1 tensor(s) of this model: "
+                                  f"embed.pos.weight: it is of a different model")
+    assert r["kept_own"] and r["rest_equal"]

@@ -73,7 +73,7 @@ class _Owner:
         return all(axis.rank == h % axis.size for axis in axes)
 
 
-def _collect(engine, file: str) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+def _collect(engine, file: str, exclude_frozen: bool = False) -> tuple[list[tuple[str, torch.Tensor]], dict]:
     """This rank's pieces (tensors to write) and what the manifest needs to know about them."""
     gs, parallel, optimizer = engine.grad_sync, engine.parallel, engine.optimizer
     owns = _Owner(engine)
@@ -112,8 +112,9 @@ def _collect(engine, file: str) -> tuple[list[tuple[str, torch.Tensor]], dict]:
             for k, v in scalars.items():
                 info["scalars"].setdefault(k, {})[origin.name] = scalar_entry(v, f"'{k}' of '{origin.name}'")
     trainable = {id(p) for p in local.values()}
+    frozen = {id(p) for p in parallel.module.parameters() if not p.requires_grad} if exclude_frozen else set()
     for name, t in parallel.module.state_dict(keep_vars=True).items():
-        if id(t) in trainable:
+        if id(t) in trainable or id(t) in frozen:
             continue  # a parameter (or a tied alias of one): stored from its master above
         origin = parallel.origin(name, t)
         if owns(origin.name, origin.replicated, True):
@@ -131,8 +132,11 @@ def _agree_on_tag(tag: str, world, policy: str) -> str:
     return tags[0]
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> Path:
-    """Write a complete checkpoint of `engine` to `save_dir/tag` (collective over every rank)."""
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> Path:
+    """Write a complete checkpoint of `engine` to `save_dir/tag` (collective over every rank). Frozen
+    parameters are left out with `exclude_frozen_parameters` (load such a checkpoint with
+    load_module_strict=False)."""
     mesh, world = engine.pmesh, engine.pmesh.axis(AXES)
     if engine.micro_steps % engine.gradient_accumulation_steps():
         raise CheckpointError(f"save_checkpoint was called in the middle of a gradient-accumulation window "
@@ -150,7 +154,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     file = rank_file(mesh.rank)
     summary: dict = {"rank": mesh.rank, "error": None}
     try:
-        tensors, info = _collect(engine, file)
+        tensors, info = _collect(engine, file, exclude_frozen_parameters)
         rng = rng_tensors(engine.parallel.random_streams)
         client: dict[str, torch.Tensor] = {}
         if mesh.rank == 0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 from typing import Any
 
@@ -158,6 +157,3 @@ def restore_counters(engine, saved: dict, saved_accumulation: int) -> None:
     # micro_steps counts micro-batches: under another accumulation the same optimizer step is another count
     engine.micro_steps = engine.micro_steps // saved_accumulation * engine.gradient_accumulation_steps()
 
-
-def finite_or_none(value: float | None) -> float | None:
-    return value if value is None or math.isfinite(value) else None
