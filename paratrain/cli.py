@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train | plan | report."""
+"""The `paratrain` command: run | train | plan | report | checkpoint."""
 
 from __future__ import annotations
 
@@ -104,6 +104,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint.cli import run_checkpoint
+
+    return run_checkpoint(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from paratrain.launcher.run import add_launch_arguments
 
@@ -140,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="render a run directory: pipeline timeline (Gantt PNG) and bubbles")
     report.add_argument("run_dir", help="the run directory of a `paratrain train` run")
     report.set_defaults(func=cmd_report)
+
+    from paratrain.checkpoint.cli import add_checkpoint_arguments
+
+    checkpoint = sub.add_parser("checkpoint", help="inspect, export or convert a sharded checkpoint")
+    add_checkpoint_arguments(checkpoint)
+    checkpoint.set_defaults(func=cmd_checkpoint)
     return parser
 
 
