@@ -7,6 +7,7 @@ public API; DeepSpeed names paratrain does not implement raise an error that say
 
 from paratrain import comm, pipeline, zero  # paratrain.zero.estimate_memory; DeepSpeed's comm/zero/pipe names
 from paratrain.api import add_config_arguments, initialize, resolve_config
+from paratrain.checkpoint import CheckpointError
 from paratrain.comm import CommStats
 from paratrain.config import Config, ConfigError, load_config
 from paratrain.data_parallel.dp import DataParallel
@@ -14,10 +15,12 @@ from paratrain.distributed import init_distributed
 from paratrain.engine import Engine
 from paratrain.mesh import Mesh, ParallelDims, build_mesh
 from paratrain.pipeline import LayerSpec, PipelineModule
+from paratrain.precision import NonFiniteLossError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CommStats",
     "Config",
     "ConfigError",
@@ -26,6 +29,7 @@ __all__ = [
     "Engine",
     "LayerSpec",
     "Mesh",
+    "NonFiniteLossError",
     "ParallelDims",
     "PipelineModule",
     "__version__",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import torch.distributed as dist
@@ -12,6 +13,8 @@ from paratrain.distributed import init_distributed
 from paratrain.engine import Engine
 from paratrain.mesh import ParallelDims, build_mesh
 from paratrain.parallelize import check_supported
+
+log = logging.getLogger("paratrain")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,4 +78,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         mesh = build_mesh(dims, device_type="cuda" if dist.get_backend() == "nccl" else "cpu")
     engine = Engine(model, cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler,
                     model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
+    if cfg.checkpoint.auto_resume:  # a restarted job continues from the newest complete checkpoint
+        path, client_state = engine.load_checkpoint(cfg.checkpoint.dir)
+        if path is not None:
+            engine.auto_resumed = (path, client_state)
+            if engine.global_rank == 0:
+                log.info("auto_resume: continuing from %s (step %d)", path, engine.global_steps)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

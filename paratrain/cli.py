@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train | plan | bench | report."""
+"""The `paratrain` command: run | train | plan | bench | report | checkpoint."""
 
 from __future__ import annotations
 
@@ -110,6 +110,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint.cli import run_checkpoint
+
+    return run_checkpoint(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from paratrain.launcher.run import add_launch_arguments
 
@@ -153,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
                                            "plots, a summary, the pipeline timeline")
     report.add_argument("run_dir", help="the run directory of a `paratrain train` run")
     report.set_defaults(func=cmd_report)
+
+    from paratrain.checkpoint.cli import add_checkpoint_arguments
+
+    checkpoint = sub.add_parser("checkpoint", help="inspect, export or convert a sharded checkpoint")
+    add_checkpoint_arguments(checkpoint)
+    checkpoint.set_defaults(func=cmd_checkpoint)
     return parser
 
 

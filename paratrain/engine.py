@@ -25,12 +25,13 @@ from paratrain import comm
 from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
+from paratrain.data.batch_check import BatchChecker
 from paratrain.distributed import current_device
 from paratrain.mesh import Mesh
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallelize import parallelize
-from paratrain.precision import make_loss_scaler
+from paratrain.precision import NonFiniteLossError, make_loss_scaler
 
 log = logging.getLogger("paratrain")
 
@@ -63,10 +64,13 @@ class Engine(DeepSpeedEngineAPI):
         self.loss_scaler = make_loss_scaler(config)  # fp16 only
         self._grad_norm: float | None = None
         self._times: dict[str, float] = defaultdict(float)
-        self._window_start = 0  # micro_steps when the current accumulation size took effect
+        self._window_micro_steps = 0  # micro-steps taken in the current accumulation window
         self._step_applied = False
         self._reporter = StepReporter(config, mesh.rank)
         self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled)
+        self._check_train_batch = BatchChecker(config.batch_check, "training")
+        self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")
+        self.auto_resumed: tuple[str, dict] | None = None  # (path, client_state) when initialize() resumed
 
     # ---- construction helpers --------------------------------------------------------------------
     def _optimizer_factory(self, optimizer):
@@ -171,9 +175,11 @@ class Engine(DeepSpeedEngineAPI):
                 self._optimizer_update()
         self._step_applied = boundary and self.skipped_steps == skipped
         self.micro_steps += 1
+        self._window_micro_steps = 0 if boundary else self._window_micro_steps + 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp")
         if boundary:
             self._reporter.after_step(self)
+            self._save_if_due()
 
     def _optimizer_update(self) -> None:
         with self._timed("comm_wait"):
@@ -190,6 +196,9 @@ class Engine(DeepSpeedEngineAPI):
                 self._skip_step(norm)
                 return
             norm, factor = norm / scale, 1.0 / scale
+        elif not math.isfinite(norm):
+            self._nonfinite(norm)
+            return
         self._grad_norm = norm
         clip = self.gradient_clipping()
         if clip > 0.0:
@@ -204,18 +213,29 @@ class Engine(DeepSpeedEngineAPI):
         self.grad_sync.zero_grad()
         self.global_steps += 1
 
-    def _skip_step(self, norm: float) -> None:
-        """fp16 overflow: no update and no LR step (DeepSpeed's behaviour); the step still counts."""
+    def _nonfinite(self, norm: float) -> None:
+        """bf16/fp32: a NaN/inf loss or gradient. The norm is the same number on every rank, so every rank
+        stops, or skips, at the same step."""
+        if self.config.nonfinite_loss == "skip":
+            self._skip_step(norm, f"the global gradient norm is {norm} (the loss or a gradient is NaN/inf)")
+            return
+        error = NonFiniteLossError.at(self.global_steps + 1, norm)
+        if self.global_rank == 0:
+            log.error(str(error))
+        raise error
+
+    def _skip_step(self, norm: float, reason: str | None = None) -> None:
+        """No update and no LR step (DeepSpeed's behaviour on an fp16 overflow); the step still counts."""
         self._grad_norm = norm
         self.grad_sync.zero_grad()
         self.skipped_steps += 1
         self.global_steps += 1
         if self.global_rank == 0:
-            log.warning("step %d skipped: fp16 gradients overflowed (skipped_steps=%d, loss scale now %g)",
-                        self.global_steps, self.skipped_steps, self.loss_scale())
+            reason = reason or f"fp16 gradients overflowed (loss scale now {self.loss_scale():g})"
+            log.warning("step %d skipped: %s (skipped_steps=%d)", self.global_steps, reason, self.skipped_steps)
 
     def _run_micro_batch(self, batch) -> torch.Tensor:
-        batch = _to_device(batch, self.device)
+        batch = self._checked(batch, self._check_train_batch if self.module.training else self._check_eval_batch)
         if isinstance(batch, dict):
             return self(**batch)
         if isinstance(batch, (tuple, list)):
@@ -249,7 +269,7 @@ class Engine(DeepSpeedEngineAPI):
         self.module.eval()
         count = num_micro_batches or self.gradient_accumulation_steps()
         if self.pipeline is not None:
-            batches = [_to_device(next(data_iter), self.device) for _ in range(count)]
+            batches = [self._checked(next(data_iter), self._check_eval_batch) for _ in range(count)]
             mean = self.pipeline.eval_step(batches)
         else:
             total = torch.zeros((), dtype=torch.float32)
@@ -263,7 +283,7 @@ class Engine(DeepSpeedEngineAPI):
         """Every rank of a dp replica draws the same micro-batches; the first stage uses the inputs, the last
         the targets. The runner accumulates the step's gradients; the update is the engine's as always."""
         count = self.gradient_accumulation_steps()
-        batches = [_to_device(next(data_iter), self.device) for _ in range(count)]
+        batches = [self._checked(next(data_iter), self._check_train_batch) for _ in range(count)]
         with self._timed("pipeline"):
             mean = self.pipeline.train_step(batches)
         self._reporter.record_loss(mean)
@@ -274,7 +294,12 @@ class Engine(DeepSpeedEngineAPI):
         self.micro_steps += count
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp") * count
         self._reporter.after_step(self)
+        self._save_if_due()
         return self._mean_over_dp(mean)
+
+    def _checked(self, batch, check: BatchChecker):
+        check(batch)
+        return _to_device(batch, self.device)
 
     def pipeline_timeline(self) -> dict | None:
         """The last step's executed actions with start/end times on every rank (collective over the world;
@@ -285,6 +310,30 @@ class Engine(DeepSpeedEngineAPI):
         axis = self.pmesh.axis(("dp", "cp"))
         comm.all_reduce(value, axis, tag="metrics")
         return value / axis.size
+
+    # ---- checkpoints (paratrain/checkpoint, docs/checkpoints.md) ---------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N}."""
+        from paratrain.checkpoint import save_checkpoint
+
+        save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load a checkpoint saved under any layout (collective); returns (path, client_state), (None, None)
+        when `load_dir` holds none. `tag` defaults to the one the `latest` file names."""
+        from paratrain.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def _save_if_due(self) -> None:
+        every = self.config.checkpoint.save_every
+        if every and self.global_steps % every == 0:
+            self.save_checkpoint(self.config.checkpoint.dir)
 
     # ---- introspection ---------------------------------------------------------------------------
     def comm_stats(self, reset: bool = False, by_tag: bool = False) -> dict:

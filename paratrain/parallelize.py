@@ -26,10 +26,12 @@ from paratrain.data_parallel.fsdp import FullyShardedDataParallel
 from paratrain.data_parallel.fsdp_units import config_wrap_policy
 from paratrain.data_parallel.zero import ZeroDataParallel
 from paratrain.mesh import Mesh
+from paratrain.origin import Origin
 from paratrain.pipeline.module import PipelineModule
 from paratrain.pipeline.runtime import PipelineRunner
 from paratrain.pipeline.schedules import ScheduleError, check_sizes
-from paratrain.pipeline.split import make_unshard, split_pipeline
+from paratrain.pipeline.split import make_origin, make_unshard, split_pipeline
+from paratrain.tensor_parallel import RNGTracker
 from paratrain.tensor_parallel import parallelize as tensor_parallelize
 from paratrain.tensor_parallel.plan import check_plan_syntax
 
@@ -43,6 +45,9 @@ class ParallelModel:
     steps, in the order they are to be undone) turns it into the state of the original model.
     `pipeline` (pipeline.stages > 1) runs whole steps of micro-batches; the engine delegates train_batch
     and eval_batch to it.
+    `origins` does the same for one tensor's coordinates, without communication (checkpoints): each step
+    inserts its function at the front, so the last step applied is undone first. `random_streams` are the
+    per-rank random generators the steps created (their states go into checkpoints).
     """
 
     module: nn.Module
@@ -50,12 +55,21 @@ class ParallelModel:
     unshard: list[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     pipeline: PipelineRunner | None = None
+    origins: list[Callable[[Origin], Origin]] = field(default_factory=list)
+    random_streams: dict[str, RNGTracker] = field(default_factory=dict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state = self.grad_sync.full_state_dict()
         for fn in self.unshard:
             state = fn(state)
         return state
+
+    def origin(self, local_name: str, tensor: torch.Tensor) -> Origin:
+        """Which tensor of the original model a tensor of the local module is, and which box of it."""
+        found = Origin.local(local_name, tensor)
+        for fn in self.origins:
+            found = fn(found)
+        return found
 
 
 def check_supported(config: Config) -> None:
@@ -106,11 +120,13 @@ def _check_model(model: nn.Module, config: Config) -> None:
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
     check_supported(config)
     _check_model(model, config)
-    pipeline, unshard, notes = None, [], []
+    pipeline, unshard, notes, origins, streams = None, [], [], [], {}
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
         unshard.append(applied.unshard)
+        origins.insert(0, applied.origin)
+        streams["tp"] = applied.tracker
     pp = config.pipeline
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
         split = split_pipeline(model, mesh, pp.stages, pp.virtual_stages, pp.partition,
@@ -120,6 +136,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
                                   pp.virtual_stages, split.pipe.loss_fn, device or torch.device("cpu"))
         # Undone before the TP step: gather the stages over pp, then the tp shards of the whole model.
         unshard.insert(0, make_unshard(split, mesh))
+        origins.insert(0, make_origin(split))
     elif isinstance(model, PipelineModule):
         model.materialize()  # used whole, a PipelineModule is an ordinary model
     if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
@@ -130,7 +147,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     grad_sync = _data_parallel(model, mesh, config, device or torch.device("cpu"))
     if pipeline is not None:
         pipeline.grad_sync = grad_sync
-    return ParallelModel(model, grad_sync, unshard=unshard, notes=notes, pipeline=pipeline)
+    return ParallelModel(model, grad_sync, unshard=unshard, notes=notes, pipeline=pipeline, origins=origins,
+                         random_streams=streams)
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device) -> GradSync:

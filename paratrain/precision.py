@@ -38,6 +38,16 @@ class LossScaleError(RuntimeError):
     """An fp16 overflow at the minimum loss scale: training cannot continue."""
 
 
+class NonFiniteLossError(RuntimeError):
+    """bf16/fp32 with `nonfinite_loss: "stop"`: the loss or a gradient became NaN/inf."""
+
+    @classmethod
+    def at(cls, step: int, norm: float) -> NonFiniteLossError:
+        return cls(f"step {step}: the global gradient norm is {norm}: the loss or a gradient became NaN/inf on some "
+                   f"rank, and nothing was updated. Lower the learning rate, enable gradient_clipping, check the "
+                   f"data, or set nonfinite_loss to \"skip\" to skip such steps")
+
+
 class LossScaler:
     """A static loss scale (fp16.loss_scale > 0). An overflowing step is still skipped, never applied."""
 

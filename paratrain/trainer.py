@@ -26,15 +26,26 @@ from paratrain.monitor import peak_rss_bytes
 
 
 class MetricsWriter:
-    """Rank 0 appends one JSON line and one CSV row per step; both files are flushed as they grow."""
+    """Rank 0 appends one JSON line and one CSV row per step; both files are flushed as they grow.
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    A run resumed from a checkpoint at step k keeps the rows of steps 1..k (`kept`) and rewrites the rest, so
+    the files read as one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, resumed_at: int = 0):
         self.enabled = enabled
         self._csv = None
+        self.kept: list[dict] = []
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = (run_dir / "metrics.jsonl").open("w")
+            path = run_dir / "metrics.jsonl"
+            if resumed_at and path.is_file():
+                rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                self.kept = [r for r in rows if r["step"] <= resumed_at]
+            self._jsonl = path.open("w")
             self._csv_file = (run_dir / "metrics.csv").open("w", newline="")
+            for row in self.kept:
+                self.write(row)
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -90,7 +101,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
         out.mkdir(parents=True, exist_ok=True)
         resolved = engine.config.model_dump(mode="json")
         (out / "config.json").write_text(json.dumps(resolved, indent=2))
-    metrics = MetricsWriter(out, rank0)
+    metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps)
     val_data = TokenWindows(val_tokens, seq_len)
 
     def val_loader() -> DataParallelLoader:  # the same validation batches at every evaluation
@@ -100,11 +111,16 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
 
     tokens_per_step = engine.train_batch_size() * seq_len
     redirect = contextlib.ExitStack()
+    done = engine.global_steps  # > 0 when initialize() resumed from a checkpoint (checkpoint.auto_resume)
     bar = _progress(steps, rank0 and t.progress_bar, redirect)
+    if bar is not None and done:
+        bar.update(done)
     engine.comm_stats(reset=True)
-    first_loss = last_loss = val_loss = None
+    first_loss = metrics.kept[0]["loss"] if metrics.kept else None
+    last_loss = metrics.kept[-1]["loss"] if metrics.kept else None
+    val_loss = None
     start = time.perf_counter()
-    for step in range(1, steps + 1):
+    for step in range(done + 1, steps + 1):
         tic = time.perf_counter()
         loss = float(engine.train_batch(loader))
         elapsed = time.perf_counter() - tic
@@ -136,19 +152,24 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
         bar.close()
     redirect.close()
     metrics.close()
+    ck = cfg.checkpoint
+    if ck.dir and steps > done and not (ck.save_every and steps % ck.save_every == 0):
+        engine.save_checkpoint(ck.dir)  # the final state, unless the last step just saved it
     timeline = engine.pipeline_timeline()  # collective; None without a pipeline
     if timeline is not None and rank0:
         (out / "timeline.json").write_text(json.dumps(timeline))
     total = time.perf_counter() - start
     summary = {"steps": steps, "first_loss": first_loss, "last_loss": last_loss, "val_loss": val_loss,
-               "tokens_per_s": steps * tokens_per_step / total, "wall_s": total, "world_size": engine.world_size,
+               "resumed_at": done, "tokens_per_s": (steps - done) * tokens_per_step / max(total, 1e-9),
+               "wall_s": total, "world_size": engine.world_size,
                "layout": engine.pmesh.dims.describe(), "params": num_params,
                "corpus": corpus_fingerprint(), "run_dir": str(out)}
     if rank0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         validation = f", validation {val_loss:.3f}" if val_loss is not None else ""
-        print(f"trained {steps} steps on {engine.world_size} process(es) [{summary['layout']}]: loss "
-              f"{first_loss:.3f} -> {last_loss:.3f}{validation}, {summary['tokens_per_s']:.0f} tokens/s; "
-              f"run directory {out}")
+        resumed = f" (resumed at step {done})" if done else ""
+        losses = f"{first_loss:.3f} -> {last_loss:.3f}" if last_loss is not None else "-"
+        print(f"trained {steps} steps{resumed} on {engine.world_size} process(es) [{summary['layout']}]: loss "
+              f"{losses}{validation}, {summary['tokens_per_s']:.0f} tokens/s; run directory {out}")
     comm.barrier(engine.pmesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
     return summary

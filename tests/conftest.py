@@ -18,6 +18,13 @@ def _world(size: int):
 
 
 @pytest.fixture(scope="session")
+def world1():
+    w = _world(1)
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="session")
 def world2():
     w = _world(2)
     yield w

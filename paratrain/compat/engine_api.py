@@ -98,7 +98,6 @@ class DeepSpeedEngineAPI:
                              "engine.step() has updated the model")
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = train_batch_size // per_micro_step
-        self._window_start = self.micro_steps
 
     # ---- optimizer state -------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -143,7 +142,9 @@ class DeepSpeedEngineAPI:
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _micro_steps_in_window(self) -> int:
-        return (self.micro_steps - self._window_start) % self.gradient_accumulation_steps()
+        """Micro-steps since the last optimizer step (0 at a boundary): not micro_steps % accumulation, which
+        set_train_batch_size would break."""
+        return self._window_micro_steps
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

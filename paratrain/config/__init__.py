@@ -3,6 +3,7 @@
 from paratrain.config.load import DEEPSPEED_UNSUPPORTED, ConfigError, load_config, resolve_batch
 from paratrain.config.schema import (
     ActivationCheckpointingConfig,
+    CheckpointConfig,
     Config,
     ContextParallelConfig,
     DataParallelConfig,
@@ -17,6 +18,7 @@ from paratrain.config.schema import (
 __all__ = [
     "DEEPSPEED_UNSUPPORTED",
     "ActivationCheckpointingConfig",
+    "CheckpointConfig",
     "Config",
     "ConfigError",
     "ContextParallelConfig",

@@ -24,10 +24,14 @@ DEEPSPEED_UNSUPPORTED = {
     "amp", "flops_profiler", "comms_logger", "autotuning", "elasticity", "compression_training",
     "sparse_attention", "data_efficiency", "curriculum_learning", "aio", "nebula", "wandb",
     "comet", "quantize_training", "eigenvalue", "progressive_layer_drop", "hybrid_engine",
-    "checkpoint", "data_types", "communication_data_type", "seq_parallel_communication_data_type",
+    "data_types", "communication_data_type", "seq_parallel_communication_data_type",
     "sparse_gradients", "dump_state", "memory_breakdown", "disable_allgather", "zero_force_ds_cpu_optimizer",
     "graph_harvesting", "use_data_before_expert_parallelism", "pipeline_parallel", "torch_autocast",
 }
+
+
+# Keys that moved: a config still using the old place gets told the new one.
+MOVED_KEYS = {"trainer.save_every": "checkpoint.save_every"}
 
 
 class ConfigError(ValueError):
@@ -52,6 +56,8 @@ def _check_keys(raw: dict, model: type[BaseModel], prefix: str) -> None:
     for key, value in raw.items():
         path = f"{prefix}{key}"
         if key not in names:
+            if path in MOVED_KEYS:
+                raise ConfigError(f"config key '{path}' moved to '{MOVED_KEYS[path]}'; set it there")
             if not prefix and key in DEEPSPEED_UNSUPPORTED:
                 if isinstance(value, dict) and value.get("enabled", True) is False:
                     continue

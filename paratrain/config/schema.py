@@ -218,6 +218,36 @@ class CommConfig(Section):
     `paratrain train`, else the current directory."""
 
 
+class CheckpointConfig(Section):
+    """Sharded checkpoints (docs/checkpoints.md): DeepSpeed's `checkpoint` keys, plus where and how often the
+    engine saves by itself and whether a (re)started job resumes from the newest complete checkpoint."""
+
+    dir: str | None = None
+    """Directory the engine saves to every `save_every` steps and `auto_resume` loads from."""
+    save_every: int = Field(0, ge=0)
+    """Save after every N-th optimizer step (0: only when engine.save_checkpoint is called)."""
+    auto_resume: bool = False
+    """initialize() loads the newest complete checkpoint in `dir` when there is one (restarted jobs continue)."""
+    keep_last: int = Field(0, ge=0)
+    """After each save, delete all but the N newest complete checkpoints in the directory (0 keeps all)."""
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    """DeepSpeed's: when ranks pass different tags to save_checkpoint, warn (and use rank 0's), fail, or ignore."""
+    load_universal: bool = False
+    """Accepted for DeepSpeed compatibility: every paratrain checkpoint loads under any layout."""
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _capitalized(cls, value: Any) -> Any:
+        return value.capitalize() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _needs_dir(self) -> CheckpointConfig:
+        if self.dir is None and (self.save_every or self.auto_resume):
+            raise ValueError("checkpoint.save_every / checkpoint.auto_resume need checkpoint.dir, the directory to "
+                             "save to and resume from")
+        return self
+
+
 class TrainerConfig(Section):
     """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
 
@@ -233,7 +263,6 @@ class TrainerConfig(Section):
     run_dir: str = "runs/latest"
     """Where config.json, metrics.jsonl/.csv and summary.json go."""
     progress_bar: bool = True
-    save_every: int = Field(0, ge=0)
 
 
 class Config(Section):
@@ -253,6 +282,13 @@ class Config(Section):
     """Divide gradients by the dp size before the all-reduce instead of after."""
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
     """Divide by this before the reduction and by dp/factor after it."""
+    nonfinite_loss: Literal["stop", "skip"] = "stop"
+    """bf16/fp32: a NaN/inf loss or gradient (seen in the global gradient norm, the same on every rank) either
+    stops training with an error before the update, or skips the update on every rank (logged, counted in
+    skipped_steps). fp16 always skips: its loss scaler handles overflows."""
+    batch_check: Literal["shape", "dtype", "off"] = "shape"
+    """train_batch/eval_batch compare every micro-batch with the first: structure, dtypes and shapes ("shape"),
+    structure, dtypes and dimensions only ("dtype", for variable sequence lengths), or nothing ("off")."""
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
@@ -272,6 +308,7 @@ class Config(Section):
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
     @model_validator(mode="after")

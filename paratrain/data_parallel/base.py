@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -53,6 +54,17 @@ def sum_over_model_parallel(local_sq: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """Sum squared-norm contributions over the pp x tp ranks that hold different parameters."""
     comm.all_reduce(local_sq, mesh.axis(("pp", "tp")), tag="grad_norm")
     return local_sq
+
+
+@dataclass(frozen=True)
+class MasterSegment:
+    """Part of a local parameter held in one of the optimizer's tensors (a master): elements [start, end) of
+    the flattened parameter are elements [offset, offset + end - start) of the flattened master."""
+
+    name: str  # the parameter's name in the local module
+    start: int
+    end: int
+    offset: int
 
 
 class GradSync(ABC):
@@ -99,6 +111,23 @@ class GradSync(ABC):
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds: params, grads, optimizer_state, total, and how much of it is on the host
         (offloaded) vs the device."""
+
+    # ---- checkpoint hooks (paratrain/checkpoint reads and writes through these only) --------------
+    @abstractmethod
+    def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
+        """Every tensor the optimizer updates (its key in `optimizer.state`) with the parameter ranges it
+        holds. Masters are fp32 (or the model's dtype where the model is its own master); a range of a
+        master and the same range of each of its tensor optimizer states belong to the same parameter."""
+
+    @property
+    @abstractmethod
+    def masters_replicated(self) -> bool:
+        """True when every rank of `self.axis` holds the same masters (DDP, unsharded stage 0)."""
+
+    @abstractmethod
+    def masters_loaded(self) -> None:
+        """The masters were overwritten (a checkpoint was loaded): make the model's parameters equal to
+        them (collective over `self.axis` where parameters are gathered) and start a new window."""
 
     # ---- shared behaviour ------------------------------------------------------------------------
     def global_grad_norm(self) -> float:

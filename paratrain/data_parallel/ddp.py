@@ -20,6 +20,7 @@ from torch import nn
 from paratrain import comm
 from paratrain.data_parallel.base import (
     GradSync,
+    MasterSegment,
     OptimizerFactory,
     model_parallel_weight,
     optimizer_state_tensors,
@@ -188,6 +189,17 @@ class DistributedDataParallel(GradSync):
             for _, p in b.params:
                 if p.grad is not b.views[p]:
                     p.grad = b.views[p]
+
+    # ---- checkpoint hooks: the parameters are their own masters, identical on every dp rank ----------
+    def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
+        return [(p, [MasterSegment(name, 0, p.numel(), 0)]) for name, p in self.named_params]
+
+    @property
+    def masters_replicated(self) -> bool:
+        return True
+
+    def masters_loaded(self) -> None:
+        self.zero_grad()
 
     def memory_stats(self) -> dict[str, int]:
         params = tensor_bytes(p for _, p in self.named_params)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain.data_parallel.base import model_parallel_weight
+from paratrain.data_parallel.base import MasterSegment, model_parallel_weight
 from paratrain.mesh import Mesh
 
 
@@ -75,6 +75,11 @@ class FlatLayout:
             if start < end:
                 out.append((s, start - lo, end - lo))
         return out
+
+    def master_segments(self) -> list[MasterSegment]:
+        """The parameter ranges inside this rank's shard, for checkpoints (the shard is the master)."""
+        return [MasterSegment(s.name, self.shard_start + lo - s.offset, self.shard_start + hi - s.offset, lo)
+                for s, lo, hi in self.shard_segments()]
 
     def describe(self) -> dict:
         """Checkpoint metadata: the parameters' offsets and this rank's slice."""

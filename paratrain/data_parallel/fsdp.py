@@ -32,6 +32,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from paratrain import comm
 from paratrain.data_parallel.base import (
     GradSync,
+    MasterSegment,
     OptimizerFactory,
     optimizer_state_tensors,
     sum_over_model_parallel,
@@ -250,6 +251,24 @@ class FullyShardedDataParallel(GradSync):
 
     def zero_grad(self) -> None:
         self._first_in_window = True  # the first reduction of the next window overwrites the shards
+
+    # ---- checkpoint hooks ---------------------------------------------------------------------------
+    def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
+        return [(f.master.param, f.layout.master_segments()) for f in self._flats()]
+
+    @property
+    def masters_replicated(self) -> bool:
+        return False
+
+    def masters_loaded(self) -> None:
+        """Refresh the device copies of the shards and drop whatever is gathered: the next forward gathers
+        the loaded values."""
+        self.zero_grad()
+        for flat in self._flats():
+            flat.refresh_device_shard()
+        for unit in self._all_units():
+            unit.reshard()
+            unit.gathered = False
 
     # ---- introspection ----------------------------------------------------------------------------
     def gathered_units(self) -> list[str]:

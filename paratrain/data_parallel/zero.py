@@ -37,6 +37,7 @@ from torch import nn
 from paratrain import comm
 from paratrain.data_parallel.base import (
     GradSync,
+    MasterSegment,
     OptimizerFactory,
     optimizer_state_tensors,
     sum_over_model_parallel,
@@ -272,6 +273,10 @@ class ZeroDataParallel(GradSync):
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
+        self._publish_masters()
+
+    def _publish_masters(self) -> None:
+        """Write each master slice into its part of the bucket; all-gather so every rank has every slice."""
         handles = []
         with torch.no_grad():
             for bucket in self.buckets:
@@ -295,6 +300,18 @@ class ZeroDataParallel(GradSync):
             if not (bucket.master.aliased and self.stage == 1):
                 bucket.master.grad = None
         self._first_in_window = True
+
+    # ---- checkpoint hooks ---------------------------------------------------------------------------
+    def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
+        return [(b.master.param, b.layout.master_segments()) for b in self.buckets]
+
+    @property
+    def masters_replicated(self) -> bool:
+        return self.shards == 1
+
+    def masters_loaded(self) -> None:
+        self.zero_grad()
+        self._publish_masters()
 
     # ---- introspection ----------------------------------------------------------------------------
     def padded_numel(self) -> int:

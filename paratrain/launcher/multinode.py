@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paratrain.launcher.run import LaunchOptions
+from paratrain.launcher.run import LaunchOptions, restart_env
 
 # Environment variables forwarded to every node (prefixes), as DeepSpeed forwards NCCL_*/PYTHON*.
 FORWARD_PREFIXES = ("NCCL_", "PYTHON", "OMP_", "GLOO_", "TORCH_", "PARATRAIN_", "UCX_", "FI_", "DS_")
@@ -67,6 +67,8 @@ def node_command(opts: MultiNodeOptions, slots: list[int], target: str, target_a
     launch = opts.launch
     nnodes = len(opts.hosts)
     env = forwarded_env(opts.extra_env)
+    for key, value in restart_env(launch).items():
+        env.setdefault(key, value)
     if opts.set_visible_devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     torchrun = [opts.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",

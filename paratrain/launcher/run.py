@@ -53,6 +53,18 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
                          log_dir=args.log_dir)
 
 
+def restart_env(opts: LaunchOptions) -> dict[str, str]:
+    """Environment torchrun needs so that `--max-restarts` actually restarts.
+
+    [Note: a fresh store per restart]
+    By default torchrun's c10d rendezvous shares its TCP store with the workers' process group, and a
+    restarted worker can read the previous attempt's addresses from it: the new group then connects to a
+    dead port and fails or hangs (pytorch/pytorch#135712; seen here with gloo after a SIGKILL). Disabling
+    the sharing makes each attempt's rank 0 host a new store, and restarts work.
+    """
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if opts.max_restarts > 0 else {}
+
+
 def torchrun_argv(opts: LaunchOptions, target: str, target_args: list[str]) -> list[str]:
     """The argument list for torch.distributed.run for one node."""
     if opts.nproc_per_node < 1:
@@ -84,6 +96,8 @@ def launch(opts: LaunchOptions, target: str, target_args: list[str]) -> int:
 
     os.environ.update(opts.env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in restart_env(opts).items():
+        os.environ.setdefault(key, value)
     try:
         torchrun_main(torchrun_argv(opts, target, target_args))
     except SystemExit as exc:  # torchrun exits on failure with a ChildFailedError summary printed

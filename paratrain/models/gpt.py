@@ -159,9 +159,31 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        check_token_ids(idx, self.tok.num_embeddings, "token ids")  # also the vocab-parallel table's
         if position_ids is None:
             position_ids = torch.arange(idx.shape[1], device=idx.device)
         return self.dropout(self.tok(idx) + self.pos(position_ids))
+
+
+class TokenIdError(ValueError):
+    """Token ids (or targets) that are not integers in the model's vocabulary."""
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int | None = None) -> None:
+    """Raise a clear error for ids outside [0, vocab_size): an embedding would index out of range, and a
+    vocabulary split over tp would silently read zeros for them. One min/max reduction per micro-batch."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TokenIdError(f"GPT {what} must be an integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}; "
+                           f"feed token ids (e.g. torch.long), not embeddings or probabilities")
+    if ids.numel() == 0 or not vocab_size:
+        return
+    valid = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    low, high = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
+    if low < 0 or high >= vocab_size:
+        allowed = f"[0, {vocab_size})" + (f" or {ignore_index}" if ignore_index is not None else "")
+        raise TokenIdError(f"GPT {what} must lie in {allowed} (vocab_size = {vocab_size}), got values in [{low}, "
+                           f"{high}]: the data does not match the model's vocabulary; fix the dataset/tokenizer or "
+                           f"build the GPT with a larger vocab_size")
 
 
 class TokenCrossEntropy(nn.Module):
@@ -202,6 +224,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """idx (b, s) token ids -> the mean loss if `targets` is given, else logits (b, s, V)."""
+        if targets is not None:
+            check_token_ids(targets, self.config.vocab_size, "targets", ignore_index=-100)
         h = self.embed(idx, position_ids)  # (b, s, d)
         for block in self.blocks:
             h = block(h)

@@ -91,13 +91,26 @@ def split_pipeline(model: nn.Module, mesh: Mesh, stages: int, virtual: int, part
     return PipelineSplit(StageModule(chunks, mine), pipe, bounds, method)
 
 
-def make_unshard(split: PipelineSplit, mesh: Mesh):
-    """A function: this rank's StageModule state -> the whole model's state under the original names."""
+def _original_names(split: PipelineSplit) -> dict[str, str]:
+    """{name in this rank's StageModule: name in the original model}."""
     names: dict[str, str] = {}
     for c, stage in enumerate(split.module.stages):
         for k, i in enumerate(split.layers_of(stage)):
             for key in split.pipe.layer_state_keys(i):
                 names[f"chunks.{c}.layers.{k}.{key}"] = split.pipe.original_name(i, key)
+    return names
+
+
+def make_origin(split: PipelineSplit):
+    """For checkpoints: a tensor of this rank's StageModule is the original model's tensor of another name
+    (a stage holds whole layers, so nothing else changes)."""
+    names = _original_names(split)
+    return lambda origin: origin.renamed(names[origin.name])
+
+
+def make_unshard(split: PipelineSplit, mesh: Mesh):
+    """A function: this rank's StageModule state -> the whole model's state under the original names."""
+    names = _original_names(split)
     order = [split.pipe.original_name(i, key) for i in range(len(split.pipe)) for key in split.pipe.layer_state_keys(i)]
     axis = mesh.axis("pp")
 

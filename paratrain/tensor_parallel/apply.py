@@ -31,6 +31,7 @@ from torch import nn
 from paratrain.comm import all_gather_into, all_gather_object
 from paratrain.comm.autograd import copy_to_region, gather_from_sequence, scatter_to_region
 from paratrain.mesh import Axis, Mesh
+from paratrain.origin import Origin
 from paratrain.tensor_parallel.layers import (
     ACTIVATION_TAG,
     GRAD_TAG,
@@ -61,6 +62,16 @@ class AppliedPlan:
     axis: Axis
     sequence_parallel: bool
     sharded: dict[str, ShardSpec] = field(default_factory=dict)
+    tracker: RNGTracker | None = None  # the per-tp-rank random stream (its state goes into checkpoints)
+
+    def origin(self, local: Origin) -> Origin:
+        """Where a tensor of this rank's module sits in the unsplit tensor: a slice of the split dimension
+        (the last rank's slice may reach into an uneven vocabulary's padding), or the whole tensor, held
+        identically by every tp rank."""
+        spec = self.sharded.get(local.name)
+        if spec is None:
+            return local.replicated_over("tp")
+        return local.split(spec.dim, spec.size, self.axis.rank)
 
     def unshard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gather split parameters (collective over tp; every rank gets them), strip vocabulary padding,
@@ -161,8 +172,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan=None, sequence_paralle
     axis = mesh.axis("tp") if isinstance(mesh, Mesh) else mesh
     sp = sequence_parallel and axis.size > 1
     styles = resolve_plan(model, plan, axis.size, sp)  # pure: raises before anything changes
-    applied = AppliedPlan(styles, axis, sp)
     tracker = RNGTracker(seed, axis.rank)
+    applied = AppliedPlan(styles, axis, sp, tracker=tracker)
     regions = [p for p, s in styles.items() if s == "region_input"]
     head = None
     for path, style in styles.items():  # split layers first: the loss needs the head's vocabulary range

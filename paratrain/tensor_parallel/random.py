@@ -50,3 +50,14 @@ class RNGTracker:
             if use_cuda:
                 self._cuda_state = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(cuda_saved)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The private stream's generator states (uint8 tensors), for checkpoints."""
+        out = {"cpu": self._cpu_state.clone()}
+        if self._cuda_state is not None:
+            out["cuda"] = self._cuda_state.clone()
+        return out
+
+    def set_state(self, state: dict[str, torch.Tensor]) -> None:
+        self._cpu_state = state["cpu"].clone()
+        self._cuda_state = state["cuda"].clone() if "cuda" in state else None

@@ -1,0 +1,267 @@
+"""Loading under any layout: check everything first, agree, then read only what this rank needs.
+
+[Note: no rank touches state until every rank has checked]
+Phase 1 (no state changes): every rank reads the manifest (its own checksum), works out the region of each
+original tensor it needs (`ParallelModel.origin` + `GradSync.master_segments`), checks names, shapes and the
+optimizer type, checks that every rank's file exists with its recorded size, and verifies the sha256 of the
+files it will read. Then one all-gather of the problems found: if any rank found one, every rank raises
+the lowest rank's message, so the error is identical everywhere and no rank is left waiting in a collective.
+Phase 2 reads the pieces, fills masters, optimizer states and buffers, and lets the strategy rebuild the
+model's parameters from the masters (`GradSync.masters_loaded`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from paratrain import comm
+from paratrain.checkpoint.format import (
+    DTYPE_BY_NAME,
+    CheckpointError,
+    read_latest,
+    read_manifest,
+    tag_dir,
+    verify_file,
+)
+from paratrain.checkpoint.reshard import Piece, coverage_problem, pieces_needed, read_region
+from paratrain.checkpoint.state import (
+    decode_client,
+    restore_counters,
+    restore_data,
+    restore_group_options,
+    restore_rng,
+    scalar_value,
+)
+from paratrain.mesh import AXES
+from paratrain.origin import Origin
+
+log = logging.getLogger("paratrain")
+
+
+class PieceFiles:
+    """The safetensors files of one tag, opened lazily (memory-mapped, no unpickling)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._open: dict[str, object] = {}
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
+        return self._open[file]
+
+    def tensor(self, file: str, key: str) -> torch.Tensor:
+        return self._handle(file).get_tensor(key)
+
+    def fetch(self, piece: Piece, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of a piece (a whole box is stored with its shape, a flat range 1-d)."""
+        if piece.start == 0 and piece.end == math.prod(piece.box) and len(piece.box) != 1:
+            return self.tensor(piece.file, piece.key).reshape(-1)[lo:hi]
+        return self._handle(piece.file).get_slice(piece.key)[lo:hi]
+
+
+@dataclass
+class _Plan:
+    path: Path
+    manifest: dict
+    pieces: dict[str, list[Piece]]
+    masters: list[tuple[torch.Tensor, list]] = field(default_factory=list)  # (master, [(segment, origin)])
+    buffers: list[tuple[torch.Tensor, Origin]] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)  # the original tensors this rank holds
+    files: set[str] = field(default_factory=set)  # the files this rank reads
+    same_layout: bool = False
+
+    def read(self, files: PieceFiles, key: str, origin: Origin, start: int, end: int, dtype) -> torch.Tensor:
+        return read_region(self.pieces[key], files.fetch, origin.shape, origin.offsets, origin.local_shape, start,
+                           end, dtype)
+
+
+def _plan(engine, path: Path, optimizer_states: bool) -> _Plan:
+    manifest = read_manifest(path)
+    tensors = manifest["tensors"]
+    plan = _Plan(path, manifest, {k: [Piece.from_json(p) for p in v] for k, v in manifest["pieces"].items()})
+    for key, pieces in plan.pieces.items():
+        problem = coverage_problem(key, tuple(tensors[key]["shape"]), pieces)
+        if problem:
+            raise CheckpointError(f"checkpoint '{path}': {problem}; load another tag")
+    gs, parallel = engine.grad_sync, engine.parallel
+    local = dict(gs.named_params)
+
+    def need(key: str, origin: Origin, start: int, end: int) -> bool:
+        if key not in tensors:
+            return False
+        shape = tuple(tensors[key]["shape"])
+        if shape != origin.shape:
+            raise CheckpointError(f"'{origin.name}' has shape {list(shape)} in checkpoint '{path}' but "
+                                  f"{list(origin.shape)} in this model: the checkpoint is of a different model; "
+                                  f"load a checkpoint of this model, or build the model with the checkpoint's sizes")
+        plan.files.update(p.file for p in pieces_needed(plan.pieces[key], shape, origin.offsets,
+                                                        origin.local_shape, start, end))
+        return True
+
+    for master, segments in gs.master_segments():
+        held = []
+        for seg in segments:
+            origin = parallel.origin(seg.name, local[seg.name])
+            plan.names.add(origin.name)
+            if need(f"model/{origin.name}", origin, seg.start, seg.end):
+                held.append((seg, origin))
+        plan.masters.append((master, held))
+    trainable = {id(p) for p in local.values()}
+    for name, t in parallel.module.state_dict(keep_vars=True).items():
+        if id(t) not in trainable:
+            origin = parallel.origin(name, t)
+            plan.names.add(origin.name)
+            if need(f"model/{origin.name}", origin, 0, t.numel()):
+                plan.buffers.append((t, origin))
+    if optimizer_states and manifest["optimizer"] is not None:
+        saved, mine = manifest["optimizer"]["type"], type(engine.optimizer).__name__
+        if saved != mine:
+            raise CheckpointError(f"checkpoint '{path}' holds {saved} optimizer states but the engine's optimizer is "
+                                  f"{mine}; use the same optimizer, or pass load_optimizer_states=False to start "
+                                  f"it fresh")
+        states = _optimizer_states(tensors)
+        for _, held in plan.masters:
+            for seg, origin in held:
+                for key in states.get(origin.name, []):
+                    need(f"optim/{key}/{origin.name}", origin, seg.start, seg.end)
+    layout, dims = manifest["layout"], engine.pmesh.dims
+    plan.same_layout = layout["world_size"] == dims.world_size and all(layout[a] == dims.sizes[a] for a in AXES)
+    plan.files.add(manifest["ranks"][engine.pmesh.rank if plan.same_layout else 0]["file"])
+    plan.files.add(manifest["ranks"][0]["file"])  # client-state tensors
+    for name, record in manifest["files"].items():
+        problem = verify_file(path, name, record, check_hash=name in plan.files)
+        if problem:
+            raise CheckpointError(problem)
+    return plan
+
+
+def _optimizer_states(tensors: dict) -> dict[str, list[str]]:
+    """{parameter name: the optimizer states stored for it}, from keys `optim/<state>/<name>`."""
+    out: dict[str, list[str]] = {}
+    for key in tensors:
+        if key.startswith("optim/"):
+            state, _, name = key[len("optim/"):].partition("/")
+            out.setdefault(name, []).append(state)
+    return {name: sorted(states) for name, states in out.items()}
+
+
+def resolve_tag(engine, load_dir, tag) -> str | None:
+    world = engine.pmesh.axis(AXES)
+    if tag is None:
+        tag = read_latest(Path(load_dir))
+    tags = comm.all_gather_object(tag, world, tag="checkpoint")
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"ranks see different checkpoints to load in '{load_dir}' ({sorted(map(str, set(tags)))}"
+                              f"): every rank must read the same directory (a shared file system) and tag")
+    return tags[0]
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Load a checkpoint saved under any layout into `engine`; returns (path, client_state), or (None, None)
+    when `load_dir` holds no complete checkpoint (DeepSpeed's contract). Collective over every rank."""
+    world = engine.pmesh.axis(AXES)
+    tag = resolve_tag(engine, load_dir, tag)
+    if tag is None:
+        if engine.global_rank == 0:
+            log.warning("no checkpoint to load in '%s' (no '%s' file)", load_dir, "latest")
+        return None, None
+    path = tag_dir(Path(load_dir), str(tag))
+    optimizer_states = load_optimizer_states and not load_module_only
+    plan, error = None, None
+    try:
+        plan = _plan(engine, path, optimizer_states)
+    except CheckpointError as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, or they would hang
+        error = f"checking checkpoint '{path}' failed on rank {engine.global_rank}: {type(exc).__name__}: {exc}"
+    everyone = comm.all_gather_object((error, sorted(plan.names) if plan else []), world, tag="checkpoint")
+    errors = [e for e, _ in everyone if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    if load_module_strict:  # names over every rank (a pipeline stage alone does not hold the whole model)
+        held = set().union(*(set(names) for _, names in everyone))
+        saved = {k[len("model/"):] for k in plan.manifest["tensors"] if k.startswith("model/")}
+        missing, extra = sorted(held - saved), sorted(saved - held)
+        if missing:
+            raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} tensor(s) of this model: "
+                                  f"{', '.join(missing[:8])}: it is of a different model; load a checkpoint of "
+                                  f"this model, or pass load_module_strict=False to keep their current values")
+        if extra:
+            raise CheckpointError(f"checkpoint '{path}' has {len(extra)} tensor(s) this model does not: "
+                                  f"{', '.join(extra[:8])}: it is of a different model; load a checkpoint of this "
+                                  f"model, or pass load_module_strict=False to ignore them")
+    return str(path), _apply(engine, plan, optimizer_states, load_lr_scheduler_states, load_module_only)
+
+
+def _apply(engine, plan: _Plan, optimizer_states: bool, scheduler_states: bool, module_only: bool):
+    files = PieceFiles(plan.path)
+    manifest = plan.manifest
+    with torch.no_grad():
+        for master, held in plan.masters:
+            flat = master.detach().view(-1)
+            for seg, origin in held:
+                flat[seg.offset:seg.offset + seg.end - seg.start] = plan.read(
+                    files, f"model/{origin.name}", origin, seg.start, seg.end, flat.dtype)
+        for t, origin in plan.buffers:
+            t.detach().copy_(plan.read(files, f"model/{origin.name}", origin, 0, t.numel(), t.dtype).view(t.shape))
+        if optimizer_states and manifest["optimizer"] is not None:
+            _load_optimizer(engine, plan, files)
+    engine.grad_sync.masters_loaded()
+    if not module_only:
+        saved = manifest["engine"]
+        restore_counters(engine, saved, manifest["layout"]["gradient_accumulation_steps"])
+        if scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        if engine.loss_scaler is not None and saved["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(saved["loss_scaler"])
+        restore_data(engine, saved["data"])
+        source = manifest["ranks"][engine.global_rank if plan.same_layout else 0]
+        rng = {k: files.tensor(source["file"], k) for k in source["rng"]}
+        restore_rng(rng, source["python_random"], engine.parallel.random_streams, with_streams=plan.same_layout)
+        if not plan.same_layout and engine.global_rank == 0:
+            log.info("checkpoint '%s' was saved under layout %s: rank 0's random state is restored on every rank "
+                     "and per-rank streams start fresh", plan.path, manifest["layout"]["describe"])
+    first = manifest["ranks"][0]["file"]
+    return decode_client(manifest["client_state"], lambda key: files.tensor(first, key))
+
+
+def _load_optimizer(engine, plan: _Plan, files: PieceFiles) -> None:
+    optimizer, tensors = engine.optimizer, plan.manifest["tensors"]
+    saved = plan.manifest["optimizer"]
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    states = _optimizer_states(tensors)
+    names_of_group: dict[int, set[str]] = {}
+    for master, held in plan.masters:
+        names = [origin.name for _, origin in held]
+        names_of_group.setdefault(id(group_of[id(master)]), set()).update(names)
+        state = {}
+        for key in sorted({k for n in names for k in states.get(n, [])}):
+            out = torch.zeros(master.shape, dtype=DTYPE_BY_NAME[tensors[f"optim/{key}/{names[0]}"]["dtype"]],
+                              device=master.device)
+            flat = out.view(-1)
+            for seg, origin in held:
+                flat[seg.offset:seg.offset + seg.end - seg.start] = plan.read(
+                    files, f"optim/{key}/{origin.name}", origin, seg.start, seg.end, flat.dtype)
+            state[key] = out
+        for key, per_param in saved["scalars"].items():
+            entry = next((per_param[n] for n in names if n in per_param), None)
+            if entry is not None:
+                state[key] = scalar_value(entry, master, group_of[id(master)])
+        optimizer.state.pop(master, None)
+        if state:
+            optimizer.state[master] = state
+    for i, group in enumerate(optimizer.param_groups):
+        mine = names_of_group.get(id(group), set())
+        best = max(saved["groups"], key=lambda g: len(mine & set(g["params"])), default=None)
+        if best is not None and not mine & set(best["params"]):
+            best = saved["groups"][i] if i < len(saved["groups"]) else None
+        if best is not None:
+            restore_group_options(group, best["options"])

@@ -1,0 +1,259 @@
+"""Saving: every rank writes the pieces it owns, in parallel; rank 0 writes the manifest, then `latest`.
+
+[Note: who writes what]
+Everything is stored per *original* tensor name (`ParallelModel.origin`), as pieces: a tensor-parallel
+shard is a box of the full tensor, a ZeRO shard a flat range of that box (`GradSync.master_segments`).
+A piece held identically by several ranks (DDP replicas over dp, parameters replicated over tp) is written
+by exactly one of them: the rank whose index on each replicated axis is crc32(name) mod the axis size, which
+spreads replicated tensors over the ranks instead of piling them on rank 0. Optimizer states (Adam's
+exp_avg, exp_avg_sq, SGD's momentum) follow their parameter's pieces under `optim/<state>/<name>`; the
+fp32 master weights are stored under `model/<name>`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from paratrain import comm
+from paratrain.checkpoint.format import (
+    DTYPE_NAMES,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    PARTIAL_SUFFIX,
+    REPLACED_SUFFIX,
+    VERSION,
+    CheckpointError,
+    atomic_write_text,
+    check_tag,
+    fsync_dir,
+    rank_file,
+    read_latest,
+    write_manifest,
+    write_safetensors,
+)
+from paratrain.checkpoint.reshard import Piece, coverage_problem
+from paratrain.checkpoint.state import (
+    COUNTERS,
+    data_state,
+    encode_client,
+    group_options,
+    json_value,
+    python_rng,
+    rng_tensors,
+    scalar_entry,
+)
+from paratrain.mesh import AXES
+
+log = logging.getLogger("paratrain")
+
+# Test-only: seconds each rank sleeps after writing its file, so a test can kill a job in the middle of a save.
+PAUSE_ENV = "PARATRAIN_TEST_SAVE_PAUSE_S"
+
+
+class _Owner:
+    """Decides which rank writes a piece that several ranks hold (see the note above)."""
+
+    def __init__(self, engine):
+        self.mesh = engine.pmesh
+        self.dp = engine.grad_sync.axis
+
+    def __call__(self, name: str, replicated: tuple[str, ...], over_dp: bool) -> bool:
+        h = zlib.crc32(name.encode())
+        axes = [self.dp] if over_dp else []
+        axes += [self.mesh.axis(a) for a in replicated]
+        return all(axis.rank == h % axis.size for axis in axes)
+
+
+def _collect(engine, file: str, exclude_frozen: bool = False) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """This rank's pieces (tensors to write) and what the manifest needs to know about them."""
+    gs, parallel, optimizer = engine.grad_sync, engine.parallel, engine.optimizer
+    owns = _Owner(engine)
+    local = dict(gs.named_params)
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    tensors, info = [], {"tensors": {}, "pieces": {}, "scalars": {}, "groups": {}}
+
+    def add(key: str, data: torch.Tensor, origin, start: int, end: int) -> None:
+        # A piece that is a whole box keeps the box's shape (readable as is); a flat range stays 1-d.
+        whole = start == 0 and end == math.prod(origin.local_shape)
+        tensors.append((key, data.reshape(origin.local_shape) if whole else data.reshape(-1)))
+        info["tensors"][key] = {"shape": list(origin.shape), "dtype": DTYPE_NAMES[data.dtype]}
+        info["pieces"][key] = Piece(file, key, origin.offsets, origin.local_shape, start, end).to_json()
+
+    for master, segments in gs.master_segments():
+        flat = master.detach().reshape(-1)
+        state = optimizer.state.get(master, {})
+        moments = {k: v.detach().reshape(-1) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim()}
+        for k, v in moments.items():
+            if v.numel() != flat.numel():
+                raise CheckpointError(f"optimizer state '{k}' has {v.numel()} elements but its parameter "
+                                      f"{flat.numel()}: {type(optimizer).__name__} keeps states that are not "
+                                      f"element-wise, which sharded checkpoints cannot split")
+        scalars = {k: v for k, v in state.items() if k not in moments and v is not None}
+        group = info["groups"].setdefault(str(group_of[id(master)]), {
+            "options": group_options(optimizer.param_groups[group_of[id(master)]]), "params": []})
+        for seg in segments:
+            origin = parallel.origin(seg.name, local[seg.name])
+            group["params"].append(origin.name)
+            if not owns(origin.name, origin.replicated, gs.masters_replicated):
+                continue
+            size = seg.end - seg.start
+            add(f"model/{origin.name}", flat[seg.offset:seg.offset + size], origin, seg.start, seg.end)
+            for k, v in moments.items():
+                add(f"optim/{k}/{origin.name}", v[seg.offset:seg.offset + size], origin, seg.start, seg.end)
+            for k, v in scalars.items():
+                info["scalars"].setdefault(k, {})[origin.name] = scalar_entry(v, f"'{k}' of '{origin.name}'")
+    trainable = {id(p) for p in local.values()}
+    frozen = {id(p) for p in parallel.module.parameters() if not p.requires_grad} if exclude_frozen else set()
+    for name, t in parallel.module.state_dict(keep_vars=True).items():
+        if id(t) in trainable or id(t) in frozen:
+            continue  # a parameter (or a tied alias of one): stored from its master above
+        origin = parallel.origin(name, t)
+        if owns(origin.name, origin.replicated, True):
+            add(f"model/{origin.name}", t.detach(), origin, 0, t.numel())
+    return tensors, info
+
+
+def _agree_on_tag(tag: str, world, policy: str) -> str:
+    tags = comm.all_gather_object(tag, world, tag="checkpoint")
+    if len(set(tags)) > 1 and policy != "Ignore":
+        message = f"ranks passed different checkpoint tags to save_checkpoint: {sorted(set(tags))}"
+        if policy == "Fail":
+            raise CheckpointError(f"{message}; pass the same tag on every rank (checkpoint.tag_validation: Fail)")
+        log.warning("%s; using rank 0's %r", message, tags[0])
+    return tags[0]
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> Path:
+    """Write a complete checkpoint of `engine` to `save_dir/tag` (collective over every rank). Frozen
+    parameters are left out with `exclude_frozen_parameters` (load such a checkpoint with
+    load_module_strict=False)."""
+    mesh, world = engine.pmesh, engine.pmesh.axis(AXES)
+    if engine._micro_steps_in_window():  # not micro_steps % accumulation: set_train_batch_size
+        raise CheckpointError(f"save_checkpoint was called in the middle of a gradient-accumulation window "
+                              f"(micro step {engine.micro_steps}, {engine.gradient_accumulation_steps()} per step): "
+                              f"call it after the step that ends the window")
+    tag = _agree_on_tag(check_tag(tag if tag is not None else f"global_step{engine.global_steps}"), world,
+                        engine.config.checkpoint.tag_validation)
+    directory = Path(save_dir)
+    partial = directory / (tag + PARTIAL_SUFFIX)
+    if mesh.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save of the same tag
+        partial.mkdir()
+    comm.barrier(world)
+    file = rank_file(mesh.rank)
+    summary: dict = {"rank": mesh.rank, "error": None}
+    try:
+        tensors, info = _collect(engine, file, exclude_frozen_parameters)
+        rng = rng_tensors(engine.parallel.random_streams)
+        client: dict[str, torch.Tensor] = {}
+        if mesh.rank == 0:
+            summary["client_state"] = encode_client(client_state if client_state is not None else {}, client)
+        record = write_safetensors(partial / file, tensors + list(rng.items()) + list(client.items()))
+        summary.update(info, file=file, record=record, coords=dict(mesh.coords), rng=sorted(rng),
+                       python_random=python_rng())
+        if os.environ.get(PAUSE_ENV):
+            time.sleep(float(os.environ[PAUSE_ENV]))
+    except (CheckpointError, OSError) as exc:
+        summary["error"] = f"rank {mesh.rank}: {exc}"
+    everyone = comm.all_gather_object(summary, world, tag="checkpoint")
+    error = next((s["error"] for s in everyone if s["error"]), None)
+    if error is None and mesh.rank == 0:
+        try:
+            _publish(engine, directory, tag, partial, everyone, save_latest)
+        except (CheckpointError, OSError) as exc:
+            error = f"rank 0: {exc}"
+    error = comm.all_gather_object(error, world, tag="checkpoint")[0] or error
+    if error:
+        if mesh.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint '{tag}' in '{directory}' failed: {error}")
+    if mesh.rank == 0:
+        log.info("saved checkpoint %s", directory / tag)
+    return directory / tag
+
+
+def _manifest(engine, tag: str, everyone: list[dict]) -> dict:
+    from paratrain import __version__
+
+    tensors, pieces, scalars, groups = {}, {}, {}, {}
+    for s in everyone:
+        tensors.update(s["tensors"])
+        for key, piece in s["pieces"].items():
+            pieces.setdefault(key, []).append(piece)
+        for k, per_param in s["scalars"].items():
+            scalars.setdefault(k, {}).update(per_param)
+        for gi, g in s["groups"].items():
+            merged = groups.setdefault(gi, {"options": g["options"], "params": []})
+            merged["params"] += [n for n in g["params"] if n not in merged["params"]]
+    for key in sorted(pieces):
+        problem = coverage_problem(key, tuple(tensors[key]["shape"]), [Piece.from_json(p) for p in pieces[key]])
+        if problem:
+            raise CheckpointError(f"internal error, please report: {problem}")
+    dims = engine.pmesh.dims
+    config = engine.config
+    return {
+        "format": FORMAT, "version": VERSION, "tag": tag, "created": time.time(), "paratrain_version": __version__,
+        "torch_version": torch.__version__,
+        "layout": {"world_size": dims.world_size, **{a: dims.sizes[a] for a in AXES}, "describe": dims.describe(),
+                   "zero_stage": config.zero_optimization.stage, "precision": config.precision,
+                   "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+                   "train_batch_size": engine.train_batch_size()},
+        "config": config.model_dump(mode="json"),
+        "engine": {**{k: getattr(engine, k) for k in COUNTERS},
+                   "lr_scheduler": json_value(engine.lr_scheduler.state_dict(), "the lr scheduler's state")
+                   if engine.lr_scheduler is not None else None,
+                   "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+                   "data": data_state(engine)},
+        "optimizer": {"type": type(engine.optimizer).__name__, "groups": [groups[k] for k in sorted(groups, key=int)],
+                      "scalars": scalars},
+        "client_state": everyone[0]["client_state"],
+        "tensors": dict(sorted(tensors.items())),
+        "pieces": dict(sorted(pieces.items())),
+        "files": {s["file"]: {"rank": s["rank"], **s["record"]} for s in everyone},
+        "ranks": [{"rank": s["rank"], "coords": s["coords"], "file": s["file"], "rng": s["rng"],
+                   "python_random": s["python_random"]} for s in everyone],
+    }
+
+
+def _publish(engine, directory: Path, tag: str, partial: Path, everyone: list[dict], save_latest: bool) -> None:
+    """Rank 0, once every rank's file is durable: manifest, atomic rename of the tag, then `latest`."""
+    write_manifest(partial, _manifest(engine, tag, everyone))
+    fsync_dir(partial)
+    final = directory / tag
+    if final.exists():  # overwrite: move the old copy aside (tag_dir() falls back to it), swap, delete it
+        replaced = directory / (tag + REPLACED_SUFFIX)
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+        os.rename(partial, final)
+        fsync_dir(directory)
+        shutil.rmtree(replaced)
+    else:
+        os.rename(partial, final)
+        fsync_dir(directory)
+    if save_latest:
+        atomic_write_text(directory / LATEST, tag + "\n")
+    keep = engine.config.checkpoint.keep_last
+    if keep:
+        _prune(directory, keep)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Delete all but the `keep` most recently saved complete tags (never the one `latest` names)."""
+    latest = read_latest(directory)
+    complete = [p for p in directory.iterdir() if p.is_dir() and (p / MANIFEST).is_file() and
+                not p.name.endswith((PARTIAL_SUFFIX, REPLACED_SUFFIX))]
+    complete.sort(key=lambda p: (p / MANIFEST).stat().st_mtime, reverse=True)
+    for old in complete[keep:]:
+        if old.name != latest:
+            shutil.rmtree(old, ignore_errors=True)

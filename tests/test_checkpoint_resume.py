@@ -1,0 +1,141 @@
+"""Exact resume: stopping after step k and resuming gives the same losses and parameters, bit for bit, as
+never stopping, for every layout.
+
+Each case trains one engine for 3 steps, saves, trains 3 more (the uninterrupted run: saving must not
+disturb it), then builds a fresh engine from a different seed, draws random numbers to move the generators,
+loads, trains 3 steps and compares. Dropout is on, so the random-generator states must be restored too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import paratrain
+from tests.cases import adamw_config, corpus_windows, tiny_gpt
+
+# Every layout: DDP, ZeRO-1/2/3 (bf16, fp16, offload), TP (+SP), PP, CP and their products.
+
+SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}
+
+
+def _config(stage: int = 0, tp: int = 1, precision: str = "fp32", accumulation: int = 2, pp: int = 1, cp: int = 1,
+            **extra) -> dict:
+    cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation, scheduler=SCHEDULE,
+                       zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 16},
+                       tensor_parallel={"size": tp, "sequence_parallel": extra.pop("sp", False)},
+                       pipeline={"stages": pp}, context_parallel={"size": cp}, **extra)
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    return cfg
+
+
+def _resume(directory: str, cfg: dict, dropout: float) -> dict:
+    data = corpus_windows()
+    engine, *_ = paratrain.initialize(model=tiny_gpt(dropout=dropout), config=cfg, training_data=data)
+    first = [float(engine.train_batch()) for _ in range(3)]
+    engine.save_checkpoint(directory, client_state={"epoch": 3, "ids": torch.arange(4)})
+    uninterrupted = [float(engine.train_batch()) for _ in range(3)]
+    want = engine.full_state_dict()
+    scale = engine.loss_scale()
+
+    torch.manual_seed(engine.global_rank + 100)
+    resumed, *_ = paratrain.initialize(model=tiny_gpt(seed=3, dropout=dropout), config=cfg, training_data=data)
+    torch.rand(17)  # the generators are somewhere else entirely
+    path, client = resumed.load_checkpoint(directory)
+    steps_after_load = resumed.global_steps
+    again = [float(resumed.train_batch()) for _ in range(3)]
+    got = resumed.full_state_dict()
+    return {"first": first, "uninterrupted": uninterrupted, "resumed": again, "steps": steps_after_load,
+            "path": path, "client": client, "scale": (scale, resumed.loss_scale()),
+            "params_equal": all(torch.equal(got[k], want[k]) for k in want), "layout": engine.pmesh.dims.describe(),
+            "lr": (engine.get_lr(), resumed.get_lr())}
+
+
+def _cases(root: str, configs: dict[str, dict]) -> dict:
+    # context parallelism refuses dropout (ring attention has none); every other layout resumes with it
+    return {name: _resume(f"{root}/{name}", cfg, 0.0 if cfg["context_parallel"]["size"] > 1 else 0.1)
+            for name, cfg in configs.items()}
+
+
+def _check(results: list[dict], names) -> None:
+    for rank_results in results:
+        assert sorted(rank_results) == sorted(names)
+        for name, r in rank_results.items():
+            assert r["resumed"] == r["uninterrupted"], (name, r)  # bit for bit, every loss
+            assert r["params_equal"], name
+            assert r["steps"] == 3 and r["path"].endswith("global_step3"), name
+            assert r["client"]["epoch"] == 3 and torch.equal(r["client"]["ids"], torch.arange(4)), name
+            assert r["scale"][0] == r["scale"][1] and r["lr"][0] == r["lr"][1], name
+            assert r["uninterrupted"][-1] < r["first"][0], name  # it trains
+
+
+def test_exact_resume_ddp_and_every_zero_stage(world2, tmp_path):
+    configs = {"ddp": _config(0), "zero1": _config(1), "zero2_bf16": _config(2, precision="bf16"),
+               "zero3": _config(3, accumulation=1), "zero3_fp16": _config(3, precision="fp16"),
+               "zero1_offload": {**_config(1), "zero_optimization": {"stage": 1,
+                                                                     "offload_optimizer": {"device": "cpu"}}}}
+    _check(world2.run(_cases, str(tmp_path), configs), configs)
+
+
+def test_exact_resume_model_parallel_and_hybrid_layouts(world4, tmp_path):
+    configs = {"tp2_dp2_ddp": _config(0, tp=2), "tp2_dp2_zero1_sp": _config(1, tp=2, sp=True),
+               "tp4_bf16": _config(0, tp=4, precision="bf16"), "tp2_dp2_zero3": _config(3, tp=2),
+               "pp2_dp2_zero1": _config(1, pp=2, accumulation=4),
+               "pp2_tp2_1f1b": _config(0, pp=2, tp=2, accumulation=4),
+               "cp2_dp2_zero2": _config(2, cp=2), "cp2_tp2_sp": _config(1, cp=2, tp=2, sp=True)}
+    results = world4.run(_cases, str(tmp_path), configs)
+    _check(results, configs)
+    assert {k: v["layout"] for k, v in results[0].items()} == {
+        "tp2_dp2_ddp": "dp2 x tp2", "tp2_dp2_zero1_sp": "dp2 x tp2", "tp4_bf16": "tp4", "tp2_dp2_zero3": "dp2 x tp2",
+        "pp2_dp2_zero1": "dp2 x pp2", "pp2_tp2_1f1b": "pp2 x tp2", "cp2_dp2_zero2": "dp2 x cp2",
+        "cp2_tp2_sp": "cp2 x tp2"}
+
+
+def _auto(directory: str) -> dict:
+    cfg = _config(2, checkpoint={"dir": directory, "save_every": 2, "keep_last": 2, "auto_resume": True})
+    data = corpus_windows()
+    engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=data)
+    assert engine.auto_resumed is None
+    losses = [float(engine.train_batch()) for _ in range(7)]
+    want = engine.full_state_dict()
+    resumed, *_ = paratrain.initialize(model=tiny_gpt(seed=2), config=cfg, training_data=data)  # a restart
+    got = resumed.full_state_dict()
+    return {"losses": losses, "resumed_at": resumed.global_steps, "path": resumed.auto_resumed[0],
+            "at_6": engine.global_steps, "equal_to_step_7": all(torch.equal(got[k], want[k]) for k in want)}
+
+
+def test_engine_saves_every_n_steps_keeps_the_last_k_and_auto_resumes(world2, tmp_path):
+    r = world2.run(_auto, str(tmp_path / "ck"))[0]
+    # saved at steps 2, 4, 6; keep_last 2 deleted step 2's; the restart resumes at 6, not at the unsaved 7
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step4", "global_step6", "latest"]
+    assert (tmp_path / "ck" / "latest").read_text() == "global_step6\n"
+    assert r["resumed_at"] == 6 and r["path"].endswith("global_step6") and not r["equal_to_step_7"]
+
+
+def _frozen(directory: str) -> dict:
+    def model(seed: int):
+        gpt = tiny_gpt(seed)
+        gpt.embed.pos.weight.requires_grad_(False)  # a frozen parameter
+        return gpt
+
+    cfg = _config(1)
+    engine, *_ = paratrain.initialize(model=model(1), config=cfg, training_data=corpus_windows())
+    engine.train_batch()
+    engine.save_checkpoint(directory, exclude_frozen_parameters=True)
+    fresh, *_ = paratrain.initialize(model=model(2), config=cfg, training_data=corpus_windows())
+    try:
+        fresh.load_checkpoint(directory)
+        strict = None
+    except paratrain.CheckpointError as exc:
+        strict = str(exc)
+    fresh.load_checkpoint(directory, load_module_strict=False)
+    got, want = fresh.full_state_dict(), engine.full_state_dict()
+    return {"strict": strict, "kept_own": torch.equal(got["embed.pos.weight"], tiny_gpt(2).embed.pos.weight),
+            "rest_equal": all(torch.equal(got[k], want[k]) for k in want if k != "embed.pos.weight")}
+
+
+def test_frozen_parameters_can_be_left_out(world2, tmp_path):
+    r = world2.run(_frozen, str(tmp_path))[0]
+    assert r["strict"].startswith(f"checkpoint '{tmp_path}/global_step1' lacks 1 tensor(s) of this model: "
+                                  f"embed.pos.weight: it is of a different model")
+    assert r["kept_own"] and r["rest_equal"]
