@@ -190,9 +190,21 @@ def _script_configs(folder) -> list[str]:
     return paths
 
 
+SAVE_AT = 3  # the script saves after step 3 of 6, trains on, loads the checkpoint and trains steps 4-6 again
+
+
 def _script_args(folder, out: str) -> list[str]:
     first, *more = _script_configs(folder)
-    return [str(SCRIPT), "--deepspeed_config", first, "--more_configs", ",".join(more), "--out", out]
+    return [str(SCRIPT), "--deepspeed_config", first, "--more_configs", ",".join(more), "--out", out,
+            "--ckpt_dir", str(folder / f"ckpt_{out}"), "--save_at", str(SAVE_AT)]
+
+
+def _check_resume(run: dict, rel: float) -> None:
+    """save_checkpoint / load_checkpoint through DeepSpeed's calls: the steps after the checkpoint repeat."""
+    tail = SAVE_AT * run["accumulation"]
+    assert run["resumed_losses"] == pytest.approx(run["losses"][tail:], rel=rel, abs=0), run["zero_stage"]
+    assert run["resumed_lrs"] == pytest.approx(run["lrs"][SAVE_AT:], rel=1e-12)
+    assert run["global_steps"] == len(run["lrs"])  # the counters came back with the checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +220,8 @@ def test_deepspeed_style_script_runs_under_paratrain(paratrain_runs):
     assert [r["zero_stage"] for r in paratrain_runs] == list(STAGES)
     assert paratrain_runs[0]["lrs"] == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01])  # WarmupLR
     base = paratrain_runs[0]
+    for run in paratrain_runs:
+        _check_resume(run, rel=0.0)  # paratrain resumes bit for bit
     for other in paratrain_runs[1:]:  # ZeRO-1/2 are the same training as DDP
         assert other["losses"] == pytest.approx(base["losses"], rel=1e-6)
         assert other["param_norm"] == pytest.approx(base["param_norm"], rel=1e-6)
@@ -227,4 +241,6 @@ def test_deepspeed_style_script_matches_deepspeed(paratrain_runs, tmp_path):
     for ours, ds in zip(paratrain_runs, theirs, strict=True):
         assert ds["zero_stage"] == ours["zero_stage"] and ds["lrs"] == pytest.approx(ours["lrs"], rel=1e-12)
         assert ours["losses"] == pytest.approx(ds["losses"], rel=1e-5), f"ZeRO stage {ds['zero_stage']}"
+        assert ours["resumed_losses"] == pytest.approx(ds["resumed_losses"], rel=1e-5)
+        _check_resume(ds, rel=1e-6)
         assert ours["param_norm"] == pytest.approx(ds["param_norm"], rel=1e-5)

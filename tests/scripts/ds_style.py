@@ -5,7 +5,9 @@ Launch it with `paratrain run --nproc-per-node 2 ds_style.py --deepspeed_config 
 or `deepspeed --num_gpus 2 ds_style.py --deepspeed_config cfg.json --out out.json` (DS_ACCELERATOR=cpu).
 `--more_configs b.json,c.json` trains again from the same seed under each further config (one launch, so
 the start-up is paid once). For every config rank 0 records its per-micro-batch losses, the learning rate
-after every optimizer step and the final parameters' norm; --out gets the list.
+after every optimizer step and the final parameters' norm; --out gets the list. With --ckpt_dir the engine
+saves a checkpoint after step --save_at (with client state), trains on, then loads it and trains the same
+steps again: the resumed losses must repeat the first pass.
 """
 
 import argparse
@@ -29,6 +31,8 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", required=True)
     parser.add_argument("--more_configs", default="", help="comma-separated further configs to train under")
+    parser.add_argument("--ckpt_dir", default=None, help="save a checkpoint here, then load it and train again")
+    parser.add_argument("--save_at", type=int, default=3, help="optimizer steps before the checkpoint")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -50,18 +54,32 @@ def train(args) -> dict:
     assert engine.local_rank == args.local_rank == int(os.environ["LOCAL_RANK"])  # either launcher's way
     size, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     criterion = nn.CrossEntropyLoss()
-    losses, lrs = [], []
-    for step in range(args.steps):
-        for micro in range(accumulation):
-            x, y = micro_batch(step, micro, rank, world, size)
-            loss = criterion(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        lrs.append(engine.get_lr()[0])
+
+    def train_steps(first: int, last: int, losses: list, lrs: list) -> None:
+        for step in range(first, last):
+            for micro in range(accumulation):
+                x, y = micro_batch(step, micro, rank, world, size)
+                loss = criterion(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            lrs.append(engine.get_lr()[0])
+
+    losses, lrs, resumed, resumed_lrs, client = [], [], [], [], None
+    if args.ckpt_dir is None:
+        train_steps(0, args.steps, losses, lrs)
+    else:
+        folder = os.path.join(args.ckpt_dir, f"stage{engine.zero_optimization_stage()}")
+        train_steps(0, args.save_at, losses, lrs)
+        engine.save_checkpoint(folder, tag=f"step{args.save_at}", client_state={"next_step": args.save_at})
+        train_steps(args.save_at, args.steps, losses, lrs)
+        path, client = engine.load_checkpoint(folder, tag=f"step{args.save_at}")
+        assert path is not None and client["next_step"] == args.save_at, (path, client)
+        train_steps(client["next_step"], args.steps, resumed, resumed_lrs)
     param_norm = torch.sqrt(sum(p.detach().float().pow(2).sum() for p in engine.module.parameters())).item()
     return {"config": args.deepspeed_config, "losses": losses, "lrs": lrs, "param_norm": param_norm,
-            "world": world, "accumulation": accumulation, "zero_stage": engine.zero_optimization_stage()}
+            "world": world, "accumulation": accumulation, "zero_stage": engine.zero_optimization_stage(),
+            "resumed_losses": resumed, "resumed_lrs": resumed_lrs, "global_steps": engine.global_steps}
 
 
 def main():
