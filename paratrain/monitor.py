@@ -132,7 +132,8 @@ class StepReporter:
         self._losses: list[torch.Tensor] = []
         self._step_times: dict[str, float] = {}  # timings at the previous optimizer step
         self._print_times: dict[str, float] = {}  # ... and at the previous log line
-        self._print_mark = (time.perf_counter(), 0, 0)  # wall time, samples, steps at the previous line
+        # Counted here, not from engine.global_steps / global_samples, which jump when a checkpoint is loaded.
+        self._print_wall, self._steps_since_print = time.perf_counter(), 0
 
     def record_loss(self, loss: torch.Tensor) -> None:
         if self.monitor.enabled:
@@ -143,6 +144,7 @@ class StepReporter:
         if self.monitor.enabled:
             self.monitor.write_events(self._events(engine, times))
         self._step_times = times
+        self._steps_since_print += 1
         if self.rank0 and engine.global_steps % self.every == 0:
             log.info(self._line(engine, times))
 
@@ -163,19 +165,17 @@ class StepReporter:
         return events
 
     def _line(self, engine, times: dict[str, float]) -> str:
-        now = time.perf_counter()
-        wall, samples, steps = self._print_mark
-        rate = (engine.global_samples - samples) / max(now - wall, 1e-9)
+        now, n = time.perf_counter(), max(self._steps_since_print, 1)
+        rate = n * engine.train_batch_size() / max(now - self._print_wall, 1e-9)
         norm = engine.get_global_grad_norm()
         line = (f"step={engine.global_steps}, skipped={engine.skipped_steps}, lr={engine.get_lr()}, "
                 f"mom={engine.get_mom()}, loss_scale={engine.loss_scale():g}, "
                 f"grad_norm={'n/a' if norm is None else f'{norm:.4g}'}, samples/s={rate:.1f}")
         if self.breakdown:
-            n = max(engine.global_steps - steps, 1)
             parts = " | ".join(f"{k}: {v * 1000.0 / n:.2f}" for k, v in _delta(times, self._print_times).items())
             line += f"\ntime (ms, mean per step over the last {n}) | {parts}"
         self._print_times = times
-        self._print_mark = (now, engine.global_samples, engine.global_steps)
+        self._print_wall, self._steps_since_print = now, 0
         return line
 
     def close(self) -> None:

@@ -17,20 +17,14 @@ from paratrain.models import GPT
 def test_every_case_is_a_valid_layout_with_the_same_global_batch(nproc):
     chosen = select(nproc, None)
     assert ("hybrid" in {c.name for c in chosen}) == (nproc == 4)
-    for case in chosen:
-        if case.threads:
-            continue
-        cfg = resolve_config(case.config(), nproc)
-        assert cfg.train_batch_size == 16, case.name
-        assert case.layout(nproc) == cfg_layout(cfg, nproc), case.name
+    layouts = {c.name: c.layout(nproc) for c in chosen}  # resolves every config: a bad case raises here
+    assert layouts["ddp"] == f"dp{nproc}" and layouts["tp_sp"] == f"tp{nproc}" and layouts["cp"] == f"cp{nproc}"
+    assert layouts["pp_zbh1"] == f"pp{nproc}" and layouts["dp"] == f"1 process x {nproc} threads"
+    assert all(resolve_config(c.config(), nproc).train_batch_size == 16 for c in chosen if not c.threads)
+    if nproc == 4:
+        assert layouts["hybrid"] == "dp2 x tp2"
     with pytest.raises(ValueError, match="unknown case"):
         select(nproc, "ddp,zero4")
-
-
-def cfg_layout(cfg, nproc: int) -> str:
-    sizes = {"dp": cfg.dp_size(nproc), "tp": cfg.tensor_parallel.size, "pp": cfg.pipeline.stages,
-             "cp": cfg.context_parallel.size}
-    return " × ".join(f"{a}{s}" for a, s in sizes.items() if s > 1) or "dp1"
 
 
 def test_bench_counts_are_exact_and_the_table_lands_between_markers(tmp_path):

@@ -30,17 +30,15 @@ class Case:
     min_ranks: int = 2
 
     def layout(self, n: int) -> str:
+        """The mesh the case runs on, as `paratrain train` prints it (dp4, dp2 x tp2, ...)."""
         if self.threads:
-            return f"1 process × {n} threads"
-        sizes = {"dp": n}
-        if self.sections.get("tensor_parallel"):
-            sizes["tp"] = self.sections["tensor_parallel"]["size"]
-        if self.sections.get("pipeline"):
-            sizes["pp"] = self.sections["pipeline"]["stages"]
-        if self.sections.get("context_parallel"):
-            sizes["cp"] = self.sections["context_parallel"]["size"]
-        sizes["dp"] = n // (sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1))
-        return " × ".join(f"{axis}{size}" for axis, size in sizes.items() if size > 1) or "dp1"
+            return f"1 process x {n} threads"
+        from paratrain.api import resolve_config
+        from paratrain.mesh import ParallelDims
+
+        cfg = resolve_config(self.config(), n)
+        return ParallelDims(n, dp=cfg.dp_size(n), pp=cfg.pipeline.stages, cp=cfg.context_parallel.size,
+                            tp=cfg.tensor_parallel.size).describe()
 
     def config(self, seed: int = 0) -> dict:
         return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": self.accumulation,
@@ -74,7 +72,7 @@ def cases(n: int) -> list[Case]:
         Case("cp", "CP (ring attention)", {"context_parallel": {"size": n}}, memory_formula="16Ψ",
              comm_formula="ring: K,V blocks cp−1 times per layer forward, K,V and their gradients backward; "
                           "all-reduce Ψ"),
-        Case("hybrid", f"hybrid: dp{half} × tp2, ZeRO-1",
+        Case("hybrid", f"hybrid: dp{half} x tp2, ZeRO-1",
              {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1}}, min_ranks=4,
              memory_formula="(8Ψ + 8Ψ/dp) / tp", comm_formula="TP's per layer on tp + ZeRO-1's on dp"),
     ]
