@@ -6,7 +6,6 @@ that case alone). It returns per-rank measurements; the suite interleaves cases 
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from paratrain.data import DataParallelSampler, TokenWindows, default_collate, load_corpus
 from paratrain.models import GPT
+from paratrain.monitor import peak_rss_bytes
 
 BENCH_MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=8, d_model=256, bias=False)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
@@ -34,10 +34,6 @@ def local_batches(micro_batch: int, dp_size: int, dp_rank: int, accumulation: in
     sampler = DataParallelSampler(len(data), micro_batch, dp_size, dp_rank, accumulation, seed=seed)
     while True:
         yield default_collate([data[i] for i in sampler.next_indices()])
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 @dataclass
