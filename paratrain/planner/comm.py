@@ -20,7 +20,8 @@ ZeRO's flat shards; m = micro-batches per step; b s h = one micro-batch's activa
   PP           per micro-batch and boundary the rank touches: b s h (/tp with SP) sent forward and its
                gradient sent backward, as send and recv
   CP (ring)    per layer per micro-batch: (cp - 1) exchanges of this rank's K and V blocks forward, and of
-               K, V, dK, dV backward (send and recv each)
+               K, V, dK, dV backward (send and recv each); the forward exchanges again under full and
+               selective recompute (ring attention is the recomputed attention core)
 Bookkeeping scalars are listed too (the global mean loss of `train_batch`, the grad-norm sums), so a
 prediction can equal a measurement exactly.
 """
@@ -122,7 +123,7 @@ def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> l
     m, e = layout.grad_accum, layout.activation_bytes
     layers = stage_layers(spec.n_layer, layout.pp)[stage]
     block = layout.micro_batch * (spec.seq_len // c) * spec.d_model // layout.tp  # one K (or V) block
-    forward_passes = 2 if layout.recompute == "full" else 1
+    forward_passes = 1 if layout.recompute == "none" else 2  # full and selective both recompute ring attention
     per_layer = (c - 1) * block * (2 * forward_passes + 4)  # K, V per forward; K, V, dK, dV backward
     calls = (c - 1) * (2 * forward_passes + 4)
     return [Transfer(("cp",), "send", m * layers * per_layer, e, m * layers * calls, "cp"),

@@ -61,6 +61,7 @@ class AppliedPlan:
     axis: Axis
     sequence_parallel: bool
     sharded: dict[str, ShardSpec] = field(default_factory=dict)
+    rng: RNGTracker | None = None  # the per-tp-rank stream (activation checkpointing replays it)
 
     def unshard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gather split parameters (collective over tp; every rank gets them), strip vocabulary padding,
@@ -161,8 +162,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan=None, sequence_paralle
     axis = mesh.axis("tp") if isinstance(mesh, Mesh) else mesh
     sp = sequence_parallel and axis.size > 1
     styles = resolve_plan(model, plan, axis.size, sp)  # pure: raises before anything changes
-    applied = AppliedPlan(styles, axis, sp)
     tracker = RNGTracker(seed, axis.rank)
+    applied = AppliedPlan(styles, axis, sp, rng=tracker)
     regions = [p for p, s in styles.items() if s == "region_input"]
     head = None
     for path, style in styles.items():  # split layers first: the loss needs the head's vocabulary range

@@ -30,6 +30,15 @@ class RNGTracker:
         self._cpu_state = generator.get_state()
         self._cuda_state: torch.Tensor | None = None
 
+    def get_state(self) -> tuple:
+        """The stream's position (activation checkpointing replays a region's masks from it)."""
+        return self._cpu_state.clone(), None if self._cuda_state is None else self._cuda_state.clone()
+
+    def set_state(self, state: tuple) -> None:
+        cpu, cuda = state
+        self._cpu_state = cpu.clone()
+        self._cuda_state = None if cuda is None else cuda.clone()
+
     @contextmanager
     def fork(self):
         """Run the body on this rank's private stream; the default stream is left exactly as it was."""
