@@ -143,9 +143,11 @@ def _table(rows) -> str:
     fmt = lambda cells: "  ".join(c.rjust(w) if i < 8 else c.ljust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths)))
     out = [fmt(header), fmt(["-" * w for w in widths]), *(fmt(c) for c in lines)]
+    errors: dict[str, list[str]] = {}
     for r in rows:
         if r.error:
-            out.append(f"step {r.step}: {r.error}")
+            errors.setdefault(r.error, []).append(str(r.step))
+    out += [f"step {', '.join(steps)}: {error}" for error, steps in errors.items()]
     return "\n".join(out)
 
 
