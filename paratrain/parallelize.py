@@ -81,8 +81,10 @@ def check_supported(config: Config) -> None:
     if pp.stages > 1 and config.zero_optimization.stage == 3:
         raise ConfigError("zero_optimization.stage 3 with pipeline.stages > 1 is not supported: every micro-batch "
                           "would all-gather each unit's parameters again in its forward and its backward (2m "
-                          "gathers of the stage per step), which costs more than the pipeline saves; a stage "
-                          "already holds only its share of the model. Use zero_optimization.stage 1 or 2")
+                          "gathers of the stage per step), which costs more than the pipeline saves, and stage 3 "
+                          "gathers its root unit in the model's forward, which a pipeline stage never calls; a "
+                          "stage already holds only its share of the model (DeepSpeed refuses the pair too). Use "
+                          "zero_optimization.stage 1 or 2, or more pipeline stages")
     zero = config.zero_optimization
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("config key 'zero_optimization.offload_optimizer.device' = \"cpu\" needs sharded "
