@@ -26,7 +26,7 @@ import torch
 
 from paratrain.testing import World
 
-SUITES = ["ddp", "zero", "tp", "pp", "cp"]
+SUITES = ["ddp", "zero", "tp", "pp", "cp", "ckpt"]
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "benchmarks" / "results"

@@ -1,4 +1,4 @@
-"""The `paratrain` command: run | train | plan | bench | report | checkpoint."""
+"""The `paratrain` command: run | train | verify | plan | bench | report | checkpoint."""
 
 from __future__ import annotations
 
@@ -82,6 +82,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from paratrain.testing.verify import run_verify
+
+    return run_verify(args)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from paratrain.planner.cli import run_plan
 
@@ -142,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="override trainer.steps")
     add_launch_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    from paratrain.testing.verify import add_verify_arguments
+
+    verify = sub.add_parser("verify", help="check a config's layout against one process on this machine's CPUs")
+    add_verify_arguments(verify)
+    verify.set_defaults(func=cmd_verify)
 
     from paratrain.planner.cli import add_plan_arguments
 

@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paratrain.activation_checkpointing import attention_cores, checkpoint_activations, transformer_blocks
 from paratrain.config import Config, ConfigError
-from paratrain.context_parallel import check_context_parallel, context_parallelize
+from paratrain.context_parallel import (
+    RingAttentionCore,
+    check_context_parallel,
+    context_parallelize,
+    context_parallelize_stages,
+)
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.data_parallel.flat import Placement
@@ -26,6 +32,7 @@ from paratrain.data_parallel.fsdp import FullyShardedDataParallel
 from paratrain.data_parallel.fsdp_units import config_wrap_policy
 from paratrain.data_parallel.zero import ZeroDataParallel
 from paratrain.mesh import Mesh
+from paratrain.models.gpt import CausalAttentionCore
 from paratrain.origin import Origin
 from paratrain.pipeline.module import PipelineModule
 from paratrain.pipeline.runtime import PipelineRunner
@@ -34,6 +41,10 @@ from paratrain.pipeline.split import make_origin, make_unshard, split_pipeline
 from paratrain.tensor_parallel import RNGTracker
 from paratrain.tensor_parallel import parallelize as tensor_parallelize
 from paratrain.tensor_parallel.plan import check_plan_syntax
+
+# What selective activation checkpointing recomputes: the GPT's attention core, or the ring attention that
+# replaces it under context parallelism.
+ATTENTION_CORES = (CausalAttentionCore, RingAttentionCore)
 
 
 @dataclass
@@ -84,12 +95,10 @@ def check_supported(config: Config) -> None:
     if pp.stages > 1 and config.zero_optimization.stage == 3:
         raise ConfigError("zero_optimization.stage 3 with pipeline.stages > 1 is not supported: every micro-batch "
                           "would all-gather each unit's parameters again in its forward and its backward (2m "
-                          "gathers of the stage per step), which costs more than the pipeline saves; a stage "
-                          "already holds only its share of the model. Use zero_optimization.stage 1 or 2")
-    if pp.stages > 1 and config.context_parallel.size > 1:
-        raise ConfigError("context_parallel.size > 1 with pipeline.stages > 1 is not supported yet: the sequence "
-                          "split happens at the model's forward, which a pipeline stage never calls; use one of "
-                          "the two")
+                          "gathers of the stage per step), which costs more than the pipeline saves, and stage 3 "
+                          "gathers its root unit in the model's forward, which a pipeline stage never calls; a "
+                          "stage already holds only its share of the model (DeepSpeed refuses the pair too). Use "
+                          "zero_optimization.stage 1 or 2, or more pipeline stages")
     zero = config.zero_optimization
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("config key 'zero_optimization.offload_optimizer.device' = \"cpu\" needs sharded "
@@ -102,14 +111,22 @@ def check_supported(config: Config) -> None:
             raise ConfigError("config key 'zero_optimization.offload_param.device' = \"cpu\": the parameter "
                               "shard is the fp32 master the optimizer updates, so it can only live on the host "
                               "with the optimizer; also set zero_optimization.offload_optimizer.device to \"cpu\"")
-    if config.activation_checkpointing.enabled:
-        raise ConfigError("config key 'activation_checkpointing.enabled': not available in this build yet")
 
 
 def _check_model(model: nn.Module, config: Config) -> None:
     """Checks that need the model, before anything changes or communicates."""
     cp, tp = config.context_parallel.size, config.tensor_parallel
     check_context_parallel(model, cp)
+    ac = config.activation_checkpointing
+    if ac.enabled and not isinstance(model, PipelineModule):  # a PipelineModule's layers are its blocks
+        if ac.granularity == "full" and not transformer_blocks(model):
+            raise ConfigError(f"activation_checkpointing.granularity \"full\" recomputes each transformer block, "
+                              f"the children of an nn.ModuleList, and {type(model).__name__} has none: keep the "
+                              f"blocks in an nn.ModuleList, or write the model as a paratrain.PipelineModule")
+        if ac.granularity == "selective" and not attention_cores(model, ATTENTION_CORES):
+            raise ConfigError(f"activation_checkpointing.granularity \"selective\" recomputes the attention cores "
+                              f"(paratrain.models.gpt.CausalAttentionCore modules) and {type(model).__name__} has "
+                              f"none: build the attention with one, or use granularity \"full\"")
     seq_len = getattr(getattr(model, "config", None), "seq_len", None)
     if cp > 1 and tp.size > 1 and tp.sequence_parallel and isinstance(seq_len, int) and seq_len % (cp * tp.size):
         raise ConfigError(f"context_parallel.size ({cp}) with tensor_parallel.sequence_parallel: each cp rank's "
@@ -121,6 +138,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     check_supported(config)
     _check_model(model, config)
     pipeline, unshard, notes, origins, streams = None, [], [], [], {}
+    blocks = None if isinstance(model, PipelineModule) else transformer_blocks(model)  # found on the whole model
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
@@ -128,6 +146,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         origins.insert(0, applied.origin)
         streams["tp"] = applied.tracker
     pp = config.pipeline
+    split = None
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
         split = split_pipeline(model, mesh, pp.stages, pp.virtual_stages, pp.partition,
                                micro_batch=config.train_micro_batch_size_per_gpu, device=device)
@@ -140,8 +159,22 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     elif isinstance(model, PipelineModule):
         model.materialize()  # used whole, a PipelineModule is an ordinary model
     if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
-        ring = context_parallelize(model, mesh)
+        if split is None:
+            ring = context_parallelize(model, mesh)
+        else:  # no stage calls the model's forward: the runner splits each micro-batch instead
+            first = split.pipe.layer(0) if 0 in split.module.stages else None
+            ring = context_parallelize_stages(model, mesh, first)
+            pipeline.prepare_batch = ring.split_batch
         notes.append(f"context parallel over {ring.axis.size} ranks: ring attention in {len(ring.cores)} layers")
+    ac = config.activation_checkpointing
+    if ac.enabled:  # 4. recompute blocks (full) or attention cores (selective) in backward
+        if blocks is None:  # a PipelineModule: each of its layers this rank holds
+            blocks = [layer for chunk in split.module.chunks for layer in chunk.layers] if split is not None \
+                else list(model.specs)
+        recomputed = checkpoint_activations(model, ac.granularity, blocks=blocks,
+                                            cores=attention_cores(model, ATTENTION_CORES),
+                                            rng_streams=list(streams.values()))
+        notes.append(f"activation checkpointing ({ac.granularity}): {len(recomputed.modules)} modules recomputed")
     if device is not None:
         model.to(device)
     grad_sync = _data_parallel(model, mesh, config, device or torch.device("cpu"))

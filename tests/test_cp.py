@@ -19,8 +19,8 @@ from paratrain.context_parallel import (
     merge_sequence,
     split_sequence,
 )
-from paratrain.testing import max_rel_diff, rel_diff
-from paratrain.testing.reference import reference_run
+from paratrain.testing import rel_diff
+from paratrain.testing.parity import layout_parity
 from tests.cases import TINY, adamw_config, corpus_windows, tiny_gpt
 
 STEPS = 5
@@ -112,24 +112,21 @@ def _parity(cp: int, tp: int = 1, sp: bool = False, accumulation: int = 1) -> di
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation,
                        context_parallel={"size": cp}, tensor_parallel={"size": tp, "sequence_parallel": sp})
     data = corpus_windows()
-    engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=data)
-    x, y = (torch.stack(t) for t in zip(data[0], data[1]))  # one forward, only to count its exchanges
-    engine.comm_stats(reset=True)
-    engine(x, y)
-    forward = engine.comm_stats(reset=True, by_tag=True)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(float(engine.train_batch()))
-        norms.append(engine.get_global_grad_norm())
-    ref = reference_run(tiny_gpt, {**cfg, "train_batch_size": engine.train_batch_size()}, data, STEPS)
-    param_err, where = max_rel_diff(engine.full_state_dict(), ref.state)
-    return {"case": f"cp{cp} tp{tp} sp={sp} dp{engine.pmesh.size('dp')} gas{accumulation}",
-            "loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
-            "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)),
-            "param_err": param_err, "where": where, "losses": losses, "cp_rank": engine.pmesh.local_rank("cp"),
-            "tp_rank": engine.pmesh.local_rank("tp"),
-            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-            "forward_cp": forward.get("cp", {}), "micro_batch_tokens": x.numel()}
+    x, y = (torch.stack(t) for t in zip(data[0], data[1]))
+
+    def ranks_params_and_one_forward(engine) -> dict:
+        out = {"dp": engine.pmesh.size("dp"), "cp_rank": engine.pmesh.local_rank("cp"),
+               "tp_rank": engine.pmesh.local_rank("tp"),
+               "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+        engine.comm_stats(reset=True)
+        engine(x, y)  # one forward, only to count its exchanges
+        out["forward_cp"] = engine.comm_stats(reset=True, by_tag=True).get("cp", {})
+        return out
+
+    result = layout_parity(cfg, tiny_gpt, data, STEPS, inspect=ranks_params_and_one_forward)
+    result["case"] = f"cp{cp} tp{tp} sp={sp} dp{result['dp']} gas{accumulation}"
+    result["micro_batch_tokens"] = x.numel()
+    return result
 
 
 def _parity_cases(cases: list[tuple]) -> list[dict]:

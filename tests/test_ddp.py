@@ -8,8 +8,7 @@ import torch.distributed as dist
 
 import paratrain
 from paratrain.config import ConfigError
-from paratrain.testing import max_rel_diff, rel_diff
-from paratrain.testing.reference import reference_run
+from paratrain.testing.parity import layout_parity
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
 STEPS = 5
@@ -20,17 +19,7 @@ def _parity(micro_batch: int, accumulation: int, optimizer: dict | None = None, 
                        gradient_clipping=clip)
     if optimizer is not None:
         cfg["optimizer"] = optimizer
-    data = corpus_windows()
-    engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=data)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(float(engine.train_batch()))
-        norms.append(engine.get_global_grad_norm())
-    ref = reference_run(tiny_gpt, {**cfg, "train_batch_size": engine.train_batch_size()}, data, STEPS)
-    param_err, where = max_rel_diff(engine.full_state_dict(), ref.state)
-    return {"loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
-            "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)),
-            "param_err": param_err, "where": where, "losses": losses, "ref_losses": ref.losses}
+    return layout_parity(cfg, tiny_gpt, corpus_windows(), STEPS)
 
 
 def _check(results):

@@ -6,8 +6,7 @@ import pytest
 
 import paratrain
 from paratrain.config import ConfigError
-from paratrain.testing import max_rel_diff, rel_diff
-from paratrain.testing.reference import reference_run
+from paratrain.testing.parity import layout_parity
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
 STEPS = 5
@@ -18,21 +17,11 @@ def _model():
 
 
 def _compose(schedule: str, dp: int, tp: int, stage: int, sp: bool = False) -> dict:
+    """The layout dp x pp x tp on 4 ranks with a ZeRO stage on dp; the summary of its parity run."""
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
                        pipeline={"stages": 4 // (dp * tp), "schedule": schedule, "partition": "uniform"},
                        tensor_parallel={"size": tp, "sequence_parallel": sp}, zero_optimization={"stage": stage})
-    data = corpus_windows()
-    engine, *_ = paratrain.initialize(model=_model(), config=cfg, training_data=data)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(float(engine.train_batch()))
-        norms.append(engine.get_global_grad_norm())
-    ref = reference_run(_model, {**cfg, "train_batch_size": engine.train_batch_size()}, data, STEPS)
-    param_err, where = max_rel_diff(engine.full_state_dict(), ref.state)
-    return {"case": f"{engine.pmesh.dims.describe()} {schedule} zero{stage} sp={sp}",
-            "loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
-            "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)),
-            "param_err": param_err, "where": where}
+    return layout_parity(cfg, _model, corpus_windows(), STEPS)
 
 
 def _cases(cases):

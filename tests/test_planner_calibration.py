@@ -38,6 +38,17 @@ CALIBRATION = [
     pytest.param(Layout(dp=1, cp=2, micro_batch=2, grad_accum=2, precision="fp32"), {}, id="cp2-accum2"),
     pytest.param(Layout(dp=2, cp=2, micro_batch=1, grad_accum=1, precision="fp32"), {}, id="dp2-cp2"),
     pytest.param(Layout(dp=1, cp=2, tp=2, micro_batch=2, grad_accum=1, precision="fp32"), {}, id="tp2-cp2"),
+    # Hybrid layouts of the composition matrix, with activation checkpointing (its recomputed forwards
+    # communicate again: TP's all-gathers / reduce-scatters under full, the K/V ring under both).
+    pytest.param(Layout(dp=2, pp=2, tp=2, zero_stage=1, schedule="1f1b", micro_batch=1, grad_accum=4,
+                        sequence_parallel=True, recompute="full", precision="fp32"), {},
+                 id="dp2-pp2-tp2-zero1-sp-full"),
+    pytest.param(Layout(dp=1, pp=2, cp=2, tp=2, schedule="zb-h1", micro_batch=2, grad_accum=2, recompute="selective",
+                        precision="fp32"), {}, id="pp2-cp2-tp2-zbh1-selective"),
+    pytest.param(Layout(dp=2, cp=2, tp=2, zero_stage=3, micro_batch=2, grad_accum=1, precision="fp32"),
+                 {"zero_optimization": {"stage3_param_persistence_threshold": 0}}, id="dp2-cp2-tp2-zero3"),
+    pytest.param(Layout(dp=4, tp=2, zero_stage=2, micro_batch=1, grad_accum=2, recompute="full", precision="fp32"),
+                 {}, id="dp4-tp2-zero2-full"),
 ]
 
 

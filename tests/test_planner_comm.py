@@ -41,12 +41,17 @@ def test_zero_stages(n):
     assert _ops(replace(base, zero_stage=1), "dp") == {"reduce_scatter": padded, "all_gather": padded}
     assert _ops(replace(base, zero_stage=2), "dp") == {"reduce_scatter": padded, "all_gather": padded}
     zero3 = _ops(replace(base, zero_stage=3), "dp")
-    assert zero3 == {"all_gather": 2 * padded, "reduce_scatter": padded}
-    assert sum(zero3.values()) == pytest.approx(1.5 * 2 * ddp["all_reduce"], rel=n / PSI)  # 1.5x DDP's wire bytes
+    # Units: each block, gathered for its forward and again for its backward; the root (embedding, final
+    # norm, head) gathered once, kept from its forward through its backward. Each unit padded to N.
+    blocks = SPEC.n_layer * (-(-SPEC.layer_params() // n) * n)
+    root = -(-(SPEC.embed_params() + SPEC.head_params()) // n) * n
+    assert zero3 == {"all_gather": 2 * blocks + root, "reduce_scatter": blocks + root}
+    # 1.5x DDP's wire bytes, less the root's second gather
+    assert sum(zero3.values()) + root == pytest.approx(1.5 * 2 * ddp["all_reduce"], rel=4 * n / PSI)
     # Under accumulation ZeRO-2 (gradients sharded) reduces every micro-batch, ZeRO-1 once per step.
     assert _ops(replace(base, zero_stage=1, grad_accum=4), "dp")["reduce_scatter"] == padded
     assert _ops(replace(base, zero_stage=2, grad_accum=4), "dp")["reduce_scatter"] == 4 * padded
-    assert _ops(replace(base, zero_stage=3, grad_accum=4), "dp")["all_gather"] == 8 * padded
+    assert _ops(replace(base, zero_stage=3, grad_accum=4), "dp")["all_gather"] == 4 * (2 * blocks + root)
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -62,18 +67,20 @@ def test_tensor_parallel_two_all_reduces_each_way_per_layer(m):
 
 
 def test_sequence_parallel_moves_the_same_bytes_on_the_wire():
-    t = 4
-    plain = Layout(dp=1, micro_batch=2, grad_accum=2, tp=t, precision="bf16")
+    t, m = 4, 2
+    plain = Layout(dp=1, micro_batch=2, grad_accum=m, tp=t, precision="bf16")
     sp = replace(plain, sequence_parallel=True)
+    bsh = 2 * SPEC.seq_len * SPEC.d_model
 
-    def wire(layout):
-        bsh = 2 * SPEC.seq_len * SPEC.d_model  # activations, not the loss's vectors or SP's norm gradients
+    def wire(layout):  # activations, not the loss's vectors or SP's norm gradients
         return sum(RING_MOVED[x.op](t) * x.bytes for x in rank_transfers(SPEC, layout)
                    if x.axes == ("tp",) and x.elements >= bsh)
 
     ops = _ops(sp, "tp")
-    assert ops["all_gather"] == ops["reduce_scatter"]
-    assert wire(sp) == pytest.approx(wire(plain))
+    # The GPT's embedding all-reduces (token + position embeddings are summed before the split to s/tp), so
+    # it has one all-gather (its gradient) more than reduce-scatters, and SP one all-gather more on the wire.
+    assert ops["all_gather"] == ops["reduce_scatter"] + m * bsh
+    assert wire(sp) == pytest.approx(wire(plain) + m * RING_MOVED["all_gather"](t) * 2 * bsh)
 
 
 @pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (4, 2)])

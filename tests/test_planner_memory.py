@@ -55,7 +55,8 @@ PAPER = GPTConfig(vocab_size=512, seq_len=256, n_layer=4, n_head=8, d_model=128,
 
 
 def _per_layer(layout: Layout, recompute: str = "none", flash: bool = False) -> float:
-    parts = layer_activations(spec_from_config(PAPER), layout, recompute, flash_attention=flash)
+    parts = layer_activations(spec_from_config(PAPER), layout, recompute, flash_attention=flash,
+                              regather_sequence=True)  # Megatron's sequence parallelism, as in the paper
     return sum(v for k, v in parts.items() if k != "norm_stats")  # the paper leaves out the norm statistics
 
 

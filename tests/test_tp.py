@@ -11,8 +11,8 @@ from torch import nn
 
 import paratrain
 from paratrain.models import GPT
-from paratrain.testing import max_rel_diff, rel_diff
-from paratrain.testing.reference import reference_run
+from paratrain.testing import rel_diff
+from paratrain.testing.parity import layout_parity
 from tests.cases import TINY, adamw_config, corpus_windows, tiny_gpt
 
 STEPS = 5
@@ -127,29 +127,23 @@ def _parity(model: str, tp: int, sp: bool, accumulation: int = 1, stage: int = 0
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation,
                        tensor_parallel={"size": tp, "sequence_parallel": sp, "plan": plan},
                        zero_optimization={"stage": stage})
-    data = make_data()
-    dense = make()
-    engine, *_ = paratrain.initialize(model=make(), config=cfg, training_data=data)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(float(engine.train_batch()))
-        norms.append(engine.get_global_grad_norm())
-    ref = reference_run(make, {**cfg, "train_batch_size": engine.train_batch_size()}, data, STEPS)
-    param_err, where = max_rel_diff(engine.full_state_dict(), ref.state)
-    local = dict(engine.module.named_parameters())
-    sharded = {n for n, p in local.items() if getattr(p, "tp_sharded", False)}
-    dense_params = dict(dense.named_parameters())
+    dense_params = dict(make().named_parameters())
+
+    def shards(engine) -> dict:
+        local = dict(engine.module.named_parameters())
+        sharded = {n for n, p in local.items() if getattr(p, "tp_sharded", False)}
+        return {"dp": engine.pmesh.size("dp"),
+                "replicated": {n: p.detach().clone() for n, p in local.items() if n not in sharded},
+                "sharded_numel": {n: local[n].numel() for n in sharded},
+                "dense_numel": {n: dense_params[n].numel() for n in sharded},
+                "dense_rows": {n: dense_params[n].shape[0] for n in sharded},
+                "param_bytes": engine.memory_stats()["params"],
+                "replicated_bytes": sum(4 * p.numel() for n, p in local.items() if n not in sharded)}
+
+    result = layout_parity(cfg, make, make_data(), STEPS, inspect=shards)
     zero = f" zero{stage}" if stage else ""
-    return {"case": f"{model} tp{tp} sp={sp} dp{engine.pmesh.size('dp')} gas{accumulation}{zero}",
-            "loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
-            "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)),
-            "param_err": param_err, "where": where, "losses": losses,
-            "replicated": {n: p.detach().clone() for n, p in local.items() if n not in sharded},
-            "sharded_numel": {n: local[n].numel() for n in sharded},
-            "dense_numel": {n: dense_params[n].numel() for n in sharded},
-            "dense_rows": {n: dense_params[n].shape[0] for n in sharded},
-            "param_bytes": engine.memory_stats()["params"],
-            "replicated_bytes": sum(4 * p.numel() for n, p in local.items() if n not in sharded)}
+    result["case"] = f"{model} tp{tp} sp={sp} dp{result['dp']} gas{accumulation}{zero}"
+    return result
 
 
 def _parity_cases(cases: list[tuple]) -> list[dict]:

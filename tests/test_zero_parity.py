@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.testing import max_rel_diff, rel_diff
-from paratrain.testing.reference import reference_run
+from paratrain.testing.parity import layout_parity
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
 STEPS = 5
@@ -30,21 +29,10 @@ def _config(stage: int, accumulation: int, optimizer: dict | None = None, precis
 
 
 def _run(cfg: dict, data, references: dict) -> dict:
-    engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=data)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(float(engine.train_batch()))
-        norms.append(engine.get_global_grad_norm())
-    key = repr({k: v for k, v in cfg.items() if k != "zero_optimization"}) + str(engine.train_batch_size())
-    if key not in references:
-        references[key] = reference_run(tiny_gpt, {**cfg, "train_batch_size": engine.train_batch_size()}, data,
-                                        STEPS)
-    ref = references[key]
-    param_err, where = max_rel_diff(engine.full_state_dict(), ref.state)
-    return {"stage": cfg["zero_optimization"]["stage"], "acc": cfg["gradient_accumulation_steps"],
-            "opt": cfg["optimizer"]["type"], "loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
-            "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)), "param_err": param_err,
-            "where": where, "trains": losses[-1] < losses[0]}
+    """One stage's parity summary; `references` shares one reference run between the stages."""
+    result = layout_parity(cfg, tiny_gpt, data, STEPS, references=references)
+    return {**result, "stage": cfg["zero_optimization"]["stage"], "acc": cfg["gradient_accumulation_steps"],
+            "opt": cfg["optimizer"]["type"], "trains": result["losses"][-1] < result["losses"][0]}
 
 
 def _fp32_matrix() -> list[dict]:
@@ -117,20 +105,12 @@ def _decay_groups(model) -> list[dict]:
 
 
 def _param_group_matrix() -> list[dict]:
-    data, out = corpus_windows(), []
-    ref = None
+    data, references, out = corpus_windows(), {}, []
     for stage in (0, 1, 2, 3):
-        cfg = _config(stage, 1)
-        model = tiny_gpt()
-        engine, *_ = paratrain.initialize(model=model, model_parameters=_decay_groups(model), config=cfg,
-                                          training_data=data)
-        losses = [float(engine.train_batch()) for _ in range(STEPS)]
-        if ref is None:
-            ref = reference_run(tiny_gpt, {**cfg, "train_batch_size": engine.train_batch_size()}, data, STEPS,
-                                param_groups=_decay_groups)
-        out.append({"stage": stage, "groups": [g["weight_decay"] for g in engine.optimizer.param_groups],
-                    "loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
-                    "param_err": max_rel_diff(engine.full_state_dict(), ref.state)[0]})
+        result = layout_parity(_config(stage, 1), tiny_gpt, data, STEPS, model_parameters=_decay_groups,
+                               references=references,
+                               inspect=lambda e: {"groups": [g["weight_decay"] for g in e.optimizer.param_groups]})
+        out.append({"stage": stage, **result})
     return out
 
 

@@ -65,7 +65,7 @@ def rng_tensors(streams: dict) -> dict[str, torch.Tensor]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["rng/torch_cuda"] = torch.cuda.get_rng_state()
     for name, stream in streams.items():
-        for kind, state in stream.state().items():
+        for kind, state in stream.get_state().items():
             out[f"rng/{name}_{kind}"] = state
     return out
 

@@ -44,7 +44,7 @@ def rows(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
             out.append(f"| **`{prefix}{name}`** | section | | {doc} |")
             out += rows(sub, f"{prefix}{name}.")
         else:
-            desc = field.description or ""
+            desc = " ".join((field.description or "").split())  # one table row: a docstring's lines joined
             out.append(f"| `{prefix}{name}` | `{_type_name(field.annotation)}` | `{_default(field)}` | {desc} |")
     return out
 

@@ -178,8 +178,13 @@ class ContextParallelConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
+    """Recompute activations in backward instead of keeping them (in every layout; see docs/strategies.md)."""
+
     enabled: bool = False
+    """Turn recomputation on."""
     granularity: Literal["full", "selective"] = "full"
+    """full: each transformer block keeps only its input (children of an nn.ModuleList; a PipelineModule's
+    layers); selective: only the attention cores are recomputed (Korthikanti et al.)."""
     # DeepSpeed's keys: DeepSpeed's engine ignores them too (only deepspeed.checkpointing.configure reads them,
     # and paratrain refuses deepspeed.checkpointing by name), so a tutorial config loads unchanged.
     partition_activations: bool = False
@@ -252,7 +257,8 @@ class TrainerConfig(Section):
     """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
 
     model: str = "gpt-tiny"
-    """GPT preset (gpt-tiny, gpt-mini, gpt-small, gpt-125m, ...)."""
+    """GPT preset (gpt-tiny, gpt-mini, gpt-small, gpt-125m, ...); `paratrain verify` also takes a user model as
+    'package.module:factory', built as factory(**model_overrides)."""
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     """GPTConfig fields to replace, e.g. {"n_layer": 8}."""
     steps: int = Field(300, ge=1)

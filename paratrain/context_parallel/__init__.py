@@ -4,7 +4,12 @@
     applied = context_parallelize(model, mesh)   # ring attention cores + the split of the inputs
 """
 
-from paratrain.context_parallel.apply import AppliedContextParallel, check_context_parallel, context_parallelize
+from paratrain.context_parallel.apply import (
+    AppliedContextParallel,
+    check_context_parallel,
+    context_parallelize,
+    context_parallelize_stages,
+)
 from paratrain.context_parallel.ring_attention import RingAttentionCore, ring_attention
 from paratrain.context_parallel.sharding import (
     SequenceSplitError,
@@ -21,6 +26,7 @@ __all__ = [
     "check_context_parallel",
     "chunk_ids",
     "context_parallelize",
+    "context_parallelize_stages",
     "local_positions",
     "merge_sequence",
     "ring_attention",

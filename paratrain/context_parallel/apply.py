@@ -23,6 +23,7 @@ puts gathered pieces back in sequence order.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.context_parallel.ring_attention import RingAttentionCore
-from paratrain.context_parallel.sharding import SequenceSplitError, check_divisible, split_sequence
+from paratrain.context_parallel.sharding import SequenceSplitError, check_divisible, local_positions, split_sequence
 from paratrain.mesh import Axis, Mesh
 from paratrain.models.gpt import CausalAttentionCore
 
@@ -39,6 +40,8 @@ from paratrain.models.gpt import CausalAttentionCore
 class AppliedContextParallel:
     axis: Axis
     cores: list[str] = field(default_factory=list)  # module paths now running ring attention
+    # Pipeline only: (inputs, targets) of a micro-batch -> this rank's tokens of both (the runner applies it).
+    split_batch: Callable | None = None
 
 
 def _cores(model: nn.Module) -> list[tuple[str, CausalAttentionCore]]:
@@ -94,6 +97,43 @@ def _split_inputs_hook(axis: Axis, signature: inspect.Signature):
     return hook
 
 
+def _positions_hook(axis: Axis, signature: inspect.Signature):
+    """Give a first pipeline layer that gets no position ids the global positions of this rank's tokens."""
+    tokens_name = next(iter(signature.parameters))
+
+    def hook(module, args, kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("position_ids") is None:
+            tokens = bound.arguments[tokens_name]  # (b, s/cp): already this rank's chunks
+            bound.arguments["position_ids"] = local_positions(tokens.shape[1] * axis.size, axis.size, axis.rank,
+                                                              device=tokens.device)
+        return bound.args, bound.kwargs
+
+    return hook
+
+
+def _split_batch(axis: Axis):
+    def split(batch):
+        inputs, targets = batch
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+            raise ConfigError(f"context_parallel.size = {axis.size} with a pipeline: a micro-batch's inputs must be "
+                              f"one (b, s) tensor of token ids, got {type(inputs).__name__}")
+        check_divisible(inputs.shape[1], axis.size, f"context parallel input of shape {tuple(inputs.shape)}")
+        return (split_sequence(inputs, axis.size, axis.rank, dim=1),
+                split_sequence(targets, axis.size, axis.rank, dim=1))  # (b, s/cp) each
+
+    return split
+
+
+def _swap_cores(model: nn.Module, applied: AppliedContextParallel) -> None:
+    for path, core in _cores(model):
+        parent, _, attr = path.rpartition(".")
+        ring = RingAttentionCore(applied.axis)
+        ring.train(core.training)
+        setattr(model.get_submodule(parent) if parent else model, attr, ring)
+        applied.cores.append(path)
+
+
 def context_parallelize(model: nn.Module, mesh: Mesh | Axis) -> AppliedContextParallel:
     """Swap every causal attention core for ring attention over the cp axis and split the inputs. In place."""
     axis = mesh.axis("cp") if isinstance(mesh, Mesh) else mesh
@@ -101,11 +141,32 @@ def context_parallelize(model: nn.Module, mesh: Mesh | Axis) -> AppliedContextPa
     if axis.size == 1:
         return applied
     check_context_parallel(model, axis.size)
-    for path, core in _cores(model):
-        parent, _, attr = path.rpartition(".")
-        ring = RingAttentionCore(axis)
-        ring.train(core.training)
-        setattr(model.get_submodule(parent) if parent else model, attr, ring)
-        applied.cores.append(path)
+    _swap_cores(model, applied)
     model.register_forward_pre_hook(_split_inputs_hook(axis, inspect.signature(model.forward)), with_kwargs=True)
+    return applied
+
+
+def context_parallelize_stages(stages: nn.Module, mesh: Mesh | Axis, first_layer: nn.Module | None
+                               ) -> AppliedContextParallel:
+    """Context parallelism inside a pipeline, where no stage calls the model's forward. In place.
+
+    [Note: where a pipeline splits the sequence]
+    The runner applies `split_batch` to every micro-batch before its schedule runs: the first stage then
+    embeds this rank's tokens and the last stage's loss sees the matching targets; the activations sent
+    between stages are (b, s/cp, h). The first layer (`first_layer`, on the rank holding stage 0) gets the
+    global positions of those tokens from a pre-hook, unless it is given them.
+    """
+    axis = mesh.axis("cp") if isinstance(mesh, Mesh) else mesh
+    applied = AppliedContextParallel(axis)
+    if axis.size == 1:
+        return applied
+    _swap_cores(stages, applied)
+    applied.split_batch = _split_batch(axis)
+    if first_layer is not None:
+        signature = inspect.signature(first_layer.forward)
+        if "position_ids" not in signature.parameters:
+            raise ConfigError(f"context_parallel.size = {axis.size} with a pipeline: the first layer "
+                              f"({type(first_layer).__name__}) must accept `position_ids` (the positions of this "
+                              f"rank's tokens), as the GPT's embedding does")
+        first_layer.register_forward_pre_hook(_positions_hook(axis, signature), with_kwargs=True)
     return applied

@@ -43,8 +43,11 @@ def model_parallel_weight(param: nn.Parameter, mesh: Mesh) -> float:
     """How much of this parameter's squared gradient norm a rank contributes to the global norm.
 
     A parameter sharded over tp contributes fully (the shards are disjoint); one replicated over tp is
-    present on every tp rank, so each contributes 1/tp and the sum over tp counts it once. Pipeline
-    stages hold disjoint parameters, so pp needs no weight.
+    present on every tp rank with the same gradient (sequence parallelism sums the gradients of norms that
+    saw different tokens before they land), so each contributes 1/tp and the sum over tp counts it once.
+    Pipeline stages hold disjoint parameters, so pp needs no weight. Over dp x cp every rank holds the same
+    averaged gradient, so nothing is summed there, except by strategies whose ranks hold disjoint slices
+    (ZeRO), which add their slices over dp x cp first.
     """
     tp = mesh.size("tp")
     return 1.0 if tp == 1 or getattr(param, "tp_sharded", False) else 1.0 / tp

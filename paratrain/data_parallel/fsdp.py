@@ -128,6 +128,9 @@ class FullyShardedDataParallel(GradSync):
         self._prefetch(self._order)
 
     def _pre_forward(self, unit: Unit) -> None:
+        if _in_backward():  # activation recomputation: gather, but it is not a step of the forward order
+            unit.wait(self.axis)
+            return
         self._recording.append(unit)
         unit.wait(self.axis)
         if unit in self._order:
@@ -135,6 +138,11 @@ class FullyShardedDataParallel(GradSync):
             self._prefetch(self._order[i + 1:])
 
     def _post_forward(self, unit: Unit, output) -> None:
+        if _in_backward():
+            # [Note: recomputed forwards keep the unit] Activation checkpointing reruns this unit's forward
+            # inside the backward of a region around it; the unit's own backward comes next and reads the
+            # parameters the recompute saved, so it stays gathered until its gradients are reduced.
+            return
         if not torch.is_grad_enabled():
             unit.reshard()
             return
@@ -304,6 +312,11 @@ class FullyShardedDataParallel(GradSync):
             for slot, view in zip(flat.layout.slots, flat.layout.views(full)):
                 gathered[id(slot.param)] = view
         return state_with_gathered(self.module, gathered)
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (where a recompute happens)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(value) -> list[torch.Tensor]:

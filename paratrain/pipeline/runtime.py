@@ -71,6 +71,8 @@ class PipelineRunner:
         if self.schedule.split_backward:
             self.deferral.install(module)
         self.grad_sync = None  # set by parallelize once the data-parallel strategy wraps `module`
+        # Set by parallelize under context parallelism: a micro-batch -> this rank's share of its tokens.
+        self.prepare_batch = None
         self.last_events: list = []
         self.last_peak_in_flight = 0
         self._shapes_known = False
@@ -114,6 +116,8 @@ class PipelineRunner:
             if not (isinstance(b, (tuple, list)) and len(b) == 2):
                 raise TypeError("in pipeline mode every micro-batch must be a pair (inputs, targets): the first "
                                 "stage consumes the inputs, the last stage the targets")
+        if self.prepare_batch is not None:
+            batches = [self.prepare_batch(b) for b in batches]
         if not self._shapes_known:
             self._learn_shapes(batches[0][0])
         step = _Step(batches, training)

@@ -10,17 +10,22 @@ ZeRO's flat shards; m = micro-batches per step; b s h = one micro-batch's activa
   DDP          all-reduce Psi                                    (dp x cp)
   ZeRO-1       reduce-scatter Psi + all-gather Psi               (dp x cp)
   ZeRO-2       reduce-scatter Psi per micro-batch + all-gather Psi
-  ZeRO-3       per micro-batch: all-gather Psi (forward) + all-gather Psi (backward) + reduce-scatter Psi
+  ZeRO-3       per micro-batch: each block's unit all-gathered twice (forward, backward), the root unit
+               (embedding, final norm, head) once (it stays gathered from its forward through its backward),
+               and every unit reduce-scattered; each unit's flat buffer padded to a multiple of N. Small
+               parameters kept whole (stage3_param_persistence_threshold) are counted in their unit.
   TP           per layer per micro-batch: 2 all-reduces of b s h forward + 2 backward (+2 forward again
                under full recompute); with SP 4 all-gathers + 4 reduce-scatters of b s h instead (the same
-               bytes on the wire), and the layer norms' gradients all-reduced once per step; the
-               vocab-parallel embedding and the column-parallel head add one b s h each (one all-gather and
-               one reduce-scatter each with SP), the vocab-parallel loss three fp32 b s vectors (max, sum of
-               exponentials, target logit)
+               bytes on the wire), and the layer norms' gradients all-reduced in every backward; the
+               vocab-parallel embedding all-reduces its b s h output (with SP the split to s/tp follows, its
+               gradient all-gathered), the column-parallel head's input gradient is one more b s h (an
+               all-gather and a reduce-scatter with SP), the vocab-parallel loss three fp32 b s vectors (max,
+               sum of exponentials, target logit)
   PP           per micro-batch and boundary the rank touches: b s h (/tp with SP) sent forward and its
                gradient sent backward, as send and recv
   CP (ring)    per layer per micro-batch: (cp - 1) exchanges of this rank's K and V blocks forward, and of
-               K, V, dK, dV backward (send and recv each)
+               K, V, dK, dV backward (send and recv each); the forward exchanges again under full and
+               selective recompute (ring attention is the recomputed attention core)
 Bookkeeping scalars are listed too (the global mean loss of `train_batch`, the grad-norm sums), so a
 prediction can equal a measurement exactly.
 """
@@ -54,7 +59,17 @@ class Transfer:
         return self.elements * self.element_size
 
 
-def data_parallel_transfers(layout: Layout, params: int) -> list[Transfer]:
+def zero3_units(spec: ModelSpec, layout: Layout, stage: int) -> list[tuple[int, int]]:
+    """(parameters, all-gathers per micro-batch) of each ZeRO-3 unit of a rank: its blocks (forward and
+    backward) and the root with the embedding / final norm and head its stage holds (once)."""
+    root = (spec.embed_params(layout.tp) if stage == 0 else 0) + \
+        (spec.head_params(layout.tp) if stage == layout.pp - 1 else 0)
+    blocks = stage_layers(spec.n_layer, layout.pp)[stage]
+    return [(spec.layer_params(layout.tp), 2)] * blocks + ([(root, 1)] if root else [])
+
+
+def data_parallel_transfers(layout: Layout, params: int, units: list[tuple[int, int]] | None = None
+                            ) -> list[Transfer]:
     n, m, size = layout.shard_group, layout.grad_accum, layout.param_bytes
     if n == 1:
         return []
@@ -67,8 +82,12 @@ def data_parallel_transfers(layout: Layout, params: int) -> list[Transfer]:
     if layout.zero_stage == 2:
         return [Transfer(DP_CP, "reduce_scatter", m * padded, size, m, "dp_grad"),
                 Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param")]
-    return [Transfer(DP_CP, "all_gather", 2 * m * padded, size, 2 * m, "zero3_param"),
-            Transfer(DP_CP, "reduce_scatter", m * padded, size, m, "dp_grad")]
+    units = units if units is not None else [(params, 2)]
+    gathered = sum(ceil_div(p, n) * n * times for p, times in units)
+    reduced = sum(ceil_div(p, n) * n for p, _ in units)
+    gathers = sum(times for _, times in units)
+    return [Transfer(DP_CP, "all_gather", m * gathered, size, m * gathers, "zero3_param"),
+            Transfer(DP_CP, "reduce_scatter", m * reduced, size, m * len(units), "dp_grad")]
 
 
 def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
@@ -82,14 +101,18 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
     first, last = stage == 0, stage == layout.pp - 1
     out = []
     if layout.sequence_parallel:
-        # Each all-reduce becomes an all-gather + a reduce-scatter; the embedding output is scattered
-        # (its gradient gathered), the head's input gathered (its gradient scattered).
-        gathers = scatters = layers * per_layer + int(first) + int(last)
+        # Each all-reduce becomes an all-gather + a reduce-scatter; the embedding's all-reduced output is
+        # split to s/tp (its gradient gathered), the head's input gathered (its gradient scattered).
+        gathers, scatters = layers * per_layer + int(first) + int(last), layers * per_layer + int(last)
         out += [Transfer(("tp",), "all_gather", m * gathers * bsh, e, m * gathers, "tp"),
                 Transfer(("tp",), "reduce_scatter", m * scatters * bsh, e, m * scatters, "tp")]
-        # Layer norms are replicated but see different tokens under SP: their gradients are summed over tp.
+        if first:
+            out.append(Transfer(("tp",), "all_reduce", m * bsh, e, m, "tp"))
+        # Layer norms are replicated but see different tokens under SP: their gradients are summed over tp,
+        # in every backward (the sum is an autograd op on the parameter).
         norm_grads = layers * spec.layernorm_params_per_layer() + (2 * spec.d_model if last else 0)
-        out.append(Transfer(("tp",), "all_reduce", norm_grads, layout.param_bytes, 1, "tp"))
+        calls = layers * 4 + (2 if last else 0)
+        out.append(Transfer(("tp",), "all_reduce", m * norm_grads, layout.param_bytes, m * calls, "tp"))
     else:
         reduces = layers * per_layer + int(first) + int(last)  # + embedding output, head input grad
         out.append(Transfer(("tp",), "all_reduce", m * reduces * bsh, e, m * reduces, "tp"))
@@ -122,7 +145,7 @@ def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> l
     m, e = layout.grad_accum, layout.activation_bytes
     layers = stage_layers(spec.n_layer, layout.pp)[stage]
     block = layout.micro_batch * (spec.seq_len // c) * spec.d_model // layout.tp  # one K (or V) block
-    forward_passes = 2 if layout.recompute == "full" else 1
+    forward_passes = 1 if layout.recompute == "none" else 2  # full and selective both recompute ring attention
     per_layer = (c - 1) * block * (2 * forward_passes + 4)  # K, V per forward; K, V, dK, dV backward
     calls = (c - 1) * (2 * forward_passes + 4)
     return [Transfer(("cp",), "send", m * layers * per_layer, e, m * layers * calls, "cp"),
@@ -130,9 +153,12 @@ def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> l
 
 
 def scalar_transfers(layout: Layout) -> list[Transfer]:
-    """The fp32 scalars of a step: train_batch's global mean loss over dp x cp, the squared grad norm
-    summed over pp x tp (and over dp x cp when ZeRO shards gradients), fp16's overflow flags."""
+    """The fp32 scalars of a step: train_batch's global mean loss over dp x cp (from the last pipeline stage
+    to every pp rank first), the squared grad norm summed over pp x tp (and over dp x cp when ZeRO shards
+    gradients), fp16's overflow flags."""
     out = [Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
+    if layout.pp > 1:
+        out.append(Transfer(("pp",), "all_reduce", 1, 4, 1, "scalar"))
     if layout.zero_stage >= 1:
         out.append(Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"))
     if layout.precision == "fp16":
@@ -143,7 +169,8 @@ def scalar_transfers(layout: Layout) -> list[Transfer]:
 def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
     """Everything a rank of pipeline stage `stage` communicates in one optimizer step (`train_batch`)."""
     sizes = layout.sizes
-    transfers = (data_parallel_transfers(layout, rank_params(spec, layout, stage))
+    units = zero3_units(spec, layout, stage) if layout.zero_stage == 3 else None
+    transfers = (data_parallel_transfers(layout, rank_params(spec, layout, stage), units)
                  + tensor_parallel_transfers(spec, layout, stage) + pipeline_transfers(spec, layout, stage)
                  + context_parallel_transfers(spec, layout, stage) + scalar_transfers(layout))
     return [t for t in transfers if axis_name(sizes, t.axes) is not None and t.elements > 0]

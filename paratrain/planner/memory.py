@@ -79,21 +79,26 @@ def rank_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
 
 # ---- activations ------------------------------------------------------------------------------------
 def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = None,
-                      flash_attention: bool = True) -> dict[str, float]:
+                      flash_attention: bool = True, regather_sequence: bool = False) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward, for one micro-batch on one rank, by component.
 
     In elements of the activation dtype (e bytes), per micro-batch of b sequences of s/cp local tokens:
       inputs            4 s b h    the two layer-norm inputs, the q/k/v input and the fc input
-                                   (replicated over tp; sharded by sequence parallelism)
+                                   (replicated over tp; under sequence parallelism the norm inputs are
+                                   sharded, and the column-parallel inputs too with `regather_sequence`)
       tensor_parallel   4 s b h + 2 s b f    q, k, v, the o input, the GELU input and the proj input (/tp)
       attention_core    fused (flash): the softmax log-sum-exp, 4 a s b bytes (/tp)
                         unfused: the softmax output a s^2 b, plus with dropout its output and a 1-byte mask
+                        ring attention (cp > 1): the log-sum-exp, fp32 copies of q, k, v (in place of the
+                        e-byte ones counted above) and its fp32 output, which the o input copies
       masks             with dropout: two 1-byte masks of s b h (after attention and after the MLP)
       norm_stats        mean and rstd of both layer norms, fp32: 16 s b bytes
     Recompute: "selective" drops attention_core (recomputed in backward, Korthikanti et al. section 5);
     "full" keeps only the layer input, e s b h (/tp with sequence parallelism).
     With e = 2, dropout, unfused attention and f = 4h the sum (without norm_stats) is the paper's
-    s b h (10 + 24/t + 5 a s/(h t)), and s b h (34 + 5 a s / h)/t with sequence parallelism.
+    s b h (10 + 24/t + 5 a s/(h t)), and s b h (34 + 5 a s / h)/t with sequence parallelism and
+    `regather_sequence` — Megatron keeps the sequence shard of a column-parallel layer's input and all-gathers
+    it again in backward; paratrain keeps the gathered input, 2 s b h (1 - 1/t) more per layer.
     """
     recompute = layout.recompute if recompute is None else recompute
     e = layout.activation_bytes
@@ -106,13 +111,15 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
     if recompute == "full":
         return {"inputs": e * sbh / sp}
     out = {
-        "inputs": e * 4 * sbh / sp,
+        "inputs": e * (2 * sbh / sp + 2 * sbh / (sp if regather_sequence else 1)),
         "tensor_parallel": e * (4 * sbh + 2 * s_local * b * f) / t,
         "masks": (2 * sbh / sp) if dropout else 0.0,
         "norm_stats": 16 * s_local * b / sp,
     }
     if recompute != "selective":
-        if flash_attention:
+        if layout.cp > 1:
+            out["attention_core"] = 4 * a * s_local * b / t + (3 * (4 - e) + 4) * sbh / t
+        elif flash_attention:
             out["attention_core"] = 4 * a * s_local * b / t
         else:  # queries are local, keys span the whole sequence (ring attention visits every block)
             scores = a * s_local * s * b / t
@@ -120,22 +127,26 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
     return out
 
 
-def head_activations(spec: ModelSpec, layout: Layout) -> float:
+def head_activations(spec: ModelSpec, layout: Layout, regather_sequence: bool = False) -> float:
     """Bytes the last stage keeps for one micro-batch after the blocks: the final norm's input and stats,
-    the head's input, the fp32 log-softmax of the (vocab-parallel) logits, the int64 targets and the
-    loss's fp32 total weight."""
+    the head's input (gathered under sequence parallelism, see `layer_activations`), the fp32 log-softmax of
+    the (vocab-parallel) logits, the int64 targets and the loss's fp32 total weight — or, vocab-parallel,
+    two 1-byte token masks and an int64 token count."""
     e, t = layout.activation_bytes, layout.tp
     sp = t if layout.sequence_parallel else 1
     b, s = layout.micro_batch, spec.seq_len // layout.cp
-    return (2 * e * s * b * spec.d_model / sp + 8 * s * b / sp + 4 * s * b * spec.vocab_size / t + 8 * s * b + 4)
+    norm_and_head_inputs = e * s * b * spec.d_model * (1 / sp + 1 / (sp if regather_sequence else 1))
+    loss = 4 * s * b * spec.vocab_size / t + 8 * s * b + (2 * s * b + 8 if t > 1 else 4)
+    return norm_and_head_inputs + 8 * s * b / sp + loss
 
 
 def embed_activations(spec: ModelSpec, layout: Layout) -> float:
-    """Bytes the first stage keeps for one micro-batch before the blocks: int64 token and position ids
-    (and the embedding dropout mask)."""
+    """Bytes the first stage keeps for one micro-batch before the blocks: int64 token and position ids (and
+    the embedding dropout mask; vocab-parallel, the 1-byte mask of the tokens outside this rank's rows)."""
     b, s = layout.micro_batch, spec.seq_len // layout.cp
     mask = s * b * spec.d_model / (layout.tp if layout.sequence_parallel else 1) if spec.config.dropout else 0
-    return 8 * s * b + 8 * s + mask
+    outside = s * b if layout.tp > 1 else 0
+    return 8 * s * b + 8 * s + mask + outside
 
 
 def in_flight(layout: Layout, stage: int) -> float:

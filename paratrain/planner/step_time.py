@@ -129,8 +129,8 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
         exposed[axis_name(layout.sizes, t.axes)] += t.calls * max(0.0, each - hw.overlap * backward_mb)
     for t in by_kind["dp_param"]:
         exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
-    for t in by_kind["zero3_param"]:  # half the gathers feed forwards, half feed backwards
-        each = seconds[id(t)] / t.calls
+    for t in by_kind["zero3_param"]:  # about half the gathered bytes feed forwards, half feed backwards
+        each = seconds[id(t)] / (2 * m)
         hidden = max(0.0, each - hw.overlap * forward_mb) + max(0.0, each - hw.overlap * backward_mb)
         exposed[axis_name(layout.sizes, t.axes)] += m * hidden
     for t in by_kind["scalar"]:

@@ -62,7 +62,7 @@ class AppliedPlan:
     axis: Axis
     sequence_parallel: bool
     sharded: dict[str, ShardSpec] = field(default_factory=dict)
-    tracker: RNGTracker | None = None  # the per-tp-rank random stream (its state goes into checkpoints)
+    tracker: RNGTracker | None = None  # per-tp-rank stream: checkpoints save it, recomputation replays it
 
     def origin(self, local: Origin) -> Origin:
         """Where a tensor of this rank's module sits in the unsplit tensor: a slice of the split dimension

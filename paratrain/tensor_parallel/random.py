@@ -51,8 +51,9 @@ class RNGTracker:
                 self._cuda_state = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(cuda_saved)
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """The private stream's generator states (uint8 tensors), for checkpoints."""
+    def get_state(self) -> dict[str, torch.Tensor]:
+        """The private stream's generator states (uint8 tensors): checkpoints save them, activation
+        checkpointing replays a region's masks from them."""
         out = {"cpu": self._cpu_state.clone()}
         if self._cuda_state is not None:
             out["cuda"] = self._cuda_state.clone()

@@ -24,6 +24,7 @@ class RunRecord:
     losses: list[float]
     grad_norms: list[float]
     state: dict[str, torch.Tensor]
+    states: list[dict[str, torch.Tensor]] | None = None  # after every step (keep_states=True)
 
 
 def global_batches(dataset, config: Config, seed: int | None = None) -> DataParallelLoader:
@@ -35,7 +36,8 @@ def global_batches(dataset, config: Config, seed: int | None = None) -> DataPara
 
 def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, dataset, steps: int,
                   loss_of: Callable[[nn.Module, object], torch.Tensor] | None = None,
-                  param_groups: Callable[[nn.Module], list[dict]] | None = None) -> RunRecord:
+                  param_groups: Callable[[nn.Module], list[dict]] | None = None,
+                  keep_states: bool = False) -> RunRecord:
     """Train `steps` optimizer steps on one process. `config` must have train_batch_size resolved.
 
     Under bf16/fp16 the model computes in the low dtype and an fp32 master copy of every parameter (taken
@@ -43,6 +45,7 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
     textbook mixed-precision loop, which the distributed strategies must match within that dtype's
     rounding. The returned state holds the fp32 masters. `param_groups(model)` gives optimizer param
     groups (dicts of the model's parameters with options), as passed to initialize(model_parameters=...).
+    `keep_states` also records the state after every step.
     """
     cfg = load_config(config)
     model = make_model()
@@ -60,7 +63,13 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
     scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler is not None else None
     batches = global_batches(dataset, cfg)
     loss_of = loss_of or (lambda m, batch: m(*batch))
-    losses, norms = [], []
+    losses, norms, states = [], [], []
+
+    def current_state() -> dict[str, torch.Tensor]:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        state.update({k: v.detach().clone() for k, v in masters.items() if k in state})
+        return state
+
     for _ in range(steps):
         loss = loss_of(model, next(batches))
         (loss * (scaler.scale if scaler else 1.0)).backward()
@@ -77,6 +86,8 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
             scaler.update(overflow)
             if overflow:
                 optimizer.zero_grad(set_to_none=True)
+                if keep_states:
+                    states.append(current_state())
                 continue
         optimizer.step()
         if scheduler is not None:
@@ -86,6 +97,6 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     p.copy_(masters[name])
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state.update({k: v.detach().clone() for k, v in masters.items() if k in state})
-    return RunRecord(losses, norms, state)
+        if keep_states:
+            states.append(current_state())
+    return RunRecord(losses, norms, current_state(), states if keep_states else None)
