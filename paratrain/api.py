@@ -9,7 +9,7 @@ import os
 import torch.distributed as dist
 
 from paratrain.config import Config, ConfigError, load_config, resolve_batch
-from paratrain.distributed import init_distributed
+from paratrain.distributed import init_distributed, uses_cuda
 from paratrain.engine import Engine
 from paratrain.mesh import ParallelDims, build_mesh
 from paratrain.parallelize import check_supported
@@ -75,7 +75,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mesh is None:
         dims = ParallelDims(world, dp=cfg.dp_size(world), pp=cfg.pipeline.stages, cp=cfg.context_parallel.size,
                             tp=cfg.tensor_parallel.size)
-        mesh = build_mesh(dims, device_type="cuda" if dist.get_backend() == "nccl" else "cpu")
+        mesh = build_mesh(dims, device_type="cuda" if uses_cuda() else "cpu")
     engine = Engine(model, cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler,
                     model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from the newest complete checkpoint

@@ -42,6 +42,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
+        # NCCL moves only CUDA tensors; the few host tensors a job reduces (offloaded optimizer shards,
+        # checkpoint manifests, host-side metrics) go over gloo in the same groups instead of failing.
+        backend = "cpu:gloo,cuda:nccl"
     if init_method is not None or rank >= 0:
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -82,7 +85,12 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
 
+def uses_cuda() -> bool:
+    """Whether the initialized world reduces CUDA tensors (NCCL, alone or beside gloo for host tensors)."""
+    return dist.is_initialized() and "nccl" in dist.get_backend()
+
+
 def current_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if uses_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

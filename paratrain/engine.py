@@ -31,7 +31,7 @@ from paratrain.mesh import Mesh
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallelize import parallelize
-from paratrain.precision import NonFiniteLossError, make_loss_scaler
+from paratrain.precision import NonFiniteLossError, autocast_context, make_loss_scaler
 
 log = logging.getLogger("paratrain")
 
@@ -51,6 +51,9 @@ class Engine(DeepSpeedEngineAPI):
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
         self.pipeline = self.parallel.pipeline  # set when pipeline.stages > 1: whole steps only
+        self._autocast = autocast_context(config.torch_autocast.enabled, self.device)
+        if self.pipeline is not None:
+            self.pipeline.autocast = self._autocast
         self.optimizer = self.grad_sync.build_optimizer(self._optimizer_factory(optimizer),
                                                         self._param_groups(model_parameters))
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -147,7 +150,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def forward(self, *inputs, **kwargs):
         self._not_in_pipeline("forward()")
-        with self._timed("forward"):
+        with self._timed("forward"), self._autocast():
             return self.module(*inputs, **kwargs)
 
     __call__ = forward
@@ -250,12 +253,12 @@ class Engine(DeepSpeedEngineAPI):
             data_iter = self.training_dataloader
         if self.pipeline is not None:
             return self._train_pipeline(data_iter)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)  # no host sync per micro-batch
         for _ in range(self.gradient_accumulation_steps()):
             loss = self._run_micro_batch(next(data_iter))
             self.backward(loss)
             self.step()
-            total += loss.detach().float().cpu()
+            total += loss.detach().float()
         return self._mean_over_dp(total / self.gradient_accumulation_steps())
 
     @torch.no_grad()
@@ -272,9 +275,9 @@ class Engine(DeepSpeedEngineAPI):
             batches = [self._checked(next(data_iter), self._check_eval_batch) for _ in range(count)]
             mean = self.pipeline.eval_step(batches)
         else:
-            total = torch.zeros((), dtype=torch.float32)
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
             for _ in range(count):
-                total += self._run_micro_batch(next(data_iter)).float().cpu()
+                total += self._run_micro_batch(next(data_iter)).float()
             mean = total / count
         self.module.train(was_training)
         return self._mean_over_dp(mean)

@@ -17,6 +17,7 @@ DeepSpeed's engine does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -32,6 +33,14 @@ def compute_dtype(precision: str) -> torch.dtype:
         return DTYPES[precision]
     except KeyError:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def autocast_context(enabled: bool, device: torch.device):
+    """A factory of the forward's autocast context (torch_autocast): bf16 matmuls and convolutions with fp32
+    parameters, or nothing."""
+    if not enabled:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 class LossScaleError(RuntimeError):

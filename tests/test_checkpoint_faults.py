@@ -115,7 +115,9 @@ def test_a_worker_killed_at_a_random_step_restarts_and_ends_equal(uninterrupted,
     os.kill(_workers(p.pid)[victim_rank], signal.SIGKILL)
     log = _finish(p, tmp_path)
     resumed = (kill_at // EVERY) * EVERY  # the newest complete checkpoint before the kill
-    assert "failed (exitcode: -9)" in log, log[-3000:]
+    # torchrun names the first failure its agent sees: the killed worker (-9), or its peer, whose collective
+    # broke when the victim vanished (1); either way the group was restarted.
+    assert "failed (exitcode: -9)" in log or "failed (exitcode: 1)" in log, log[-3000:]
     assert (f"(resumed at step {resumed})" in log) if resumed else "resumed" not in log, (kill_at, log[-3000:])
     assert _losses(tmp_path) == _losses(uninterrupted)  # bit for bit, the metrics of one uninterrupted run
     want, got = _export(uninterrupted), _export(tmp_path)

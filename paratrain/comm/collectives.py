@@ -54,8 +54,10 @@ class Handle:
 
     def __del__(self) -> None:
         # A handle dropped without a wait is no longer anyone's wait: keep the in-flight table small.
-        if self._guard is not None:
-            self._guard.end(self._key)
+        # (getattr: torch.compile can build instances without __init__ while it traces a hook.)
+        guard = getattr(self, "_guard", None)
+        if guard is not None:
+            guard.end(self._key)
 
 
 def _reduce_op(op: str):

@@ -26,7 +26,7 @@ DEEPSPEED_UNSUPPORTED = {
     "comet", "quantize_training", "eigenvalue", "progressive_layer_drop", "hybrid_engine",
     "data_types", "communication_data_type", "seq_parallel_communication_data_type",
     "sparse_gradients", "dump_state", "memory_breakdown", "disable_allgather", "zero_force_ds_cpu_optimizer",
-    "graph_harvesting", "use_data_before_expert_parallelism", "pipeline_parallel", "torch_autocast",
+    "graph_harvesting", "use_data_before_expert_parallelism", "pipeline_parallel",
 }
 
 

@@ -63,6 +63,29 @@ class BF16Config(Section):
     enabled: bool = False
 
 
+class TorchAutocastConfig(Section):
+    """DeepSpeed's torch_autocast: the forward runs under torch.autocast while parameters, master weights,
+    gradients and their communication stay fp32 (the bf16/fp16 sections instead make the model itself
+    low-precision). Needs bf16 and fp16 off."""
+
+    enabled: bool = False
+    """Run the model's forward (and a pipeline stage's, and the loss) under torch.autocast."""
+    dtype: Literal["bfloat16", "torch.bfloat16"] = "bfloat16"
+    """The autocast compute dtype. Only bfloat16: float16 autocast needs a gradient scaler, which the fp16
+    section provides (use fp16.enabled instead)."""
+    lower_precision_safe_modules: list[str] | None = None
+    """DeepSpeed reduces these modules' gradients in the autocast dtype; paratrain reduces every gradient in
+    fp32, so only the default (null) is accepted rather than a silently different meaning."""
+
+    @field_validator("lower_precision_safe_modules")
+    @classmethod
+    def _only_default(cls, value):
+        if value is not None:
+            raise ValueError("torch_autocast.lower_precision_safe_modules is not supported: paratrain keeps every "
+                             "gradient and its communication in fp32 under autocast; remove the key")
+        return value
+
+
 class OffloadConfig(Section):
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = False
@@ -297,6 +320,7 @@ class Config(Section):
     structure, dtypes and dimensions only ("dtype", for variable sequence lengths), or nothing ("off")."""
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = True
     """Accepted for DeepSpeed compatibility: every torch optimizer is allowed."""
@@ -321,6 +345,10 @@ class Config(Section):
     def _one_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        if self.torch_autocast.enabled and self.precision != "fp32":
+            raise ValueError(f"torch_autocast.enabled with {self.precision}.enabled: autocast keeps the model in fp32 "
+                             f"and casts inside the forward, {self.precision} makes the model itself "
+                             f"{self.precision}; enable one of them")
         return self
 
     # ---- derived views ---------------------------------------------------------------------------

@@ -144,9 +144,8 @@ class GradSync(ABC):
 
     def has_overflow(self) -> bool:
         """True if any gradient on any rank of the dp axis is inf/nan (used by fp16 loss scaling)."""
-        flag = torch.zeros(1)
-        if not bool(torch.isfinite(self.local_grad_sq())):
-            flag.fill_(1.0)
+        local = self.local_grad_sq()
+        flag = (~torch.isfinite(local)).float().reshape(1)  # on the gradients' device: no host round trip
         comm.all_reduce(flag, self.mesh.axis(("dp", "cp")), op="max", tag="overflow")
         comm.all_reduce(flag, self.mesh.axis(("pp", "tp")), op="max", tag="overflow")
         return bool(flag.item() > 0)

@@ -166,7 +166,8 @@ class DistributedDataParallel(GradSync):
 
     # ---- update -----------------------------------------------------------------------------------
     def local_grad_sq(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
+        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
         if self.mesh.size("tp") == 1:  # every parameter has weight 1: one reduction per bucket
             for b in self.buckets:
                 total += b.buffer.float().pow(2).sum()

@@ -13,6 +13,7 @@ its W.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ class PipelineRunner:
         self.grad_sync = None  # set by parallelize once the data-parallel strategy wraps `module`
         # Set by parallelize under context parallelism: a micro-batch -> this rank's share of its tokens.
         self.prepare_batch = None
+        self.autocast = contextlib.nullcontext  # set by the engine under torch_autocast
         self.last_events: list = []
         self.last_peak_in_flight = 0
         self._shapes_known = False
@@ -86,6 +88,10 @@ class PipelineRunner:
 
     def _chunk(self, stage: int):
         return self.module.chunks[self.schedule.chunk_of(stage)]
+
+    def _run_chunk(self, stage: int, x):
+        with self.autocast():
+            return self._chunk(stage)(x)
 
     # ---- one step --------------------------------------------------------------------------------
     def train_step(self, batches: list) -> torch.Tensor:
@@ -162,7 +168,7 @@ class PipelineRunner:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             self.links.learn_shapes(self.module.stages, self.num_stages, self.schedule.rank_of,
-                                    lambda stage, x: self._chunk(stage)(x), first_inputs)
+                                    lambda stage, x: self._run_chunk(stage, x), first_inputs)
         self.module.train(was_training)
         self._shapes_known = True
 
@@ -211,9 +217,10 @@ class PipelineRunner:
             if step.training:
                 tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
             x = tuple(tensors) if incoming.is_tuple else tensors[0]
-        out = self._chunk(a.stage)(x)
+        out = self._run_chunk(a.stage, x)
         if a.stage == schedule.num_stages - 1:
-            loss = self.loss_fn(out, targets)
+            with self.autocast():
+                loss = self.loss_fn(out, targets)
             step.losses.append(loss.detach())
             out = loss / schedule.micro_batches  # the mean over micro-batches is what backward differentiates
         if step.training:

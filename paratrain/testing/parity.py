@@ -175,4 +175,5 @@ def layout_parity(config: dict, make_model: Callable[[], nn.Module], dataset, st
 
 
 # The config keys a reference run depends on (everything else is layout).
-REFERENCE_KEYS = ("train_batch_size", "optimizer", "scheduler", "gradient_clipping", "seed", "fp16", "bf16")
+REFERENCE_KEYS = ("train_batch_size", "optimizer", "scheduler", "gradient_clipping", "seed", "fp16", "bf16",
+                  "torch_autocast")

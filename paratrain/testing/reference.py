@@ -16,7 +16,7 @@ from torch import nn
 from paratrain.config import Config, load_config
 from paratrain.data import DataParallelLoader, DataParallelSampler
 from paratrain.optim import build_optimizer, build_scheduler
-from paratrain.precision import compute_dtype, make_loss_scaler
+from paratrain.precision import autocast_context, compute_dtype, make_loss_scaler
 
 
 @dataclass
@@ -63,6 +63,7 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
     scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler is not None else None
     batches = global_batches(dataset, cfg)
     loss_of = loss_of or (lambda m, batch: m(*batch))
+    autocast = autocast_context(cfg.torch_autocast.enabled, torch.device("cpu"))  # torch_autocast: fp32 model
     losses, norms, states = [], [], []
 
     def current_state() -> dict[str, torch.Tensor]:
@@ -71,7 +72,8 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
         return state
 
     for _ in range(steps):
-        loss = loss_of(model, next(batches))
+        with autocast():
+            loss = loss_of(model, next(batches))
         (loss * (scaler.scale if scaler else 1.0)).backward()
         losses.append(float(loss.detach()))
         if cfg.precision != "fp32":
