@@ -9,6 +9,7 @@ optimizer states live, which is the whole difference between DDP and the ZeRO st
 from __future__ import annotations
 
 import math
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,6 +21,23 @@ from paratrain import comm
 from paratrain.mesh import Axis, Mesh
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def weak_hook(method):
+    """`method` (bound) as a tensor hook that does not keep its object alive.
+
+    [Note: why weak] A parameter's hooks live in a dict the garbage collector cannot see through, so a
+    bound method there makes the cycle parameter -> hook -> strategy -> parameter unbreakable: every engine
+    built in a process would live on with its buffers and process groups (whose threads keep waking). With
+    a weak reference the strategy dies with its engine; a hook that outlives it does nothing.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return hook
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -25,6 +25,7 @@ from paratrain.data_parallel.base import (
     model_parallel_weight,
     optimizer_state_tensors,
     tensor_bytes,
+    weak_hook,
 )
 from paratrain.mesh import Mesh
 
@@ -80,7 +81,7 @@ class DistributedDataParallel(GradSync):
         for b in self.buckets:
             for _, p in b.params:
                 p.grad = b.views[p]
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         self._sync = False
         self._force_no_sync = False
         self._next_launch = 0

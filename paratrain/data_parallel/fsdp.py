@@ -37,6 +37,7 @@ from paratrain.data_parallel.base import (
     optimizer_state_tensors,
     sum_over_model_parallel,
     tensor_bytes,
+    weak_hook,
 )
 from paratrain.data_parallel.ddp import UnusedParametersError, broadcast_module_state
 from paratrain.data_parallel.flat import (
@@ -93,7 +94,7 @@ class FullyShardedDataParallel(GradSync):
             for flat in flats:
                 for i, slot in enumerate(flat.layout.slots):
                     self._slot[slot.param] = (unit, flat, i)
-                    slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                    slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
             return unit
 
         self.root = make_unit("", owned[""])

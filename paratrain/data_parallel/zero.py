@@ -42,6 +42,7 @@ from paratrain.data_parallel.base import (
     optimizer_state_tensors,
     sum_over_model_parallel,
     tensor_bytes,
+    weak_hook,
 )
 from paratrain.data_parallel.ddp import UnusedParametersError, broadcast_module_state
 from paratrain.data_parallel.flat import (
@@ -122,7 +123,7 @@ class ZeroDataParallel(GradSync):
         for i, (slot, view) in enumerate(zip(layout.slots, layout.views(params_full))):
             slot.param.data = view
             self._slot[slot.param] = (bucket, i)
-            slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         if self.stage < 2:
             bucket.grads_full = torch.zeros(layout.padded, dtype=self.dtype, device=device)
             bucket.grad_views = layout.views(bucket.grads_full)

@@ -13,6 +13,7 @@ failure cannot hang the rest of a test session. A sub-case that leaves collectiv
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import time
@@ -46,11 +47,34 @@ def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> No
         if message is None:
             break
         fn, args, kwargs = message
+        groups_before = set(_process_groups())
         try:
-            conn.send((True, fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
         except BaseException:
             conn.send((False, traceback.format_exc()))
+            continue
+        _drop_groups_created_since(groups_before)
+        conn.send((True, result))
     dist.destroy_process_group()
+
+
+def _process_groups() -> list:
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._get_default_group()
+    return [g for g in distributed_c10d._world.pg_map if g is not world]
+
+
+def _drop_groups_created_since(before: set) -> None:
+    """[Note: one world, many engines] Every engine builds its mesh's groups anew and torch keeps every
+    group until it is destroyed; gloo runs threads per group that wake now and then, so a world that has
+    served a few hundred sub-cases spends its cores waking idle threads. A sub-case that succeeded is done
+    with its groups on every rank, and destroying a gloo group is local."""
+    import torch.distributed as dist
+
+    for group in set(_process_groups()) - before:
+        dist.destroy_process_group(group)
+    gc.collect()  # the sub-case's engines sit in reference cycles: free their buffers now
 
 
 class World:
