@@ -9,29 +9,20 @@ with saved-tensor hooks: the number the planner's activation formulas predict.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from benchmarks.common import ADAMW, BENCH_MODEL, Timer, bench_model, local_batches
+from paratrain.testing.activations import saved_activation_bytes
 
 GLOBAL_BATCH = 8  # samples per step in every case (dp2: 4 per rank; tp2: 8 on the one replica)
 
 
 def _kept_activation_bytes(engine, batch) -> int:
-    weights = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = engine(*batch)
-    engine.backward(loss)
+    holder = {}
+    kept = saved_activation_bytes(lambda: holder.setdefault("loss", engine(*batch)), engine.module.parameters())
+    engine.backward(holder["loss"])
     engine.step()
-    return sum(seen.values())
+    return kept
 
 
 def _layout(steps: int, warmup: int, ckpt: str = "none", tp: int = 1) -> dict:

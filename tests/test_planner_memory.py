@@ -17,6 +17,7 @@ from paratrain.planner.memory import (
     model_state_bytes,
 )
 from paratrain.planner.model_specs import spec_from_config
+from paratrain.testing.activations import saved_activation_bytes
 
 PSI = 1_000_003  # not a multiple of N: shards are padded
 
@@ -88,20 +89,7 @@ def test_in_flight_micro_batches_per_schedule():
 
 
 # ---- activations: counted on the real model ---------------------------------------------------------------
-def _saved_bytes(run, params) -> int:
-    """Bytes of the distinct storages autograd saves for backward, parameters excluded."""
-    weights = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(seen.values())
+_saved_bytes = saved_activation_bytes  # (run, params) -> bytes autograd keeps, parameters excluded
 
 
 @pytest.mark.parametrize("b,d_ff", [(1, 0), (3, 96)])
