@@ -34,6 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+DROP_GROUPS = "drop-groups"
+
+
 def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
@@ -42,19 +45,20 @@ def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> No
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    groups_before = set(_process_groups())
     while True:
         message = conn.recv()
         if message is None:
             break
+        if message == DROP_GROUPS:  # every rank has finished the last sub-case
+            _drop_groups_created_since(groups_before)
+            continue
         fn, args, kwargs = message
         groups_before = set(_process_groups())
         try:
-            result = fn(*args, **kwargs)
+            conn.send((True, fn(*args, **kwargs)))
         except BaseException:
             conn.send((False, traceback.format_exc()))
-            continue
-        _drop_groups_created_since(groups_before)
-        conn.send((True, result))
     dist.destroy_process_group()
 
 
@@ -68,8 +72,9 @@ def _process_groups() -> list:
 def _drop_groups_created_since(before: set) -> None:
     """[Note: one world, many engines] Every engine builds its mesh's groups anew and torch keeps every
     group until it is destroyed; gloo runs threads per group that wake now and then, so a world that has
-    served a few hundred sub-cases spends its cores waking idle threads. A sub-case that succeeded is done
-    with its groups on every rank, and destroying a gloo group is local."""
+    served a few hundred sub-cases spends its cores waking idle threads. Once every rank has answered a
+    sub-case (the parent then sends DROP_GROUPS), no rank uses its groups any more; a rank that dropped
+    them while a peer still waited in one would break that peer's wait instead."""
     import torch.distributed as dist
 
     for group in set(_process_groups()) - before:
@@ -168,4 +173,6 @@ class World:
             self.kill()
             raise WorldError(f"{getattr(fn, '__name__', fn)} failed on {len(failures)} rank(s):\n" +
                              "\n".join(failures[r] for r in sorted(failures)))
+        for conn in self._conns:
+            conn.send(DROP_GROUPS)
         return results

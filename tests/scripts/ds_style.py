@@ -13,6 +13,7 @@ steps again: the resumed losses must repeat the first pass.
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,13 @@ def main():
         with open(args.out, "w") as f:
             json.dump(runs, f)
     dist.destroy_process_group()  # gloo aborts the interpreter at exit otherwise (DeepSpeed's CPU runs do)
+    if os.environ.get("PARATRAIN_TEST_USE_DEEPSPEED") == "1":
+        # DeepSpeed's CPU backend still aborts now and then during interpreter teardown ("terminate called
+        # without an active exception", exit 250, seen once in a clean-clone CI run) after the results are
+        # written; its teardown is not what this script compares, so that side leaves without one.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
