@@ -82,3 +82,15 @@ def test_autocast_parity_in_every_strategy(world2):
         assert r["loss_err"] <= LOSS_BOUND and r["param_err"] <= PARAM_BOUND, r
         assert r["losses"][-1] < r["losses"][0], r
     assert plain["first_loss_err"] > FIRST_LOSS_BOUND, plain  # autocast really changed the computation
+
+
+def test_gpu_benchmark_engine_equals_the_plain_amp_loop_on_cpu():
+    """benchmarks/gpu_mfu.py's two runners (engine with torch_autocast, plain PyTorch AMP loop) do the same
+    training: on a tiny CPU instance their losses agree, so the GPU ratio compares like with like."""
+    from benchmarks.gpu_mfu import main
+
+    args = ["--device", "cpu", "--preset", "gpt-tiny", "--seq", "32", "--vocab", "256", "--micro-batch", "2",
+            "--steps", "2", "--warmup", "1", "--no-compile", "--precision", "autocast"]
+    plain, engine = main([*args, "--plain"]), main(args)
+    assert (plain["runner"], engine["runner"]) == ("plain PyTorch", "paratrain engine")
+    assert abs(engine["last_loss"] - plain["last_loss"]) <= 1e-6 * abs(plain["last_loss"]), (engine, plain)
