@@ -136,6 +136,9 @@ class Engine(DeepSpeedEngineAPI):
     # ---- the step contract -----------------------------------------------------------------------
     @contextmanager
     def _timed(self, name: str):
+        if getattr(self, "destroyed", False):  # every forward, backward, step and pipeline step passes here
+            raise RuntimeError(f"engine.{name}: engine.destroy() was called, which freed its process groups; "
+                               f"build a new engine with paratrain.initialize")
         start = time.perf_counter()
         try:
             yield

@@ -153,7 +153,8 @@ class Mesh:
     the comm guard (timeouts and hang reports; the engine configures it from the config's `comm`)."""
 
     def __init__(self, dims: ParallelDims, rank: int, device_mesh, axes: dict[tuple[str, ...], Axis], stats,
-                 guard=None):
+                 guard=None, owned_groups: Sequence = ()):
+        self.owned_groups = list(owned_groups)  # the process groups build_mesh created for this rank
         self.dims = dims
         self.rank = rank
         self.device_mesh = device_mesh
@@ -177,6 +178,17 @@ class Mesh:
 
     def local_rank(self, axis: str) -> int:
         return self.coords[axis]
+
+    def destroy(self) -> None:
+        """Destroy the process groups this mesh created (collective: every rank, after its last collective
+        on the mesh). torch keeps every group until it is destroyed, and gloo keeps threads per group, so a
+        long-lived process that builds engine after engine should destroy each one it is done with."""
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank may drop a group a peer is still waiting in
+        for group in self.owned_groups:
+            dist.destroy_process_group(group)
+        self.owned_groups = []
 
     def __repr__(self) -> str:
         return f"Mesh({self.dims.describe()}, rank={self.rank}, coords={self.coords})"
@@ -205,6 +217,7 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=N
     stats = stats if stats is not None else CommStats()
     guard = guard if guard is not None else CommGuard(rank)
     device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+    owned = [device_mesh.get_group(name) for name in AXES]
     axes: dict[tuple[str, ...], Axis] = {}
     for name in AXES:
         members = dims.group_of(rank, name)
@@ -226,7 +239,10 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=N
                 created = dist.new_group(ranks)
                 if rank in ranks:
                     group = created
+                    owned.append(created)
         axes[combo] = Axis("_".join(combo), tuple(members), members.index(rank), group, stats, guard)
     world = tuple(range(dims.world_size))
     axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats, guard)
-    return Mesh(dims, rank, device_mesh, axes, stats, guard)
+    # A dim spanning the whole world is the default group itself: that one belongs to init_distributed.
+    unique = [g for g in {id(g): g for g in owned}.values() if g is not dist.GroupMember.WORLD]
+    return Mesh(dims, rank, device_mesh, axes, stats, guard, owned_groups=unique)

@@ -141,6 +141,12 @@ class DeepSpeedEngineAPI:
         return self.full_state_dict()
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Free the engine's process groups (DeepSpeed's engine.destroy releases its resources likewise).
+        Collective: call on every rank once it has finished with this engine; afterwards it cannot train."""
+        self.pmesh.destroy()
+        self.destroyed = True
+
     def _micro_steps_in_window(self) -> int:
         """Micro-steps since the last optimizer step (0 at a boundary): not micro_steps % accumulation, which
         set_train_batch_size would break."""
