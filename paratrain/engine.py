@@ -24,20 +24,21 @@ from torch import nn
 from paratrain import comm
 from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
-from paratrain.data import DataParallelLoader, DataParallelSampler
 from paratrain.data.batch_check import BatchChecker
 from paratrain.distributed import current_device
+from paratrain.engine_setup import make_loader, make_scheduler, optimizer_factory, param_groups
+from paratrain.engine_state import EngineStateAPI
 from paratrain.mesh import Mesh
 from paratrain.monitor import StepReporter, setup_logging
-from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.parallelize import parallelize
 from paratrain.precision import NonFiniteLossError, autocast_context, make_loss_scaler
 
 log = logging.getLogger("paratrain")
 
 
-class Engine(DeepSpeedEngineAPI):
-    """DeepSpeed's engine contract; the accessors DeepSpeed scripts use live in `compat/engine_api.py`."""
+class Engine(EngineStateAPI, DeepSpeedEngineAPI):
+    """DeepSpeed's engine contract. Checkpoints and introspection live in `engine_state.py`, construction
+    helpers in `engine_setup.py`, the accessors DeepSpeed scripts use in `compat/engine_api.py`."""
 
     def __init__(self, model: nn.Module, config: Config, mesh: Mesh, optimizer=None, lr_scheduler=None,
                  model_parameters=None, training_data=None, collate_fn=None):
@@ -54,10 +55,10 @@ class Engine(DeepSpeedEngineAPI):
         self._autocast = autocast_context(config.torch_autocast.enabled, self.device)
         if self.pipeline is not None:
             self.pipeline.autocast = self._autocast
-        self.optimizer = self.grad_sync.build_optimizer(self._optimizer_factory(optimizer),
-                                                        self._param_groups(model_parameters))
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        self.training_dataloader = self._make_loader(training_data, collate_fn) if training_data is not None \
+        self.optimizer = self.grad_sync.build_optimizer(optimizer_factory(config, optimizer),
+                                                        param_groups(model_parameters))
+        self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
+        self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
         self._data_iter = None
         self.global_steps = 0
@@ -74,42 +75,6 @@ class Engine(DeepSpeedEngineAPI):
         self._check_train_batch = BatchChecker(config.batch_check, "training")
         self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")
         self.auto_resumed: tuple[str, dict] | None = None  # (path, client_state) when initialize() resumed
-
-    # ---- construction helpers --------------------------------------------------------------------
-    def _optimizer_factory(self, optimizer):
-        if optimizer is None:
-            if self.config.optimizer is None:
-                raise ValueError("no optimizer: pass optimizer= to initialize() or set the config's 'optimizer' "
-                                 "section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
-            return lambda params: build_optimizer(self.config.optimizer, params)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            # A ready optimizer is re-created over what the strategy updates (a shard under ZeRO).
-            return lambda params: optimizer if _same_params(optimizer, params) else \
-                type(optimizer)(params, **optimizer.defaults)
-        return optimizer  # a callable params -> optimizer, as DeepSpeed accepts
-
-    @staticmethod
-    def _param_groups(model_parameters):
-        if model_parameters is None:
-            return None
-        groups = list(model_parameters)
-        if groups and isinstance(groups[0], dict):
-            return groups
-        return None  # a flat list of the model's parameters is the default anyway
-
-    def _make_scheduler(self, lr_scheduler):
-        if lr_scheduler is not None:
-            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
-                else lr_scheduler
-        if self.config.scheduler is not None:
-            return build_scheduler(self.config.scheduler, self.optimizer)
-        return None
-
-    def _make_loader(self, dataset, collate_fn) -> DataParallelLoader:
-        sampler = DataParallelSampler(len(dataset), self.train_micro_batch_size_per_gpu(),
-                                      self.pmesh.size("dp"), self.pmesh.local_rank("dp"),
-                                      self.gradient_accumulation_steps(), seed=self.config.seed)
-        return DataParallelLoader(dataset, sampler, collate_fn)
 
     # ---- state of the step ----------------------------------------------------------------------
     @property
@@ -316,60 +281,6 @@ class Engine(DeepSpeedEngineAPI):
         axis = self.pmesh.axis(("dp", "cp"))
         comm.all_reduce(value, axis, tag="metrics")
         return value / axis.size
-
-    # ---- checkpoints (paratrain/checkpoint, docs/checkpoints.md) ---------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
-        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N}."""
-        from paratrain.checkpoint import save_checkpoint
-
-        save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        return True
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        """Load a checkpoint saved under any layout (collective); returns (path, client_state), (None, None)
-        when `load_dir` holds none. `tag` defaults to the one the `latest` file names."""
-        from paratrain.checkpoint import load_checkpoint
-
-        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-
-    def _save_if_due(self) -> None:
-        every = self.config.checkpoint.save_every
-        if every and self.global_steps % every == 0:
-            self.save_checkpoint(self.config.checkpoint.dir)
-
-    # ---- introspection ---------------------------------------------------------------------------
-    def comm_stats(self, reset: bool = False, by_tag: bool = False) -> dict:
-        """Collectives since the last reset: {axis: {op: {calls, elements, bytes}}}."""
-        out = self.pmesh.stats.snapshot(by_tag=by_tag)
-        if reset:
-            self.pmesh.stats.reset()
-        return out
-
-    def memory_stats(self) -> dict[str, int]:
-        """Bytes of model state this rank holds: params, grads, optimizer_state, total."""
-        return self.grad_sync.memory_stats()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The complete, unsharded state dict under the original names, on every rank."""
-        return self.parallel.full_state_dict()
-
-    def timings(self, reset: bool = False) -> dict[str, float]:
-        """Seconds spent so far in forward, backward, step (with comm_wait, the wait for gradient reductions,
-        inside it) and, with a pipeline, the pipeline's part of the step."""
-        out = dict(self._times)
-        if reset:
-            self._times.clear()
-        return out
-
-
-def _same_params(optimizer: torch.optim.Optimizer, params) -> bool:
-    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else list(params)
-    mine = [p for g in optimizer.param_groups for p in g["params"]]
-    return len(flat) == len(mine) and all(a is b for a, b in zip(flat, mine))
 
 
 def _to_device(batch, device: torch.device):

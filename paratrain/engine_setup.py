@@ -1,0 +1,58 @@
+"""How the engine is put together from initialize()'s arguments: optimizer, param groups, scheduler, loader."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.config import Config
+from paratrain.data import DataParallelLoader, DataParallelSampler
+from paratrain.optim import build_optimizer, build_scheduler
+
+
+def optimizer_factory(config: Config, optimizer):
+    """A callable params -> optimizer over what the strategy updates (a flat shard under ZeRO)."""
+    if optimizer is None:
+        if config.optimizer is None:
+            raise ValueError("no optimizer: pass optimizer= to initialize() or set the config's 'optimizer' "
+                             "section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
+        return lambda params: build_optimizer(config.optimizer, params)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # A ready optimizer is re-created over what the strategy updates (a shard under ZeRO).
+        return lambda params: optimizer if _same_params(optimizer, params) else \
+            type(optimizer)(params, **optimizer.defaults)
+    return optimizer  # a callable params -> optimizer, as DeepSpeed accepts
+
+
+def param_groups(model_parameters):
+    """initialize(model_parameters=...) as param groups (dicts with options), or None for the default."""
+    if model_parameters is None:
+        return None
+    groups = list(model_parameters)
+    if groups and isinstance(groups[0], dict):
+        return groups
+    return None  # a flat list of the model's parameters is the default anyway
+
+
+def make_scheduler(config: Config, optimizer, lr_scheduler):
+    """initialize(lr_scheduler=...) as given (or built from a callable over the optimizer), else the config's."""
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+            else lr_scheduler
+    if config.scheduler is not None:
+        return build_scheduler(config.scheduler, optimizer)
+    return None
+
+
+def make_loader(engine, dataset, collate_fn) -> DataParallelLoader:
+    """The dp-axis loader: every rank of a dp replica (pp, cp, tp peers) draws the same micro-batches."""
+    sampler = DataParallelSampler(len(dataset), engine.train_micro_batch_size_per_gpu(),
+                                  engine.pmesh.size("dp"), engine.pmesh.local_rank("dp"),
+                                  engine.gradient_accumulation_steps(), seed=engine.config.seed)
+    return DataParallelLoader(dataset, sampler, collate_fn)
+
+
+def _same_params(optimizer: torch.optim.Optimizer, params) -> bool:
+    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else list(params)
+    mine = [p for g in optimizer.param_groups for p in g["params"]]
+    return len(flat) == len(mine) and all(a is b for a, b in zip(flat, mine))
+
