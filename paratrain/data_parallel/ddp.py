@@ -31,7 +31,14 @@ from paratrain.mesh import Mesh
 
 
 class UnusedParametersError(RuntimeError):
-    pass
+    """Parameters that took part in no backward of a step (every data-parallel strategy raises this one)."""
+
+    @classmethod
+    def naming(cls, missing: list[str]) -> UnusedParametersError:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        return cls(f"{len(missing)} parameter(s) received no gradient in this step: {shown}. Either use them in "
+                   f"the forward pass, freeze them (requires_grad=False), or set data_parallel."
+                   f"allow_unused_parameters to true")
 
 
 class _Bucket:
@@ -148,11 +155,7 @@ class DistributedDataParallel(GradSync):
         missing = [name for b in self.buckets[self._next_launch:] for name, p in b.params
                    if self._index[p] not in b.ready]
         if missing and not self.allow_unused:
-            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise UnusedParametersError(
-                f"{len(missing)} parameter(s) received no gradient in this step: {shown}. Either use them in "
-                f"the forward pass, freeze them (requires_grad=False), or set data_parallel."
-                f"allow_unused_parameters to true")
+            raise UnusedParametersError.naming(missing)
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)  # unused parameters contribute their (zero or accumulated) gradient
         self._next_launch = len(self.buckets)

@@ -208,11 +208,7 @@ class FullyShardedDataParallel(GradSync):
         missing = [s.name for u in self._all_units() if not u.reduce_launched and u.flats
                    for f in u.flats for i, s in enumerate(f.layout.slots) if i not in f.ready]
         if missing and not self.allow_unused:
-            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise UnusedParametersError(
-                f"{len(missing)} parameter(s) received no gradient in this step: {shown}. Either use them in "
-                f"the forward pass, freeze them (requires_grad=False), or set data_parallel."
-                f"allow_unused_parameters to true")
+            raise UnusedParametersError.naming(missing)
         for unit in self._all_units():
             if unit.flats and not unit.reduce_launched:
                 self._launch_reduce(unit)

@@ -208,11 +208,7 @@ class ZeroDataParallel(GradSync):
         missing = [s.name for b in self.buckets[self._next_launch:] for i, s in enumerate(b.layout.slots)
                    if i not in b.ready]
         if missing and check_unused and not self.allow_unused:
-            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise UnusedParametersError(
-                f"{len(missing)} parameter(s) received no gradient in this step: {shown}. Either use them in "
-                f"the forward pass, freeze them (requires_grad=False), or set data_parallel."
-                f"allow_unused_parameters to true")
+            raise UnusedParametersError.naming(missing)
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
         self._next_launch = 0
