@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, BENCH_MODEL, Timer, bench_model, local_batches
+from benchmarks.common import BENCH_MODEL, LocalBatches, Timer, bench_model, paratrain_optimizer, record_setup
 from paratrain.testing.activations import saved_activation_bytes
 
 GLOBAL_BATCH = 8  # samples per step in every case (dp2: 4 per rank; tp2: 8 on the one replica)
@@ -31,13 +31,14 @@ def _layout(steps: int, warmup: int, ckpt: str = "none", tp: int = 1) -> dict:
     dp = dist.get_world_size() // tp
     micro = GLOBAL_BATCH // dp
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+           "optimizer": paratrain_optimizer(),
            "tensor_parallel": {"size": tp, "sequence_parallel": tp > 1},
            "activation_checkpointing": {"enabled": ckpt != "none",
                                         "granularity": ckpt if ckpt != "none" else "full"}}
-    engine, *_ = paratrain.initialize(model=bench_model(), config=cfg)
-    batches = local_batches(micro, dp, engine.pmesh.local_rank("dp"))
-    timer = Timer(warmup)
+    model = bench_model()
+    engine, *_ = paratrain.initialize(model=model, config=cfg)
+    batches = LocalBatches(micro, dp, engine.pmesh.local_rank("dp"))
+    timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     kept = _kept_activation_bytes(engine, next(batches))
     return timer.result(state_bytes=engine.memory_stats()["total"], extra_kept_act_mib=round(kept / 2**20, 2))

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, BENCH_MODEL, Timer, bench_model, local_batches
+from benchmarks.common import BENCH_MODEL, LocalBatches, Timer, bench_model, paratrain_optimizer, record_setup
 
 SEQ_LEN = 512
 TOKENS_PER_STEP = 2 * SEQ_LEN
@@ -41,11 +41,12 @@ def paratrain_layout(steps: int, warmup: int, cp: int = 1) -> dict:
     dp = dist.get_world_size() // cp
     micro = TOKENS_PER_STEP // SEQ_LEN // dp
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+           "optimizer": paratrain_optimizer(),
            "context_parallel": {"size": cp}}
-    engine, *_ = paratrain.initialize(model=bench_model(seq_len=SEQ_LEN), config=cfg)
-    batches = local_batches(micro, dp, engine.pmesh.local_rank("dp"), seq_len=SEQ_LEN)
-    timer = Timer(warmup)
+    model = bench_model(seq_len=SEQ_LEN)
+    engine, *_ = paratrain.initialize(model=model, config=cfg)
+    batches = LocalBatches(micro, dp, engine.pmesh.local_rank("dp"), seq_len=SEQ_LEN)
+    timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     return timer.result(state_bytes=engine.memory_stats()["total"], extra_attn_ms=round(_attention_ms(engine), 2))
 

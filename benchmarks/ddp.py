@@ -1,11 +1,11 @@
-"""Our DDP vs torch's DistributedDataParallel: same GPT, seed, data and AdamW with clipping."""
+"""Our DDP vs torch's DistributedDataParallel: same GPT, seed, data and fused AdamW with clipping."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, Timer, bench_model, local_batches
+from benchmarks.common import LocalBatches, Timer, bench_model, paratrain_optimizer, record_setup, torch_adamw
 
 MICRO_BATCH = 8
 
@@ -14,11 +14,11 @@ def paratrain_ddp(steps: int, warmup: int, bucket_cap_mb: float = 25.0) -> dict:
     import paratrain
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
-           "data_parallel": {"bucket_cap_mb": bucket_cap_mb}}
-    engine, *_ = paratrain.initialize(model=bench_model(), config=cfg)
-    batches = local_batches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
-    timer = Timer(warmup)
+           "optimizer": paratrain_optimizer(), "data_parallel": {"bucket_cap_mb": bucket_cap_mb}}
+    model = bench_model()
+    engine, *_ = paratrain.initialize(model=model, config=cfg)
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     return timer.result(state_bytes=engine.memory_stats()["total"])
 
@@ -28,8 +28,8 @@ def torch_ddp(steps: int, warmup: int, bucket_cap_mb: float = 25.0) -> dict:
 
     model = bench_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    batches = local_batches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    opt = torch_adamw(model.parameters())
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
 
     def step():
         x, y = next(batches)
@@ -42,7 +42,7 @@ def torch_ddp(steps: int, warmup: int, bucket_cap_mb: float = 25.0) -> dict:
         dist.all_reduce(mean)  # same metric cost as train_batch's global mean loss
         return mean / dist.get_world_size()
 
-    timer = Timer(warmup)
+    timer = Timer(warmup, record_setup(opt, model, batches))
     timer.measure(steps, step)
     state = sum(t.numel() * t.element_size() for t in model.parameters()) * 2 + sum(
         v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim() > 0)

@@ -3,12 +3,15 @@
     python -m benchmarks.gpu_mfu                          # on a GPU: gpt-1.3b, bf16, seq 2048, compiled blocks
     python -m benchmarks.gpu_mfu --device cpu --preset gpt-tiny --micro-batch 4 --steps 3 --no-compile  # smoke
 
-MFU = tokens/s x FLOPs per token / peak FLOP/s, with FLOPs per token = 6N + 12·layers·d_model·seq (PaLM's
-convention: forward + backward of every weight, plus attention scores and values). The peak defaults to the
-dense bf16 peak of an H100/H200 SXM (989 TFLOP/s). The run uses the engine exactly as a user would:
-`paratrain.initialize` with bf16 (fp32 master weights in the strategy, bf16 parameters, activations and
-gradients), fused AdamW and global-norm clipping; data are random token ids already on the device, so the
-number measures the engine and the model, not a data loader.
+MFU = tokens/s x FLOPs per token / peak FLOP/s, reported under two conventions side by side
+(`benchmarks/mfu.py`): the primary one, Megatron's and PaLM's, 6 x the non-embedding parameters (token and
+position tables excluded) + 12·layers·d_model·seq (attention counted full, as PaLM does), and the old one,
+6 x all parameters + the same attention term. The peak defaults to the dense bf16 peak of an H100/H200 SXM
+(989 TFLOP/s). The run uses the engine exactly as a user would: `paratrain.initialize` with bf16 (fp32
+master weights in the strategy, bf16 parameters, activations and gradients), fused AdamW and global-norm
+clipping; data are random token ids already on the device, so the number measures the engine and the model,
+not a data loader. On a GPU every run writes its raw JSON (model, tokens/s, peak memory, both MFUs, torch,
+CUDA and driver versions, GPU name) to benchmarks/results/gpu/ unless --out says elsewhere.
 """
 
 from __future__ import annotations
@@ -16,13 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import paratrain
+from benchmarks.mfu import H100_BF16_DENSE_TFLOPS, mfu_report
 from paratrain.models import GPT, gpt_config
+
+GPU_RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -41,8 +51,10 @@ def parse(argv=None) -> argparse.Namespace:
                         "(--precision autocast or fp32 only: the standard AMP recipe)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile of the blocks")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense peak for --precision")
-    p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
+                   help="the device's dense peak for --precision")
+    p.add_argument("--out", default=None, help="write the result as JSON here (default on a GPU: "
+                   "benchmarks/results/gpu/<preset>_<precision>[_plain].json; on the CPU: nowhere)")
     return p.parse_args(argv)
 
 
@@ -76,6 +88,7 @@ def _plain_step(model, args, batch):
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.device == "cpu":
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     paratrain.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
@@ -103,20 +116,42 @@ def main(argv=None) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - tic)
     step_s = statistics.median(times)
-    tokens_per_s = args.micro_batch * cfg.seq_len / step_s
-    flops = tokens_per_s * cfg.flops_per_token()
-    result = {"runner": "plain PyTorch" if args.plain else "paratrain engine", "preset": args.preset,
-              "params": cfg.num_params(), "seq": cfg.seq_len, "micro_batch": args.micro_batch,
-              "precision": args.precision, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "compiled": args.compile, "median_step_s": step_s, "tokens_per_s": tokens_per_s,
-              "achieved_tflops": flops / 1e12, "peak_tflops": args.peak_tflops,
-              "mfu": flops / (args.peak_tflops * 1e12), "last_loss": float(loss),
-              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None}
+    result = _result(args, cfg, step_s, float(loss))
     print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    out = args.out or (GPU_RESULTS / f"{args.preset}_{args.precision}{'_plain' if args.plain else ''}.json"
+                       if args.device == "cuda" else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _result(args, cfg, step_s: float, last_loss: float) -> dict:
+    """The raw record of one run: what ran, where, how fast, both MFU conventions."""
+    tokens_per_s = args.micro_batch * cfg.seq_len / step_s
+    cuda = args.device == "cuda"
+    return {"runner": "plain PyTorch" if args.plain else "paratrain engine", "preset": args.preset,
+            "model": {k: getattr(cfg, k) for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff",
+                                                   "bias")},
+            "params": cfg.num_params(), "seq": cfg.seq_len, "micro_batch": args.micro_batch,
+            "precision": args.precision, "compiled": args.compile, "steps": args.steps, "warmup": args.warmup,
+            "median_step_s": step_s, "tokens_per_s": tokens_per_s, **mfu_report(cfg, tokens_per_s, args.peak_tflops),
+            "last_loss": last_loss, "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "device_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda
+            else None, "python": platform.python_version(), "host_cpus": os.cpu_count(),
+            "driver": _driver_version() if cuda else None, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": "python -m benchmarks.gpu_mfu " + " ".join(args.argv)}
+
+
+def _driver_version() -> str | None:
+    try:
+        run = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return run.stdout.strip().splitlines()[0] if run.returncode == 0 and run.stdout.strip() else None
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, BENCH_MODEL, Timer, bench_model, local_batches
+from benchmarks.common import BENCH_MODEL, LocalBatches, Timer, bench_model, paratrain_optimizer, record_setup
 from benchmarks.suite import RESULTS, write_doc
 from paratrain.models import GPTConfig
 from paratrain.planner import Hardware, Layout, estimate_time, layout_config, spec_from_config
@@ -60,9 +60,8 @@ def calibrate_compute(repeats: int = 7) -> dict:
     times = {}
     for b in (1, 8):
         config = layout_config(SPEC, Layout(dp=1, micro_batch=b, grad_accum=1, precision="fp32"))
-        torch.manual_seed(0)
         engine, *_ = paratrain.initialize(model=bench_model(), config=config)
-        batches = local_batches(b, 1, 0)
+        batches = LocalBatches(b, 1, 0)
         engine.train_batch(batches)  # warm-up (creates AdamW's moments)
         times[b] = _median_time(lambda e=engine, it=batches: e.train_batch(it), repeats)
     t_opt = _median_time(engine.optimizer.step, repeats)
@@ -101,11 +100,11 @@ def measure_layout(config: dict, steps: int, warmup: int) -> dict:
     """Runs on every rank: the engine with the planner's config for this layout, timed per optimizer step."""
     import paratrain
 
-    torch.manual_seed(0)
-    engine, *_ = paratrain.initialize(model=bench_model(), config=config)
-    batches = local_batches(engine.train_micro_batch_size_per_gpu(), dist.get_world_size(), dist.get_rank(),
-                            engine.gradient_accumulation_steps())
-    timer = Timer(warmup)
+    model = bench_model()
+    engine, *_ = paratrain.initialize(model=model, config=config)
+    batches = LocalBatches(engine.train_micro_batch_size_per_gpu(), dist.get_world_size(), dist.get_rank(),
+                           engine.gradient_accumulation_steps())
+    timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     return timer.result()
 
@@ -177,8 +176,7 @@ def run(repeats: int, steps: int, warmup: int) -> dict:
         for i, lay in enumerate(LAYOUTS):
             print(f"[planner_ranking] repeat {r + 1}/{repeats}: {lay.describe()}", file=sys.stderr, flush=True)
             predicted_runs[i].append(estimate_time(SPEC, lay, hw).total)
-            config = layout_config(SPEC, lay, {"optimizer": {"type": "AdamW", "params": {
-                **ADAMW, "betas": list(ADAMW["betas"])}}})
+            config = layout_config(SPEC, lay, {"optimizer": paratrain_optimizer()})
             with World(lay.world, timeout_s=900) as world:
                 ranks = world.run(measure_layout, config, steps, warmup)
             slowest = [max(step) for step in zip(*(rk["step_times"] for rk in ranks))]

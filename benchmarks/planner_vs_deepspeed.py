@@ -38,14 +38,14 @@ def rows() -> list[str]:
             _, ds2 = ds_zero2(psi, per_node, nodes, cpu_offload=offload)
             ours2 = model_state_bytes(psi, n, 2, "bf16", offload)
             out.append(f"| {name} | {n} | ZeRO-2{' + offload_optimizer' if offload else ''} | {_gib(ds2)} | "
-                       f"{_gib(ours2.total)} | {_gib(ours2.total - ds2)} |")
+                       f"{_gib(ours2.device)} | {_gib(ours2.device - ds2)} |")
         for offload in (False, True):
             _, ds3, _ = ds_zero3(psi, largest, per_node, nodes, cpu_offload=offload, cpu_offload_params=False)
             ours3 = model_state_bytes(psi, n, 3, "bf16", offload)
             layout = Layout(dp=n, micro_batch=1, grad_accum=1, zero_stage=3, precision="bf16")
             gathered = zero3_gathered_bytes(spec, layout)
             out.append(f"| {name} | {n} | ZeRO-3{' + offload_optimizer' if offload else ''} | {_gib(ds3)} | "
-                       f"{_gib(ours3.total)} + {_gib(gathered)} | {_gib(ours3.total + gathered - ds3)} |")
+                       f"{_gib(ours3.device)} + {_gib(gathered)} | {_gib(ours3.device + gathered - ds3)} |")
     return out
 
 

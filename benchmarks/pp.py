@@ -15,7 +15,15 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, Timer, bench_model, local_batches, peak_rss_bytes
+from benchmarks.common import (
+    LocalBatches,
+    Timer,
+    bench_model,
+    paratrain_optimizer,
+    peak_rss_bytes,
+    record_setup,
+    torch_adamw,
+)
 
 PP_MODEL = dict(n_layer=6)
 MICRO_BATCH = 2
@@ -26,7 +34,7 @@ def micro_batches(stages: int) -> int:
 
 
 def _boundaries(stages: int) -> list[int]:
-    from paratrain.pipeline.module import gpt_pipeline_module
+    from paratrain.models import gpt_pipeline_module
     from paratrain.pipeline.split import choose_boundaries
 
     return choose_boundaries(gpt_pipeline_module(bench_model(**PP_MODEL)), "parameters", stages)[0]
@@ -45,12 +53,13 @@ def paratrain_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int =
     p = dist.get_world_size()
     m = micro_batches(p)
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": m,
-           "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+           "gradient_clipping": 1.0, "optimizer": paratrain_optimizer(),
            "pipeline": {"stages": p, "schedule": schedule, "virtual_stages": virtual,
                         "partition": _boundaries(p * virtual)}}
-    engine, *_ = paratrain.initialize(model=bench_model(**PP_MODEL), config=cfg)
-    batches = local_batches(MICRO_BATCH, 1, 0, m)
-    timer = Timer(warmup)
+    model = bench_model(**PP_MODEL)
+    engine, *_ = paratrain.initialize(model=model, config=cfg)
+    batches = LocalBatches(MICRO_BATCH, 1, 0, m)
+    timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     bubbles = measured_bubbles(engine.pipeline_timeline())
     return timer.result(state_bytes=engine.memory_stats()["total"],
@@ -62,7 +71,7 @@ def paratrain_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int =
 def torch_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1) -> dict:
     from torch.distributed import pipelining
 
-    from paratrain.pipeline.module import gpt_pipeline_module
+    from paratrain.models import gpt_pipeline_module
 
     p, rank = dist.get_world_size(), dist.get_rank()
     m = micro_batches(p)
@@ -81,8 +90,8 @@ def torch_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1) 
             "interleaved": pipelining.ScheduleInterleaved1F1B}[schedule]
     runner = kind(stages if virtual > 1 else stages[0], n_microbatches=m, loss_fn=model.loss_fn)
     params = [q for s in stages for q in s.submod.parameters()]
-    opt = torch.optim.AdamW(params, **ADAMW)
-    batches = local_batches(MICRO_BATCH, 1, 0, m)
+    opt = torch_adamw(params)
+    batches = LocalBatches(MICRO_BATCH, 1, 0, m)
     first, last = 0 in mine, p * virtual - 1 in mine
 
     def step():
@@ -111,7 +120,7 @@ def torch_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1) 
         dist.all_reduce(loss, group=group)  # every rank reports the loss, as train_batch does
         return loss
 
-    timer = Timer(warmup)
+    timer = Timer(warmup, record_setup(opt, model, batches))
     timer.measure(steps, step)
     state = sum(q.numel() * q.element_size() for q in params) * 2 + sum(
         v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim() > 0)

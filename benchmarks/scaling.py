@@ -27,7 +27,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, BENCH_MODEL, Timer, bench_model, local_batches
+from benchmarks.common import (
+    BENCH_MODEL,
+    LocalBatches,
+    Timer,
+    bench_model,
+    check_same_setup,
+    paratrain_optimizer,
+    record_setup,
+    run_case,
+)
 from benchmarks.suite import DOC, RESULTS, ROOT, machine
 from paratrain.models import GPTConfig, gpt_config
 from paratrain.planner.memory import ceil_div, model_state_bytes
@@ -82,7 +91,7 @@ def run_point(strategy: str, model: dict, global_batch: int, steps: int, warmup:
     import paratrain
 
     n, rank, seq = dist.get_world_size(), dist.get_rank(), model_config(model).seq_len
-    cfg = {"gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}}
+    cfg = {"gradient_clipping": 1.0, "optimizer": paratrain_optimizer()}
     if strategy in ZERO_STAGE:  # stage 3 shards every parameter (the formula's 16Ψ/N), as benchmarks/zero.py
         dp, m = n, 1
         cfg["zero_optimization"] = {"stage": ZERO_STAGE[strategy], "stage3_param_persistence_threshold": 0}
@@ -94,9 +103,10 @@ def run_point(strategy: str, model: dict, global_batch: int, steps: int, warmup:
         cfg["pipeline"] = {"stages": n, "schedule": "1f1b"}
     micro = global_batch // (dp * m)
     cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=m)
-    batches = local_batches(micro, dp, rank % dp, m, seq_len=seq)
-    engine, *_ = paratrain.initialize(model=bench_model(**model), config=cfg)
-    timer = Timer(warmup)
+    batches = LocalBatches(micro, dp, rank % dp, m, seq_len=seq)
+    gpt = bench_model(**model)
+    engine, *_ = paratrain.initialize(model=gpt, config=cfg)
+    timer = Timer(warmup, record_setup(engine.optimizer, gpt, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     rank_params = sum(p.numel() for p in engine.module.parameters() if p.device.type != "meta")
     return timer.result(state_bytes=engine.memory_stats()["total"], rank_params=rank_params)
@@ -108,19 +118,21 @@ def measure(strategy: str, world: int, model: dict, global_batch: int, steps: in
     for attempt in (1, 2):  # a world killed by the shared machine (memory, load) gets one retry
         try:
             with World(world, timeout_s=900) as w:
-                ranks = w.run(run_point, strategy, model, global_batch, steps, warmup)
+                ranks = w.run(run_case, f"{strategy} world {world}", run_point, strategy, model, global_batch, steps,
+                              warmup)
             break
         except Exception as error:
             print(f"[scaling] {strategy} world {world} failed ({attempt}/2): {error}", file=sys.stderr, flush=True)
             if attempt == 2:
                 raise
+    check_same_setup({f"{strategy} world {world} rank {i}": r["setup"] for i, r in enumerate(ranks)})
     slowest = [max(step) for step in zip(*(r["step_times"] for r in ranks))]
     psi = model_config(model).num_params()
     point = {"strategy": strategy, "world": world, "model": model, "params": psi,
              "median_step_s": statistics.median(slowest), "step_times_slowest": slowest,
              "state_bytes": max(r["state_bytes"] for r in ranks), "formula_bytes": formula_bytes(strategy, psi, world),
              "state_bytes_per_rank": [r["state_bytes"] for r in ranks], "peak_rss": max(r["peak_rss"] for r in ranks),
-             "last_loss": ranks[0]["losses"][-1], "losses": ranks[0]["losses"]}
+             "last_loss": ranks[0]["losses"][-1], "losses": ranks[0]["losses"], "setup": ranks[0]["setup"]}
     if strategy in ("TP", "PP"):  # what the replicated / uneven parts add: 16 x the largest rank's parameters
         point["rank_formula_bytes"] = 16 * max(r["rank_params"] for r in ranks)
     return point
@@ -276,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                             plan["global_batch"], args.steps, args.warmup, done, start)
     curve_model = run_curve("model", [(s, plan["size_world"], m) for m in plan["size_models"] for s in STRATEGIES],
                             plan["global_batch"], args.steps, args.warmup, done, start)
+    # every point trained with the same optimizer, threads, dtype and seeds, or the curves compare nothing
+    check_same_setup({f"{p['strategy']} world {p['world']} {p['model']}": p.get("setup")
+                      for p in curve_world + curve_model if "skipped" not in p})
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "steps": args.steps, "warmup": args.warmup,
               **{k: plan[k] for k in ("global_batch", "world_model", "size_world", "size_models")},
               "seconds": round(time.time() - start), "curve_world": curve_world, "curve_model": curve_model}

@@ -4,7 +4,10 @@
     python -m benchmarks.suite --only ddp --repeats 5 --steps 20
 
 Each case runs in a fresh spawned world (so its peak RSS is its own); cases of a suite are interleaved
-(A B A B ...) so slow drifts of this noisy machine hit every case alike. Reported: the median over repeats
+(A B A B ...) so slow drifts of this noisy machine hit every case alike. Every case records what it built
+(optimizer class and flags, threads, dtype, seeds; `benchmarks.common.record_setup`) and refuses to time
+itself unless that is the common setup; the suite checks the records of all cases, repeats and ranks against
+each other before it compares anything, and writes them into the result JSON. Reported: the median over repeats
 of the median step time (a step's time is its slowest rank's), the ratio to the suite's baseline, the
 peak RSS of the largest rank, model-state bytes per rank, and the last loss of each case.
 """
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import check_same_setup, run_case
 from paratrain.testing import World
 
 SUITES = ["ddp", "zero", "tp", "pp", "cp", "ckpt"]
@@ -52,9 +56,12 @@ def run_suite(name: str, repeats: int, steps: int, warmup: int) -> dict:
         for case, (fn, world_size) in module.CASES.items():
             print(f"[{name}] repeat {r + 1}/{repeats}: {case}", file=sys.stderr, flush=True)
             with World(world_size, timeout_s=900) as world:
-                raw[case].append(world.run(fn, steps, warmup))
+                raw[case].append(world.run(run_case, case, fn, steps, warmup))
+    check_same_setup({f"{case} (repeat {r + 1}, rank {k})": rank.get("setup")
+                      for case, runs in raw.items() for r, ranks in enumerate(runs) for k, rank in enumerate(ranks)})
     peers, reference = getattr(module, "PEERS", None), getattr(module, "REFERENCE", None)
-    return {"suite": name, "baseline": module.BASELINE, "repeats": repeats, "steps": steps, "raw": raw,
+    return {"suite": name, "baseline": module.BASELINE, "repeats": repeats, "steps": steps,
+            "setup": {case: runs[0][0]["setup"] for case, runs in raw.items()}, "raw": raw,
             "peers": peers, "reference": reference,
             "summary": summarize(raw, module.BASELINE, peers, reference)}
 
@@ -138,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-doc", action="store_true", help="print tables, do not touch docs/benchmarks.md")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="where the result JSON goes (a smoke run: a temporary folder, and --no-doc)")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.results.mkdir(parents=True, exist_ok=True)
     for name in args.only.split(","):
         result = run_suite(name, args.repeats, args.steps, args.warmup)
-        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (args.results / f"{name}.json").write_text(json.dumps(result, indent=1))
         body = table(result)
         print(f"\n## {name}\n{body}\n")
         if not args.no_doc:

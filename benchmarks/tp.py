@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, Timer, bench_model, local_batches
+from benchmarks.common import LocalBatches, Timer, bench_model, paratrain_optimizer, record_setup, torch_adamw
 
 MICRO_BATCH = 8
 TP = 2
@@ -22,11 +22,12 @@ def _paratrain(steps: int, warmup: int, sequence_parallel: bool) -> dict:
     import paratrain
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+           "optimizer": paratrain_optimizer(),
            "tensor_parallel": {"size": TP, "sequence_parallel": sequence_parallel}}
-    engine, *_ = paratrain.initialize(model=bench_model(), config=cfg)
-    batches = local_batches(MICRO_BATCH, 1, 0)  # dp = 1: both tp ranks see the same batch
-    timer = Timer(warmup)
+    model = bench_model()
+    engine, *_ = paratrain.initialize(model=model, config=cfg)
+    batches = LocalBatches(MICRO_BATCH, 1, 0)  # dp = 1: both tp ranks see the same batch
+    timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     return timer.result(state_bytes=engine.memory_stats()["total"])
 
@@ -101,6 +102,16 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> None:
         torch._foreach_mul_(grads, coef)
 
 
+def _param_groups(model: torch.nn.Module) -> list[dict]:
+    """DTensor parameters and plain ones (the norms without SP, the position table) in two param groups of
+    the same hyper-parameters: torch's fused AdamW runs one kernel per group and refuses a mix of the two."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": group} for group in groups if group]
+
+
 def _torch(steps: int, warmup: int, sequence_parallel: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -109,8 +120,8 @@ def _torch(steps: int, warmup: int, sequence_parallel: bool) -> dict:
     mesh = init_device_mesh("cpu", (TP,))
     model = bench_model()
     parallelize_module(model, mesh, _torch_plan(model.config.n_layer, sequence_parallel))
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    batches = local_batches(MICRO_BATCH, 1, 0)
+    opt = torch_adamw(_param_groups(model))
+    batches = LocalBatches(MICRO_BATCH, 1, 0)
 
     def step():
         x, y = next(batches)
@@ -119,10 +130,12 @@ def _torch(steps: int, warmup: int, sequence_parallel: bool) -> dict:
             loss.backward()
         _clip_grad_norm(model, 1.0)
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        # torch's default (and torchtitan's): zeroing in place would be one foreach kernel over the mixed
+        # DTensor / plain gradients, which torch refuses under the fused optimizer
+        opt.zero_grad(set_to_none=True)
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
-    timer = Timer(warmup)
+    timer = Timer(warmup, record_setup(opt, model, batches))
     timer.measure(steps, step)
 
     def local(t):

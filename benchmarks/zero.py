@@ -2,9 +2,9 @@
 
 Every case trains the same GPT from the same seed on the same batches with the same optimizer: torch's
 AdamW (fused, lr 1e-3, betas (0.9, 0.95), weight decay 0.1 — passed explicitly, since DeepSpeed's AdamW
-defaults to weight decay 0 and torch's to 0.01) and global-norm clipping at 1.0, fp32. DeepSpeed gets the
-torch optimizer as a client optimizer (its own FusedAdam needs a compiled op) and runs on its CPU
-accelerator (DS_ACCELERATOR=cpu, set by the suite) over the gloo group already initialized. Every
+defaults to weight decay 0 and torch's to 0.01) and global-norm clipping at 1.0, fp32. DeepSpeed builds it
+from its own config section (`"torch_adam": true, "fused": true`; its FusedAdam needs a compiled op) and runs
+on its CPU accelerator (DS_ACCELERATOR=cpu, set by the suite) over the gloo group already initialized. Every
 sharded case uses stage3_param_persistence_threshold = 0 (shard everything, as FSDP2 does), so the
 memory columns compare the same sharding. "reference" is one process on the whole global batch (16): its
 losses are what every other case must reproduce; its time is not comparable.
@@ -17,10 +17,17 @@ import logging
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, Timer, bench_model, local_batches
+from benchmarks.common import (
+    LocalBatches,
+    Timer,
+    bench_model,
+    deepspeed_optimizer,
+    paratrain_optimizer,
+    record_setup,
+    torch_adamw,
+)
 
 MICRO_BATCH = 8
-OPTIMIZER = {**ADAMW, "fused": True}
 
 
 def _mean_loss(loss: torch.Tensor) -> torch.Tensor:
@@ -39,15 +46,16 @@ def _tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _paratrain(stage: int, steps: int, warmup: int) -> dict:
+def _paratrain(stage: int, steps: int, warmup: int, **options) -> dict:
     import paratrain
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = paratrain.initialize(model=bench_model(), config=cfg)
-    batches = local_batches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
-    timer = Timer(warmup)
+           "optimizer": paratrain_optimizer(),
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **options}}
+    model = bench_model()
+    engine, *_ = paratrain.initialize(model=model, config=cfg)
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     return timer.result(state_bytes=engine.memory_stats()["total"])
 
@@ -64,6 +72,20 @@ def paratrain_zero3(steps: int, warmup: int) -> dict:
     return _paratrain(3, steps, warmup)
 
 
+# The overlap and memory options side by side with the defaults (issue 14): the post-step all-gather at the end
+# of the step instead of behind the next forward, and stage 1's gradient buckets freed between steps.
+def paratrain_zero1_gather_at_step_end(steps: int, warmup: int) -> dict:
+    return _paratrain(1, steps, warmup, overlap_param_gather=False)
+
+
+def paratrain_zero2_gather_at_step_end(steps: int, warmup: int) -> dict:
+    return _paratrain(2, steps, warmup, overlap_param_gather=False)
+
+
+def paratrain_zero1_free_grad_buckets(steps: int, warmup: int) -> dict:
+    return _paratrain(1, steps, warmup, free_grad_buckets=True)
+
+
 def torch_fsdp2(steps: int, warmup: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -71,8 +93,8 @@ def torch_fsdp2(steps: int, warmup: int) -> dict:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
-    batches = local_batches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    opt = torch_adamw(model.parameters())
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
 
     def step():
         x, y = next(batches)
@@ -83,7 +105,7 @@ def torch_fsdp2(steps: int, warmup: int) -> dict:
         opt.zero_grad()
         return _mean_loss(loss)
 
-    timer = Timer(warmup)
+    timer = Timer(warmup, record_setup(opt, model, batches))
     timer.measure(steps, step)
     state = _tensor_bytes([*model.parameters(), *(p.grad for p in model.parameters())] +
                           [v for s in opt.state.values() for v in s.values()])
@@ -95,12 +117,12 @@ def _deepspeed(stage: int, steps: int, warmup: int) -> dict:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     model = bench_model()
-    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
-              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+              "optimizer": deepspeed_optimizer(), "steps_per_print": 10**9,
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
-    batches = local_batches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      dist_init_required=False)
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
 
     def step():
         x, y = next(batches)
@@ -109,7 +131,7 @@ def _deepspeed(stage: int, steps: int, warmup: int) -> dict:
         engine.step()
         return _mean_loss(loss)
 
-    timer = Timer(warmup)
+    timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, step)
     return timer.result(state_bytes=_deepspeed_state_bytes(engine))
 
@@ -146,8 +168,8 @@ def deepspeed_zero3(steps: int, warmup: int) -> dict:
 
 def reference(steps: int, warmup: int) -> dict:
     model = bench_model()
-    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
-    batches = local_batches(2 * MICRO_BATCH, 1, 0)  # the global batch of the 2-rank cases
+    opt = torch_adamw(model.parameters())
+    batches = LocalBatches(2 * MICRO_BATCH, 1, 0)  # the global batch of the 2-rank cases
 
     def step():
         x, y = next(batches)
@@ -158,7 +180,7 @@ def reference(steps: int, warmup: int) -> dict:
         opt.zero_grad(set_to_none=False)
         return loss.detach()
 
-    timer = Timer(warmup)
+    timer = Timer(warmup, record_setup(opt, model, batches))
     timer.measure(steps, step)
     return timer.result(state_bytes=_tensor_bytes([*model.parameters(), *(p.grad for p in model.parameters())] +
                                                   [v for s in opt.state.values() for v in s.values()]))
@@ -168,6 +190,9 @@ CASES = {
     "paratrain ZeRO-1": (paratrain_zero1, 2),
     "paratrain ZeRO-2": (paratrain_zero2, 2),
     "paratrain ZeRO-3": (paratrain_zero3, 2),
+    "paratrain ZeRO-1, gather at step end": (paratrain_zero1_gather_at_step_end, 2),
+    "paratrain ZeRO-2, gather at step end": (paratrain_zero2_gather_at_step_end, 2),
+    "paratrain ZeRO-1, free grad buckets": (paratrain_zero1_free_grad_buckets, 2),
     "torch FSDP2": (torch_fsdp2, 2),
     "DeepSpeed ZeRO-1": (deepspeed_zero1, 2),
     "DeepSpeed ZeRO-2": (deepspeed_zero2, 2),
@@ -178,8 +203,9 @@ BASELINE = "torch FSDP2"
 # Each of our stages against its peers, ratio of median step times (the targets: <= 1.00 vs FSDP2,
 # <= 0.85 vs DeepSpeed at the same stage).
 PEERS = {
-    "paratrain ZeRO-1": ["DeepSpeed ZeRO-1"],
-    "paratrain ZeRO-2": ["DeepSpeed ZeRO-2"],
+    "paratrain ZeRO-1": ["DeepSpeed ZeRO-1", "paratrain ZeRO-1, gather at step end",
+                         "paratrain ZeRO-1, free grad buckets"],
+    "paratrain ZeRO-2": ["DeepSpeed ZeRO-2", "paratrain ZeRO-2, gather at step end"],
     "paratrain ZeRO-3": ["torch FSDP2", "DeepSpeed ZeRO-3"],
 }
 REFERENCE = "reference (1 process)"

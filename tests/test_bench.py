@@ -27,6 +27,7 @@ def test_every_case_is_a_valid_layout_with_the_same_global_batch(nproc):
         select(nproc, "ddp,zero4")
 
 
+@pytest.mark.multiprocess
 def test_bench_counts_are_exact_and_the_table_lands_between_markers(tmp_path):
     doc = tmp_path / "strategies.md"
     doc.write_text(f"# Strategies\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")

@@ -4,6 +4,7 @@ its report (tables, sentences, images, doc section) is built from any full-plan 
 from __future__ import annotations
 
 from benchmarks import scaling
+from benchmarks.common import expected_setup
 
 
 def test_formulas_are_the_fp32_adamw_model_state_per_rank():
@@ -36,7 +37,7 @@ def _fake_measure(strategy, world, model, global_batch, steps, warmup):
     state = scaling.formula_bytes(strategy, psi, world) + (64 * world if strategy in ("TP", "PP") else 0)
     point = {"strategy": strategy, "world": world, "model": model, "params": psi, "median_step_s": 0.1 * world,
              "state_bytes": state, "formula_bytes": scaling.formula_bytes(strategy, psi, world),
-             "peak_rss": 300 * 2**20, "last_loss": 5.0}
+             "peak_rss": 300 * 2**20, "last_loss": 5.0, "setup": expected_setup()}
     if strategy in ("TP", "PP"):
         point["rank_formula_bytes"] = state
     return point
