@@ -97,3 +97,11 @@ def test_config_reference_in_docs_is_current():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
     assert generate() in doc, "docs/config.md is stale: run python -m paratrain.config.reference --write docs/config.md"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_resolved_config_loads_again_at_every_stage(stage):
+    # A run writes its resolved config (every field, defaults included) to config.json; loading that file must
+    # not trip the checks that refuse options set at stages they do nothing at.
+    resolved = load_config({"zero_optimization": {"stage": stage}}).model_dump(mode="json")
+    assert load_config(resolved).model_dump(mode="json") == resolved

@@ -1,6 +1,7 @@
 """Typed, validated configuration (DeepSpeed-compatible keys plus parallelism sections)."""
 
-from paratrain.config.load import DEEPSPEED_UNSUPPORTED, ConfigError, load_config, resolve_batch
+from paratrain.config.errors import ConfigError
+from paratrain.config.load import DEEPSPEED_UNSUPPORTED, load_config, resolve_batch
 from paratrain.config.schema import (
     ActivationCheckpointingConfig,
     CheckpointConfig,

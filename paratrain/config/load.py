@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from paratrain.config.errors import ConfigError
+from paratrain.config.params import check_optimizer_params, check_scheduler_params
 from paratrain.config.schema import Config
 
 # DeepSpeed sections we know and do not implement. Present with enabled=false they are harmless;
@@ -32,10 +34,6 @@ DEEPSPEED_UNSUPPORTED = {
 
 # Keys that moved: a config still using the old place gets told the new one.
 MOVED_KEYS = {"trainer.save_every": "checkpoint.save_every"}
-
-
-class ConfigError(ValueError):
-    """A configuration problem. The message names the key, shows the value and says what to do."""
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
@@ -86,7 +84,7 @@ def _explain(error: ValidationError) -> ConfigError:
 def load_config(source: Config | dict | str | os.PathLike | None) -> Config:
     """Build a Config from a dict, a JSON file path or an existing Config (copied)."""
     if isinstance(source, Config):
-        return source.model_copy(deep=True)
+        return _with_checked_params(source.model_copy(deep=True))
     if source is None:
         raw: dict = {}
     elif isinstance(source, dict):
@@ -105,9 +103,20 @@ def load_config(source: Config | dict | str | os.PathLike | None) -> Config:
     # Disabled DeepSpeed-only sections passed the key check; they change nothing, so drop them.
     raw = {k: v for k, v in raw.items() if k in Config.model_fields}
     try:
-        return Config.model_validate(raw)
+        config = Config.model_validate(raw)
     except ValidationError as exc:
         raise _explain(exc) from None
+    return _with_checked_params(config)
+
+
+def _with_checked_params(config: Config) -> Config:
+    """The optimizer's and scheduler's params by name and type: their constructors run only after the
+    process groups exist, where an error would not name the key (see config/params.py)."""
+    if config.optimizer is not None:
+        check_optimizer_params(config.optimizer.type, config.optimizer.params)
+    if config.scheduler is not None:
+        check_scheduler_params(config.scheduler.type, config.scheduler.params)
+    return config
 
 
 def resolve_batch(config: Config, world_size: int) -> Config:

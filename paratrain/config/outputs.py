@@ -1,0 +1,86 @@
+"""Config sections of what a run writes and how it talks: monitors, communication logging, checkpoints, the
+trainer's outputs."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from paratrain.config.section import Section
+
+
+class TensorboardConfig(Section):
+    """TensorBoard events of every optimizer step (needs the tensorboard package: paratrain[monitor])."""
+
+    enabled: bool = False
+    output_path: str = ""
+    """Directory that gets the job_name folder ("" = the working directory), as in DeepSpeed."""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CsvMonitorConfig(Section):
+    """One CSV file per metric (step,value), DeepSpeed's csv_monitor: output_path/job_name/Train_Samples_lr.csv."""
+
+    enabled: bool = False
+    output_path: str = ""
+    """Directory that gets the job_name folder ("" = the working directory), as in DeepSpeed."""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CommConfig(Section):
+    """Collective time-outs: a collective that waits longer reports what it was waiting in and stops."""
+
+    timeout_s: float = Field(600.0, gt=0.0)
+    """Seconds a collective may wait before the job stops with a report (also the backend's own timeout)."""
+    report_dir: str = ""
+    """Where each stopped rank writes hang_report_rank{r}.json; empty: the run directory under
+    `paratrain train`, else the current directory."""
+
+
+class CheckpointConfig(Section):
+    """Sharded checkpoints (docs/checkpoints.md): DeepSpeed's `checkpoint` keys, plus where and how often the
+    engine saves by itself and whether a (re)started job resumes from the newest complete checkpoint."""
+
+    dir: str | None = None
+    """Directory the engine saves to every `save_every` steps and `auto_resume` loads from."""
+    save_every: int = Field(0, ge=0)
+    """Save after every N-th optimizer step (0: only when engine.save_checkpoint is called)."""
+    auto_resume: bool = False
+    """initialize() loads the newest complete checkpoint in `dir` when there is one (restarted jobs continue)."""
+    keep_last: int = Field(0, ge=0)
+    """After each save, delete all but the N newest complete checkpoints in the directory (0 keeps all)."""
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    """DeepSpeed's: when ranks pass different tags to save_checkpoint, warn (and use rank 0's), fail, or ignore."""
+    load_universal: bool = False
+    """Accepted for DeepSpeed compatibility: every paratrain checkpoint loads under any layout."""
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _capitalized(cls, value: Any) -> Any:
+        return value.capitalize() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _needs_dir(self) -> CheckpointConfig:
+        if self.dir is None and (self.save_every or self.auto_resume):
+            raise ValueError("checkpoint.save_every / checkpoint.auto_resume need checkpoint.dir, the directory to "
+                             "save to and resume from")
+        return self
+
+
+class TrainerConfig(Section):
+    """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
+
+    model: str = "gpt-tiny"
+    """GPT preset (gpt-tiny, gpt-mini, gpt-small, gpt-125m, ...); `paratrain verify` also takes a user model as
+    'package.module:factory', built as factory(**model_overrides)."""
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    """GPTConfig fields to replace, e.g. {"n_layer": 8}."""
+    steps: int = Field(300, ge=1)
+    """Optimizer steps to train."""
+    eval_every: int = Field(100, ge=0)
+    """Validation loss every N steps (and at the end); 0 disables."""
+    eval_batches: int = Field(4, ge=1)
+    run_dir: str = "runs/latest"
+    """Where config.json, metrics.jsonl/.csv and summary.json go."""
+    progress_bar: bool = True

@@ -1,0 +1,84 @@
+"""Config sections of the layout: data, tensor, pipeline and context parallelism, activation checkpointing."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from paratrain.config.section import Section
+
+
+class DataParallelConfig(Section):
+    """paratrain's own DDP knobs. `size=-1` means world / (pp*cp*tp)."""
+
+    size: int = -1
+    bucket_cap_mb: float = Field(25.0, gt=0.0)
+    """DDP gradient bucket size; a bucket's all-reduce starts as soon as it is full."""
+    allow_unused_parameters: bool = False
+    """Treat parameters that get no gradient as zero instead of raising."""
+    broadcast_buffers: bool = True
+    """Broadcast buffers from dp rank 0 at start (parameters always are)."""
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("must be a positive integer, or -1 for 'the rest of the world'")
+        return value
+
+
+class TensorParallelConfig(Section):
+    """Megatron-style tensor parallelism over the tp axis (see docs/strategies.md)."""
+
+    size: int = Field(1, ge=1)
+    """Ranks that split each layer's weight matrices (consecutive ranks of the mesh)."""
+    sequence_parallel: bool = False
+    """Norm/dropout/residual regions hold s/tp tokens; all-gathers and reduce-scatters replace the all-reduces."""
+    plan: dict[str, str] | str | None = None
+    """{module-path pattern: style}, or a built-in plan name ("gpt"); None uses the model's ready plan (GPT)."""
+
+
+class PipelineConfig(Section):
+    """Pipeline parallelism: the model's layers cut into stages over the pp axis (see docs/strategies.md)."""
+
+    stages: int = Field(1, ge=1)
+    """Pipeline ranks (p); 1 disables pipelining."""
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    """Order of forwards and backwards: gpipe, 1f1b, interleaved (virtual_stages chunks per rank), zb-h1."""
+    micro_batches: int | None = Field(None, ge=1)
+    """Micro-batches per optimizer step (m): the same number as gradient_accumulation_steps, which it sets."""
+    virtual_stages: int = Field(1, ge=1)
+    """Stages (chunks) per rank for the interleaved schedule (v)."""
+    partition: Literal["uniform", "parameters", "balanced"] | list[int] = "parameters"
+    """How layers are cut: uniform (count), parameters, balanced (profiled time), or boundaries [0, ..., L]."""
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+class ContextParallelConfig(Section):
+    """Ring attention over the cp axis: each rank holds 2 mirrored chunks of every sequence."""
+
+    size: int = Field(1, ge=1)
+    """Ranks that split each sequence (the model's seq_len must be divisible by 2 x size)."""
+
+
+class ActivationCheckpointingConfig(Section):
+    """Recompute activations in backward instead of keeping them (in every layout; see docs/strategies.md)."""
+
+    enabled: bool = False
+    """Turn recomputation on."""
+    granularity: Literal["full", "selective"] = "full"
+    """full: each transformer block keeps only its input (children of an nn.ModuleList; a PipelineModule's
+    layers); selective: only the attention cores are recomputed (Korthikanti et al.)."""
+    # DeepSpeed's keys: DeepSpeed's engine ignores them too (only deepspeed.checkpointing.configure reads them,
+    # and paratrain refuses deepspeed.checkpointing by name), so a tutorial config loads unchanged.
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
