@@ -19,6 +19,9 @@ states (master, its gradient at stages 2-3, optimizer state) are counted under "
 count (`grad_sync.padded_numel()`) to get a strategy's figure to the byte; with the raw count the
 difference is the padding (< N elements per flat buffer). Transient buffers (buckets in flight, a gathered
 unit, the fp32 gradient copy at stages 0-1 under mixed precision) are not model state and are not counted.
+With `free_grad_buckets` (stages 0-1, `zero_optimization.free_grad_buckets`) the gradient buckets exist only
+from a backward to the update, so between steps, where `memory_stats()` measures, the grads term is 0: pΨ less
+(4Ψ in fp32) during every forward.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ OFFLOAD = ("none", "optimizer", "optimizer+param")
 
 
 def estimate_memory(model: nn.Module | int, dp: int, stage: int, offload: str = "none", precision: str = "fp32",
-                    optimizer_state_bytes: int = 8, persistent_params: int = 0) -> dict[str, int]:
+                    optimizer_state_bytes: int = 8, persistent_params: int = 0,
+                    free_grad_buckets: bool = False) -> dict[str, int]:
     """Per-rank model-state bytes: params, grads, optimizer_state, total, and the host/device split."""
     psi = model if isinstance(model, int) else sum(p.numel() for p in model.parameters() if p.requires_grad)
     if stage not in (0, 1, 2, 3):
@@ -56,6 +60,8 @@ def estimate_memory(model: nn.Module | int, dp: int, stage: int, offload: str = 
         device_shard = p * shard if offload == "optimizer" else 0
         params = 4 * shard + device_shard + p * persistent_params
         grads = 4 * shard
+    if free_grad_buckets and stage <= 1:
+        grads = 0  # the buckets (and, mixed, the fp32 gradient copy) exist from a backward to the update only
     optim = k * shard
     host = 0
     if off:

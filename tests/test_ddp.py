@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import paratrain
 from paratrain.config import ConfigError
-from paratrain.testing.parity import layout_parity
+from paratrain.testing.parity import TOLERANCE, layout_parity
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
 STEPS = 5
@@ -194,3 +194,32 @@ def test_destroy_frees_the_engines_groups(world2):
         # without destroy every engine leaves its groups' gloo threads behind (+9 per engine measured)
         assert r["threads"][2] == r["threads"][0], r
         assert "engine.destroy() was called" in r["error"], r
+
+
+# Adafactor keeps factored (row / column) second moments for matrices: a per-tensor optimizer, wrong on the
+# flat 1-d shards ZeRO hands out, right when the optimizer sees each parameter whole.
+ADAFACTOR = {"type": "Adafactor", "params": {"lr": 0.01}}
+
+
+def _per_tensor_optimizer() -> list[dict]:
+    data, out = corpus_windows(), []
+    for precision in ("fp32", "bf16"):
+        cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2, optimizer=ADAFACTOR)
+        if precision != "fp32":
+            cfg[precision] = {"enabled": True}
+
+        def shapes(engine):
+            return {"shapes": sorted(tuple(p.shape) for g in engine.optimizer.param_groups for p in g["params"]),
+                    "dtypes": {str(p.dtype) for g in engine.optimizer.param_groups for p in g["params"]}}
+
+        out.append({"precision": precision, **layout_parity(cfg, tiny_gpt, data, STEPS, inspect=shapes)})
+    return out
+
+
+def test_ddp_hands_the_optimizer_one_tensor_per_parameter_in_every_precision(world2):
+    want = sorted(tuple(p.shape) for p in tiny_gpt().parameters())
+    for r in world2.run(_per_tensor_optimizer)[0]:
+        assert r["shapes"] == want and r["dtypes"] == {"torch.float32"}, r  # whole fp32 tensors, not flat shards
+        tol = 1e-5 if r["precision"] == "fp32" else TOLERANCE["bf16"]
+        assert r["loss_err"] <= tol and r["param_err"] <= tol, r
+        assert r["losses"][-1] < r["losses"][0], r

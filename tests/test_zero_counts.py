@@ -14,6 +14,8 @@ import paratrain
 from paratrain.zero import estimate_memory
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ODD = dict(d_model=31, n_head=1, d_ff=125, seq_len=15, vocab_size=251)
 
 

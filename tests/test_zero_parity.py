@@ -10,8 +10,11 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.testing.parity import layout_parity
+from paratrain.testing.parity import compare, layout_parity, reference_config, run_layout, summarize
+from paratrain.testing.reference import reference_run
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 STEPS = 5
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
@@ -54,30 +57,63 @@ def test_fp32_parity_every_stage_accumulation_and_optimizer(world, request):
             assert r["trains"], r
 
 
+def _errors(run, ref) -> dict:
+    rows = compare(run, ref)
+    return {"first_loss": rows[0].loss_err, **{k: summarize(rows)[f"{k}_err"] for k in ("loss", "param")}}
+
+
+def _mixed_run(cfg: dict, precision: str, data, references: dict) -> dict:
+    """One layout against the reference in its own dtype ("same") and the fp32 one ("fp32")."""
+    run = run_layout(cfg, tiny_gpt, data, STEPS)
+    same = reference_config(cfg, run)
+    out = {"stage": cfg["zero_optimization"]["stage"], "acc": cfg["gradient_accumulation_steps"],
+           "trains": run.losses[-1] < run.losses[0]}
+    for name, ref_cfg in (("same", same), ("fp32", {k: v for k, v in same.items() if k != precision})):
+        key = (name, precision, same["train_batch_size"])
+        if key not in references:
+            references[key] = reference_run(tiny_gpt, ref_cfg, data, STEPS)
+        out[name] = _errors(run, references[key])
+    return out
+
+
 def _mixed_matrix(precision: str) -> list[dict]:
     data, references, out = corpus_windows(), {}, []
     for accumulation in (1, 2):
         for stage in (0, 1, 2, 3):
-            out.append(_run(_config(stage, accumulation, precision=precision), data, references))
+            out.append(_mixed_run(_config(stage, accumulation, precision=precision), precision, data, references))
     return out
 
 
 # [Note: mixed-precision tolerances] The reference is one process computing the whole global batch in the
 # same low dtype with fp32 masters. The distributed runs differ from it by rounding alone (smaller batches
 # per matmul, low-precision sums over ranks), which Adam turns into lr-sized moves of the elements whose
-# gradient is near zero. The bound is set from what rounding alone does: one process splitting the same
-# batch into 2 micro-batches differs from the whole-batch run by 8.9e-3 (bf16) / 3.4e-3 (fp16) in the
-# parameters. Without accumulation the bound is tighter. The same bf16 runs differ from the fp32 reference
-# by 3.4e-2, outside every bound.
-TOLERANCE = {("bf16", 1): {"loss": 1e-4, "param": 1e-2}, ("bf16", 2): {"loss": 1e-4, "param": 2.5e-2},
-             ("fp16", 1): {"loss": 2e-5, "param": 4e-3}, ("fp16", 2): {"loss": 2e-5, "param": 2e-2}}
+# gradient is near zero. Each bound must also separate what it tolerates from the effect of the dtype: the
+# same run compared with the fp32 reference must fall outside it, and MARGIN times farther. Measured, worst
+# over stages 0-3, against the same-dtype / the fp32 reference:
+#   first-step loss  bf16 8.6e-8 / 8.5e-6 (acc 1), 1.6e-6 (acc 2);  fp16 0 / 5.2e-7 (acc 1), 8.6e-8 / 9.5e-7
+#   loss, 5 steps    bf16 8.0e-6 / 2.7e-4 (acc 1), 4.1e-5 / 1.9e-4;  fp16 1.8e-6 / 8.4e-6 (acc 1), 6.5e-6 / 1.1e-5
+#   parameters       bf16 6.3e-3 / 4.1e-2 (acc 1), 1.3e-2 / 2.6e-2;  fp16 2.0e-3 / 8.9e-3 (acc 1), 1.0e-2 / 1.1e-2
+# Every bound separates except fp16 with accumulation after five steps: there fp16's own effect on this tiny
+# model is smaller than the rounding noise Adam amplifies, and only the first-step loss tells fp16 from fp32
+# (SEPARATES lists which bounds are asserted to separate).
+TOLERANCE = {("bf16", 1): {"first_loss": 4e-7, "loss": 1e-4, "param": 1e-2},
+             ("bf16", 2): {"first_loss": 4e-7, "loss": 1e-4, "param": 2e-2},
+             ("fp16", 1): {"first_loss": 2e-7, "loss": 4e-6, "param": 4e-3},
+             ("fp16", 2): {"first_loss": 2e-7, "loss": 2e-5, "param": 2e-2}}
+SEPARATES = {("bf16", 1): ("first_loss", "loss", "param"), ("bf16", 2): ("first_loss", "loss", "param"),
+             ("fp16", 1): ("first_loss", "loss", "param"), ("fp16", 2): ("first_loss",)}
+MARGIN = 1.5  # the fp32 reference is at least this many times farther than the same-dtype one
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_parity_every_stage(world2, precision):
     for r in world2.run(_mixed_matrix, precision)[0]:
         tol = TOLERANCE[(precision, r["acc"])]
-        assert r["loss_err"] <= tol["loss"] and r["param_err"] <= tol["param"], r
+        for metric, bound in tol.items():
+            assert r["same"][metric] <= bound, (metric, r)
+        for metric in SEPARATES[(precision, r["acc"])]:  # the bound would reject the run computed in fp32
+            same, fp32 = r["same"][metric], r["fp32"][metric]
+            assert fp32 > tol[metric] and fp32 >= MARGIN * same, (metric, r)
         assert r["trains"], r
 
 

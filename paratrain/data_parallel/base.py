@@ -1,14 +1,15 @@
 """The contract between the engine and a data-parallel strategy (DDP, ZeRO-1/2, ZeRO-3).
 
 The engine never looks inside a strategy: it tells it when a backward is about to run (and whether it
-ends a gradient-accumulation window), asks it to finish gradient reduction, for the global gradient norm,
-to scale gradients (clipping), to step, and to zero gradients. Each strategy owns where gradients and
-optimizer states live, which is the whole difference between DDP and the ZeRO stages.
+ends a gradient-accumulation window), asks it to finish gradient reduction, for its gradients (the engine
+computes the global norm from them, `paratrain.grad_norm`), to scale gradients (clipping), to step, and to
+zero gradients. Each strategy owns where gradients and optimizer states live, which is the whole difference
+between DDP and the ZeRO stages. A strategy is given one axis, the one it averages gradients over, and
+knows nothing of the model-parallel axes: what they did is recorded on the parameters (`paratrain.placement`).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -17,10 +18,39 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain import comm
-from paratrain.mesh import Axis, Mesh
+import paratrain.comm as comm
+from paratrain.errors import Error
+from paratrain.mesh import Axis
+from paratrain.placement import Placement
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+class UnusedParametersError(Error, RuntimeError):
+    """Parameters that took part in no backward of a step (every data-parallel strategy raises this one)."""
+
+    @classmethod
+    def naming(cls, missing: list[str]) -> UnusedParametersError:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        return cls(f"{len(missing)} parameter(s) received no gradient in this step: {shown}. Either use them in "
+                   f"the forward pass, freeze them (requires_grad=False), or set data_parallel."
+                   f"allow_unused_parameters to true")
+
+
+def broadcast_module_state(module: nn.Module, axis: Axis, src: int = 0, buffers: bool = True) -> None:
+    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype."""
+    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            comm.broadcast(flat, axis, src=src, tag="init")
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def weak_hook(method):
@@ -57,24 +87,16 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
             if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
-def model_parallel_weight(param: nn.Parameter, mesh: Mesh) -> float:
-    """How much of this parameter's squared gradient norm a rank contributes to the global norm.
-
-    A parameter sharded over tp contributes fully (the shards are disjoint); one replicated over tp is
-    present on every tp rank with the same gradient (sequence parallelism sums the gradients of norms that
-    saw different tokens before they land), so each contributes 1/tp and the sum over tp counts it once.
-    Pipeline stages hold disjoint parameters, so pp needs no weight. Over dp x cp every rank holds the same
-    averaged gradient, so nothing is summed there, except by strategies whose ranks hold disjoint slices
-    (ZeRO), which add their slices over dp x cp first.
-    """
-    tp = mesh.size("tp")
-    return 1.0 if tp == 1 or getattr(param, "tp_sharded", False) else 1.0 / tp
-
-
-def sum_over_model_parallel(local_sq: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """Sum squared-norm contributions over the pp x tp ranks that hold different parameters."""
-    comm.all_reduce(local_sq, mesh.axis(("pp", "tp")), tag="grad_norm")
-    return local_sq
+def placement_spans(tensors: list[tuple[int, int, Placement]]) -> list[tuple[int, int, Placement]]:
+    """Merge consecutive (start, end, placement) ranges of one flat buffer that share a placement, so the
+    gradient norm reads the buffer in as few pieces as possible (one, when its parameters share one placement)."""
+    out: list[tuple[int, int, Placement]] = []
+    for start, end, placement in tensors:
+        if out and out[-1][2] == placement and out[-1][1] == start:
+            out[-1] = (out[-1][0], end, placement)
+        else:
+            out.append((start, end, placement))
+    return out
 
 
 @dataclass(frozen=True)
@@ -91,11 +113,11 @@ class MasterSegment:
 class GradSync(ABC):
     """A data-parallel strategy: owns gradient reduction, optimizer placement and the update."""
 
-    def __init__(self, module: nn.Module, mesh: Mesh):
+    def __init__(self, module: nn.Module, axis: Axis):
         self.module = module
-        self.mesh = mesh
-        # Gradients are averaged over every rank that saw different data: dp, and cp (other tokens).
-        self.axis: Axis = mesh.axis(("dp", "cp"))
+        # Gradients are averaged over this axis: every rank of it saw different data (the engine passes dp x
+        # cp: context-parallel ranks saw other tokens of the same samples). The strategy knows no other axis.
+        self.axis = axis
         self.optimizer: torch.optim.Optimizer | None = None
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
@@ -113,8 +135,14 @@ class GradSync(ABC):
         """After the last backward of a window: complete every reduction; gradients are then averaged."""
 
     @abstractmethod
-    def local_grad_sq(self) -> torch.Tensor:
-        """This rank's contribution to the global squared gradient norm (a float32 scalar tensor)."""
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
+        """Every gradient element this rank holds once, in pieces with the placement of their parameters
+        (for the global norm, `paratrain.grad_norm`); valid between finish_gradients and zero_grad."""
+
+    @property
+    @abstractmethod
+    def shards_gradients(self) -> bool:
+        """True when the ranks of `self.axis` hold disjoint slices of the averaged gradient (ZeRO)."""
 
     @abstractmethod
     def scale_gradients(self, factor: float) -> None:
@@ -151,19 +179,11 @@ class GradSync(ABC):
         them (collective over `self.axis` where parameters are gathered) and start a new window."""
 
     # ---- shared behaviour ------------------------------------------------------------------------
-    def global_grad_norm(self) -> float:
-        """The L2 norm of the full gradient, identical to what one process would compute."""
-        local = self.local_grad_sq()
-        return math.sqrt(float(sum_over_model_parallel(local, self.mesh)))
+    def wait_for_params(self) -> None:  # noqa: B027 - only ZeRO-1/2 defer a write to the parameters
+        """Complete whatever still writes the model's parameters (ZeRO-1/2's all-gather after the update runs
+        behind the next forward): afterwards every parameter holds its updated value. Reads through the
+        modules wait by themselves; this is for a parameter tensor held from before the step."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded parameters and buffers under their original names (a copy, on every rank)."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-    def has_overflow(self) -> bool:
-        """True if any gradient on any rank of the dp axis is inf/nan (used by fp16 loss scaling)."""
-        local = self.local_grad_sq()
-        flag = (~torch.isfinite(local)).float().reshape(1)  # on the gradients' device: no host round trip
-        comm.all_reduce(flag, self.mesh.axis(("dp", "cp")), op="max", tag="overflow")
-        comm.all_reduce(flag, self.mesh.axis(("pp", "tp")), op="max", tag="overflow")
-        return bool(flag.item() > 0)

@@ -1,203 +1,213 @@
-"""Distributed data parallel (ZeRO stage 0): full replicas, gradients all-reduced in overlapped buckets.
+"""Distributed data parallel (ZeRO stage 0) in every precision: full replicas, gradients all-reduced in buckets.
 
-[Note: gradients live in buckets]
-Every parameter's `.grad` is a view into a flat per-bucket buffer, so autograd accumulates straight into
-the memory that is all-reduced: no copy before the collective and one contiguous message per bucket.
-Buckets are filled in reverse registration order (roughly the order backward produces gradients). A
-post-accumulate-grad hook marks a parameter ready; when every parameter of a bucket is ready on a
-boundary micro-step, the bucket's all-reduce is launched asynchronously while backward continues. Buckets
-launch strictly in index order so every rank issues the same collectives in the same order. The engine
-waits once, before the optimizer step. Non-boundary micro-steps communicate nothing.
+Gradients go through the shared reducer (`reducer.py`) with `AllReduce` buckets of up to
+`data_parallel.bucket_cap_mb` (reverse registration order, split where the dtype changes): every `.grad` is a
+view of its bucket, a bucket's all-reduce starts as soon as all its gradients of the window's last micro-step
+have landed, and the engine waits once, before the optimizer step. Other micro-steps communicate nothing.
+
+[Note: one optimizer tensor per parameter]
+What the optimizer updates is one tensor per parameter in every precision, so per-tensor optimizers (LAMB,
+LARS, ...) work under DDP, with the engine's param groups as given:
+- fp32 (`ModelAsMaster`): the module's own parameters, whose gradients are the bucket views;
+- bf16/fp16 (`MasterCopies`): fp32 copies. The module's parameters become compute-dtype views of one flat
+  buffer per bucket and their masters fp32 views of another, so writing the update back is one copy per
+  bucket; the masters' fp32 gradients exist from the reduction to the end of the step (not model state).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
-from paratrain import comm
 from paratrain.data_parallel.base import (
     GradSync,
     MasterSegment,
     OptimizerFactory,
-    model_parallel_weight,
+    broadcast_module_state,
     optimizer_state_tensors,
+    placement_spans,
     tensor_bytes,
-    weak_hook,
 )
-from paratrain.mesh import Mesh
+from paratrain.data_parallel.flat import FlatLayout, cast_untracked, split_param_groups, state_with_gathered
+from paratrain.data_parallel.gradients import AllReduce
+from paratrain.data_parallel.reducer import BucketReducer, GradBucket, NamedParams, plan_buckets
+from paratrain.mesh import Axis
+from paratrain.placement import Placement, placement_of
+from paratrain.precision import compute_dtype
 
 
-class UnusedParametersError(RuntimeError):
-    """Parameters that took part in no backward of a step (every data-parallel strategy raises this one)."""
+class ModelAsMaster:
+    """fp32: the optimizer updates the module's own parameters; the gradient buckets are their gradients."""
 
-    @classmethod
-    def naming(cls, missing: list[str]) -> UnusedParametersError:
-        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        return cls(f"{len(missing)} parameter(s) received no gradient in this step: {shown}. Either use them in "
-                   f"the forward pass, freeze them (requires_grad=False), or set data_parallel."
-                   f"allow_unused_parameters to true")
+    def __init__(self, named_params: NamedParams):
+        self.named_params = named_params
+
+    def master(self, param: nn.Parameter) -> torch.Tensor:
+        return param
+
+    def optimizer_params(self, param_groups: list | None) -> list:
+        return param_groups if param_groups is not None else [p for _, p in self.named_params]
+
+    def take_gradients(self, buffers: list[torch.Tensor], post_divide: float) -> None:
+        if post_divide != 1.0:
+            for buffer in buffers:
+                buffer.div_(post_divide)
+
+    def grad_flats(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        return buffers
+
+    def drop_gradients(self) -> None:
+        """Nothing to drop: the buckets are the gradients."""
+
+    def publish(self) -> None:
+        """Nothing to publish: the optimizer updated the model itself."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [p for _, p in self.named_params]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def gathered(self) -> dict[int, torch.Tensor]:
+        return {}
 
 
-class _Bucket:
-    def __init__(self, index: int, params: list[tuple[str, nn.Parameter]], dtype: torch.dtype):
-        self.index = index
-        self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for _, p in params), dtype=dtype, device=params[0][1].device)
-        self.views: dict[nn.Parameter, torch.Tensor] = {}
-        offset = 0
-        for _, p in params:
-            self.views[p] = self.buffer[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self.ready: set[int] = set()
-        self.handle: comm.Handle | None = None
+class MasterCopies:
+    """bf16/fp16: an fp32 master per parameter (views of one flat fp32 buffer per bucket); the model's
+    parameters become compute-dtype views of one flat buffer per bucket."""
 
+    def __init__(self, buckets: list[GradBucket], named_params: NamedParams, dtype: torch.dtype):
+        self.named_params = named_params
+        self.layouts = [b.layout for b in buckets]
+        self.param_flats: list[torch.Tensor] = []
+        self.master_flats: list[torch.Tensor] = []
+        self.masters: dict[nn.Parameter, nn.Parameter] = {}
+        for bucket in buckets:
+            layout = bucket.layout
+            fp32 = layout.flatten([s.param.detach() for s in layout.slots], torch.float32, bucket.device)
+            low = fp32.to(dtype)
+            for slot, low_view, fp32_view in zip(layout.slots, layout.views(low), layout.views(fp32)):
+                slot.param.data = low_view
+                self.masters[slot.param] = nn.Parameter(fp32_view)
+            self.param_flats.append(low)
+            self.master_flats.append(fp32)
+        self._grad_flats: list[torch.Tensor] = []
 
-def broadcast_module_state(module: nn.Module, axis, src: int = 0, buffers: bool = True) -> None:
-    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype."""
-    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            comm.broadcast(flat, axis, src=src, tag="init")
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+    def master(self, param: nn.Parameter) -> torch.Tensor:
+        return self.masters[param]
+
+    def optimizer_params(self, param_groups: list | None) -> list:
+        groups = split_param_groups(self.named_params, param_groups)
+        if len(groups) == 1 and not groups[0][0]:
+            return [self.masters[p] for _, p in groups[0][1]]
+        return [{**options, "params": [self.masters[p] for _, p in named]} for options, named in groups]
+
+    def take_gradients(self, buffers: list[torch.Tensor], post_divide: float) -> None:
+        self._grad_flats = []
+        for layout, buffer in zip(self.layouts, buffers):
+            flat = buffer.to(torch.float32, copy=True)
+            if post_divide != 1.0:
+                flat.div_(post_divide)
+            for slot, view in zip(layout.slots, layout.views(flat)):
+                self.masters[slot.param].grad = view
+            self._grad_flats.append(flat)
+
+    def grad_flats(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._grad_flats
+
+    def drop_gradients(self) -> None:
+        for master in self.masters.values():
+            master.grad = None
+        self._grad_flats = []
+
+    def publish(self) -> None:
+        with torch.no_grad():
+            for low, fp32 in zip(self.param_flats, self.master_flats):
+                low.copy_(fp32)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.param_flats + self.master_flats
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return list(self._grad_flats)
+
+    def gathered(self) -> dict[int, torch.Tensor]:
+        return {id(p): master for p, master in self.masters.items()}
 
 
 class DistributedDataParallel(GradSync):
-    def __init__(self, module: nn.Module, mesh: Mesh, bucket_cap_mb: float = 25.0,
-                 allow_unused_parameters: bool = False, prescale: bool = False, predivide_factor: float = 1.0,
-                 broadcast_state: bool = True, broadcast_buffers: bool = True):
-        super().__init__(module, mesh)
+    def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", bucket_cap_mb: float = 25.0,
+                 allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
+                 broadcast_buffers: bool = True, free_grad_buckets: bool = False):
+        super().__init__(module, axis)
+        self.free_grad_buckets = free_grad_buckets
+        self.dtype = compute_dtype(precision)
+        self.mixed = precision != "fp32"
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.allow_unused = allow_unused_parameters
-        world = self.axis.size
-        self.pre_divide = float(world) if prescale else predivide_factor
-        self.post_divide = world / self.pre_divide
-        if broadcast_state:
-            broadcast_module_state(module, self.axis, buffers=broadcast_buffers)
-        self.buckets = self._make_buckets(int(bucket_cap_mb * 2**20))
-        self._slot = {p: b for b in self.buckets for _, p in b.params}
-        self._index = {p: i for i, (_, p) in enumerate(self.named_params)}
-        for b in self.buckets:
-            for _, p in b.params:
-                p.grad = b.views[p]
-                p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
-        self._sync = False
-        self._force_no_sync = False
-        self._next_launch = 0
+        self.pre_divide = predivide_factor
+        self.post_divide = axis.size / predivide_factor
+        broadcast_module_state(module, axis, buffers=broadcast_buffers)
+        self.buckets: list[GradBucket] = []
 
-    def _make_buckets(self, cap_bytes: int) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        current: list[tuple[str, nn.Parameter]] = []
-        size = 0
-        for name, p in reversed(self.named_params):
-            if current and (size + p.numel() * p.element_size() > cap_bytes or p.dtype != current[0][1].dtype):
-                buckets.append(_Bucket(len(buckets), current, current[0][1].dtype))
-                current, size = [], 0
-            current.append((name, p))
-            size += p.numel() * p.element_size()
-        if current:
-            buckets.append(_Bucket(len(buckets), current, current[0][1].dtype))
-        return buckets
-
-    # ---- backward ---------------------------------------------------------------------------------
+    # ---- buckets (built with the optimizer, like every strategy's state) -------------------------
     def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
-        self.optimizer = factory(param_groups if param_groups is not None else [p for _, p in self.named_params])
+        def size_of(p: nn.Parameter) -> int:  # bytes in the dtype its gradient will have
+            return p.numel() * (self.dtype.itemsize if self.mixed else p.element_size())
+
+        plans = plan_buckets(list(reversed(self.named_params)), self.bucket_cap_bytes, size_of)
+        self.buckets = [GradBucket(i, FlatLayout(named, 1, 0), self.dtype if self.mixed else named[0][1].dtype,
+                                   named[0][1].device) for i, named in enumerate(plans)]
+        if self.mixed:  # cast the model before its gradient buckets (of the compute dtype) are attached
+            self.masters = MasterCopies(self.buckets, self.named_params, self.dtype)
+            cast_untracked(self.module, self.dtype, {p for _, p in self.named_params})
+        else:
+            self.masters = ModelAsMaster(self.named_params)
+        self.grads = AllReduce(self.buckets, self.axis, self.pre_divide, self.free_grad_buckets)
+        self.reducer = BucketReducer(self.buckets, self.grads, self.allow_unused)
+        # each bucket in pieces of one placement (for the norm)
+        self.spans = [placement_spans([(s.offset, s.offset + s.numel, placement_of(s.param)) for s in b.layout.slots])
+                      for b in self.buckets]
+        self.optimizer = factory(self.masters.optimizer_params(param_groups))
         return self.optimizer
 
-    @contextmanager
+    # ---- backward ---------------------------------------------------------------------------------
     def no_sync(self):
-        previous, self._force_no_sync = self._force_no_sync, True
-        try:
-            yield
-        finally:
-            self._force_no_sync = previous
+        return self.reducer.no_sync()
 
     def prepare_backward(self, sync: bool) -> None:
-        self._sync = sync and not self._force_no_sync
-
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        bucket = self._slot[param]
-        view = bucket.views[param]
-        if param.grad is not view:
-            # Someone replaced .grad (e.g. optimizer.zero_grad(set_to_none=True)): the new tensor holds the
-            # whole accumulated gradient, so move it into the bucket and restore the view.
-            view.copy_(param.grad)
-            param.grad = view
-        if not self._sync:
-            return
-        bucket.ready.add(self._index[param])
-        self._launch_ready()
-
-    def _launch(self, bucket: _Bucket) -> None:
-        if self.pre_divide != 1.0:
-            bucket.buffer.div_(self.pre_divide)
-        bucket.handle = comm.all_reduce(bucket.buffer, self.axis, tag="grad", async_op=True)
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket)
-            self._next_launch += 1
+        self.reducer.begin_backward(sync)
 
     def finish_gradients(self) -> None:
-        if not self._sync:
-            return
-        missing = [name for b in self.buckets[self._next_launch:] for name, p in b.params
-                   if self._index[p] not in b.ready]
-        if missing and not self.allow_unused:
-            raise UnusedParametersError.naming(missing)
-        for bucket in self.buckets[self._next_launch:]:
-            self._launch(bucket)  # unused parameters contribute their (zero or accumulated) gradient
-        self._next_launch = len(self.buckets)
-        for bucket in self.buckets:
-            bucket.handle.wait()
-            if self.post_divide != 1.0:
-                bucket.buffer.div_(self.post_divide)
-            bucket.handle = None
-            bucket.ready.clear()
-        self._next_launch = 0
-        self._sync = False
+        self.grads.allocate()  # freed buckets no gradient reached are read as zeros from here on
+        if self.reducer.finish():
+            self.masters.take_gradients(self.grads.buffers, self.post_divide)
 
     # ---- update -----------------------------------------------------------------------------------
-    def local_grad_sq(self) -> torch.Tensor:
-        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        if self.mesh.size("tp") == 1:  # every parameter has weight 1: one reduction per bucket
-            for b in self.buckets:
-                total += b.buffer.float().pow(2).sum()
-            return total
-        for _, p in self.named_params:
-            total += self._slot[p].views[p].float().pow(2).sum() * model_parallel_weight(p, self.mesh)
-        return total
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
+        flats = self.masters.grad_flats(self.grads.buffers)
+        return [(flat[start:end], placement) for flat, spans in zip(flats, self.spans)
+                for start, end, placement in spans]
+
+    @property
+    def shards_gradients(self) -> bool:
+        return False
 
     def scale_gradients(self, factor: float) -> None:
-        for b in self.buckets:
-            b.buffer.mul_(factor)
+        for flat in self.masters.grad_flats(self.grads.buffers):
+            flat.mul_(factor)
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
+        self.masters.publish()
 
     def zero_grad(self) -> None:
-        for b in self.buckets:
-            b.buffer.zero_()
-        for b in self.buckets:
-            for _, p in b.params:
-                if p.grad is not b.views[p]:
-                    p.grad = b.views[p]
+        self.grads.zero()
+        self.masters.drop_gradients()
 
-    # ---- checkpoint hooks: the parameters are their own masters, identical on every dp rank ----------
+    # ---- checkpoint hooks: one master per parameter, identical on every rank -------------------------
     def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
-        return [(p, [MasterSegment(name, 0, p.numel(), 0)]) for name, p in self.named_params]
+        return [(self.masters.master(p), [MasterSegment(name, 0, p.numel(), 0)]) for name, p in self.named_params]
 
     @property
     def masters_replicated(self) -> bool:
@@ -205,11 +215,16 @@ class DistributedDataParallel(GradSync):
 
     def masters_loaded(self) -> None:
         self.zero_grad()
+        self.masters.publish()
 
+    # ---- introspection ----------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
-        params = tensor_bytes(p for _, p in self.named_params)
-        grads = tensor_bytes(b.buffer for b in self.buckets)
+        params = tensor_bytes(self.masters.tensors())
+        grads = tensor_bytes(self.grads.tensors() + self.masters.grad_tensors())
         optim = tensor_bytes(optimizer_state_tensors(self.optimizer)) if self.optimizer else 0
         total = params + grads + optim
         return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": 0,
                 "device": total}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return state_with_gathered(self.module, self.masters.gathered())

@@ -16,42 +16,41 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_structure, tree_unflatten
 
 
 def _scatter(value, devices: list[torch.device], dim: int):
-    """Split tensors along `dim` into len(devices) chunks (moved to each device); replicate the rest."""
-    if isinstance(value, torch.Tensor):
-        chunks = torch.chunk(value, len(devices), dim=dim)
-        return [c.to(d) for c, d in zip(chunks, devices)] + [None] * (len(devices) - len(chunks))
-    if isinstance(value, (tuple, list)):
-        parts = [_scatter(v, devices, dim) for v in value]
-        return [type(value)(p[i] for p in parts) for i in range(len(devices))]
-    if isinstance(value, dict):
-        parts = {k: _scatter(v, devices, dim) for k, v in value.items()}
-        return [{k: p[i] for k, p in parts.items()} for i in range(len(devices))]
-    return [value] * len(devices)
+    """Split tensors along `dim` into len(devices) chunks (moved to each device); replicate the rest.
+    Returns one structure like `value` per device (None where a tensor had fewer chunks than devices)."""
+    leaves, spec = tree_flatten(value)
+    per_leaf = [_scatter_leaf(leaf, devices, dim) for leaf in leaves]
+    return [tree_unflatten([parts[i] for parts in per_leaf], spec) for i in range(len(devices))]
+
+
+def _scatter_leaf(leaf, devices: list[torch.device], dim: int) -> list:
+    if not isinstance(leaf, torch.Tensor):
+        return [leaf] * len(devices)
+    chunks = torch.chunk(leaf, len(devices), dim=dim)
+    return [c.to(d) for c, d in zip(chunks, devices)] + [None] * (len(devices) - len(chunks))
 
 
 def _gather(outputs: list, device: torch.device, dim: int):
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        moved = [o.to(device) for o in outputs]
-        return torch.stack(moved) if first.dim() == 0 else torch.cat(moved, dim=dim)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_gather([o[i] for o in outputs], device, dim) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _gather([o[k] for o in outputs], device, dim) for k in first}
-    return outputs
+    """One structure like each replica's output: tensors concatenated along `dim` (scalars stacked) on
+    `device`, anything else as the list of the replicas' values."""
+    spec = tree_structure(outputs[0])
+    per_output = [tree_leaves(o) for o in outputs]
+    return tree_unflatten([_gather_leaf(list(values), device, dim) for values in zip(*per_output)], spec)
+
+
+def _gather_leaf(values: list, device: torch.device, dim: int):
+    if not isinstance(values[0], torch.Tensor):
+        return values
+    moved = [v.to(device) for v in values]
+    return torch.stack(moved) if values[0].dim() == 0 else torch.cat(moved, dim=dim)
 
 
 def _has_empty(value) -> bool:
-    if value is None:
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_has_empty(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_empty(v) for v in value.values())
-    return False
+    return any(leaf is None for leaf in tree_leaves(value))
 
 
 class DataParallel(nn.Module):

@@ -8,7 +8,7 @@ parameter. The layout is also the metadata a checkpoint needs (`describe`): whic
 offset of which buffer, and which slice this rank owns.
 
 `MasterShard` is the fp32 slice of one buffer that this rank updates: the optimizer's parameter, its
-gradient, and where both live (`Placement`: the compute device, or host memory under offload).
+gradient, and where both live (`OffloadPolicy`: the compute device, or host memory under offload).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain.data_parallel.base import MasterSegment, model_parallel_weight
-from paratrain.mesh import Mesh
+import paratrain.comm as comm
+from paratrain.data_parallel.base import MasterSegment, placement_spans
+from paratrain.mesh import Axis
+from paratrain.placement import Placement, placement_of
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,10 @@ class FlatLayout:
         """Views of `flat` shaped like each slot's parameter."""
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
+    def views_by_param(self, flat: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{id(parameter): its view of `flat`} (what `state_with_gathered` takes)."""
+        return {id(s.param): view for s, view in zip(self.slots, self.views(flat))}
+
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full (padded) buffer."""
         return flat[self.shard_start:self.shard_start + self.shard_numel]
@@ -90,7 +96,7 @@ class FlatLayout:
 
 
 @dataclass(frozen=True)
-class Placement:
+class OffloadPolicy:
     """Where model states live: `device` computes; `host` holds what is offloaded."""
 
     device: torch.device
@@ -124,11 +130,12 @@ class MasterShard:
     copy (mixed precision, offload, or stage 3 where the model's buffer is freed between uses).
     """
 
-    def __init__(self, layout: FlatLayout, fp32_shard: torch.Tensor, placement: Placement,
+    def __init__(self, layout: FlatLayout, fp32_shard: torch.Tensor, offload: OffloadPolicy,
                  alias: torch.Tensor | None = None):
         self.layout = layout
         self.aliased = alias is not None
-        self.param = nn.Parameter(alias if alias is not None else placement.to_optimizer(fp32_shard))
+        self._spans: list[tuple[int, int, Placement]] | None = None
+        self.param = nn.Parameter(alias if alias is not None else offload.to_optimizer(fp32_shard))
 
     @property
     def grad(self) -> torch.Tensor | None:
@@ -147,18 +154,17 @@ class MasterShard:
         else:
             self.param.grad.add_(reduced.to(self.param.grad.device, torch.float32))
 
-    def grad_sq(self, mesh: Mesh, device: torch.device) -> torch.Tensor:
-        """Squared norm of this shard's gradient (on `device`, where the norm is reduced), each parameter
-        weighted for tensor parallelism."""
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
+        """This shard's gradient in pieces of one parameter placement each (one piece when all agree)."""
         grad = self.param.grad
         if grad is None:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        if mesh.size("tp") == 1:
-            return grad.float().pow(2).sum().to(device)
-        total = torch.zeros((), dtype=torch.float32, device=grad.device)
-        for slot, start, end in self.layout.shard_segments():
-            total += grad[start:end].float().pow(2).sum() * model_parallel_weight(slot.param, mesh)
-        return total.to(device)
+            return []
+        if self._spans is None:  # the layout never changes: merge once
+            segments = self.layout.shard_segments()
+            spans = placement_spans([(lo, hi, placement_of(slot.param)) for slot, lo, hi in segments])
+            # One placement: the whole shard, padding (zero) included, in one reduction.
+            self._spans = ([(0, grad.numel(), spans[0][2])] if spans else []) if len(spans) <= 1 else spans
+        return [(grad[lo:hi], placement) for lo, hi, placement in self._spans]
 
 
 def split_param_groups(named_params: list[tuple[str, nn.Parameter]],
@@ -185,6 +191,25 @@ def split_param_groups(named_params: list[tuple[str, nn.Parameter]],
     return [g for g in out if g[1]]
 
 
+def restrict_param_groups(param_groups: list | None, named: list) -> list | None:
+    """The param groups, each restricted to the parameters in `named` (empty groups dropped later)."""
+    if not param_groups:
+        return None
+    mine = {id(p) for _, p in named}
+    return [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in param_groups]
+
+
+def group_index(param_groups: list | None, part: list, fallback: int) -> int:
+    """Index of the engine param group that `part` (a non-empty list of named params) belongs to."""
+    if not param_groups:
+        return 0
+    first = id(part[0][1])
+    for gi, g in enumerate(param_groups):
+        if any(id(p) == first for p in g["params"]):
+            return gi
+    return fallback
+
+
 def optimizer_groups(groups: list[tuple[dict, list[MasterShard]]]) -> list:
     """The optimizer's param list: the masters, as one plain list or one dict per group with options."""
     if len(groups) == 1 and not groups[0][0]:
@@ -207,3 +232,10 @@ def state_with_gathered(module: nn.Module, gathered: dict[int, torch.Tensor]) ->
     for name, t in module.state_dict(keep_vars=True).items():
         out[name] = gathered[id(t)].detach().clone() if id(t) in gathered else t.detach().clone()
     return out
+
+
+def gather_master(layout: FlatLayout, master: MasterShard, axis: Axis, device: torch.device) -> torch.Tensor:
+    """Every rank's fp32 master slice of one flat buffer, all-gathered into a new padded fp32 buffer."""
+    full = torch.empty(layout.padded, dtype=torch.float32, device=device)
+    comm.all_gather_into(full, master.param.detach().to(device), axis, tag="state_dict")
+    return full

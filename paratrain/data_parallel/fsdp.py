@@ -11,7 +11,9 @@ while the unit is in use. Per micro-step:
   unit post-backward (every parameter's gradient accumulated) reduce-scatter its gradients toward the
                      fp32 gradient shard and free it
 Reductions are collected at the next backward or at the step, so they overlap what follows. The update
-touches only the shards; nothing is gathered after the step (the next forward gathers).
+touches only the shards; nothing is gathered after the step (the next forward gathers). With
+`reduce_at_boundary` a unit's gradients stay staged (unsharded, accumulating) through the micro-steps of a
+window and only the window's last backward reduce-scatters them.
 
 [Note: the root is not freed after forward]
 The root's backward starts as soon as its forward ends (the loss), so freeing it would only regather it
@@ -22,46 +24,48 @@ root owns no parameters), reduce-scatter = Ψ, both padded to a multiple of N pe
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
 
-from paratrain import comm
 from paratrain.data_parallel.base import (
     GradSync,
     MasterSegment,
     OptimizerFactory,
+    UnusedParametersError,
+    broadcast_module_state,
     optimizer_state_tensors,
-    sum_over_model_parallel,
     tensor_bytes,
     weak_hook,
 )
-from paratrain.data_parallel.ddp import UnusedParametersError, broadcast_module_state
 from paratrain.data_parallel.flat import (
-    Placement,
+    OffloadPolicy,
     cast_untracked,
+    gather_master,
     optimizer_groups,
-    split_param_groups,
     state_with_gathered,
 )
-from paratrain.data_parallel.fsdp_units import FlatParam, Unit, WrapPolicy, assign_params, config_wrap_policy
-from paratrain.mesh import Mesh
+from paratrain.data_parallel.fsdp_units import FlatParam, Unit, WrapPolicy, build_units, config_wrap_policy, in_backward
+from paratrain.mesh import Axis
+from paratrain.placement import Placement
 from paratrain.precision import compute_dtype
 
 
 class FullyShardedDataParallel(GradSync):
-    def __init__(self, module: nn.Module, mesh: Mesh, precision: str = "fp32", placement: Placement | None = None,
+    def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", offload: OffloadPolicy | None = None,
                  wrap_policy: WrapPolicy | None = None, reshard_after_forward: bool = True,
                  persistence_threshold: int = 100_000, prefetch_depth: int = 1,
-                 allow_unused_parameters: bool = False, predivide_factor: float = 1.0):
-        super().__init__(module, mesh)
+                 allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
+                 reduce_at_boundary: bool = False):
+        super().__init__(module, axis)
+        self.reduce_at_boundary = reduce_at_boundary
         self.pre_divide = predivide_factor
         self.post_divide = self.axis.size / predivide_factor
         self.dtype = compute_dtype(precision)
-        self.placement = placement or Placement(torch.device("cpu"))
+        self.offload = offload or OffloadPolicy(torch.device("cpu"))
         self.wrap_policy = wrap_policy or config_wrap_policy(module, None, None)
         self.reshard_after_forward = reshard_after_forward
         self.persistence_threshold = persistence_threshold
@@ -76,32 +80,19 @@ class FullyShardedDataParallel(GradSync):
         self._recording: list[Unit] = []
         self._launched: list[Unit] = []  # units whose reduce-scatter is in flight, in launch order
         self._backward_pending = False
+        self._reducing = True  # the running backward reduce-scatters (False: reduce_at_boundary, mid-window)
         self._first_in_window = True
 
     # ---- sharding (needs the param groups, so it happens with the optimizer) ---------------------
     def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
-        owned, persistent = assign_params(self.module, self.wrap_policy, self.persistence_threshold)
-        modules = dict(self.module.named_modules())
-        by_group: dict[int, tuple[dict, list]] = {}
-
-        def make_unit(name: str, named: list, keep: bool = False) -> Unit:
-            flats = []
-            for gi, (options, part) in enumerate(split_param_groups(named, _restrict(param_groups, named))):
-                flat = FlatParam(part, self.axis, self.dtype, self.placement)
-                flats.append(flat)
-                by_group.setdefault(_group_key(param_groups, part, gi), (options, []))[1].append(flat.master)
-            unit = Unit(name, modules[name], flats, self.reshard_after_forward and bool(name), keep)
-            for flat in flats:
+        self.root, self.units, self.persistent, groups = build_units(
+            self.module, self.wrap_policy, self.persistence_threshold, param_groups, self.axis, self.dtype,
+            self.offload, self.reshard_after_forward)
+        for unit in self._all_units():
+            for flat in unit.flats:
                 for i, slot in enumerate(flat.layout.slots):
                     self._slot[slot.param] = (unit, flat, i)
                     slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
-            return unit
-
-        self.root = make_unit("", owned[""])
-        self.units = [make_unit(name, named) for name, named in owned.items() if name and named]
-        self.persistent = make_unit("", persistent, keep=True) if persistent else None
-        if self.persistent is not None:
-            self.persistent.name = "<persistent>"
         self._order = list(self.units)
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
@@ -109,7 +100,6 @@ class FullyShardedDataParallel(GradSync):
         self.module.register_forward_pre_hook(lambda m, a: self._root_pre_forward())
         self.module.register_forward_hook(lambda m, a, out: self._root_post_forward())
         cast_untracked(self.module, self.dtype, set(self._slot))
-        groups = [by_group[k] for k in sorted(by_group)]
         self.optimizer = factory(optimizer_groups(groups))
         return self.optimizer
 
@@ -129,7 +119,7 @@ class FullyShardedDataParallel(GradSync):
         self._prefetch(self._order)
 
     def _pre_forward(self, unit: Unit) -> None:
-        if _in_backward():  # activation recomputation: gather, but it is not a step of the forward order
+        if in_backward():  # activation recomputation: gather, but it is not a step of the forward order
             unit.wait(self.axis)
             return
         self._recording.append(unit)
@@ -139,7 +129,7 @@ class FullyShardedDataParallel(GradSync):
             self._prefetch(self._order[i + 1:])
 
     def _post_forward(self, unit: Unit, output) -> None:
-        if _in_backward():
+        if in_backward():
             # [Note: recomputed forwards keep the unit] Activation checkpointing reruns this unit's forward
             # inside the backward of a region around it; the unit's own backward comes next and reads the
             # parameters the recompute saved, so it stays gathered until its gradients are reduced.
@@ -169,10 +159,11 @@ class FullyShardedDataParallel(GradSync):
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit, flat, i = self._slot[param]
-        flat.add_grad(i, param.grad)
+        flat.add_grad(i, param.grad, accumulate=self.reduce_at_boundary)
         param.grad = None
         if unit.complete and not unit.reduce_launched:
-            self._launch_reduce(unit)
+            if self._reducing:
+                self._launch_reduce(unit)
             unit.reshard()  # its backward is over: every parameter's gradient has been accumulated
 
     def _launch_reduce(self, unit: Unit) -> None:
@@ -194,7 +185,12 @@ class FullyShardedDataParallel(GradSync):
 
     def prepare_backward(self, sync: bool) -> None:
         if self._backward_pending:
-            self._collect()
+            if self._reducing:
+                self._collect()
+            else:  # reduce_at_boundary: the gradients stay staged (unsharded) until the window's last backward
+                for flat in self._flats():
+                    flat.ready.clear()
+        self._reducing = sync or not self.reduce_at_boundary
         self._backward_pending = True
 
     @contextmanager
@@ -220,7 +216,7 @@ class FullyShardedDataParallel(GradSync):
 
     def finish_gradients(self) -> None:
         if self._backward_pending:
-            self._collect()
+            self._collect()  # also reduces what a window without a sync backward left staged
         for unit in self._all_units():
             unit.reshard()  # whatever a prefetch gathered but no backward used
         for flat in self._flats():
@@ -230,17 +226,12 @@ class FullyShardedDataParallel(GradSync):
     def _flats(self) -> list[FlatParam]:
         return [f for u in self._all_units() for f in u.flats]
 
-    def local_grad_sq(self) -> torch.Tensor:
-        # On the compute device: the norm is all-reduced there (NCCL reduces no host tensors).
-        total = torch.zeros((), dtype=torch.float32, device=self.placement.device)
-        for flat in self._flats():
-            total += flat.master.grad_sq(self.mesh, self.placement.device)
-        return total
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
+        return [piece for flat in self._flats() for piece in flat.master.grad_pieces()]
 
-    def global_grad_norm(self) -> float:
-        local = self.local_grad_sq()
-        comm.all_reduce(local, self.axis, tag="grad_norm")
-        return math.sqrt(float(sum_over_model_parallel(local, self.mesh)))
+    @property
+    def shards_gradients(self) -> bool:
+        return True
 
     def scale_gradients(self, factor: float) -> None:
         for flat in self._flats():
@@ -283,9 +274,6 @@ class FullyShardedDataParallel(GradSync):
     def padded_numel(self) -> int:
         return sum(f.layout.padded for f in self._flats())
 
-    def shard_layout(self) -> list[dict]:
-        return [{"unit": u.name, **f.layout.describe()} for u in self._all_units() for f in u.flats]
-
     def memory_stats(self) -> dict[str, int]:
         flats = self._flats()
         masters = [f.master.param for f in flats]
@@ -293,9 +281,10 @@ class FullyShardedDataParallel(GradSync):
         states = optimizer_state_tensors(self.optimizer) if self.optimizer else []
         gathered = sum(f.full.untyped_storage().nbytes() for f in flats)
         params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + gathered
-        grads = tensor_bytes(master_grads)
+        staged = [f.grads.staging for f in flats if f.grads.staging is not None] if self.reduce_at_boundary else []
+        grads = tensor_bytes(master_grads + staged)  # reduce_at_boundary: unsharded through the window
         optim = tensor_bytes(states)
-        host = tensor_bytes(masters + master_grads + states) if self.placement.offload_optimizer else 0
+        host = tensor_bytes(masters + master_grads + states) if self.offload.offload_optimizer else 0
         total = params + grads + optim
         return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
                 "device": total - host, "gathered_params": gathered}
@@ -303,43 +292,11 @@ class FullyShardedDataParallel(GradSync):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         gathered: dict[int, torch.Tensor] = {}
         for flat in self._flats():
-            full = torch.empty(flat.layout.padded, dtype=torch.float32, device=self.placement.device)
-            mine = flat.master.param.detach().to(self.placement.device)
-            comm.all_gather_into(full, mine, self.axis, tag="state_dict")
-            for slot, view in zip(flat.layout.slots, flat.layout.views(full)):
-                gathered[id(slot.param)] = view
+            gathered.update(flat.layout.views_by_param(gather_master(flat.layout, flat.master, self.axis,
+                                                                     self.offload.device)))
         return state_with_gathered(self.module, gathered)
 
 
-def _in_backward() -> bool:
-    """True while autograd's engine runs a backward on this thread (where a recompute happens)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def _restrict(param_groups: list | None, named: list) -> list | None:
-    """The param groups, each restricted to the parameters in `named` (empty groups dropped later)."""
-    if not param_groups:
-        return None
-    mine = {id(p) for _, p in named}
-    return [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in param_groups]
-
-
-def _group_key(param_groups: list | None, part: list, fallback: int) -> int:
-    """Index of the engine param group that `part` (a non-empty list of named params) belongs to."""
-    if not param_groups:
-        return 0
-    first = id(part[0][1])
-    for gi, g in enumerate(param_groups):
-        if any(id(p) == first for p in g["params"]):
-            return gi
-    return fallback
+    """Every tensor in a nested output (tuples, lists, dicts, dataclasses of tensors and other values), in order."""
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]

@@ -16,8 +16,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from paratrain import comm
-from paratrain.data_parallel.flat import FlatLayout, MasterShard, Placement
+import paratrain.comm as comm
+from paratrain.data_parallel.flat import (
+    FlatLayout,
+    MasterShard,
+    OffloadPolicy,
+    group_index,
+    restrict_param_groups,
+    split_param_groups,
+)
+from paratrain.data_parallel.gradients import StagedGradient
 from paratrain.mesh import Axis
 
 WrapPolicy = Callable[[str, nn.Module], bool]
@@ -38,7 +46,7 @@ def config_wrap_policy(root: nn.Module, classes: list[str] | None, names: list[s
 
 def name_matches(name: str, pattern: str) -> bool:
     """Glob over dotted module names where `*` stands for one name component: "blocks.*" matches
-    "blocks.3" but not "blocks.3.attn" (the convention of tensor-parallel plans)."""
+    "blocks.3" but not "blocks.3.attn" (the module-path pattern syntax used throughout the config)."""
     parts, wanted = name.split("."), pattern.split(".")
     return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, wanted))
 
@@ -68,33 +76,28 @@ class FlatParam:
     through `full`, a different tensor), so autograd accepts the regathered values in backward.
     """
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, dtype: torch.dtype, placement: Placement):
+    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, dtype: torch.dtype, offload: OffloadPolicy):
         self.layout = FlatLayout(named, axis.size, axis.rank)
         self.dtype = dtype
-        self.placement = placement
-        fp32 = self.layout.flatten([p.detach() for _, p in named], torch.float32, placement.device)
-        self.master = MasterShard(self.layout, self.layout.shard_of(fp32), placement)
+        self.offload = offload
+        fp32 = self.layout.flatten([p.detach() for _, p in named], torch.float32, offload.device)
+        self.master = MasterShard(self.layout, self.layout.shard_of(fp32), offload)
         self.master.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.master.param.device)
         # offload_optimizer keeps the master on the host: a compute-dtype copy of the shard stays on the
         # device as the all-gather input, unless offload_param sends that to the host too.
         self.device_shard = None
-        if placement.offload_optimizer and not placement.offload_param:
-            self.device_shard = self.layout.shard_of(fp32).to(placement.device, dtype, copy=True)
-        self.full = torch.empty(self.layout.padded, dtype=dtype, device=placement.device)
+        if offload.offload_optimizer and not offload.offload_param:
+            self.device_shard = self.layout.shard_of(fp32).to(offload.device, dtype, copy=True)
+        self.full = torch.empty(self.layout.padded, dtype=dtype, device=offload.device)
         for slot, view in zip(self.layout.slots, self.layout.views(self.full)):
             slot.param.data = view
         self.free()
-        self.staging: torch.Tensor | None = None  # this backward's gradients, until reduce-scattered
-        self.reduced: torch.Tensor | None = None
-        self.first = True
-        self.ready: set[int] = set()
+        self.grads = StagedGradient(self.layout, self.master, dtype, offload.device)  # until reduce-scattered
+        self.ready: set[int] = set()  # slots whose gradient this backward has staged
 
     @property
     def complete(self) -> bool:
         return len(self.ready) == len(self.layout.slots)
-
-    def is_allocated(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -114,29 +117,16 @@ class FlatParam:
         handle.source = source  # keep a transient input alive until the gather is done
         return handle
 
-    def add_grad(self, index: int, grad: torch.Tensor) -> None:
-        if self.staging is None:
-            self.staging = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.placement.device)
-        slot = self.layout.slots[index]
-        self.staging[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+    def add_grad(self, index: int, grad: torch.Tensor, accumulate: bool = False) -> None:
+        self.grads.add(index, grad, accumulate)
         self.ready.add(index)
 
     def reduce(self, axis: Axis, first: bool, pre_divide: float = 1.0) -> comm.Handle:
         """Reduce-scatter this backward's gradients (missing ones count as zero) toward the fp32 shard."""
-        if self.staging is None:
-            self.staging = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.placement.device)
-        if pre_divide != 1.0:
-            self.staging.div_(pre_divide)
-        grad = self.master.grad
-        direct = first and grad.dtype == self.dtype and grad.device == self.staging.device
-        self.reduced = grad if direct else torch.empty(self.layout.shard_numel, dtype=self.dtype,
-                                                       device=self.staging.device)
-        self.first = first
-        return comm.reduce_scatter_into(self.reduced, self.staging, axis, tag="grad", async_op=True)
+        return self.grads.reduce(axis, first, pre_divide)
 
     def collect(self) -> None:
-        self.master.accumulate(self.reduced, self.first)
-        self.staging = self.reduced = None
+        self.grads.collect()
         self.ready.clear()
 
     def refresh_device_shard(self) -> None:
@@ -187,3 +177,32 @@ class Unit:
 
     def allocated_bytes(self) -> int:
         return sum(f.full.untyped_storage().nbytes() for f in self.flats)
+
+
+def build_units(root: nn.Module, policy: WrapPolicy, persistence_threshold: int, param_groups: list | None,
+                axis: Axis, dtype: torch.dtype, offload: OffloadPolicy, reshard_after_forward: bool):
+    """The root unit, the other units (module order), the persistent unit (or None), and the optimizer's
+    groups: (options, masters) per engine param group, in the engine's group order."""
+    owned, persistent = assign_params(root, policy, persistence_threshold)
+    modules = dict(root.named_modules())
+    by_group: dict[int, tuple[dict, list[MasterShard]]] = {}
+
+    def make_unit(name: str, named: list, keep: bool = False) -> Unit:
+        flats = []
+        for gi, (options, part) in enumerate(split_param_groups(named, restrict_param_groups(param_groups, named))):
+            flat = FlatParam(part, axis, dtype, offload)
+            flats.append(flat)
+            by_group.setdefault(group_index(param_groups, part, gi), (options, []))[1].append(flat.master)
+        return Unit(name, modules[name], flats, reshard_after_forward and bool(name), keep)
+
+    root_unit = make_unit("", owned[""])
+    units = [make_unit(name, named) for name, named in owned.items() if name and named]
+    persistent_unit = make_unit("", persistent, keep=True) if persistent else None
+    if persistent_unit is not None:
+        persistent_unit.name = "<persistent>"
+    return root_unit, units, persistent_unit, [by_group[k] for k in sorted(by_group)]
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (where a recompute happens)."""
+    return torch._C._current_graph_task_id() != -1
