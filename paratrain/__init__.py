@@ -8,16 +8,16 @@ public API; DeepSpeed names paratrain does not implement raise an error that say
 from paratrain import comm, pipeline, zero  # paratrain.zero.estimate_memory; DeepSpeed's comm/zero/pipe names
 from paratrain.api import add_config_arguments, initialize, resolve_config
 from paratrain.checkpoint import CheckpointError
-from paratrain.comm import CommStats
+from paratrain.comm import CommStats, build_mesh
 from paratrain.config import Config, ConfigError, load_config
 from paratrain.data_parallel.dp import DataParallel
 from paratrain.distributed import init_distributed
 from paratrain.engine import Engine
-from paratrain.mesh import Mesh, ParallelDims, build_mesh
+from paratrain.errors import Error
+from paratrain.mesh import Mesh, ParallelDims
 from paratrain.pipeline import LayerSpec, PipelineModule
 from paratrain.precision import NonFiniteLossError
-
-__version__ = "0.1.0"
+from paratrain.version import __version__
 
 __all__ = [
     "CheckpointError",
@@ -27,6 +27,7 @@ __all__ = [
     "DataParallel",
     "DeepSpeedEngine",
     "Engine",
+    "Error",
     "LayerSpec",
     "Mesh",
     "NonFiniteLossError",

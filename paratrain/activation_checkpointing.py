@@ -43,6 +43,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from paratrain.origin import Step
+
 GRANULARITIES = ("full", "selective")
 
 
@@ -53,27 +55,13 @@ class RNGStream(Protocol):
 
 
 @dataclass
-class AppliedCheckpointing:
+class AppliedCheckpointing(Step):
     granularity: str
     modules: list[str] = field(default_factory=list)  # module paths whose forward is recomputed
+    name = "activation checkpointing"
 
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks of a transformer: every child of an nn.ModuleList that holds no ModuleList itself (the
-    GPT's `blocks.*`; the same rule as ZeRO-3's default units)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    out, seen = [], set()
-    for lst in lists:
-        for child in lst:
-            if id(child) in seen or any(isinstance(m, nn.ModuleList) for m in child.modules()):
-                continue
-            seen.add(id(child))
-            out.append(child)
-    return out
-
-
-def attention_cores(model: nn.Module, core_types: Sequence[type]) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, tuple(core_types))]
+    def note(self) -> str:
+        return f"activation checkpointing ({self.granularity}): {len(self.modules)} modules recomputed"
 
 
 @contextmanager

@@ -8,10 +8,11 @@ import os
 
 import torch.distributed as dist
 
+from paratrain.comm import build_mesh
 from paratrain.config import Config, ConfigError, load_config, resolve_batch
 from paratrain.distributed import init_distributed, uses_cuda
 from paratrain.engine import Engine
-from paratrain.mesh import ParallelDims, build_mesh
+from paratrain.mesh import ParallelDims
 from paratrain.parallelize import check_supported
 
 log = logging.getLogger("paratrain")

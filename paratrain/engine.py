@@ -20,18 +20,20 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
-from paratrain import comm
+import paratrain.comm as comm
 from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
 from paratrain.data.batch_check import BatchChecker
 from paratrain.distributed import current_device
 from paratrain.engine_setup import make_loader, make_scheduler, optimizer_factory, param_groups
 from paratrain.engine_state import EngineStateAPI
+from paratrain.grad_norm import global_grad_norm
 from paratrain.mesh import Mesh
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.parallelize import parallelize
-from paratrain.precision import NonFiniteLossError, autocast_context, make_loss_scaler
+from paratrain.precision import NonFiniteLossError, make_loss_scaler
 
 log = logging.getLogger("paratrain")
 
@@ -52,9 +54,7 @@ class Engine(EngineStateAPI, DeepSpeedEngineAPI):
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
         self.pipeline = self.parallel.pipeline  # set when pipeline.stages > 1: whole steps only
-        self._autocast = autocast_context(config.torch_autocast.enabled, self.device)
-        if self.pipeline is not None:
-            self.pipeline.autocast = self._autocast
+        self._autocast = self.parallel.autocast
         self.optimizer = self.grad_sync.build_optimizer(optimizer_factory(config, optimizer),
                                                         param_groups(model_parameters))
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
@@ -155,7 +155,8 @@ class Engine(EngineStateAPI, DeepSpeedEngineAPI):
     def _optimizer_update(self) -> None:
         with self._timed("comm_wait"):
             self.grad_sync.finish_gradients()
-        norm = self.grad_sync.global_grad_norm()
+        norm = global_grad_norm(self.grad_sync.grad_pieces(), self.pmesh, self.grad_sync.axis,
+                                self.grad_sync.shards_gradients, self.device)
         factor = 1.0
         if self.loss_scaler is not None:
             # A non-finite norm means some gradient on some rank overflowed: every rank sees the same
@@ -284,10 +285,4 @@ class Engine(EngineStateAPI, DeepSpeedEngineAPI):
 
 
 def _to_device(batch, device: torch.device):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
+    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)

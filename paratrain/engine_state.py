@@ -46,7 +46,9 @@ class EngineStateAPI:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The complete, unsharded state dict under the original names, on every rank."""
-        return self.parallel.full_state_dict()
+        from paratrain.checkpoint.pieces import gather_full_state
+
+        return gather_full_state(self.parallel, self.pmesh, self.device)
 
     def timings(self, reset: bool = False) -> dict[str, float]:
         """Seconds spent so far in forward, backward, step (with comm_wait, the wait for gradient reductions,

@@ -5,7 +5,8 @@ innermost axis so that a tensor-parallel group is a run of consecutive ranks (on
 GPU cluster); `dp` is the outermost because its traffic is the most tolerant of slow links.
 
 `ParallelDims` never touches torch.distributed, so every layout can be unit-tested in one process.
-`build_mesh` is the separate, collective step that creates the groups.
+`paratrain.comm.build_mesh` is the separate, collective step that creates the groups; this module imports
+nothing of paratrain's (it is the bottom layer every strategy and `comm` build on).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from paratrain.errors import Error
+
 AXES: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 
 # Combined axes that strategies reduce over. Every rank creates the same groups in the same order,
@@ -21,7 +24,7 @@ AXES: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 COMBINED_AXES: tuple[tuple[str, ...], ...] = (("dp", "cp"), ("pp", "tp"), ("cp", "tp"), ("dp", "cp", "tp"))
 
 
-class MeshError(ValueError):
+class MeshError(Error, ValueError):
     """A layout that cannot be built; the message names the sizes and the fix."""
 
 
@@ -70,6 +73,20 @@ class ParallelDims:
                 f"{self.world_size}"
             )
         object.__setattr__(self, "sizes", {a: getattr(self, a) for a in AXES})
+
+    # ---- what "data-parallel" counts ------------------------------------------------------------------
+    @property
+    def sample_parallel_size(self) -> int:
+        """Ranks that draw different samples: dp. The batch arithmetic counts these (global batch = micro-batch
+        x accumulation steps x dp): context-parallel ranks hold other tokens of the same samples, and pipeline
+        and tensor-parallel ranks the same tokens. DeepSpeed's `dp_world_size` (without sequence parallelism)."""
+        return self.dp
+
+    @property
+    def gradient_average_size(self) -> int:
+        """Ranks whose gradients are averaged, and over which ZeRO shards: dp x cp, because context-parallel
+        ranks computed their gradients from different tokens. DeepSpeed's `seq_dp_world_size`."""
+        return self.dp * self.cp
 
     # ---- pure rank math -------------------------------------------------------------------------
     @property
@@ -139,6 +156,7 @@ class Axis:
     group: object | None
     stats: object = field(default=None, compare=False, repr=False)  # CommStats that counts this axis
     guard: object = field(default=None, compare=False, repr=False)  # CommGuard that times its waits
+    dims: tuple[str, ...] = ()  # the mesh axes it spans, e.g. ("dp", "cp"); ("dp",) when cp is 1
 
     @property
     def size(self) -> int:
@@ -192,57 +210,3 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({self.dims.describe()}, rank={self.rank}, coords={self.coords})"
-
-
-def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=None) -> Mesh:
-    """Create the torch DeviceMesh and one process group per axis (and per combined axis).
-
-    Collective: every rank must call it with the same `dims`. `stats` (a CommStats) counts and `guard`
-    (a CommGuard) watches every collective on the mesh's axes; fresh ones are made when not given.
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from paratrain.comm.guard import CommGuard
-    from paratrain.comm.stats import CommStats
-
-    if not dist.is_initialized():
-        raise MeshError("torch.distributed is not initialized; call paratrain.init_distributed() first")
-    if dist.get_world_size() != dims.world_size:
-        raise MeshError(
-            f"the layout is for {dims.world_size} processes but {dist.get_world_size()} were launched; "
-            f"launch {dims.world_size} processes or change the parallel sizes"
-        )
-    rank = dist.get_rank()
-    stats = stats if stats is not None else CommStats()
-    guard = guard if guard is not None else CommGuard(rank)
-    device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
-    owned = [device_mesh.get_group(name) for name in AXES]
-    axes: dict[tuple[str, ...], Axis] = {}
-    for name in AXES:
-        members = dims.group_of(rank, name)
-        group = device_mesh.get_group(name) if len(members) > 1 else None
-        axes[(name,)] = Axis(name, tuple(members), members.index(rank), group, stats, guard)
-    for combo in COMBINED_AXES:
-        all_groups = dims.groups(combo)
-        members = dims.group_of(rank, combo)
-        # A combination with only one axis of size > 1 is that axis: reuse its group and its name, so
-        # e.g. gradient traffic over ("dp", "cp") is counted under "dp" when cp == 1.
-        real = [a for a in combo if dims.sizes[a] > 1]
-        if len(real) == 1:
-            axes[combo] = axes[(real[0],)]
-            continue
-        group = None
-        if len(members) > 1:
-            # Every rank creates every group (collective), keeping its own.
-            for ranks in all_groups:
-                created = dist.new_group(ranks)
-                if rank in ranks:
-                    group = created
-                    owned.append(created)
-        axes[combo] = Axis("_".join(combo), tuple(members), members.index(rank), group, stats, guard)
-    world = tuple(range(dims.world_size))
-    axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats, guard)
-    # A dim spanning the whole world is the default group itself: that one belongs to init_distributed.
-    unique = [g for g in {id(g): g for g in owned}.values() if g is not dist.GroupMember.WORLD]
-    return Mesh(dims, rank, device_mesh, axes, stats, guard, owned_groups=unique)

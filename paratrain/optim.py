@@ -14,22 +14,18 @@ from collections.abc import Iterable
 import torch
 
 from paratrain.config import ConfigError, OptimizerConfig, SchedulerConfig
+from paratrain.config.params import check_optimizer_params, check_scheduler_params, optimizer_class
 
 
 def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Optimizer:
     params = list(params)
+    check_optimizer_params(config.type, config.params)  # again: the params may have changed since loading
     kwargs = dict(config.params)
-    name = config.type
-    if name.lower() in ("adam", "adamw"):
-        adam_w_mode = kwargs.pop("adam_w_mode", True) or name.lower() == "adamw"
+    cls = optimizer_class(config.type, kwargs)
+    if config.type.lower() in ("adam", "adamw"):
+        kwargs.pop("adam_w_mode", None)
         kwargs.pop("torch_adam", None)
         kwargs.setdefault("weight_decay", 0.0)
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    else:
-        cls = getattr(torch.optim, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise ConfigError(f"config key 'optimizer.type' = {name!r} is not an optimizer paratrain knows; use "
-                              f"Adam, AdamW, SGD or the name of a torch.optim class (e.g. 'Adagrad')")
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     if _supports_fused(cls, params) and "foreach" not in kwargs:
@@ -175,11 +171,8 @@ DEEPSPEED_SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "Wa
 
 
 def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer):
-    cls = DEEPSPEED_SCHEDULES.get(config.type) or getattr(torch.optim.lr_scheduler, config.type, None)
-    if cls is None or not isinstance(cls, type):
-        raise ConfigError(f"config key 'scheduler.type' = {config.type!r} is not supported; use one of "
-                          f"{', '.join(DEEPSPEED_SCHEDULES)} or a torch.optim.lr_scheduler class name "
-                          f"(DeepSpeed's OneCycle and LRRangeTest are not implemented)")
+    check_scheduler_params(config.type, config.params)  # also refuses an unknown type, by name
+    cls = DEEPSPEED_SCHEDULES.get(config.type) or getattr(torch.optim.lr_scheduler, config.type)
     try:
         return cls(optimizer, **config.params)
     except TypeError as exc:

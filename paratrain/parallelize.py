@@ -1,90 +1,92 @@
 """The one place that applies parallel strategies to a model, in a fixed order, from the config.
 
-Order (each step sees the result of the previous one):
+Order (each step sees the result of the previous one; each is a function of the module, its own mesh axis
+and a few scalars):
+  0. layer names (a PipelineModule's `layer_names`: the names its checkpoints use)
   1. tensor parallel plan (swap/shard modules over the tp axis)
-  2. pipeline split (keep this rank's stage over the pp axis)
+  2. pipeline split (keep this rank's stages over the pp axis)
   3. context parallel (ring attention over the cp axis)
   4. activation checkpointing
-  5. data parallel: DDP or a ZeRO stage over the dp (x cp) axis
-The engine only sees the returned `ParallelModel`; it never imports a strategy folder.
+  5. data parallel: DDP or a ZeRO stage over the dp x cp axis
+  6. the pipeline runner (pipeline.stages > 1), built last with everything it drives
+What a step needs to know about the model (its plan, blocks, attention cores, pipeline layers) comes from
+the model's spec (`paratrain.model_spec`), never from its class. Every step that changes the model is kept
+in `ParallelModel.steps`, and knows how to undo itself for a tensor's coordinates (`Step.origin`), which is
+all checkpoints and `full_state_dict` need. The engine only sees the returned `ParallelModel`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from paratrain.activation_checkpointing import attention_cores, checkpoint_activations, transformer_blocks
+from paratrain.activation_checkpointing import checkpoint_activations
 from paratrain.config import Config, ConfigError
-from paratrain.context_parallel import (
-    RingAttentionCore,
-    check_context_parallel,
-    context_parallelize,
-    context_parallelize_stages,
-)
+from paratrain.context_parallel import check_context_parallel, context_parallelize, context_parallelize_stages
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
-from paratrain.data_parallel.flat import Placement
+from paratrain.data_parallel.flat import OffloadPolicy
 from paratrain.data_parallel.fsdp import FullyShardedDataParallel
 from paratrain.data_parallel.fsdp_units import config_wrap_policy
-from paratrain.data_parallel.zero import ZeroDataParallel
-from paratrain.mesh import Mesh
-from paratrain.models.gpt import CausalAttentionCore
-from paratrain.origin import Origin
+from paratrain.data_parallel.zero import ZERO_STAGES
+from paratrain.mesh import Axis, Mesh
+from paratrain.model_spec import DEFAULT_SPEC, ModelSpec, spec_for
+from paratrain.origin import Origin, Renamed, Step
 from paratrain.pipeline.module import PipelineModule
 from paratrain.pipeline.runtime import PipelineRunner
 from paratrain.pipeline.schedules import ScheduleError, check_sizes
-from paratrain.pipeline.split import make_origin, make_unshard, split_pipeline
+from paratrain.pipeline.split import PipelineSplit, split_pipeline
+from paratrain.precision import autocast_context
 from paratrain.tensor_parallel import RNGTracker
 from paratrain.tensor_parallel import parallelize as tensor_parallelize
 from paratrain.tensor_parallel.plan import check_plan_syntax
 
-# What selective activation checkpointing recomputes: the GPT's attention core, or the ring attention that
-# replaces it under context parallelism.
-ATTENTION_CORES = (CausalAttentionCore, RingAttentionCore)
-
 
 @dataclass
 class ParallelModel:
-    """What parallelize produces: the local module and the strategy that synchronizes its gradients.
-
-    `unshard` undoes the model-parallel steps for `full_state_dict`: the data-parallel strategy first
-    gives this rank's module state with ZeRO shards gathered, then each function (added by the TP, PP, ...
-    steps, in the order they are to be undone) turns it into the state of the original model.
-    `pipeline` (pipeline.stages > 1) runs whole steps of micro-batches; the engine delegates train_batch
-    and eval_batch to it.
-    `origins` does the same for one tensor's coordinates, without communication (checkpoints): each step
-    inserts its function at the front, so the last step applied is undone first. `random_streams` are the
-    per-rank random generators the steps created (their states go into checkpoints).
-    """
+    """What parallelize produces: the local module, the strategy that synchronizes its gradients, and the
+    steps that made it (in the order applied). `pipeline` (pipeline.stages > 1) runs whole steps of
+    micro-batches; the engine delegates train_batch and eval_batch to it. `random_streams` are the per-rank
+    random generators the steps created (checkpoints save their states); `autocast` makes the forward's
+    autocast context (torch_autocast); `spec` is the model's spec."""
 
     module: nn.Module
     grad_sync: GradSync
-    unshard: list[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
     pipeline: PipelineRunner | None = None
-    origins: list[Callable[[Origin], Origin]] = field(default_factory=list)
     random_streams: dict[str, RNGTracker] = field(default_factory=dict)
+    autocast: Callable = contextlib.nullcontext
+    spec: ModelSpec = DEFAULT_SPEC  # the model family's (checkpoints record its name)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = self.grad_sync.full_state_dict()
-        for fn in self.unshard:
-            state = fn(state)
-        return state
+    @property
+    def notes(self) -> list[str]:
+        return [step.note() for step in self.steps]
 
     def origin(self, local_name: str, tensor: torch.Tensor) -> Origin:
-        """Which tensor of the original model a tensor of the local module is, and which box of it."""
+        """Which tensor of the original model a tensor of the local module is, and which box of it: the steps
+        undone last first, so each sees the coordinates it produced."""
         found = Origin.local(local_name, tensor)
-        for fn in self.origins:
-            found = fn(found)
+        for step in reversed(self.steps):
+            found = step.origin(found)
         return found
+
+    def explain(self, name: str) -> str:
+        """What each step did with the original tensor `name` (for errors that must name the real cause)."""
+        said = []
+        for step in self.steps:
+            reason = step.explain(name)
+            if reason:
+                said.append(f"{step.name}: {reason}")
+            name = step.forward_name(name)
+        return "; ".join(said) or f"no step of {[s.name for s in self.steps]} split or renamed it"
 
 
 def check_supported(config: Config) -> None:
-    """Raise, before any collective, for layouts this build cannot run."""
+    """Raise, before any collective, for layouts this build cannot run (once, in `resolve_config`)."""
     check_plan_syntax(config.tensor_parallel.plan)  # a PlanError is a ConfigError
     pp = config.pipeline
     if pp.stages > 1 and config.gradient_accumulation_steps is not None:
@@ -113,96 +115,118 @@ def check_supported(config: Config) -> None:
                               "with the optimizer; also set zero_optimization.offload_optimizer.device to \"cpu\"")
 
 
-def _check_model(model: nn.Module, config: Config) -> None:
+def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None) -> None:
     """Checks that need the model, before anything changes or communicates."""
+    spec = spec or spec_for(model)
     cp, tp = config.context_parallel.size, config.tensor_parallel
+    seq_len = spec.sequence_length(model)
     check_context_parallel(model, cp)
     ac = config.activation_checkpointing
     if ac.enabled and not isinstance(model, PipelineModule):  # a PipelineModule's layers are its blocks
-        if ac.granularity == "full" and not transformer_blocks(model):
+        if ac.granularity == "full" and not spec.blocks(model):
             raise ConfigError(f"activation_checkpointing.granularity \"full\" recomputes each transformer block, "
                               f"the children of an nn.ModuleList, and {type(model).__name__} has none: keep the "
                               f"blocks in an nn.ModuleList, or write the model as a paratrain.PipelineModule")
-        if ac.granularity == "selective" and not attention_cores(model, ATTENTION_CORES):
+        if ac.granularity == "selective" and not spec.attention_cores(model):
             raise ConfigError(f"activation_checkpointing.granularity \"selective\" recomputes the attention cores "
-                              f"(paratrain.models.gpt.CausalAttentionCore modules) and {type(model).__name__} has "
+                              f"(paratrain.attention.CausalAttentionCore modules) and {type(model).__name__} has "
                               f"none: build the attention with one, or use granularity \"full\"")
-    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
-    if cp > 1 and tp.size > 1 and tp.sequence_parallel and isinstance(seq_len, int) and seq_len % (cp * tp.size):
+    if cp > 1 and tp.size > 1 and tp.sequence_parallel and seq_len is not None and seq_len % (cp * tp.size):
         raise ConfigError(f"context_parallel.size ({cp}) with tensor_parallel.sequence_parallel: each cp rank's "
                           f"{seq_len // cp} tokens are split again over tensor_parallel.size ({tp.size}); use a "
                           f"sequence length (model seq_len {seq_len}) divisible by {cp * tp.size}")
 
 
+def _layer_names(pipe: PipelineModule) -> Renamed | None:
+    """Step 0: a PipelineModule whose `layer_names` differ from its own (index) names is known by them."""
+    names = {f"{i}.{key}": pipe.original_name(i, key) for i in range(len(pipe)) for key in pipe.layer_state_keys(i)}
+    return Renamed(names) if any(k != v for k, v in names.items()) else None
+
+
 def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
-    check_supported(config)
-    _check_model(model, config)
-    pipeline, unshard, notes, origins, streams = None, [], [], [], {}
-    blocks = None if isinstance(model, PipelineModule) else transformer_blocks(model)  # found on the whole model
+    """Apply the config's strategies to `model` (in place) on `mesh`. `config` comes from `resolve_config`,
+    which has already run `check_supported`."""
+    spec = spec_for(model)
+    _check_model(model, config, spec)
+    cores = spec.attention_cores(model)  # found before any step replaces one
+    steps: list[Step] = []
+    streams: dict[str, RNGTracker] = {}
+    if isinstance(model, PipelineModule) and (renamed := _layer_names(model)) is not None:
+        steps.append(renamed)
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
-        unshard.append(applied.unshard)
-        origins.insert(0, applied.origin)
+        steps.append(applied)
         streams["tp"] = applied.tracker
+    module, split = model, None
     pp = config.pipeline
-    split = None
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
-        split = split_pipeline(model, mesh, pp.stages, pp.virtual_stages, pp.partition,
-                               micro_batch=config.train_micro_batch_size_per_gpu, device=device)
-        model = split.module
-        pipeline = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
-                                  pp.virtual_stages, split.pipe.loss_fn, device or torch.device("cpu"))
-        # Undone before the TP step: gather the stages over pp, then the tp shards of the whole model.
-        unshard.insert(0, make_unshard(split, mesh))
-        origins.insert(0, make_origin(split))
+        pipe = spec.pipeline_module(model, config.train_micro_batch_size_per_gpu)
+        split = split_pipeline(pipe, mesh, pp.stages, pp.virtual_stages, pp.partition, device=device,
+                               own_names=pipe is model)
+        steps.append(split)
+        module = split.module
     elif isinstance(model, PipelineModule):
         model.materialize()  # used whole, a PipelineModule is an ordinary model
+    ring = None
     if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
-        if split is None:
-            ring = context_parallelize(model, mesh)
-        else:  # no stage calls the model's forward: the runner splits each micro-batch instead
-            first = split.pipe.layer(0) if 0 in split.module.stages else None
-            ring = context_parallelize_stages(model, mesh, first)
-            pipeline.prepare_batch = ring.split_batch
-        notes.append(f"context parallel over {ring.axis.size} ranks: ring attention in {len(ring.cores)} layers")
+        ring = _context_parallel(module, split, mesh, cores)
+        cores = [ring.replaced.get(id(core), core) for core in cores]
+        steps.append(ring)
     ac = config.activation_checkpointing
     if ac.enabled:  # 4. recompute blocks (full) or attention cores (selective) in backward
-        if blocks is None:  # a PipelineModule: each of its layers this rank holds
-            blocks = [layer for chunk in split.module.chunks for layer in chunk.layers] if split is not None \
-                else list(model.specs)
-        recomputed = checkpoint_activations(model, ac.granularity, blocks=blocks,
-                                            cores=attention_cores(model, ATTENTION_CORES),
-                                            rng_streams=list(streams.values()))
-        notes.append(f"activation checkpointing ({ac.granularity}): {len(recomputed.modules)} modules recomputed")
+        steps.append(checkpoint_activations(module, ac.granularity, blocks=spec.blocks(model), cores=cores,
+                                            rng_streams=list(streams.values())))
     if device is not None:
-        model.to(device)
-    grad_sync = _data_parallel(model, mesh, config, device or torch.device("cpu"))
-    if pipeline is not None:
-        pipeline.grad_sync = grad_sync
-    return ParallelModel(model, grad_sync, unshard=unshard, notes=notes, pipeline=pipeline, origins=origins,
-                         random_streams=streams)
+        module.to(device)
+    device = device or torch.device("cpu")
+    grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model))  # 5.
+    autocast = autocast_context(config.torch_autocast.enabled, device)
+    runner = None
+    if split is not None:  # 6. the runner drives the stage, the strategy and the split of micro-batches
+        runner = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
+                                pp.virtual_stages, split.pipe.loss_fn, device, grad_sync,
+                                prepare_batch=ring.split_batch if ring is not None else None, autocast=autocast)
+    return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec)
 
 
-def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device) -> GradSync:
-    """Step 5: DDP (stage 0, fp32), ZeRO-1/2 (or mixed-precision stage 0) over flat buckets, or FSDP."""
+def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module]):
+    if split is None:
+        return context_parallelize(module, mesh, cores)
+    # No stage calls the model's forward: the runner splits each micro-batch instead.
+    first = split.pipe.layer(0) if 0 in split.module.stages else None
+    return context_parallelize_stages(module, mesh, cores, first)
+
+
+def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
+                   blocks: list[nn.Module]) -> GradSync:
+    """Step 5: DDP (stage 0, any precision), ZeRO-1/2 over flat buckets, or FSDP, over
+    `axis` (dp x cp: every rank of it saw different tokens). ZeRO-3's units are the spec's blocks unless the
+    config names other modules."""
     dp, zero = config.data_parallel, config.zero_optimization
-    if zero.stage == 0 and config.precision == "fp32":
+    predivide = axis.size if config.prescale_gradients else config.gradient_predivide_factor
+    if zero.stage == 0:
         return DistributedDataParallel(
-            model, mesh, bucket_cap_mb=dp.bucket_cap_mb, allow_unused_parameters=dp.allow_unused_parameters,
-            prescale=config.prescale_gradients, predivide_factor=config.gradient_predivide_factor,
-            broadcast_buffers=dp.broadcast_buffers)
-    placement = Placement(device, offload_optimizer=zero.offload_optimizer.device == "cpu",
-                          offload_param=zero.offload_param.device == "cpu",
-                          pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
-    predivide = mesh.size(("dp", "cp")) if config.prescale_gradients else config.gradient_predivide_factor
+            model, axis, precision=config.precision, bucket_cap_mb=dp.bucket_cap_mb,
+            allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
+            broadcast_buffers=dp.broadcast_buffers, free_grad_buckets=zero.free_grad_buckets)
+    offload = OffloadPolicy(device, offload_optimizer=zero.offload_optimizer.device == "cpu",
+                            offload_param=zero.offload_param.device == "cpu",
+                            pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
     if zero.stage <= 2:
-        return ZeroDataParallel(model, mesh, zero.stage, precision=config.precision,
-                                bucket_numel=zero.reduce_bucket_size, placement=placement,
-                                allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide)
+        stage_option = {"free_grad_buckets": zero.free_grad_buckets} if zero.stage == 1 else \
+            {"reduce_at_boundary": zero.reduce_at_boundary}
+        return ZERO_STAGES[zero.stage](model, axis, precision=config.precision, bucket_numel=zero.reduce_bucket_size,
+                                       offload=offload, allow_unused_parameters=dp.allow_unused_parameters,
+                                       predivide_factor=predivide,
+                                       overlap_param_gather=zero.overlap_param_gather is not False,  # unset: on
+                                       **stage_option)
+    units = {id(b) for b in blocks}
+    policy = config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names) \
+        if zero.wrap_module_classes or zero.wrap_module_names else (lambda name, module: id(module) in units)
     return FullyShardedDataParallel(
-        model, mesh, precision=config.precision, placement=placement,
-        wrap_policy=config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names),
+        model, axis, precision=config.precision, offload=offload, wrap_policy=policy,
         reshard_after_forward=zero.reshard_after_forward,
         persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
-        allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide)
+        allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
+        reduce_at_boundary=zero.reduce_at_boundary)

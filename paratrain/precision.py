@@ -22,6 +22,8 @@ import logging
 
 import torch
 
+from paratrain.errors import Error
+
 log = logging.getLogger("paratrain")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,11 +45,11 @@ def autocast_context(enabled: bool, device: torch.device):
     return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-class LossScaleError(RuntimeError):
+class LossScaleError(Error, RuntimeError):
     """An fp16 overflow at the minimum loss scale: training cannot continue."""
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(Error, RuntimeError):
     """bf16/fp32 with `nonfinite_loss: "stop"`: the loss or a gradient became NaN/inf."""
 
     @classmethod

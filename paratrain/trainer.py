@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain import comm
+import paratrain.comm as comm
 from paratrain.api import initialize
 from paratrain.config import load_config
 from paratrain.data import DataParallelLoader, DataParallelSampler, TokenWindows, corpus_fingerprint, load_corpus

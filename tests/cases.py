@@ -31,3 +31,29 @@ def adamw_config(**extra) -> dict:
     }
     cfg.update(extra)
     return cfg
+
+
+REQUIRE_DEEPSPEED = "PARATRAIN_REQUIRE_DEEPSPEED"  # CI (.ci/run) sets it to 1
+
+
+def skip_without_deepspeed(reason: str) -> None:
+    """Skip a comparison with DeepSpeed that cannot run here, or fail it where CI requires it to run: a
+    comparison silently skipped in CI would let the documented agreement go unchecked."""
+    import os
+
+    import pytest
+
+    if os.environ.get(REQUIRE_DEEPSPEED) == "1":
+        pytest.fail(f"{reason}; {REQUIRE_DEEPSPEED}=1 requires the DeepSpeed comparisons to run (install the dev "
+                    f"extra: pip install -e '.[dev]')", pytrace=False)
+    pytest.skip(reason)
+
+
+def import_deepspeed(module: str = "deepspeed"):
+    """`module` of DeepSpeed, or skip (fail in CI) when DeepSpeed is not installed."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        skip_without_deepspeed(f"DeepSpeed is not installed ({exc}); it comes with the dev extra")

@@ -49,6 +49,7 @@ def test_exact_resume_on_the_gpu(tmp_path, name, cfg):
     assert "rng/torch_cuda" in CheckpointReader(tmp_path).manifest["ranks"][0]["rng"]
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_of_four_cpu_ranks_continues_on_one_gpu(tmp_path):
     import paratrain
     from paratrain.testing import World, max_rel_diff, rel_diff

@@ -8,22 +8,28 @@ loads, trains 3 steps and compares. Dropout is on, so the random-generator state
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import paratrain
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
-# Every layout: DDP, ZeRO-1/2/3 (bf16, fp16, offload), TP (+SP), PP, CP and their products.
+# The layouts resumed below: DDP; ZeRO-1/2/3 (bf16, fp16, offloaded optimizer, offloaded parameters); TP (+SP);
+# PP with 1F1B, GPipe, interleaved 1F1B and ZB-H1; CP; activation checkpointing (full, selective); and products.
 
 SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}
 
 
 def _config(stage: int = 0, tp: int = 1, precision: str = "fp32", accumulation: int = 2, pp: int = 1, cp: int = 1,
-            **extra) -> dict:
+            schedule: str = "1f1b", **extra) -> dict:
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation, scheduler=SCHEDULE,
-                       zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 16},
+                       zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 16,
+                                          **extra.pop("zero", {})},
                        tensor_parallel={"size": tp, "sequence_parallel": extra.pop("sp", False)},
-                       pipeline={"stages": pp}, context_parallel={"size": cp}, **extra)
+                       pipeline={"stages": pp, "schedule": schedule,
+                                 "virtual_stages": 2 if schedule == "interleaved" else 1},
+                       context_parallel={"size": cp}, **extra)
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     return cfg
@@ -77,6 +83,28 @@ def test_exact_resume_ddp_and_every_zero_stage(world2, tmp_path):
     _check(world2.run(_cases, str(tmp_path), configs), configs)
 
 
+def _ckpt(granularity: str) -> dict:
+    return {"activation_checkpointing": {"enabled": True, "granularity": granularity}}
+
+
+def test_exact_resume_pipeline_schedules_checkpointing_and_parameter_offload(world2, tmp_path):
+    cpu = {"device": "cpu"}
+    configs = {"pp2_gpipe": _config(pp=2, accumulation=4, schedule="gpipe"),
+               "pp2_interleaved": _config(pp=2, accumulation=4, schedule="interleaved"),
+               "pp2_zbh1": _config(pp=2, accumulation=4, schedule="zb-h1"),
+               "pp2_interleaved_ckpt_selective": _config(pp=2, accumulation=4, schedule="interleaved",
+                                                         **_ckpt("selective")),
+               "zero2_ckpt_full": _config(2, **_ckpt("full")),
+               "zero3_ckpt_selective": _config(3, **_ckpt("selective")),
+               "zero3_offload_param": _config(3, zero={"offload_optimizer": cpu, "offload_param": cpu}),
+               "zero3_offload_param_bf16": _config(3, precision="bf16",
+                                                   zero={"offload_optimizer": cpu, "offload_param": cpu})}
+    results = world2.run(_cases, str(tmp_path), configs)
+    _check(results, configs)
+    assert {k: v["layout"] for k, v in results[0].items()} == {k: "pp2" if k.startswith("pp2") else "dp2"
+                                                                for k in configs}
+
+
 def test_exact_resume_model_parallel_and_hybrid_layouts(world4, tmp_path):
     configs = {"tp2_dp2_ddp": _config(0, tp=2), "tp2_dp2_zero1_sp": _config(1, tp=2, sp=True),
                "tp4_bf16": _config(0, tp=4, precision="bf16"), "tp2_dp2_zero3": _config(3, tp=2),
@@ -91,25 +119,58 @@ def test_exact_resume_model_parallel_and_hybrid_layouts(world4, tmp_path):
         "cp2_tp2_sp": "cp2 x tp2"}
 
 
+def _snapshot(engine) -> dict:
+    """Everything a checkpoint must bring back, copied: counters, lr, parameters, this rank's optimizer state."""
+    return {"counters": {k: getattr(engine, k) for k in ("global_steps", "micro_steps", "global_samples",
+                                                          "skipped_steps")},
+            "lr": engine.get_lr(), "scheduler": engine.lr_scheduler.state_dict(),
+            "params": {k: v.detach().clone() for k, v in engine.full_state_dict().items()},
+            "optimizer": copy.deepcopy(engine.optimizer.state_dict())}
+
+
+def _differences(got, want, path: str = "") -> list[str]:
+    """Where two nested snapshots differ (tensors bit for bit, everything else by ==)."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        if set(got) != set(want):
+            return [f"{path}: keys {sorted(map(str, set(got) ^ set(want)))}"]
+        return [d for k in want for d in _differences(got[k], want[k], f"{path}.{k}")]
+    if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)) and len(got) == len(want):
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in _differences(g, w, f"{path}[{i}]")]
+    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
+        return [] if got.dtype == want.dtype and torch.equal(got, want) else [path]
+    return [] if got == want else [f"{path}: {got!r} != {want!r}"]
+
+
 def _auto(directory: str) -> dict:
     cfg = _config(2, checkpoint={"dir": directory, "save_every": 2, "keep_last": 2, "auto_resume": True})
     data = corpus_windows()
     engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=data)
     assert engine.auto_resumed is None
-    losses = [float(engine.train_batch()) for _ in range(7)]
-    want = engine.full_state_dict()
+    losses = [float(engine.train_batch()) for _ in range(6)]
+    saved = _snapshot(engine)  # what the checkpoint of step 6 holds
+    losses.append(float(engine.train_batch()))  # step 7, never saved
+    after_7 = _snapshot(engine)
     resumed, *_ = paratrain.initialize(model=tiny_gpt(seed=2), config=cfg, training_data=data)  # a restart
-    got = resumed.full_state_dict()
-    return {"losses": losses, "resumed_at": resumed.global_steps, "path": resumed.auto_resumed[0],
-            "at_6": engine.global_steps, "equal_to_step_7": all(torch.equal(got[k], want[k]) for k in want)}
+    loaded = _snapshot(resumed)
+    step_7_again = float(resumed.train_batch())  # the same batch, from the same state: the same step
+    return {"losses": losses, "path": resumed.auto_resumed[0], "loaded": loaded["counters"],
+            "loaded_vs_saved": _differences(loaded, saved), "step_7": (step_7_again, losses[6]),
+            "again_vs_after_7": _differences(_snapshot(resumed), after_7),
+            "loaded_is_not_step_7": bool(_differences(loaded["params"], after_7["params"]))}
 
 
 def test_engine_saves_every_n_steps_keeps_the_last_k_and_auto_resumes(world2, tmp_path):
-    r = world2.run(_auto, str(tmp_path / "ck"))[0]
-    # saved at steps 2, 4, 6; keep_last 2 deleted step 2's; the restart resumes at 6, not at the unsaved 7
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step4", "global_step6", "latest"]
-    assert (tmp_path / "ck" / "latest").read_text() == "global_step6\n"
-    assert r["resumed_at"] == 6 and r["path"].endswith("global_step6") and not r["equal_to_step_7"]
+    for r in world2.run(_auto, str(tmp_path / "ck")):
+        # saved at steps 2, 4, 6; keep_last 2 deleted step 2's; the restart resumes at 6, not at the unsaved 7
+        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step4", "global_step6", "latest"]
+        assert (tmp_path / "ck" / "latest").read_text() == "global_step6\n"
+        assert r["path"].endswith("global_step6") and r["loaded_is_not_step_7"]
+        # what was loaded is what was saved: counters, lr and scheduler, every parameter, this rank's
+        # optimizer state (ZeRO-2 shards: exp_avg, exp_avg_sq, step), all bit for bit
+        assert r["loaded"] == {"global_steps": 6, "micro_steps": 12, "global_samples": 48, "skipped_steps": 0}
+        assert r["loaded_vs_saved"] == [], r["loaded_vs_saved"]
+        # and training on from it repeats step 7 exactly: the data position came back too
+        assert r["step_7"][0] == r["step_7"][1] and r["again_vs_after_7"] == [], r["again_vs_after_7"]
 
 
 def _frozen(directory: str) -> dict:

@@ -71,6 +71,7 @@ def test_checks_catch_corruption_and_refuse_code(tmp_path):
         load_cifar10(tmp_path / "nothing", train=True)
 
 
+@pytest.mark.multiprocess
 def test_cifar_example_falls_back_to_digits_and_learns(tmp_path):
     run = _paratrain("run", "--nproc-per-node", "2", "--master-port", _free_port(),
                      str(ROOT / "examples" / "cifar10" / "train.py"), "--epochs", "2", "--data-dir", str(tmp_path),
@@ -82,6 +83,7 @@ def test_cifar_example_falls_back_to_digits_and_learns(tmp_path):
     assert "Accuracy of          0" in run.stdout
 
 
+@pytest.mark.multiprocess
 def test_cifar_example_with_zero2_and_bf16(tmp_path):
     run = _paratrain("run", "--nproc-per-node", "2", "--master-port", _free_port(),
                      str(ROOT / "examples" / "cifar10" / "train.py"), "--epochs", "1", "--stage", "2", "--dtype",

@@ -40,6 +40,7 @@ def test_torchrun_argv_static_and_elastic():
         torchrun_argv(LaunchOptions(nproc_per_node=0), "x.py", [])
 
 
+@pytest.mark.multiprocess
 def test_train_command_runs_two_processes_and_writes_a_run_dir(tmp_path):
     config = json.loads((ROOT / "configs" / "demo.json").read_text())
     config["trainer"].update(model="gpt-tiny", steps=12, eval_every=6, eval_batches=2, progress_bar=False)
@@ -60,6 +61,7 @@ def test_train_command_runs_two_processes_and_writes_a_run_dir(tmp_path):
     assert "val_loss" in rows[5] and "val_loss" in rows[11]
 
 
+@pytest.mark.multiprocess
 def test_train_command_reports_a_bad_config_without_a_traceback(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"train_batch_size": 8, "optimiser": {}}))
     run = _paratrain("train", "--config", "bad.json", cwd=tmp_path)
@@ -68,6 +70,7 @@ def test_train_command_reports_a_bad_config_without_a_traceback(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.multiprocess
 def test_run_command_launches_a_user_script(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
@@ -85,6 +88,7 @@ def test_run_command_launches_a_user_script(tmp_path):
     assert (tmp_path / "rank1.txt").read_text() == "3.0 hello"
 
 
+@pytest.mark.multiprocess
 def test_run_command_propagates_failure(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys; sys.exit(3)\n")

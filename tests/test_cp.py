@@ -63,8 +63,9 @@ def test_model_checks_name_the_problem():
 
 # ---- ring attention against dense attention -----------------------------------------------------------
 def _ring_vs_dense(cp: int, kernel: str = "auto") -> dict:
+    from paratrain.comm import build_mesh
     from paratrain.context_parallel import ring_attention
-    from paratrain.mesh import ParallelDims, build_mesh
+    from paratrain.mesh import ParallelDims
 
     mesh = build_mesh(ParallelDims(dist.get_world_size(), cp=cp))
     axis = mesh.axis("cp")

@@ -16,6 +16,7 @@ import torch
 import paratrain as deepspeed
 from paratrain.compat.names import COMM, ENGINE, PIPE, TOP_LEVEL, ZERO, DeepSpeedNotSupported
 from paratrain.config import ConfigError, load_config, resolve_batch
+from tests.cases import REQUIRE_DEEPSPEED, import_deepspeed, skip_without_deepspeed
 from tests.test_cli import ROOT, _free_port, _paratrain  # noqa: I001
 
 SCRIPT = ROOT / "tests" / "scripts" / "ds_style.py"
@@ -103,6 +104,7 @@ def test_a_declared_local_rank_gets_torchruns_value(monkeypatch):
     assert deepspeed.add_config_arguments(parser).parse_args([]).local_rank == 2
 
 
+@pytest.mark.multiprocess
 def test_mpi_launch_is_refused_not_split_into_one_process_worlds():
     env = {**os.environ, "OMPI_COMM_WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
     env.pop("RANK", None)
@@ -168,6 +170,42 @@ def test_engine_calls_keep_deepspeed_meaning(world2):
     assert results[0]["state"] == results[1]["state"]  # module_state_dict: the full model, equal on every rank
 
 
+def check_cp_batch_arithmetic() -> dict:
+    """dp2 x cp2: the ranks that draw different samples are dp (2), gradients average over dp x cp (4)."""
+    import torch.distributed as dist
+
+    from tests.cases import adamw_config, corpus_windows, tiny_gpt
+
+    config = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+                          context_parallel={"size": 2})
+    engine, *_ = deepspeed.initialize(model=tiny_gpt(), config=config)
+    sizes = (engine.dp_world_size, engine.seq_dp_world_size, dist.get_world_size(engine.data_parallel_group),
+             dist.get_world_size(engine.seq_data_parallel_group))
+    engine.set_train_batch_size(16)
+    resolved = resolve_batch(load_config({**config, "gradient_accumulation_steps": None, "train_batch_size": 16}),
+                             engine.world_size)
+    data, pulled = corpus_windows(), []
+
+    def micro_batches():
+        for i in range(0, len(data), 2):
+            pulled.append(i)
+            x, y = zip(*(data[j] for j in (i, i + 1)))
+            yield torch.stack(x), torch.stack(y)
+
+    engine.train_batch(micro_batches())
+    return {"sizes": sizes, "engine": (engine.train_batch_size(), engine.gradient_accumulation_steps()),
+            "config": (resolved.train_batch_size, resolved.gradient_accumulation_steps), "pulled": len(pulled)}
+
+
+def test_set_train_batch_size_and_the_config_count_the_same_ranks_under_cp(world4):
+    """16 = micro-batch 2 x accumulation 4 x dp 2, in the config's arithmetic and in set_train_batch_size alike
+    (dividing by dp x cp = 4, as before, gave accumulation 2: half the batch the config would give)."""
+    for result in world4.run(check_cp_batch_arithmetic):
+        assert result["sizes"] == (2, 4, 2, 4)
+        assert result["engine"] == result["config"] == (16, 4)
+        assert result["pulled"] == 4  # train_batch ran 4 micro-batches per rank
+
+
 # ---- a DeepSpeed-style script, under paratrain and under DeepSpeed --------------------------------------------
 STAGES = (0, 1, 2)
 
@@ -216,6 +254,7 @@ def paratrain_runs(tmp_path_factory):
     return json.loads((folder / "paratrain.json").read_text())
 
 
+@pytest.mark.multiprocess
 def test_deepspeed_style_script_runs_under_paratrain(paratrain_runs):
     assert [r["zero_stage"] for r in paratrain_runs] == list(STAGES)
     assert paratrain_runs[0]["lrs"] == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01])  # WarmupLR
@@ -228,10 +267,24 @@ def test_deepspeed_style_script_runs_under_paratrain(paratrain_runs):
     assert base["losses"][-1] < base["losses"][0] or base["losses"][-2] < base["losses"][1]
 
 
+# What docs/deepspeed-compat.md states, asserted below (test_the_documented_agreement_is_the_asserted_one
+# keeps the two texts together): per-micro-batch losses within LOSS_REL of DeepSpeed's, bit-identical at the
+# stages in BIT_IDENTICAL; learning rates and the final parameter norm identical; each side repeats its own
+# steps after loading its checkpoint bit for bit.
+LOSS_REL = 1e-7  # measured 9.5e-8 at stages 0 and 1: one float32 rounding step of a loss near 1.26
+BIT_IDENTICAL = (2,)
+
+
+def _max_rel(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want) > 0
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+@pytest.mark.multiprocess
 def test_deepspeed_style_script_matches_deepspeed(paratrain_runs, tmp_path):
-    pytest.importorskip("deepspeed", reason="DeepSpeed comes with the dev extra (pip install -e '.[dev]')")
+    import_deepspeed()
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("DeepSpeed's CPU backend compiles its shared-memory op at start-up: no C++ compiler here")
+        skip_without_deepspeed("DeepSpeed's CPU backend compiles its shared-memory op at start-up: no C++ compiler")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PARATRAIN_TEST_USE_DEEPSPEED": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
                           _free_port(), *_script_args(tmp_path, "deepspeed.json")], cwd=tmp_path, env=env,
@@ -239,8 +292,32 @@ def test_deepspeed_style_script_matches_deepspeed(paratrain_runs, tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     theirs = json.loads((tmp_path / "deepspeed.json").read_text())
     for ours, ds in zip(paratrain_runs, theirs, strict=True):
-        assert ds["zero_stage"] == ours["zero_stage"] and ds["lrs"] == pytest.approx(ours["lrs"], rel=1e-12)
-        assert ours["losses"] == pytest.approx(ds["losses"], rel=1e-5), f"ZeRO stage {ds['zero_stage']}"
-        assert ours["resumed_losses"] == pytest.approx(ds["resumed_losses"], rel=1e-5)
-        _check_resume(ds, rel=1e-6)
-        assert ours["param_norm"] == pytest.approx(ds["param_norm"], rel=1e-5)
+        stage = ds["zero_stage"]
+        assert stage == ours["zero_stage"] and ds["lrs"] == ours["lrs"], stage  # identical learning rates
+        for key in ("losses", "resumed_losses"):
+            if stage in BIT_IDENTICAL:
+                assert ours[key] == ds[key], (stage, key)
+            else:
+                assert _max_rel(ours[key], ds[key]) <= LOSS_REL, (stage, key, _max_rel(ours[key], ds[key]))
+        assert ours["param_norm"] == ds["param_norm"], stage
+        _check_resume(ds, rel=0.0)  # DeepSpeed too repeats its own steps bit for bit
+
+
+def test_the_documented_agreement_is_the_asserted_one():
+    doc = " ".join((ROOT / "docs" / "deepspeed-compat.md").read_text().split())
+    assert LOSS_REL == 1e-7 and "within 1e-7 relative" in doc
+    assert f"bit-identical at stage {', '.join(map(str, BIT_IDENTICAL))}" in doc
+    assert "the learning rate after every step identical, the final parameter norm identical" in doc
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "PARATRAIN_REQUIRE_DEEPSPEED=1" in doc and "export PARATRAIN_REQUIRE_DEEPSPEED=1" in ci
+
+
+def test_a_comparison_that_cannot_run_skips_here_and_fails_where_ci_requires_it(monkeypatch):
+    monkeypatch.delenv(REQUIRE_DEEPSPEED, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no compiler"):
+        skip_without_deepspeed("no compiler")
+    monkeypatch.setenv(REQUIRE_DEEPSPEED, "1")
+    with pytest.raises(pytest.fail.Exception, match="no compiler; PARATRAIN_REQUIRE_DEEPSPEED=1 requires"):
+        skip_without_deepspeed("no compiler")
+    with pytest.raises(pytest.fail.Exception, match="DeepSpeed is not installed"):
+        import_deepspeed("deepspeed_that_is_not_installed")

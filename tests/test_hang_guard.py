@@ -139,6 +139,7 @@ def _fail_while_peer_waits() -> None:
     dist.recv(torch.zeros(1), src=0, group=group)
 
 
+@pytest.mark.multiprocess
 def test_world_kills_ranks_stuck_in_a_collective_and_restarts():
     with World(2, timeout_s=2.0, grace_s=2.0, after_failure_s=2.0) as world:
         start = time.monotonic()
@@ -155,6 +156,7 @@ def test_world_kills_ranks_stuck_in_a_collective_and_restarts():
 
 
 # ---- a launched job stops instead of hanging at exit ------------------------------------------------------
+@pytest.mark.multiprocess
 def test_launched_job_stops_with_reports(tmp_path):
     from tests.test_cli import _free_port, _paratrain
 

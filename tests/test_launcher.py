@@ -61,6 +61,7 @@ def test_env_forwarding(tmp_path):
     assert out == {"NCCL_DEBUG": "INFO", "FOO": "bar baz", "X": "1"}
 
 
+@pytest.mark.multiprocess
 def test_dry_run_prints_one_command_per_node(tmp_path):
     (tmp_path / "hosts").write_text("alpha slots=2\nbeta slots=2\n")
     run = _paratrain("run", "--hostfile", "hosts", "--include", "alpha:1@beta", "--master-addr", "alpha",
@@ -75,6 +76,7 @@ def test_dry_run_prints_one_command_per_node(tmp_path):
     assert "--rdzv-endpoint=alpha:6000" in beta[6] and beta[6].endswith("train.py --lr 1")
 
 
+@pytest.mark.multiprocess
 def test_bad_hostfile_exits_2_with_the_line(tmp_path):
     (tmp_path / "hosts").write_text("alpha slots=two\n")
     run = _paratrain("run", "--hostfile", "hosts", "train.py", cwd=tmp_path)
@@ -85,6 +87,7 @@ def _summary(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.multiprocess
 def test_two_loopback_nodes_train_together_like_one_node(tmp_path):
     config = json.loads((ROOT / "configs" / "demo.json").read_text())
     config["trainer"].update(model="gpt-tiny", steps=6, eval_every=0, progress_bar=False)
@@ -108,6 +111,7 @@ def test_two_loopback_nodes_train_together_like_one_node(tmp_path):
     assert ra == rb  # the same computation, bit for bit
 
 
+@pytest.mark.multiprocess
 def test_run_dry_run_single_node_shows_torchrun(tmp_path):
     run = _paratrain("run", "--nproc-per-node", "3", "--dry-run", "x.py", cwd=tmp_path)
     assert run.returncode == 0 and "torch.distributed.run --nproc-per-node=3" in run.stdout

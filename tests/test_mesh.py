@@ -52,3 +52,17 @@ def test_members_of_a_group_differ_only_on_its_axes():
 def test_unknown_axis_is_named():
     with pytest.raises(MeshError, match="unknown mesh axis 'ep'"):
         ParallelDims(2).groups("ep")
+
+
+@pytest.mark.parametrize("world,pp,cp,tp", [(8, 1, 2, 1), (8, 2, 2, 1), (16, 1, 4, 2), (4, 1, 1, 1), (8, 1, 8, 1)])
+def test_samples_split_over_dp_and_gradients_average_over_dp_x_cp(world, pp, cp, tp):
+    """The two meanings of "data-parallel", and the config's batch arithmetic counting the first."""
+    from paratrain.config import load_config, resolve_batch
+
+    dims = ParallelDims(world, pp=pp, cp=cp, tp=tp)
+    assert dims.sample_parallel_size == dims.dp == world // (pp * cp * tp)
+    assert dims.gradient_average_size == dims.dp * cp == dims.size(("dp", "cp"))
+    config = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "pipeline":
+                          {"stages": pp}, "context_parallel": {"size": cp}, "tensor_parallel": {"size": tp}})
+    assert config.dp_size(world) == dims.sample_parallel_size
+    assert resolve_batch(config, world).train_batch_size == 2 * 3 * dims.sample_parallel_size

@@ -110,6 +110,7 @@ def test_tensorboard_path_when_installed(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.multiprocess
 def test_rank_zero_prints_steps_per_print_lines_by_default(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent("""

@@ -19,6 +19,8 @@ from paratrain.testing.reference import reference_run
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 from tests.test_cli import ROOT, _free_port, _paratrain
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 STEPS = 5
 N_LAYER = 6  # 8 pipeline layers (embed, 6 blocks, head): enough for p = 4 with 2 chunks per rank
 MICRO_BATCH = 2

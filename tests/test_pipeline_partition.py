@@ -10,8 +10,8 @@ from torch import nn
 
 from paratrain.api import resolve_config
 from paratrain.config import ConfigError
+from paratrain.models import gpt_pipeline_module
 from paratrain.pipeline import LayerSpec, PipelineModule
-from paratrain.pipeline.module import gpt_pipeline_module
 from paratrain.pipeline.partition import PartitionError, balanced_boundaries, parameter_counts
 from paratrain.pipeline.split import choose_boundaries, split_pipeline
 from tests.cases import tiny_gpt

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.pipeline.schedules import RECV_F, SEND_F, Action, B, F, Schedule, ScheduleError, build_schedule
+from paratrain.pipeline.schedules import (
+    RECV_F,
+    SEND_F,
+    Action,
+    ActionKind,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    build_schedule,
+)
+from paratrain.pipeline.timeline import _unit_events
 from paratrain.pipeline.validate import check_schedule, simulate, theoretical_bubble, validate
 
 GRID = [(name, p, m, v)
@@ -52,14 +64,31 @@ def test_zb_h1_fills_the_bubble_with_weight_gradients():
     schedule = build_schedule("zb-h1", 4, 8)
     assert schedule.split_backward
     kinds = [a.kind for a in schedule.compute(0)]
-    assert kinds.count("W") == 8 and kinds.index("W") < len(kinds) - 8  # some W run before the last B
+    assert kinds.count(W) == 8 and kinds.index(W) < len(kinds) - 8  # some W run before the last B
     # Pending weight gradients stay bounded by p, so W's memory does not grow with m.
     for rank in range(4):
         pending, worst = 0, 0
         for a in schedule.compute(rank):
-            pending += 1 if a.kind == "B" else -1 if a.kind == "W" else 0
+            pending += 1 if a.kind == B else -1 if a.kind == W else 0
             worst = max(worst, pending)
         assert worst <= 4
+
+
+def test_action_kinds_are_an_enum_with_short_printed_forms():
+    assert [k.value for k in ActionKind] == ["F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+    assert str(Action(F, 1, 3)) == "F3@s1" and f"{Action(ActionKind.SEND_B, 2, 0)}" == "SEND_B0@s2"
+    assert Action("W", 0, 2) == Action(W, 0, 2) and Action("W", 0, 2).kind is W  # a short form is read as its kind
+    assert [k for k in ActionKind if k.is_comm] == [k for k in ActionKind if k.is_send or k.is_recv]
+    assert not any(k.is_comm for k in (F, B, W))
+    assert build_schedule("1f1b", 2, 2).describe(1).split()[:4] == ["RECV_F0@s1", "F0@s1", "B0@s1", "SEND_B0@s1"]
+    with pytest.raises(ValueError, match="'X' is not a valid ActionKind"):
+        Action("X", 0, 0)
+
+
+def test_timeline_events_store_kinds_as_short_strings():
+    timeline = {"schedule": "zb-h1", "stages": 2, "micro_batches": 2, "virtual": 1}
+    kinds = {e[0] for events in _unit_events(timeline) for e in events}
+    assert kinds == {"F", "B", "W"} and all(type(k) is str for k in kinds)
 
 
 def _replace(schedule: Schedule, rank: int, actions: list[Action]) -> Schedule:

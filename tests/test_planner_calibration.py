@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.mesh import AXES, COMBINED_AXES, ParallelDims, build_mesh
+from paratrain.comm import build_mesh
+from paratrain.mesh import AXES, COMBINED_AXES, ParallelDims
 from paratrain.models import GPT, GPTConfig
 from paratrain.planner.comm import measured_without_calls, predict_comm
 from paratrain.planner.layout import Layout, axis_name
@@ -26,6 +27,8 @@ from paratrain.planner.memory import model_state_bytes, rank_params
 from paratrain.planner.model_specs import spec_from_config
 from paratrain.planner.report import layout_config
 from tests.cases import TINY, corpus_windows
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 SPEC = spec_from_config(GPTConfig(**TINY), "gpt-tiny")
 STATE_TOLERANCE = 0.05

@@ -1,4 +1,5 @@
-"""Planner, communication: per-rank payloads per axis against the DESIGN.md formulas."""
+"""Planner, communication: per-rank payloads per axis against the formulas of docs/planner.md (communication
+per optimizer step)."""
 
 from __future__ import annotations
 

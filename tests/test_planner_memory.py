@@ -12,12 +12,15 @@ from paratrain.models.gpt import GPT, Block, GPTConfig
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import (
     activation_bytes,
+    estimate_memory,
     in_flight,
     layer_activations,
     model_state_bytes,
+    rank_params,
 )
 from paratrain.planner.model_specs import spec_from_config
 from paratrain.testing.activations import saved_activation_bytes
+from paratrain.zero import estimate_memory as zero_estimate_memory
 
 PSI = 1_000_003  # not a multiple of N: shards are padded
 
@@ -39,7 +42,7 @@ def test_zero_states_mixed_precision_k12(precision):
     shard = -(-PSI // n)
     assert model_state_bytes(PSI, n, 0, precision).total == 16 * PSI  # 2 + 2 + 12
     assert model_state_bytes(PSI, n, 1, precision).total == 4 * PSI + 12 * shard
-    assert model_state_bytes(PSI, n, 2, precision).total == 2 * PSI + 14 * shard
+    assert model_state_bytes(PSI, n, 2, precision).total == 2 * PSI + 16 * shard  # the gradient shard is fp32
     assert model_state_bytes(PSI, n, 3, precision).total == 16 * shard
 
 
@@ -47,8 +50,39 @@ def test_offload_moves_the_optimizer_and_fp32_grads_to_the_host():
     n = 4
     shard = -(-PSI // n)
     states = model_state_bytes(PSI, n, 2, "bf16", offload_optimizer=True)
-    assert (states.params, states.grads, states.optimizer_state) == (2 * PSI, 2 * shard, 0)
-    assert states.host == 16 * shard  # master + moments (12) + the fp32 gradient partition (4)
+    assert (states.params, states.grads, states.optimizer_state) == (2 * PSI + 4 * shard, 4 * shard, 8 * shard)
+    assert states.host == 16 * shard  # master (4) + moments (8) + the fp32 gradient partition (4)
+    assert states.device == 2 * PSI  # only the bf16 parameters stay on the device
+
+
+# ---- one memory formula: the planner's states are paratrain.zero.estimate_memory's (= engine.memory_stats())
+STATE_GRID = [(stage, precision, offload, dp, cp)
+              for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16", "fp16") for offload in (False, True)
+              for dp, cp in ((1, 1), (2, 1), (8, 1), (2, 2), (4, 2)) if not (offload and stage == 0)]
+
+
+@pytest.mark.parametrize("stage,precision,offload,dp,cp", STATE_GRID)
+def test_planner_model_states_are_the_zero_estimators(stage, precision, offload, dp, cp):
+    """The planner's whole path (layout -> rank parameters -> shard group dp x cp -> peak rank) against the one
+    estimator, which tests/test_zero_counts.py holds equal to what the engine measures."""
+    spec = spec_from_config(PAPER)
+    layout = Layout(dp=dp, cp=cp, micro_batch=1, grad_accum=1, zero_stage=stage, precision=precision,
+                    offload_optimizer=offload)
+    want = zero_estimate_memory(rank_params(spec, layout, 0), dp * cp, stage, "optimizer" if offload else "none",
+                                precision)
+    got = estimate_memory(spec, layout)
+    assert (got.params, got.grads, got.optimizer_state, got.host) == \
+        (want["params"], want["grads"], want["optimizer_state"], want["host"])
+    assert got.states == want["device"]
+    assert got.total == want["device"] + got.activations + got.transient
+
+
+def test_bf16_stage2_counts_the_fp32_gradient_shard():
+    """The issue's example: Ψ = 1M, N = 8, bf16 stage 2 is 2Ψ + 16Ψ/N = 4.00 MB, not 3.75 MB."""
+    psi, n = 1_000_000, 8
+    assert model_state_bytes(psi, n, 2, "bf16").total == zero_estimate_memory(psi, n, 2, precision="bf16")["total"]
+    assert model_state_bytes(psi, n, 2, "bf16").total == 4_000_000
+    assert model_state_bytes(psi, n, 2, "bf16").grads == 4 * psi // n
 
 
 # ---- activations: the paper's formulas --------------------------------------------------------------------

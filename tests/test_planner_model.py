@@ -11,7 +11,7 @@ import torch
 from paratrain.models.gpt import GPT, PRESETS, GPTConfig
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
-from paratrain.planner.model_specs import TP_PLAN, PlanError, model_spec, spec_from_config, stage_layers
+from paratrain.planner.model_specs import TP_PLAN, PlannerError, model_spec, spec_from_config, stage_layers
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
 
@@ -74,10 +74,10 @@ def test_model_from_a_config_file_with_overrides(tmp_path):
 
 
 def test_bad_model_names_the_choices(tmp_path):
-    with pytest.raises(PlanError, match="neither a GPT preset .*gpt-7b"):
+    with pytest.raises(PlannerError, match="neither a GPT preset .*gpt-7b"):
         model_spec("gpt-8b")
     (tmp_path / "bad.json").write_text(json.dumps({"trainer": {"model": "gpt-tiny", "model_overrides": {"x": 1}}}))
-    with pytest.raises(PlanError, match="unknown GPTConfig field"):
+    with pytest.raises(PlannerError, match="unknown GPTConfig field"):
         model_spec(str(tmp_path / "bad.json"))
 
 
@@ -90,7 +90,7 @@ def test_units():
     assert parse_rate("25GiB/s", "--x") == 25 * 2**30
     assert parse_seconds("10us") == pytest.approx(1e-5)
     assert parse_seconds("2ms") == pytest.approx(2e-3)
-    with pytest.raises(PlanError, match="--gpu-memory '80 gigs'"):
+    with pytest.raises(PlannerError, match="--gpu-memory '80 gigs'"):
         parse_bytes("80 gigs")
-    with pytest.raises(PlanError, match="unknown unit"):
+    with pytest.raises(PlannerError, match="unknown unit"):
         parse_seconds("3h")

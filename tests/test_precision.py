@@ -13,7 +13,7 @@ from paratrain.api import resolve_config
 from paratrain.config import ConfigError
 from paratrain.precision import DynamicLossScaler, LossScaleError
 from paratrain.zero import estimate_memory
-from tests.cases import adamw_config, corpus_windows, tiny_gpt
+from tests.cases import adamw_config, corpus_windows, import_deepspeed, tiny_gpt
 
 
 def test_dynamic_scale_hysteresis_window_and_minimum():
@@ -33,7 +33,7 @@ def test_dynamic_scale_hysteresis_window_and_minimum():
 
 
 def test_dynamic_scale_equals_deepspeed_on_random_overflow_sequences(monkeypatch):
-    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    loss_scaler = import_deepspeed("deepspeed.runtime.fp16.loss_scaler")
     monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *a, **k: 0)
     logging.disable(logging.CRITICAL)
     try:

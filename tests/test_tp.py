@@ -4,6 +4,7 @@ defined only here and parallelized by a plan written in its config."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -11,9 +12,12 @@ from torch import nn
 
 import paratrain
 from paratrain.models import GPT
+from paratrain.placement import Shard, placement_of
 from paratrain.testing import rel_diff
 from paratrain.testing.parity import layout_parity
 from tests.cases import TINY, adamw_config, corpus_windows, tiny_gpt
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 STEPS = 5
 VOCAB = 251  # not divisible by 2 or 4: the vocabulary is padded on the last rank
@@ -117,6 +121,10 @@ class ModVocab(torch.utils.data.Dataset):
         return x % VOCAB, y % VOCAB
 
 
+def _is_split(param) -> bool:
+    return isinstance(placement_of(param).get("tp"), Shard)
+
+
 MODELS = {"gpt": (tiny_gpt, corpus_windows, None), "llama": (tiny_llama, lambda: ModVocab(corpus_windows()),
                                                              LLAMA_PLAN)}
 
@@ -131,7 +139,7 @@ def _parity(model: str, tp: int, sp: bool, accumulation: int = 1, stage: int = 0
 
     def shards(engine) -> dict:
         local = dict(engine.module.named_parameters())
-        sharded = {n for n, p in local.items() if getattr(p, "tp_sharded", False)}
+        sharded = {n for n, p in local.items() if _is_split(p)}
         return {"dp": engine.pmesh.size("dp"),
                 "replicated": {n: p.detach().clone() for n, p in local.items() if n not in sharded},
                 "sharded_numel": {n: local[n].numel() for n in sharded},
@@ -262,7 +270,7 @@ def _dropout_streams(sp: bool) -> dict:
     model.embed.dropout(torch.ones(2, 16, 32))
     expected_after = torch.rand(4)
     state = engine.full_state_dict()  # raises if a replicated tensor differs between the tp ranks
-    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not getattr(p, "tp_sharded", False)}
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not _is_split(p)}
     return {"inside": inside, "outside": outside, "after": after, "expected_after": expected_after,
             "replicated": replicated, "finite": all(bool(torch.isfinite(v).all()) for v in state.values())}
 
@@ -291,7 +299,8 @@ def test_dropout_differs_inside_regions_and_agrees_outside(world2):
 
 # ---- the vocab-parallel loss on its own ---------------------------------------------------------------
 def _vocab_loss_vs_dense() -> dict:
-    from paratrain.mesh import ParallelDims, build_mesh
+    from paratrain.comm import build_mesh
+    from paratrain.mesh import ParallelDims
     from paratrain.tensor_parallel import vocab_parallel_cross_entropy
     from paratrain.tensor_parallel.layers import padded_size
 

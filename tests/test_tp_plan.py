@@ -10,8 +10,9 @@ from torch import nn
 import paratrain
 from paratrain.config import ConfigError
 from paratrain.mesh import Axis
+from paratrain.models import GPT_PLAN
+from paratrain.placement import Shard, placement_of
 from paratrain.tensor_parallel import (
-    GPT_PLAN,
     ColumnParallelLinear,
     PlanError,
     RNGTracker,
@@ -88,7 +89,8 @@ def test_plan_errors_name_the_module_and_the_fix():
     assert "'region_input' modules are nested ('blocks.0.attn')" in _error(
         gpt, {**GPT_PLAN, "blocks.*": "region_input"})
     assert "contains tensor-parallel layers" in _error(gpt, {**GPT_PLAN, "blocks.*.mlp": "sequence"})
-    assert "only the built-in GPT has a ready plan" in _error(TinyLlama(), None)
+    msg = _error(TinyLlama(), None)
+    assert "needs a plan for TinyLlama" in msg and "the families with a ready plan: ['gpt'" in msg
 
 
 def test_tied_weights_cannot_be_split_for_one_module():
@@ -116,12 +118,14 @@ def test_layers_keep_their_slice_and_pad_uneven_vocabularies():
         axis = _fake_axis(rank, 4)
         col = ColumnParallelLinear(linear, axis, pad_output=True)  # 10 -> 12 rows, 3 per rank
         want = torch.cat([linear.weight.detach(), torch.zeros(2, 6)])[3 * rank:3 * rank + 3]
-        assert torch.equal(col.weight, want) and col.weight.tp_sharded and col.vocab_start == 3 * rank
+        assert torch.equal(col.weight, want) and col.vocab_start == 3 * rank
+        assert placement_of(col.weight).get("tp") == Shard(0, 10)  # the unpadded size
         vocab = VocabParallelEmbedding(emb, axis)
         assert vocab.weight.shape == (3, 3) and vocab.vocab_start == 3 * rank
         assert vocab.local_padding_idx == (1 if rank == 2 else None)
     row = RowParallelLinear(nn.Linear(8, 5), _fake_axis(1, 2))
-    assert row.weight.shape == (5, 4) and row.weight.tp_sharded and not hasattr(row.bias, "tp_sharded")
+    assert row.weight.shape == (5, 4) and placement_of(row.weight).get("tp") == Shard(1, 8)
+    assert placement_of(row.bias).get("tp") is None  # replicated: the plan step records that, not the layer
     with pytest.raises(PlanError, match="out_features 10, not divisible by the tensor-parallel size 4"):
         ColumnParallelLinear(linear, _fake_axis(0, 4))
 

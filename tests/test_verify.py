@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from paratrain.config import load_config
-from paratrain.tensor_parallel.plan import GPT_PLAN
+from paratrain.models import GPT_PLAN
 from paratrain.testing.verify import default_world_size, small_instance, verify_config
 from tests.cases import adamw_config
 from tests.test_cli import _paratrain
@@ -32,6 +34,7 @@ def test_small_instance_keeps_the_layouts_divisibility():
     assert (run["train_micro_batch_size_per_gpu"], run["gradient_accumulation_steps"]) == (2, 4)
 
 
+@pytest.mark.multiprocess
 def test_verify_passes_a_hybrid_gpt_layout(tmp_path):
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
                        pipeline={"stages": 2, "schedule": "1f1b"}, context_parallel={"size": 2},
@@ -43,6 +46,7 @@ def test_verify_passes_a_hybrid_gpt_layout(tmp_path):
     assert run.stdout.count(" ok") == 3
 
 
+@pytest.mark.multiprocess
 def test_verify_passes_a_user_model_named_by_its_factory(tmp_path):
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, data_parallel={"size": 1},
                        tensor_parallel={"size": 2, "sequence_parallel": True, "plan": LLAMA_PLAN},
@@ -53,6 +57,7 @@ def test_verify_passes_a_user_model_named_by_its_factory(tmp_path):
     assert "model: tests.test_tp:TinyLlama(vocab=256)" in run.stdout and "PASS: tp2 sp ckpt:full" in run.stdout
 
 
+@pytest.mark.multiprocess
 def test_verify_fails_a_plan_that_leaves_norm_gradients_unsummed(tmp_path):
     """Under sequence parallelism each tp rank's norm gradients cover only its tokens: a plan without the
     'sequence' entries never sums them, so the grad norm, the update and the replicas go wrong."""
@@ -65,6 +70,7 @@ def test_verify_fails_a_plan_that_leaves_norm_gradients_unsummed(tmp_path):
     assert "tensors replicated over tp differ between tp ranks" in run.stdout
 
 
+@pytest.mark.multiprocess
 def test_verify_reports_a_config_error_without_launching(tmp_path):
     run = _paratrain("verify", "--config", _write(tmp_path, "typo.json", {"train_micro_batch": 2}), cwd=tmp_path)
     assert run.returncode == 2 and "unknown config key 'train_micro_batch'" in run.stderr

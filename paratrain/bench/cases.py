@@ -2,7 +2,8 @@
 
 Every case trains the same model from the same seed on the same global batch (GLOBAL_BATCH sequences per
 optimizer step), so the loss columns must agree and only memory, communication and time differ. A case is
-data: a name, the strategy it shows, its config sections, and what DESIGN.md's formulas say it costs.
+data: a name, the strategy it shows, its config sections, and the formulas for what it costs (memory per rank
+and communication per step, as in the cost model of docs/planner.md).
 """
 
 from __future__ import annotations

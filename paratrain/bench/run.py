@@ -44,12 +44,12 @@ def _timed_steps(total: int, warmup: int, one_step) -> tuple[list[float], list[f
 
 def engine_case(case: Case, model: str, steps: int, warmup: int) -> dict:
     """One rank of an engine case."""
-    import paratrain
+    from paratrain.api import initialize
     from paratrain.monitor import peak_rss_bytes
 
     net = _model(model)
     params = sum(p.numel() for p in net.parameters())  # before parallelizing: TP and PP split in place
-    engine, _, loader, _ = paratrain.initialize(model=net, config=case.config(), training_data=_data(model))
+    engine, _, loader, _ = initialize(model=net, config=case.config(), training_data=_data(model))
     warm, _ = _timed_steps(warmup, warmup, lambda: engine.train_batch(loader))
     engine.comm_stats(reset=True)
     losses, times = _timed_steps(steps, 0, lambda: engine.train_batch(loader))
@@ -65,10 +65,10 @@ def engine_case(case: Case, model: str, steps: int, warmup: int) -> dict:
 
 def threads_case(case: Case, model: str, steps: int, warmup: int, threads: int) -> dict:
     """The one-process DP case: `threads` replicas on CPU "devices", gradients summed by autograd."""
-    from paratrain import DataParallel
     from paratrain.config import OptimizerConfig
     from paratrain.data import DataParallelSampler, default_collate
     from paratrain.data_parallel.base import optimizer_state_tensors, tensor_bytes
+    from paratrain.data_parallel.dp import DataParallel
     from paratrain.monitor import peak_rss_bytes
     from paratrain.optim import build_optimizer
 

@@ -36,6 +36,7 @@ from paratrain.checkpoint.format import (
 from paratrain.checkpoint.load import PieceFiles
 from paratrain.checkpoint.reshard import Piece, coverage_problem, read_full
 from paratrain.mesh import AXES
+from paratrain.model_spec import ModelSpecError, spec_named
 
 
 def resolve_path(path, tag: str | None = None) -> Path:
@@ -83,18 +84,21 @@ class CheckpointReader:
 
 def export_safetensors(reader: CheckpointReader, out, hf: bool = False, dtype: torch.dtype | None = None,
                        n_head: int | None = None) -> dict[str, torch.Tensor]:
-    """Write the consolidated model to one safetensors file (`hf`: Hugging Face GPT-2 names, see hf.py, with
-    a config.json beside it). Floating tensors are cast to `dtype` if given. Returns what was written."""
+    """Write the consolidated model to one safetensors file (`hf`: Hugging Face names, by the model family's
+    spec, with a config.json beside it). Floating tensors are cast to `dtype` if given. Returns what was
+    written."""
     state = reader.model_state()
     metadata = {"format": "pt", "source": str(reader.path),
                 "global_steps": str(reader.manifest["engine"]["global_steps"])}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if hf:
-        from paratrain.checkpoint.hf import gpt2_config, to_gpt2
-
-        config = gpt2_config(state, reader.manifest["config"], n_head)
-        state = to_gpt2(state)
+        # Checkpoints name their model family; older ones are of the built-in GPT, the only family they had.
+        family = reader.manifest.get("model", {}).get("family", "gpt")
+        try:
+            state, config = spec_named(family).to_hugging_face(state, reader.manifest["config"], n_head=n_head)
+        except ModelSpecError as exc:
+            raise CheckpointError(f"--hf: {exc}") from None
         atomic_write_text(out.parent / "config.json", json.dumps(config, indent=2) + "\n")
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from paratrain.errors import Error
+
 FORMAT = "paratrain-checkpoint"
 VERSION = 1
 LATEST = "latest"
@@ -41,7 +43,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Error, RuntimeError):
     """A checkpoint that cannot be written or loaded; the message names the file or tensor and the fix."""
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from paratrain import comm
+import paratrain.comm as comm
 from paratrain.checkpoint.format import (
     DTYPE_BY_NAME,
     CheckpointError,

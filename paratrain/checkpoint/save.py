@@ -1,11 +1,13 @@
 """Saving: every rank writes the pieces it owns, in parallel; rank 0 writes the manifest, then `latest`.
 
 [Note: who writes what]
-Everything is stored per *original* tensor name (`ParallelModel.origin`), as pieces: a tensor-parallel
-shard is a box of the full tensor, a ZeRO shard a flat range of that box (`GradSync.master_segments`).
-A piece held identically by several ranks (DDP replicas over dp, parameters replicated over tp) is written
-by exactly one of them: the rank whose index on each replicated axis is crc32(name) mod the axis size, which
-spreads replicated tensors over the ranks instead of piling them on rank 0. Optimizer states (Adam's
+Everything is stored per *original* tensor name (`ParallelModel.origin`), as pieces (`pieces.py`): a
+tensor-parallel shard is a box of the full tensor, a ZeRO shard a flat range of that box
+(`GradSync.master_segments`). Before anything is written every rank agrees that the pieces describe one
+consistent model (shapes, placements, identical copies, exact coverage), so no rank can store its slice as a
+whole tensor. A piece held identically by several ranks (DDP replicas over dp, parameters replicated over tp)
+is written by exactly one of them: the rank whose index on each replicated axis is crc32(name) mod the axis
+size, which spreads replicated tensors over the ranks instead of piling them on rank 0. Optimizer states (Adam's
 exp_avg, exp_avg_sq, SGD's momentum) follow their parameter's pieces under `optim/<state>/<name>`; the
 fp32 master weights are stored under `model/<name>`.
 """
@@ -17,12 +19,11 @@ import math
 import os
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 import torch
 
-from paratrain import comm
+import paratrain.comm as comm
 from paratrain.checkpoint.format import (
     DTYPE_NAMES,
     FORMAT,
@@ -40,6 +41,7 @@ from paratrain.checkpoint.format import (
     write_manifest,
     write_safetensors,
 )
+from paratrain.checkpoint.pieces import HeldPiece, agree_on_pieces, model_pieces
 from paratrain.checkpoint.reshard import Piece, coverage_problem
 from paratrain.checkpoint.state import (
     COUNTERS,
@@ -52,6 +54,7 @@ from paratrain.checkpoint.state import (
     scalar_entry,
 )
 from paratrain.mesh import AXES
+from paratrain.version import __version__
 
 log = logging.getLogger("paratrain")
 
@@ -59,25 +62,10 @@ log = logging.getLogger("paratrain")
 PAUSE_ENV = "PARATRAIN_TEST_SAVE_PAUSE_S"
 
 
-class _Owner:
-    """Decides which rank writes a piece that several ranks hold (see the note above)."""
-
-    def __init__(self, engine):
-        self.mesh = engine.pmesh
-        self.dp = engine.grad_sync.axis
-
-    def __call__(self, name: str, replicated: tuple[str, ...], over_dp: bool) -> bool:
-        h = zlib.crc32(name.encode())
-        axes = [self.dp] if over_dp else []
-        axes += [self.mesh.axis(a) for a in replicated]
-        return all(axis.rank == h % axis.size for axis in axes)
-
-
-def _collect(engine, file: str, exclude_frozen: bool = False) -> tuple[list[tuple[str, torch.Tensor]], dict]:
-    """This rank's pieces (tensors to write) and what the manifest needs to know about them."""
-    gs, parallel, optimizer = engine.grad_sync, engine.parallel, engine.optimizer
-    owns = _Owner(engine)
-    local = dict(gs.named_params)
+def _collect(engine, file: str, pieces: list[HeldPiece], owned: list[bool]) -> tuple[list, dict]:
+    """This rank's pieces to write (the model's and the optimizer states' of each piece it keeps) and what the
+    manifest needs to know about them."""
+    optimizer = engine.optimizer
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     tensors, info = [], {"tensors": {}, "pieces": {}, "scalars": {}, "groups": {}}
 
@@ -88,38 +76,52 @@ def _collect(engine, file: str, exclude_frozen: bool = False) -> tuple[list[tupl
         info["tensors"][key] = {"shape": list(origin.shape), "dtype": DTYPE_NAMES[data.dtype]}
         info["pieces"][key] = Piece(file, key, origin.offsets, origin.local_shape, start, end).to_json()
 
-    for master, segments in gs.master_segments():
-        flat = master.detach().reshape(-1)
-        state = optimizer.state.get(master, {})
-        moments = {k: v.detach().reshape(-1) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim()}
+    for piece, keep in zip(pieces, owned):
+        origin, size = piece.origin, piece.end - piece.start
+        if piece.master is None:  # a buffer or frozen parameter: no optimizer state
+            if keep:
+                add(piece.key, piece.data, origin, piece.start, piece.end)
+            continue
+        state = optimizer.state.get(piece.master, {})
+        moments = _moments(state, piece.master, optimizer)
+        group = info["groups"].setdefault(str(group_of[id(piece.master)]), {
+            "options": group_options(optimizer.param_groups[group_of[id(piece.master)]]), "params": []})
+        group["params"].append(origin.name)
+        if not keep:
+            continue
+        add(piece.key, piece.data, origin, piece.start, piece.end)
         for k, v in moments.items():
-            if v.numel() != flat.numel():
-                raise CheckpointError(f"optimizer state '{k}' has {v.numel()} elements but its parameter "
-                                      f"{flat.numel()}: {type(optimizer).__name__} keeps states that are not "
-                                      f"element-wise, which sharded checkpoints cannot split")
-        scalars = {k: v for k, v in state.items() if k not in moments and v is not None}
-        group = info["groups"].setdefault(str(group_of[id(master)]), {
-            "options": group_options(optimizer.param_groups[group_of[id(master)]]), "params": []})
-        for seg in segments:
-            origin = parallel.origin(seg.name, local[seg.name])
-            group["params"].append(origin.name)
-            if not owns(origin.name, origin.replicated, gs.masters_replicated):
-                continue
-            size = seg.end - seg.start
-            add(f"model/{origin.name}", flat[seg.offset:seg.offset + size], origin, seg.start, seg.end)
-            for k, v in moments.items():
-                add(f"optim/{k}/{origin.name}", v[seg.offset:seg.offset + size], origin, seg.start, seg.end)
-            for k, v in scalars.items():
+            add(f"optim/{k}/{origin.name}", v[piece.offset:piece.offset + size], origin, piece.start, piece.end)
+        for k, v in state.items():
+            if k not in moments and v is not None:
                 info["scalars"].setdefault(k, {})[origin.name] = scalar_entry(v, f"'{k}' of '{origin.name}'")
-    trainable = {id(p) for p in local.values()}
-    frozen = {id(p) for p in parallel.module.parameters() if not p.requires_grad} if exclude_frozen else set()
-    for name, t in parallel.module.state_dict(keep_vars=True).items():
-        if id(t) in trainable or id(t) in frozen:
-            continue  # a parameter (or a tied alias of one): stored from its master above
-        origin = parallel.origin(name, t)
-        if owns(origin.name, origin.replicated, True):
-            add(f"model/{origin.name}", t.detach(), origin, 0, t.numel())
     return tensors, info
+
+
+def _moments(state: dict, master: torch.Tensor, optimizer) -> dict[str, torch.Tensor]:
+    """The element-wise optimizer states of one master, flat (refused when one is not element-wise)."""
+    moments = {k: v.detach().reshape(-1) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim()}
+    for k, v in moments.items():
+        if v.numel() != master.numel():
+            raise CheckpointError(f"optimizer state '{k}' has {v.numel()} elements but its parameter "
+                                  f"{master.numel()}: {type(optimizer).__name__} keeps states that are not "
+                                  f"element-wise, which sharded checkpoints cannot split")
+    return moments
+
+
+def _pieces_to_save(engine, exclude_frozen: bool) -> tuple[list[HeldPiece], list[bool]]:
+    """This rank's model pieces, agreed with every rank's and checked for consistency (collective; raises the
+    same error everywhere before anything is written) and which of them this rank writes."""
+    pieces = model_pieces(engine.parallel)
+    if exclude_frozen:
+        module = engine.parallel.module
+        frozen = {id(p) for p in module.parameters() if not p.requires_grad}
+        keys = {f"model/{engine.parallel.origin(n, t).name}" for n, t in module.state_dict(keep_vars=True).items()
+                if id(t) in frozen}
+        pieces = [p for p in pieces if p.key not in keys]
+    everyone, _ = agree_on_pieces(pieces, engine.parallel, engine.pmesh)
+    mine = [d["owned"] for d in everyone if d["rank"] == engine.pmesh.rank]
+    return pieces, mine
 
 
 def _agree_on_tag(tag: str, world, policy: str) -> str:
@@ -144,6 +146,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                               f"call it after the step that ends the window")
     tag = _agree_on_tag(check_tag(tag if tag is not None else f"global_step{engine.global_steps}"), world,
                         engine.config.checkpoint.tag_validation)
+    try:
+        pieces, owned = _pieces_to_save(engine, exclude_frozen_parameters)
+    except CheckpointError as exc:
+        raise CheckpointError(f"saving checkpoint '{tag}' in '{save_dir}' refused, nothing was written: "
+                              f"{exc}") from None
     directory = Path(save_dir)
     partial = directory / (tag + PARTIAL_SUFFIX)
     if mesh.rank == 0:
@@ -154,7 +161,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     file = rank_file(mesh.rank)
     summary: dict = {"rank": mesh.rank, "error": None}
     try:
-        tensors, info = _collect(engine, file, exclude_frozen_parameters)
+        tensors, info = _collect(engine, file, pieces, owned)
         rng = rng_tensors(engine.parallel.random_streams)
         client: dict[str, torch.Tensor] = {}
         if mesh.rank == 0:
@@ -184,8 +191,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 
 
 def _manifest(engine, tag: str, everyone: list[dict]) -> dict:
-    from paratrain import __version__
-
     tensors, pieces, scalars, groups = {}, {}, {}, {}
     for s in everyone:
         tensors.update(s["tensors"])
@@ -210,6 +215,7 @@ def _manifest(engine, tag: str, everyone: list[dict]) -> dict:
                    "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
                    "train_batch_size": engine.train_batch_size()},
         "config": config.model_dump(mode="json"),
+        "model": {"family": engine.parallel.spec.name},
         "engine": {**{k: getattr(engine, k) for k in COUNTERS},
                    "lr_scheduler": json_value(engine.lr_scheduler.state_dict(), "the lr scheduler's state")
                    if engine.lr_scheduler is not None else None,

@@ -28,6 +28,7 @@ from paratrain.comm.collectives import (
     reduce_scatter_into,
     send_recv,
 )
+from paratrain.comm.groups import build_mesh
 from paratrain.comm.guard import CollectiveTimeout, CommGuard
 from paratrain.comm.stats import CommStats, OpCount
 
@@ -43,6 +44,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "build_mesh",
     "copy_to_region",
     "get_local_rank",
     "get_rank",

@@ -39,8 +39,10 @@ from pathlib import Path
 
 import torch
 
+from paratrain.errors import Error
 
-class CollectiveTimeout(RuntimeError):
+
+class CollectiveTimeout(Error, RuntimeError):
     """A collective did not complete within comm.timeout_s (or the backend failed while waiting)."""
 
     def __init__(self, message: str, report: dict):

@@ -28,12 +28,24 @@ class DeepSpeedEngineAPI:
 
     @property
     def dp_world_size(self) -> int:
-        """Ranks that see different data: dp (x cp when context parallel), as DeepSpeed's dp_world_size."""
-        return self.pmesh.size(("dp", "cp"))
+        """Ranks that draw different samples (`ParallelDims.sample_parallel_size`: dp); DeepSpeed's meaning,
+        which leaves out sequence-parallel ranks. The batch arithmetic counts these."""
+        return self.pmesh.dims.sample_parallel_size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks whose gradients are averaged (`ParallelDims.gradient_average_size`: dp x cp); DeepSpeed's
+        meaning, which includes sequence-parallel ranks."""
+        return self.pmesh.dims.gradient_average_size
 
     @property
     def data_parallel_group(self):
-        """The torch process group gradients are averaged over (None on one rank)."""
+        """The torch process group of the ranks that draw different samples, dp (None on one rank)."""
+        return self.pmesh.axis("dp").group
+
+    @property
+    def seq_data_parallel_group(self):
+        """The torch process group gradients are averaged over, dp x cp (None on one rank)."""
         return self.pmesh.axis(("dp", "cp")).group
 
     def get_data_parallel_rank(self) -> int:

@@ -8,10 +8,12 @@ worse, a stand-in that changes numbers. It subclasses AttributeError so `hasattr
 
 from __future__ import annotations
 
+from paratrain.errors import Error
+
 DOCS = "docs/deepspeed-compat.md"
 
 
-class DeepSpeedNotSupported(AttributeError):
+class DeepSpeedNotSupported(Error, AttributeError):
     """A DeepSpeed name or call that paratrain deliberately does not implement; the message says what to use."""
 
 

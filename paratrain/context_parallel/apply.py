@@ -1,6 +1,6 @@
 """Apply context parallelism to a model in place: ring attention cores and the split of its inputs.
 
-    applied = context_parallelize(model, mesh)   # mesh.axis("cp") of size > 1
+    applied = context_parallelize(model, mesh, cores)  # cores: the model's attention cores (its model spec's)
     loss = model(idx, targets)                   # idx, targets: the full (b, s) batch, the same on every cp rank
 
 [Note: where the sequence is split]
@@ -33,32 +33,40 @@ from paratrain.config import ConfigError
 from paratrain.context_parallel.ring_attention import RingAttentionCore
 from paratrain.context_parallel.sharding import SequenceSplitError, check_divisible, local_positions, split_sequence
 from paratrain.mesh import Axis, Mesh
-from paratrain.models.gpt import CausalAttentionCore
+from paratrain.model_spec import spec_for
+from paratrain.origin import Step
 
 
 @dataclass
-class AppliedContextParallel:
+class AppliedContextParallel(Step):
+    """The context-parallel step: ring attention in place of the attention cores. Parameters stay whole
+    and replicated over cp, so nothing needs undoing for checkpoints."""
+
     axis: Axis
-    cores: list[str] = field(default_factory=list)  # module paths now running ring attention
+    replaced: dict[int, nn.Module] = field(default_factory=dict)  # id(original core) -> its ring attention
     # Pipeline only: (inputs, targets) of a micro-batch -> this rank's tokens of both (the runner applies it).
     split_batch: Callable | None = None
+    name = "context parallel"
 
-
-def _cores(model: nn.Module) -> list[tuple[str, CausalAttentionCore]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, CausalAttentionCore)]
+    def note(self) -> str:
+        return f"context parallel over {self.axis.size} ranks: ring attention in {len(self.replaced)} layers"
 
 
 def check_context_parallel(model: nn.Module, cp: int) -> None:
-    """Raise a ConfigError if `model` cannot run with context_parallel.size = cp (pure, no collectives)."""
+    """Raise a ConfigError if `model` cannot run with context_parallel.size = cp (pure, no collectives). Its
+    attention cores and sequence length come from its model spec."""
     if cp == 1:
         return
+    spec = spec_for(model)
+    cores, seq_len = spec.attention_cores(model), spec.sequence_length(model)
     name = type(model).__name__
-    cores = _cores(model)
     if not cores:
         raise ConfigError(f"context_parallel.size = {cp}: {name} has no replaceable causal attention core "
-                          f"(paratrain.models.gpt.CausalAttentionCore) for ring attention to replace; build the "
-                          f"model's attention with one, or set context_parallel.size to 1")
-    dropping = [(path, core.dropout) for path, core in cores if core.dropout > 0]
+                          f"(paratrain.attention.CausalAttentionCore, or what its model spec names) for ring "
+                          f"attention to replace; build the model's attention with one, or set "
+                          f"context_parallel.size to 1")
+    paths = {id(m): path for path, m in model.named_modules()}
+    dropping = [(paths.get(id(core), "?"), core.dropout) for core in cores if getattr(core, "dropout", 0) > 0]
     if dropping:
         raise ConfigError(f"context_parallel.size = {cp}: attention dropout ({dropping[0][0]}.dropout = "
                           f"{dropping[0][1]}) is not supported by ring attention; set the model's dropout "
@@ -68,8 +76,7 @@ def check_context_parallel(model: nn.Module, cp: int) -> None:
     if "position_ids" not in params:
         raise ConfigError(f"context_parallel.size = {cp}: {name}.forward must accept `position_ids` (the positions "
                           f"of this rank's tokens), as paratrain.models.GPT does")
-    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
-    if isinstance(seq_len, int):
+    if seq_len is not None:
         try:
             check_divisible(seq_len, cp, f"{name} seq_len (trainer.model_overrides.seq_len for the built-in job)")
         except SequenceSplitError as exc:
@@ -125,29 +132,35 @@ def _split_batch(axis: Axis):
     return split
 
 
-def _swap_cores(model: nn.Module, applied: AppliedContextParallel) -> None:
-    for path, core in _cores(model):
-        parent, _, attr = path.rpartition(".")
-        ring = RingAttentionCore(applied.axis)
-        ring.train(core.training)
-        setattr(model.get_submodule(parent) if parent else model, attr, ring)
-        applied.cores.append(path)
+def _swap_cores(model: nn.Module, cores: list[nn.Module], applied: AppliedContextParallel) -> None:
+    """Put ring attention wherever `model` holds one of `cores` (by identity: a pipeline stage holds the same
+    layer objects as the model under other names)."""
+    wanted = {id(c) for c in cores}
+    for parent in list(model.modules()):
+        for attr, child in list(parent.named_children()):
+            if id(child) in wanted:
+                ring = applied.replaced.get(id(child)) or RingAttentionCore(applied.axis)
+                ring.train(child.training)
+                setattr(parent, attr, ring)
+                applied.replaced[id(child)] = ring
 
 
-def context_parallelize(model: nn.Module, mesh: Mesh | Axis) -> AppliedContextParallel:
-    """Swap every causal attention core for ring attention over the cp axis and split the inputs. In place."""
+def context_parallelize(model: nn.Module, mesh: Mesh | Axis, cores: list[nn.Module] | None = None
+                        ) -> AppliedContextParallel:
+    """Swap each of the model's attention `cores` (default: its model spec's) for ring attention over the cp
+    axis and split the inputs. In place."""
     axis = mesh.axis("cp") if isinstance(mesh, Mesh) else mesh
     applied = AppliedContextParallel(axis)
     if axis.size == 1:
         return applied
     check_context_parallel(model, axis.size)
-    _swap_cores(model, applied)
+    _swap_cores(model, spec_for(model).attention_cores(model) if cores is None else cores, applied)
     model.register_forward_pre_hook(_split_inputs_hook(axis, inspect.signature(model.forward)), with_kwargs=True)
     return applied
 
 
-def context_parallelize_stages(stages: nn.Module, mesh: Mesh | Axis, first_layer: nn.Module | None
-                               ) -> AppliedContextParallel:
+def context_parallelize_stages(stages: nn.Module, mesh: Mesh | Axis, cores: list[nn.Module],
+                               first_layer: nn.Module | None) -> AppliedContextParallel:
     """Context parallelism inside a pipeline, where no stage calls the model's forward. In place.
 
     [Note: where a pipeline splits the sequence]
@@ -160,7 +173,7 @@ def context_parallelize_stages(stages: nn.Module, mesh: Mesh | Axis, first_layer
     applied = AppliedContextParallel(axis)
     if axis.size == 1:
         return applied
-    _swap_cores(stages, applied)
+    _swap_cores(stages, cores, applied)
     applied.split_batch = _split_batch(axis)
     if first_layer is not None:
         signature = inspect.signature(first_layer.forward)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.errors import Error
 
-class SequenceSplitError(ValueError):
+
+class SequenceSplitError(Error, ValueError):
     """A sequence that cannot be split into 2·cp equal chunks."""
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.errors import Error
 
-class BatchError(ValueError):
+
+class BatchError(Error, ValueError):
     """A micro-batch whose structure, dtype or shape differs from the first one's."""
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from paratrain.errors import Error
+
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 PY_MD5 = {"data_batch_1": "c99cafc152244af753f735de768cd75f", "data_batch_2": "d4bba439e000b95fd0a9bffe97cbabec",
           "data_batch_3": "54ebc095f3ab1f0389bbae665268c751", "data_batch_4": "634d18415352ddfa80567beed471001a",
@@ -33,7 +35,7 @@ HOW_TO_GET = ("download https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz 
               "internet access and copy it (or its extracted cifar-10-batches-py/ folder) into --data-dir")
 
 
-class CifarError(ValueError):
+class CifarError(Error, ValueError):
     pass
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_structure, tree_unflatten
 from torch.utils.data import Dataset
 
 
@@ -83,15 +84,15 @@ class DataParallelSampler:
 
 
 def default_collate(samples: list):
-    """Stack a list of samples (tensors, or tuples of tensors) along a new batch dimension."""
-    first = samples[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(samples)
-    if isinstance(first, (tuple, list)):
-        return type(first)(default_collate([s[i] for s in samples]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: default_collate([s[k] for s in samples]) for k in first}
-    return torch.as_tensor(samples)
+    """Stack a list of samples (tensors, or tuples, lists and dicts of them; numbers become tensors) along a
+    new batch dimension."""
+    spec = tree_structure(samples[0])
+    per_sample = [tree_leaves(s) for s in samples]
+    return tree_unflatten([_collate_leaf(list(values)) for values in zip(*per_sample)], spec)
+
+
+def _collate_leaf(values: list) -> torch.Tensor:
+    return torch.stack(values) if isinstance(values[0], torch.Tensor) else torch.as_tensor(values)
 
 
 class DataParallelLoader:

@@ -10,10 +10,12 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
+from paratrain.errors import Error
+
 _LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*(#.*)?$")
 
 
-class HostfileError(ValueError):
+class HostfileError(Error, ValueError):
     pass
 
 

@@ -9,6 +9,8 @@ Choices that make it parallel-friendly (and why):
   parallelism swaps in ring attention and passes the positions of its chunks; tensor parallelism swaps in
   a vocab-parallel loss.
 - `embed`, `blocks`, `ln_f`, `head` are the top-level pieces a pipeline split cuts between.
+How the strategies apply to it (its plan, blocks, attention cores, pipeline layers) is its model spec,
+`gpt_spec.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from paratrain.attention import CausalAttentionCore
+from paratrain.errors import Error
 
 
 @dataclass(frozen=True)
@@ -89,18 +94,6 @@ def gpt_config(name: str, **overrides) -> GPTConfig:
     return replace(PRESETS[name], **overrides)
 
 
-class CausalAttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(d)) v with a causal mask. Inputs and output: (b, heads, s, head_dim)."""
-
-    def __init__(self, dropout: float):
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -165,7 +158,7 @@ class Embedding(nn.Module):
         return self.dropout(self.tok(idx) + self.pos(position_ids))
 
 
-class TokenIdError(ValueError):
+class TokenIdError(Error, ValueError):
     """Token ids (or targets) that are not integers in the model's vocabulary."""
 
 

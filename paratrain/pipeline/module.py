@@ -9,8 +9,8 @@ modules, plain functions (no parameters) or `LayerSpec`s, which are built only o
 them. Used whole (pipeline.stages = 1) a PipelineModule is an ordinary model: forward(inputs, targets)
 runs every layer and returns the loss, so the same object is its own single-process reference.
 
-`as_pipeline_module` also gives the built-in GPT its ready split: embed -> blocks[i] -> (ln_f + head),
-keeping the GPT's parameter names for `full_state_dict`.
+Other models reach the pipeline through their model spec (`paratrain.model_spec`), whose `pipeline_module`
+builds such a list from the model (the built-in GPT's: embed -> blocks[i] -> ln_f + head).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from paratrain.models.gpt import GPT
+from paratrain.model_spec import ModelSpec, register_model_spec
 
 
 class LayerSpec:
@@ -124,35 +124,21 @@ class PipelineModule(nn.Module):
         return list(spec.state_dict().keys())
 
 
-class FinalNormHead(nn.Module):
-    """The GPT's last pipeline layer: final norm and output projection (names kept: ln_f.*, head.*)."""
+@register_model_spec
+class PipelineModuleSpec(ModelSpec):
+    """A PipelineModule is its own pipeline split; its layers are its blocks (full activation checkpointing
+    recomputes each, ZeRO-3 gathers each), and it has no ready tensor-parallel plan (give one in the config)."""
 
-    def __init__(self, ln_f: nn.Module, head: nn.Module):
-        super().__init__()
-        self.ln_f = ln_f
-        self.head = head
+    name = "pipeline-module"
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(h))  # (b, s, d) -> (b, s, V)
+    def matches(self, model: nn.Module) -> bool:
+        return isinstance(model, PipelineModule)
 
+    def blocks(self, model: PipelineModule) -> list[nn.Module]:
+        return [layer for layer in model.specs if isinstance(layer, nn.Module)]  # built layers only
 
-def gpt_pipeline_module(model: GPT, micro_batch: int = 1) -> PipelineModule:
-    """The GPT as embed -> blocks[0..n-1] -> (ln_f + head), sharing the GPT's own modules."""
-    cfg = model.config
-    layers = [model.embed, *model.blocks, FinalNormHead(model.ln_f, model.head)]
-    names = ["embed", *(f"blocks.{i}" for i in range(len(model.blocks))), ""]
-    example = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    return PipelineModule(layers, loss_fn=model.loss_fn, layer_names=names, example_input=example)
-
-
-def as_pipeline_module(model: nn.Module, micro_batch: int = 1) -> PipelineModule:
-    if isinstance(model, PipelineModule):
+    def pipeline_module(self, model: PipelineModule, micro_batch: int) -> PipelineModule:
         return model
-    if isinstance(model, GPT):
-        return gpt_pipeline_module(model, micro_batch)
-    raise TypeError(f"pipeline.stages > 1 needs the model as a list of layers: wrap it as "
-                    f"paratrain.PipelineModule(layers=[...], loss_fn=...) (got {type(model).__name__}; the built-in "
-                    f"GPT is split automatically)")
 
 
 class StageChunk(nn.Module):

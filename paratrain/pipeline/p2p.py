@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain import comm
+import paratrain.comm as comm
 from paratrain.mesh import Axis
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from paratrain.errors import Error
+
 METHODS = ("uniform", "parameters", "balanced")
 
 
-class PartitionError(ValueError):
+class PartitionError(Error, ValueError):
     """A partition that cannot be made; the message names the sizes and the fix."""
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paratrain import comm
+import paratrain.comm as comm
 from paratrain.mesh import Mesh
 from paratrain.pipeline.module import StageModule
 from paratrain.pipeline.p2p import StageLinks, as_tensors, describe
@@ -29,6 +29,7 @@ from paratrain.pipeline.schedules import (
     SEND_B,
     SEND_F,
     Action,
+    ActionKind,
     B,
     F,
     Schedule,
@@ -59,9 +60,14 @@ class _Step:
 
 
 class PipelineRunner:
+    """Runs one rank's schedule. Built last by `parallelize`, when everything it drives exists: `grad_sync`
+    (the data-parallel strategy over the stage's parameters), `prepare_batch` (context parallelism's split of
+    a micro-batch into this rank's tokens, or None) and `autocast` (the forward's autocast context factory)."""
+
     def __init__(self, module: StageModule, mesh: Mesh, schedule: str, micro_batches: int, virtual: int,
-                 loss_fn, device: torch.device):
+                 loss_fn, device: torch.device, grad_sync, prepare_batch=None, autocast=contextlib.nullcontext):
         self.module, self.mesh, self.loss_fn, self.device = module, mesh, loss_fn, device
+        self.grad_sync, self.prepare_batch, self.autocast = grad_sync, prepare_batch, autocast
         self.axis = mesh.axis("pp")
         self.rank = mesh.local_rank("pp")
         self.schedule = build_schedule(schedule, self.axis.size, micro_batches, virtual)
@@ -71,10 +77,6 @@ class PipelineRunner:
         self.deferral = WeightGradDeferral()
         if self.schedule.split_backward:
             self.deferral.install(module)
-        self.grad_sync = None  # set by parallelize once the data-parallel strategy wraps `module`
-        # Set by parallelize under context parallelism: a micro-batch -> this rank's share of its tokens.
-        self.prepare_batch = None
-        self.autocast = contextlib.nullcontext  # set by the engine under torch_autocast
         self.last_events: list = []
         self.last_peak_in_flight = 0
         self._shapes_known = False
@@ -100,8 +102,6 @@ class PipelineRunner:
         if len(batches) != self.schedule.micro_batches:
             raise ValueError(f"the {self.schedule.name} schedule runs {self.schedule.micro_batches} micro-batches "
                              f"per step, got {len(batches)}")
-        if self.grad_sync is None:
-            raise RuntimeError("PipelineRunner.grad_sync is not set; parallelize() attaches it")
         self._sync_actions = _last_gradient_actions(self.schedule, self.rank)
         return self._run(self.schedule, batches, training=True)
 
@@ -147,7 +147,8 @@ class PipelineRunner:
                 self._backward(schedule, a, step)
             else:
                 self._weight(a)
-            step.events.append((a.kind, a.stage, a.micro, wall0 + start - clock0, wall0 + time.perf_counter() - clock0))
+            end = time.perf_counter()
+            step.events.append((a.kind.value, a.stage, a.micro, wall0 + start - clock0, wall0 + end - clock0))
             j += 1
         self.links.wait_sends()
         if step.leftovers() or self.deferral.pending():  # every activation must be gone by now
@@ -261,7 +262,7 @@ class PipelineRunner:
 def _last_gradient_actions(schedule: Schedule, rank: int) -> set[Action]:
     """The actions after which a stage's parameters hold their last gradient contribution of the step:
     per stage, its last B, and with a split backward also its last W."""
-    last: dict[tuple[str, int], Action] = {}
+    last: dict[tuple[ActionKind, int], Action] = {}
     for a in schedule.actions[rank]:
         if a.kind in (B, W):
             last[(a.kind, a.stage)] = a

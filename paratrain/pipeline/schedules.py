@@ -3,10 +3,11 @@
     schedule = build_schedule("1f1b", stages=4, micro_batches=8)
     schedule.actions[rank]   # (RECV_F0@s1, F0@s1, SEND_F0@s1, ...)
 
-An action is (kind, stage, micro-batch). Compute kinds: `F` forward; `B` backward — the input gradient
-and, unless the schedule splits the backward, the weight gradient too; `W` the weight gradient of a split
-backward (ZB-H1). Communication kinds: `SEND_F`/`RECV_F` carry activations from stage s to s+1,
-`SEND_B`/`RECV_B` carry their gradients back. A schedule generator only orders the compute actions of
+An action is (kind, stage, micro-batch), its kind an `ActionKind`. Compute kinds: `F` forward; `B`
+backward — the input gradient and, unless the schedule splits the backward, the weight gradient too; `W` the
+weight gradient of a split backward (ZB-H1). Communication kinds: `SEND_F`/`RECV_F` carry activations from
+stage s to s+1, `SEND_B`/`RECV_B` carry their gradients back. An action prints as kind, micro-batch and
+stage: `F3@s1`. A schedule generator only orders the compute actions of
 each rank, in steps (one compute; or Megatron's F + B pair in the interleaved steady state);
 `with_communication` then places every send right after the step that produces it and every receive
 right before the step that needs it, so each gap between two steps holds one run of communication
@@ -26,27 +27,59 @@ schedule under exactly these rendezvous semantics.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
-F, B, W = "F", "B", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE = (F, B, W)
-COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+from paratrain.errors import Error
 
 
-class ScheduleError(ValueError):
-    """A schedule that cannot be built for these sizes; the message names the sizes and the fix."""
+class ActionKind(Enum):
+    """What an action does. The value is the short form printed in `F3@s1` and stored in timelines."""
 
-
-@dataclass(frozen=True, order=True)
-class Action:
-    kind: str
-    stage: int
-    micro: int
+    F = "F"
+    B = "B"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
 
     @property
     def is_comm(self) -> bool:
-        return self.kind in COMM
+        return self.is_send or self.is_recv
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+
+    def __str__(self) -> str:
+        return self.value  # an Enum without a mixin formats with __str__: f"{kind}" is the short form too
+
+
+F, B, W = ActionKind.F, ActionKind.B, ActionKind.W  # the short names the schedules are written in
+SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+class ScheduleError(Error, ValueError):
+    """A schedule that cannot be built for these sizes; the message names the sizes and the fix."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    stage: int
+    micro: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ActionKind(self.kind))  # Action("F", 0, 0) == Action(F, 0, 0)
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind.is_comm
 
     @property
     def peer_stage(self) -> int:
@@ -78,9 +111,6 @@ class Schedule:
 
     def chunk_of(self, stage: int) -> int:
         return stage // self.stages
-
-    def stage_of(self, rank: int, chunk: int) -> int:
-        return chunk * self.stages + rank
 
     def compute(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if not a.is_comm]
@@ -198,7 +228,7 @@ def _sends_first(actions: list[Action]) -> list[Action]:
         if a is not None and a.is_comm:
             run.append(a)
             continue
-        out += [x for x in run if x.kind in (SEND_F, SEND_B)] + [x for x in run if x.kind in (RECV_F, RECV_B)]
+        out += [x for x in run if x.kind.is_send] + [x for x in run if x.kind.is_recv]
         run = []
         if a is not None:
             out.append(a)

@@ -4,8 +4,8 @@ Every rank holds the whole model when it arrives (tiny or on the meta device for
 are not built yet), so all ranks compute the same boundaries from the same numbers: parameter counts,
 or — for `balanced` — layer times profiled on every rank and averaged over the world with one
 all-reduce. Layers of other stages are moved to the meta device (their memory is freed; the user's
-model object keeps its structure). `unshard` gathers every stage's state over the pp axis under the
-original parameter names, for `full_state_dict`.
+model object keeps its structure). The step's `origin` gives each stage tensor its name in the model the
+step was given, so the steps applied before it (tensor parallelism) see the names they produced.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain import comm
+import paratrain.comm as comm
 from paratrain.mesh import AXES, Mesh
-from paratrain.pipeline.module import LayerSpec, PipelineModule, StageChunk, StageModule, as_pipeline_module
+from paratrain.origin import Origin, Step
+from paratrain.pipeline.module import LayerSpec, PipelineModule, StageChunk, StageModule
 from paratrain.pipeline.partition import (
     METHODS,
     PartitionError,
@@ -26,17 +27,41 @@ from paratrain.pipeline.partition import (
     parameter_counts,
     profile_layer_costs,
 )
+from paratrain.placement import Partition, place
 
 
 @dataclass
-class PipelineSplit:
+class PipelineSplit(Step):
+    """The pipeline step: this rank's stages, and the names their tensors have in the model the step was given
+    (a PipelineModule's own `i.key`, or, for a model its spec turned into layers, the model's names)."""
+
     module: StageModule
     pipe: PipelineModule
     bounds: list[int]  # layer boundaries of all p·v stages
     method: str
+    own_names: bool = True  # the step was given the PipelineModule itself (not a model its spec split)
+    name = "pipeline split"
 
     def layers_of(self, stage: int) -> range:
         return range(self.bounds[stage], self.bounds[stage + 1])
+
+    def received_name(self, index: int, key: str) -> str:
+        """The name of layer `index`'s tensor `key` in the module this step was given."""
+        return f"{index}.{key}" if self.own_names else self.pipe.original_name(index, key)
+
+    def __post_init__(self) -> None:
+        self._names = _received_names(self)  # StageModule name -> received name
+        self._local = {received: local for local, received in self._names.items()}
+
+    def origin(self, found: Origin) -> Origin:
+        """A stage holds whole layers: undoing the split is a renaming (StageModule name -> received name)."""
+        return found.renamed(self._names[found.name])
+
+    def forward_name(self, name: str) -> str:
+        return self._local.get(name, name)
+
+    def note(self) -> str:
+        return f"pipeline stages {self.module.stages} of {len(self.bounds) - 1} ({self.method} partition)"
 
 
 def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | None = None) -> tuple[list[int], str]:
@@ -67,10 +92,10 @@ def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | 
                          f"stage boundaries")
 
 
-def split_pipeline(model: nn.Module, mesh: Mesh, stages: int, virtual: int, partition,
-                   micro_batch: int = 1, device: torch.device | None = None) -> PipelineSplit:
-    """Keep the layers of this rank's stages (chunk c = stage c·p + pp rank); free the others."""
-    pipe = as_pipeline_module(model, micro_batch)
+def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, partition,
+                   device: torch.device | None = None, own_names: bool = True) -> PipelineSplit:
+    """Keep the layers of this rank's stages (chunk c = stage c·p + pp rank); free the others. `own_names`:
+    `pipe` is the model itself (False: a model's spec made `pipe` from it, and its layer names are the model's)."""
     if pipe.num_stages is not None and pipe.num_stages != stages:
         raise PartitionError(f"PipelineModule(num_stages={pipe.num_stages}) disagrees with pipeline.stages = "
                              f"{stages}; set them equal (or leave num_stages out)")
@@ -88,38 +113,17 @@ def split_pipeline(model: nn.Module, mesh: Mesh, stages: int, virtual: int, part
             spec.to("meta")  # free what other stages hold
         elif i not in local:
             assert isinstance(spec, LayerSpec)
-    return PipelineSplit(StageModule(chunks, mine), pipe, bounds, method)
+    stage_module = StageModule(chunks, mine)
+    for param in stage_module.parameters():  # the pp ranks hold different layers: their gradients all count
+        place(param, "pp", Partition())
+    return PipelineSplit(stage_module, pipe, bounds, method, own_names)
 
 
-def _original_names(split: PipelineSplit) -> dict[str, str]:
-    """{name in this rank's StageModule: name in the original model}."""
+def _received_names(split: PipelineSplit) -> dict[str, str]:
+    """{name in this rank's StageModule: name in the module the step was given}."""
     names: dict[str, str] = {}
     for c, stage in enumerate(split.module.stages):
         for k, i in enumerate(split.layers_of(stage)):
             for key in split.pipe.layer_state_keys(i):
-                names[f"chunks.{c}.layers.{k}.{key}"] = split.pipe.original_name(i, key)
+                names[f"chunks.{c}.layers.{k}.{key}"] = split.received_name(i, key)
     return names
-
-
-def make_origin(split: PipelineSplit):
-    """For checkpoints: a tensor of this rank's StageModule is the original model's tensor of another name
-    (a stage holds whole layers, so nothing else changes)."""
-    names = _original_names(split)
-    return lambda origin: origin.renamed(names[origin.name])
-
-
-def make_unshard(split: PipelineSplit, mesh: Mesh):
-    """A function: this rank's StageModule state -> the whole model's state under the original names."""
-    names = _original_names(split)
-    order = [split.pipe.original_name(i, key) for i in range(len(split.pipe)) for key in split.pipe.layer_state_keys(i)]
-    axis = mesh.axis("pp")
-
-    def unshard(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        device = next(iter(state.values())).device if state else torch.device("cpu")
-        mine = {names[k]: v.cpu() for k, v in state.items()}  # pickled tensors must not name another GPU
-        merged: dict[str, torch.Tensor] = {}
-        for part in comm.all_gather_object(mine, axis, tag="unshard"):
-            merged.update(part)
-        return {k: merged[k].to(device) for k in order if k in merged}
-
-    return unshard

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratrain import comm
+import paratrain.comm as comm
 from paratrain.mesh import AXES
 from paratrain.pipeline.schedules import build_schedule
 from paratrain.pipeline.validate import simulate, theoretical_bubble
@@ -70,7 +70,7 @@ def bubble_table(timeline: dict) -> str:
 
 def _unit_events(timeline: dict) -> list[list]:
     sim = simulate(_schedule_of(timeline))
-    return [[[a.kind, a.stage, a.micro, start, end] for a, start, end in events] for events in sim.events]
+    return [[[a.kind.value, a.stage, a.micro, start, end] for a, start, end in events] for events in sim.events]
 
 
 def _draw(ax, rows: list[tuple[str, list]], split: bool, virtual: int, stages: int, scale: float, unit: str) -> None:

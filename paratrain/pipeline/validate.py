@@ -32,6 +32,7 @@ from paratrain.pipeline.schedules import (
     SEND_B,
     SEND_F,
     Action,
+    ActionKind,
     B,
     F,
     Schedule,
@@ -46,7 +47,7 @@ def counterpart(a: Action) -> Action:
     return Action(partner, a.peer_stage, a.micro)
 
 
-def unit_durations(schedule: Schedule) -> dict[str, float]:
+def unit_durations(schedule: Schedule) -> dict[ActionKind, float]:
     return {F: 1.0, B: 1.0 if schedule.split_backward else 2.0, W: 1.0}
 
 
@@ -116,9 +117,9 @@ def _check_message_order(schedule: Schedule, p: int) -> None:
     received: dict[tuple[int, int], list[Action]] = {}
     for rank, actions in enumerate(schedule.actions):
         for a in actions:
-            if a.kind in (SEND_F, SEND_B):
+            if a.kind.is_send:
                 sent.setdefault((rank, schedule.rank_of(a.peer_stage)), []).append(a)
-            elif a.kind in (RECV_F, RECV_B):
+            elif a.kind.is_recv:
                 received.setdefault((schedule.rank_of(a.peer_stage), rank), []).append(counterpart(a))
     for pair, sends in sent.items():
         if received.get(pair, []) != sends:
@@ -143,7 +144,7 @@ class Simulation:
         return [self.makespan - b for b in self.busy]
 
 
-def simulate(schedule: Schedule, durations: dict[str, float] | None = None,
+def simulate(schedule: Schedule, durations: dict[ActionKind, float] | None = None,
              rendezvous: bool = False) -> Simulation:
     """Run every rank's actions against each other; raise ScheduleError on a deadlock.
 
@@ -214,7 +215,7 @@ def _advance_comm(r, batches, stream_next, stream_free, started, done, rendezvou
     if not rendezvous:  # every receive completes once its send is posted
         for ops, _ in batches:
             for x in ops:
-                if x.kind in (RECV_F, RECV_B) and x not in done and counterpart(x) in started:
+                if x.kind.is_recv and x not in done and counterpart(x) in started:
                     done[x] = max(started[x], started[counterpart(x)])
                     progress = True
         return progress
@@ -229,7 +230,7 @@ def _advance_comm(r, batches, stream_next, stream_free, started, done, rendezvou
             return progress
         end = max([begin] + [started[counterpart(x)] for x in ops])
         for x in ops:
-            if x.kind in (RECV_F, RECV_B):
+            if x.kind.is_recv:
                 done[x] = end
         stream_free[r] = end
         stream_next[r] += 1

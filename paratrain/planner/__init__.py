@@ -14,7 +14,7 @@ from paratrain.planner.enumerate import Evaluation, PlanResult, SearchSpace, enu
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory, model_state_bytes
-from paratrain.planner.model_specs import ModelSpec, PlanError, model_spec, spec_from_config
+from paratrain.planner.model_specs import ModelSpec, PlannerError, model_spec, spec_from_config
 from paratrain.planner.report import layout_config
 from paratrain.planner.step_time import TimeEstimate, estimate_time
 
@@ -24,8 +24,8 @@ __all__ = [
     "Layout",
     "MemoryEstimate",
     "ModelSpec",
-    "PlanError",
     "PlanResult",
+    "PlannerError",
     "SearchSpace",
     "TimeEstimate",
     "Transfer",

@@ -10,7 +10,7 @@ from pathlib import Path
 from paratrain.planner.enumerate import SearchSpace, plan
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import RECOMPUTE, SCHEDULES
-from paratrain.planner.model_specs import PlanError, config_batch_size, model_spec
+from paratrain.planner.model_specs import PlannerError, config_batch_size, model_spec
 from paratrain.planner.report import compact_json, render
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
@@ -63,7 +63,7 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
               (args.peak_tflops > 0, "--peak-tflops must be > 0")]
     for ok, message in checks:
         if not ok:
-            raise PlanError(message)
+            raise PlannerError(message)
     return Hardware(gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"), gpus_per_node=args.gpus_per_node,
                     intra_node_bandwidth=parse_rate(args.intra_node_bandwidth, "--intra-node-bandwidth"),
                     inter_node_bandwidth=parse_rate(args.inter_node_bandwidth, "--inter-node-bandwidth"),
@@ -75,7 +75,7 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
     bad = [s for s in args.schedules if s not in SCHEDULES] + [r for r in args.recompute if r not in RECOMPUTE]
     if bad or not set(args.zero) <= {0, 1, 2, 3}:
-        raise PlanError(f"unknown choice(s) {bad or list(args.zero)}: --schedules takes {','.join(SCHEDULES)}, "
+        raise PlannerError(f"unknown choice(s) {bad or list(args.zero)}: --schedules takes {','.join(SCHEDULES)}, "
                         f"--recompute {','.join(RECOMPUTE)}, --zero stages 0-3")
     return SearchSpace(precision=args.precision, zero_stages=args.zero, schedules=args.schedules,
                        recompute=args.recompute, offload_optimizer=(False, True) if args.offload else (False,),
@@ -88,7 +88,7 @@ def run_plan(args: argparse.Namespace) -> int:
         hw = hardware_from_args(args)
         global_batch = args.global_batch or config_batch_size(args.model) or DEFAULT_GLOBAL_BATCH
         result = plan(spec, args.gpus, global_batch, hw, space_from_args(args))
-    except PlanError as exc:
+    except PlannerError as exc:
         print(f"paratrain plan: {exc}", file=sys.stderr)
         return 2
     base = json.loads(Path(args.model).read_text()) if Path(args.model).is_file() else None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import RECOMPUTE, SCHEDULES, Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory
-from paratrain.planner.model_specs import ModelSpec, PlanError, divisors
+from paratrain.planner.model_specs import ModelSpec, PlannerError, divisors
 from paratrain.planner.step_time import TimeEstimate, estimate_time
 
 
@@ -128,9 +128,9 @@ def plan(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, space: Sea
          ) -> PlanResult:
     """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory)."""
     if gpus < 1:
-        raise PlanError(f"--gpus must be >= 1, got {gpus}")
+        raise PlannerError(f"--gpus must be >= 1, got {gpus}")
     if global_batch < 1:
-        raise PlanError(f"--global-batch must be >= 1, got {global_batch}")
+        raise PlannerError(f"--global-batch must be >= 1, got {global_batch}")
     fitting, considered, smallest = [], 0, None
     for layout in enumerate_layouts(spec, gpus, global_batch, hw.gpus_per_node, space):
         considered += 1
@@ -141,7 +141,7 @@ def plan(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, space: Sea
             continue
         fitting.append(Evaluation(layout, memory, estimate_time(spec, layout, hw), True))
     if considered == 0:
-        raise PlanError(f"no valid layout: {gpus} GPUs cannot split a global batch of {global_batch} sequences "
+        raise PlannerError(f"no valid layout: {gpus} GPUs cannot split a global batch of {global_batch} sequences "
                         f"(dp must divide it) with the model's constraints; choose a --global-batch that is a "
                         f"multiple of the data-parallel sizes you want")
     fitting.sort(key=rank_key)

@@ -62,12 +62,6 @@ class Layout:
     def activation_bytes(self) -> int:
         return self.param_bytes
 
-    @property
-    def optimizer_bytes(self) -> int:
-        """AdamW state per parameter: fp32 moments (8), plus an fp32 master copy (4) under mixed precision
-        (DeepSpeed's K = 12)."""
-        return 8 if self.precision == "fp32" else 12
-
     def describe(self) -> str:
         mesh = " ".join(f"{a}{self.sizes[a]}" for a in AXES)
         parts = [mesh, f"zero{self.zero_stage}" + ("+offload" if self.offload_optimizer else "")]

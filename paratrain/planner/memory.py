@@ -1,14 +1,15 @@
 """Bytes per rank: model states (ZeRO formulas) and activations (Korthikanti et al. 2022).
 
-Model states, Psi = parameters this rank's model piece has (after tensor/pipeline sharding), N = the ZeRO
-shard group (dp x cp), AdamW:
-                     fp32 (4+4+8 bytes)        bf16/fp16 mixed precision (2+2+12, DeepSpeed's K = 12)
-  stage 0 (DDP)      16 Psi                    16 Psi
+Model states come from the one estimator, `paratrain.zero.estimate_memory` (equal to what
+`engine.memory_stats()` measures, which tests/test_zero_counts.py asserts). Psi = parameters this rank's model
+piece has (after tensor/pipeline sharding), N = the ZeRO shard group (dp x cp), AdamW:
+                     fp32 (4+4+8 bytes)        bf16/fp16 mixed precision
+  stage 0 (DDP)      16 Psi                    16 Psi          (2 + 2, fp32 master 4, moments 8)
   stage 1            8 Psi + 8 Psi/N           4 Psi + 12 Psi/N
-  stage 2            4 Psi + 12 Psi/N          2 Psi + 14 Psi/N
+  stage 2            4 Psi + 12 Psi/N          2 Psi + 16 Psi/N (the gradient shard is fp32)
   stage 3            16 Psi/N                  16 Psi/N        (+ the gathered units in flight)
-Shards are padded to a multiple of N (a flat buffer split into N equal pieces). Under mixed precision the
-fp32 master copy counts as optimizer state, as `engine.memory_stats()` and DeepSpeed's K count it.
+Shards are padded to a multiple of N (a flat buffer split into N equal pieces). Each kind counts its bytes
+wherever they live; under optimizer offload `host` says how many of them are in host memory.
 
 Activations of one transformer layer for one micro-batch: see `layer_activations`; the classic result
 s*b*h*(34 + 5*a*s/h) bytes is the case 16-bit, dropout, non-fused attention, d_ff = 4h.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from paratrain.planner.layout import Layout
 from paratrain.planner.model_specs import ModelSpec, stage_layers
+from paratrain.zero import estimate_memory as estimate_model_states
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -28,6 +30,8 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class ModelStates:
+    """Bytes per kind wherever they live (`engine.memory_stats()`'s meaning); `host` of them in host memory."""
+
     params: int
     grads: int
     optimizer_state: int
@@ -37,6 +41,10 @@ class ModelStates:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer_state
 
+    @property
+    def device(self) -> int:
+        return self.total - self.host
+
     def as_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer_state": self.optimizer_state,
                 "total": self.total}
@@ -44,26 +52,15 @@ class ModelStates:
 
 def model_state_bytes(params: int, shard_group: int, stage: int, precision: str = "fp32",
                       offload_optimizer: bool = False) -> ModelStates:
-    """Device bytes of parameters, gradients and AdamW state for `params` parameters (see the module doc).
+    """Bytes of parameters, gradients and AdamW state for `params` parameters: `paratrain.zero.estimate_memory`'s
+    figures, the ones the engine measures (see the module doc).
 
-    With `offload_optimizer` the optimizer state (and, for mixed precision, the fp32 gradient partition
-    the CPU optimizer reads) lives in host memory, as DeepSpeed's offload_optimizer does.
+    With `offload_optimizer` the fp32 master, its gradient (stages 2-3) and the optimizer state live in host
+    memory (`host`); `device` is what stays on the accelerator.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
-    half = precision != "fp32"
-    p_bytes = 2 if half else 4
-    opt_bytes = 12 if half else 8
-    shard = ceil_div(params, shard_group)
-    full_or_shard = lambda sharded: shard if sharded else params  # noqa: E731
-    p = p_bytes * full_or_shard(stage >= 3)
-    g = p_bytes * full_or_shard(stage >= 2)
-    o = opt_bytes * full_or_shard(stage >= 1)
-    host = 0
-    if offload_optimizer:
-        host = o + (4 * full_or_shard(stage >= 1) if half else 0)
-        o = 0
-    return ModelStates(p, g, o, host)
+    states = estimate_model_states(params, shard_group, stage, "optimizer" if offload_optimizer else "none",
+                                   precision)
+    return ModelStates(states["params"], states["grads"], states["optimizer_state"], states["host"])
 
 
 def rank_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
@@ -207,7 +204,9 @@ def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """The peak rank's device bytes, by kind; `stage` is the pipeline stage that peaks."""
+    """The peak rank's bytes, by kind; `stage` is the pipeline stage that peaks. Model states count their bytes
+    wherever they live, as `engine.memory_stats()` does: `host` of them are in host memory (optimizer
+    offload), and `total` is the device's part plus activations and transient buffers."""
 
     params: float
     grads: float
@@ -219,7 +218,8 @@ class MemoryEstimate:
 
     @property
     def states(self) -> float:
-        return self.params + self.grads + self.optimizer_state
+        """Model-state bytes on the device."""
+        return self.params + self.grads + self.optimizer_state - self.host
 
     @property
     def total(self) -> float:

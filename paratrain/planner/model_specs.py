@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from paratrain.errors import Error
 from paratrain.models.gpt import PRESETS, GPTConfig, gpt_config
 
 # Which parameters tensor parallelism splits (fnmatch patterns over GPT parameter names).
@@ -34,7 +35,7 @@ TP_PLAN: dict[str, str] = {
 }
 
 
-class PlanError(ValueError):
+class PlannerError(Error, ValueError):
     """A planning request that cannot be answered; the message names the flag and the fix."""
 
 
@@ -138,11 +139,11 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
     else:
         path = Path(model)
         if not path.is_file():
-            raise PlanError(f"--model {model!r} is neither a GPT preset ({', '.join(PRESETS)}) nor a config file")
+            raise PlannerError(f"--model {model!r} is neither a GPT preset ({', '.join(PRESETS)}) nor a config file")
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
-            raise PlanError(f"--model {model!r}: not valid JSON ({exc})") from None
+            raise PlannerError(f"--model {model!r}: not valid JSON ({exc})") from None
         trainer = raw.get("trainer", {}) if isinstance(raw, dict) else {}
         name = trainer.get("model", "gpt-tiny")
         overrides = dict(trainer.get("model_overrides", {}))
@@ -151,7 +152,7 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
     try:
         config = gpt_config(name, **overrides)
     except ValueError as exc:
-        raise PlanError(f"--model {model!r}: {exc}") from None
+        raise PlannerError(f"--model {model!r}: {exc}") from None
     return ModelSpec(name, config, overrides)
 
 

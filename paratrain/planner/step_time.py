@@ -123,6 +123,21 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
                                  axis_bandwidth(hw, shape, ("pp",)), hw.latency)
         exposed["pp"] += 2 * (m * layout.virtual_stages + p - 1) * one
 
+    _add_data_parallel_exposure(exposed, by_kind, seconds, layout, hw, compute_mb)
+    optimizer, offload = _update_seconds(spec, layout, hw, stage)
+
+    tokens = layout.global_batch * spec.seq_len
+    return TimeEstimate(compute=m * compute_mb, bubble=bubble, comm={k: v for k, v in exposed.items() if v > 0},
+                        optimizer=optimizer, offload=offload, tokens=tokens,
+                        model_flops=float(spec.flops_per_token) * tokens, world=layout.world)
+
+
+def _add_data_parallel_exposure(exposed: dict[str, float], by_kind: dict[str, list[Transfer]], seconds: dict,
+                                layout: Layout, hw: Hardware, compute_mb: float) -> None:
+    """The exposed seconds of the gradient reductions, parameter gathers and scalar collectives: each hides
+    behind the backward (reductions) or forward and backward (ZeRO-3 gathers) of a micro-batch, up to
+    `hw.overlap` of it."""
+    m = layout.grad_accum
     backward_mb, forward_mb = compute_mb * 2 / 3, compute_mb / 3
     for t in by_kind["dp_grad"]:  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
         each = seconds[id(t)] / t.calls
@@ -136,6 +151,9 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
     for t in by_kind["scalar"]:
         exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
 
+
+def _update_seconds(spec: ModelSpec, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
+    """(optimizer, offload) seconds of one update of this rank's parameters (its shard under ZeRO)."""
     updated = rank_params(spec, layout, stage)
     if layout.zero_stage >= 1:
         updated = ceil_div(updated, layout.shard_group)
@@ -145,8 +163,4 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
         offload = 2 * updated * layout.param_bytes / hw.pcie_bandwidth
     else:
         optimizer = OPTIMIZER_BYTES_PER_PARAM * updated / hw.memory_bandwidth
-
-    tokens = layout.global_batch * spec.seq_len
-    return TimeEstimate(compute=m * compute_mb, bubble=bubble, comm={k: v for k, v in exposed.items() if v > 0},
-                        optimizer=optimizer, offload=offload, tokens=tokens,
-                        model_flops=float(spec.flops_per_token) * tokens, world=layout.world)
+    return optimizer, offload

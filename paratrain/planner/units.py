@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from paratrain.planner.model_specs import PlanError
+from paratrain.planner.model_specs import PlannerError
 
 _BYTES = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -15,7 +15,7 @@ _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 def _split(text: str, flag: str) -> tuple[float, str]:
     match = re.fullmatch(_NUMBER + r"([A-Za-zµ/]*)\s*", str(text))
     if not match:
-        raise PlanError(f"{flag} {text!r}: expected a number with an optional unit")
+        raise PlannerError(f"{flag} {text!r}: expected a number with an optional unit")
     return float(match.group(1)), match.group(2)
 
 
@@ -24,7 +24,7 @@ def parse_bytes(text: str | float, flag: str = "--gpu-memory") -> float:
     value, unit = _split(str(text), flag)
     key = unit.lower()
     if key not in _BYTES:
-        raise PlanError(f"{flag} {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        raise PlannerError(f"{flag} {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
     return value * _BYTES[key]
 
 
@@ -36,14 +36,14 @@ def parse_rate(text: str | float, flag: str) -> float:
         return value * _BYTES[unit[:-1].lower() + "b"] / 8
     key = unit.lower()
     if key not in _BYTES:
-        raise PlanError(f"{flag} {text!r}: unknown unit; use e.g. 300GB/s, 25GiB/s or 400Gb/s")
+        raise PlannerError(f"{flag} {text!r}: unknown unit; use e.g. 300GB/s, 25GiB/s or 400Gb/s")
     return value * _BYTES[key]
 
 
 def parse_seconds(text: str | float, flag: str = "--latency") -> float:
     value, unit = _split(str(text), flag)
     if unit not in _SECONDS:
-        raise PlanError(f"{flag} {text!r}: unknown unit {unit!r}; use s, ms, us or ns")
+        raise PlannerError(f"{flag} {text!r}: unknown unit {unit!r}; use s, ms, us or ns")
     return value * _SECONDS[unit]
 
 

@@ -4,7 +4,7 @@
     applied = parallelize(model, mesh, {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})
 """
 
-from paratrain.tensor_parallel.apply import AppliedPlan, ShardSpec, parallelize
+from paratrain.tensor_parallel.apply import AppliedPlan, parallelize
 from paratrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     PlanError,
@@ -12,19 +12,16 @@ from paratrain.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from paratrain.tensor_parallel.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
-from paratrain.tensor_parallel.plan import BUILTIN_PLANS, GPT_PLAN, STYLES, match, resolve_plan
+from paratrain.tensor_parallel.plan import STYLES, match, resolve_plan
 from paratrain.tensor_parallel.random import RNGTracker
 
 __all__ = [
-    "BUILTIN_PLANS",
-    "GPT_PLAN",
     "STYLES",
     "AppliedPlan",
     "ColumnParallelLinear",
     "PlanError",
     "RNGTracker",
     "RowParallelLinear",
-    "ShardSpec",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "match",

@@ -22,16 +22,15 @@ leaves the tp shards distinct.
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from paratrain.comm import all_gather_into, all_gather_object
 from paratrain.comm.autograd import copy_to_region, gather_from_sequence, scatter_to_region
 from paratrain.mesh import Axis, Mesh
-from paratrain.origin import Origin
+from paratrain.origin import Origin, Step
+from paratrain.placement import Replicate, Shard, place, placement_of
 from paratrain.tensor_parallel.layers import (
     ACTIVATION_TAG,
     GRAD_TAG,
@@ -42,60 +41,49 @@ from paratrain.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from paratrain.tensor_parallel.loss import VocabParallelCrossEntropy
-from paratrain.tensor_parallel.plan import SHARDING, resolve_plan
+from paratrain.tensor_parallel.plan import SHARDING, match, plan_for, resolve_plan
 from paratrain.tensor_parallel.random import RNGTracker
 
 SCATTER_TAG = "tp_scatter"  # a 'sequence_scatter' module's split of the sequence (all-gather in backward)
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    dim: int  # the dimension split over tp
-    size: int  # its full size (a padded vocabulary is cut back to this)
-
-
 @dataclass
-class AppliedPlan:
-    """What `parallelize` did: the style of each module, and how each split parameter was split."""
+class AppliedPlan(Step):
+    """The tensor-parallel step: the style of each module (and the plan that gave it). How each parameter
+    was split is recorded on the parameter itself (`Shard(dim, full)` or `Replicate()` over tp)."""
 
     styles: dict[str, str]
     axis: Axis
     sequence_parallel: bool
-    sharded: dict[str, ShardSpec] = field(default_factory=dict)
+    plan: dict[str, str] = field(default_factory=dict)
     tracker: RNGTracker | None = None  # per-tp-rank stream: checkpoints save it, recomputation replays it
+    name = "tensor parallel"
 
     def origin(self, local: Origin) -> Origin:
-        """Where a tensor of this rank's module sits in the unsplit tensor: a slice of the split dimension
-        (the last rank's slice may reach into an uneven vocabulary's padding), or the whole tensor, held
-        identically by every tp rank."""
-        spec = self.sharded.get(local.name)
-        if spec is None:
-            return local.replicated_over("tp")
-        return local.split(spec.dim, spec.size, self.axis.rank)
+        """Where a tensor of this rank's module sits in the unsplit tensor: a slice of the dimension its
+        placement says is split (the last rank's slice may reach into an uneven vocabulary's padding), or the
+        whole tensor, held identically by every tp rank."""
+        kind = local.placement.get("tp")
+        if isinstance(kind, Shard):
+            return local.split(kind.dim, kind.full, self.axis.rank)
+        return local.replicated_over("tp")
 
-    def unshard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Gather split parameters (collective over tp; every rank gets them), strip vocabulary padding,
-        and check that everything replicated over tp is identical on every tp rank."""
-        out = dict(state)
-        for name in sorted(n for n in self.sharded if n in state):  # same order on every tp rank
-            spec, local = self.sharded[name], state[name].contiguous()
-            flat = torch.empty(self.axis.size * local.numel(), dtype=local.dtype, device=local.device)
-            all_gather_into(flat, local.view(-1), self.axis, tag="checkpoint")
-            gathered = flat.view(self.axis.size, *local.shape)  # (tp, *shard)
-            out[name] = torch.cat(gathered.unbind(0), dim=spec.dim).narrow(spec.dim, 0, spec.size).clone()
-        differing = self.replica_mismatches(state)
-        if differing:
-            raise PlanError(f"tensors replicated over tp differ between tp ranks: {differing[:8]}. Under sequence "
-                            f"parallelism every module with parameters that runs on s/tp tokens must be marked "
-                            f"'sequence' in the plan (its gradients are then summed over tp)")
-        return out
+    def explain(self, name: str) -> str:
+        path = name.rpartition(".")[0]
+        style = self.styles.get(path)
+        if style is not None:
+            pattern = next((p for p, s in self.plan.items() if s == style and match(p, path)), "?")
+            return f"the tensor-parallel plan gave module '{path}' the style '{style}' (pattern '{pattern}')"
+        splitting = [p for p, s in self.plan.items() if s in SHARDING]
+        hint = (" Under sequence parallelism every module with parameters that runs on s/tp tokens must be marked "
+                "'sequence' in the plan (its gradients are then summed over tp)") if self.sequence_parallel else ""
+        return (f"no pattern of the tensor-parallel plan matched module '{path}', so the tensor-parallel step "
+                f"kept it whole on every tp rank (splitting patterns: {splitting}).{hint}")
 
-    def replica_mismatches(self, state: dict[str, torch.Tensor]) -> list[str]:
-        """Names of tensors that should be identical on every tp rank but are not (one small gather)."""
-        names = sorted(n for n in state if n not in self.sharded)
-        digests = [hashlib.sha1(state[n].detach().cpu().contiguous().numpy().tobytes()).hexdigest() for n in names]
-        everyone = all_gather_object(digests, self.axis, tag="checkpoint")
-        return [n for i, n in enumerate(names) if any(other[i] != digests[i] for other in everyone)]
+    def note(self) -> str:
+        split = sum(1 for s in self.styles.values() if s in SHARDING)
+        return (f"tensor parallel over {self.axis.size} ranks: {split} modules split"
+                f"{', sequence parallel' if self.sequence_parallel else ''}")
 
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -162,9 +150,10 @@ def _vocab_loss(old: nn.Module, head: ColumnParallelLinear, axis: Axis, path: st
                                      ignore_index=getattr(old, "ignore_index", -100), name=path)
 
 
-def parallelize(model: nn.Module, mesh: Mesh | Axis, plan=None, sequence_parallel: bool = False,
-                seed: int = 0) -> AppliedPlan:
-    """Split `model` over the tp axis as `plan` says (None: the model's ready plan). In place.
+def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str | None = None,
+                sequence_parallel: bool = False, seed: int = 0) -> AppliedPlan:
+    """Split `model` over the tp axis as `plan` says ({module-path pattern: style}, a model family's name, or
+    None for the model spec's ready plan). In place.
 
     `mesh` is the paratrain Mesh (its "tp" axis is used) or the tp Axis itself. `seed` seeds the
     per-tp-rank random stream.
@@ -173,7 +162,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan=None, sequence_paralle
     sp = sequence_parallel and axis.size > 1
     styles = resolve_plan(model, plan, axis.size, sp)  # pure: raises before anything changes
     tracker = RNGTracker(seed, axis.rank)
-    applied = AppliedPlan(styles, axis, sp, tracker=tracker)
+    applied = AppliedPlan(styles, axis, sp, plan=plan_for(model, plan), tracker=tracker)
     regions = [p for p, s in styles.items() if s == "region_input"]
     head = None
     for path, style in styles.items():  # split layers first: the loss needs the head's vocabulary range
@@ -182,18 +171,13 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan=None, sequence_paralle
         old = model.get_submodule(path)
         if style == "rowwise":
             new = RowParallelLinear(old, axis, name=path, sequence_parallel=sp)
-            applied.sharded[f"{path}.weight"] = ShardSpec(1, old.in_features)
         elif style in ("vocab", "vocab_scatter"):
             new = VocabParallelEmbedding(old, axis, name=path, scatter_sequence=sp and style == "vocab_scatter")
-            applied.sharded[f"{path}.weight"] = ShardSpec(0, old.num_embeddings)
         else:
             entered = any(path.startswith(r + ".") for r in regions)
             new = ColumnParallelLinear(old, axis, name=path, gather_output=style == "colwise_gather",
                                        enter_region=not entered, sequence_parallel=sp,
                                        pad_output=style == "colwise_vocab")
-            applied.sharded[f"{path}.weight"] = ShardSpec(0, old.out_features)
-            if old.bias is not None:
-                applied.sharded[f"{path}.bias"] = ShardSpec(0, old.out_features)
             head = new if style == "colwise_vocab" else head
         _set_submodule(model, path, new)
     for path, style in styles.items():
@@ -212,4 +196,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan=None, sequence_paralle
             _wrap_forward(module, functools.partial(_forked, tracker))
         elif style == "sequence_scatter" and sp:
             module.register_forward_hook(_sequence_scatter_hook(path, axis))
+    for param in model.parameters():  # what the plan did not split is whole on every tp rank
+        if placement_of(param).get("tp") is None:
+            place(param, "tp", Replicate())
     return applied

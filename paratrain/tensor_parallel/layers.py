@@ -8,8 +8,9 @@ tensor-parallel layers hold `(b, s/tp, h)` and the layers switch between the two
                  <--reduce-scatter--                          (b, s, h) partial --reduce-scatter--> (b, s/tp, h)
 
 Without sequence parallelism the entry is `copy_to_region` (backward all-reduce) and the exit
-`reduce_from_region` (forward all-reduce). Sharded parameters carry `tp_sharded = True` (the global grad
-norm counts them once per shard); replicated ones do not.
+`reduce_from_region` (forward all-reduce). Sharded parameters carry the placement `Shard(dim, full)` over
+tp (`paratrain.placement`: the global gradient norm and checkpoints read it); `apply.py` marks every other
+parameter `Replicate`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from paratrain.comm.autograd import (
 )
 from paratrain.config import ConfigError
 from paratrain.mesh import Axis
+from paratrain.placement import Shard, place
 
 SEQ_DIM = 1  # activations are (batch, sequence, features)
 ACTIVATION_TAG = "tp"  # entries to and exits from the tensor-parallel regions
@@ -55,9 +57,9 @@ def _shard(tensor: torch.Tensor, dim: int, axis: Axis, padded: int) -> torch.Ten
     return tensor.chunk(axis.size, dim=dim)[axis.rank].clone()
 
 
-def _sharded_param(data: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+def _sharded_param(data: torch.Tensor, requires_grad: bool, dim: int, full: int) -> nn.Parameter:
     param = nn.Parameter(data, requires_grad=requires_grad)
-    param.tp_sharded = True
+    place(param, "tp", Shard(dim, full))
     return param
 
 
@@ -86,9 +88,10 @@ class ColumnParallelLinear(nn.Module):
                             f"tensor-parallel size {axis.size}; choose a tensor_parallel.size that divides it")
         self.gather_output, self.enter_region, self.sequence_parallel = gather_output, enter_region, sequence_parallel
         self.weight = _sharded_param(_shard(linear.weight.detach(), 0, axis, self.padded_out_features),
-                                     linear.weight.requires_grad)  # (out/tp, in)
+                                     linear.weight.requires_grad, 0, self.out_features)  # (out/tp, in)
         self.bias = None if linear.bias is None else _sharded_param(
-            _shard(linear.bias.detach(), 0, axis, self.padded_out_features), linear.bias.requires_grad)
+            _shard(linear.bias.detach(), 0, axis, self.padded_out_features), linear.bias.requires_grad, 0,
+            self.out_features)
 
     @property
     def local_out_features(self) -> int:
@@ -132,7 +135,7 @@ class RowParallelLinear(nn.Module):
             raise PlanError(f"'{name}' (rowwise) has in_features {self.in_features}, not divisible by the "
                             f"tensor-parallel size {axis.size}; choose a tensor_parallel.size that divides it")
         self.weight = _sharded_param(_shard(linear.weight.detach(), 1, axis, self.in_features),
-                                     linear.weight.requires_grad)  # (out, in/tp)
+                                     linear.weight.requires_grad, 1, self.in_features)  # (out, in/tp)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=linear.bias.requires_grad)
 
@@ -174,7 +177,7 @@ class VocabParallelEmbedding(nn.Module):
         in_range = pad is not None and self.vocab_start <= pad < self.vocab_start + self.local_num_embeddings
         self.local_padding_idx = pad - self.vocab_start if in_range else None
         self.weight = _sharded_param(_shard(embedding.weight.detach(), 0, axis, self.padded_num_embeddings),
-                                     embedding.weight.requires_grad)  # (V/tp, d)
+                                     embedding.weight.requires_grad, 0, self.num_embeddings)  # (V/tp, d)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.local_num_embeddings)

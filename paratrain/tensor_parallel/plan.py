@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from paratrain.model_spec import plan_names, spec_for, spec_named
 from paratrain.tensor_parallel.layers import PlanError
 
 
@@ -52,28 +53,6 @@ STYLES: dict[str, Style] = {
 SHARDING = {"colwise", "colwise_gather", "colwise_vocab", "rowwise", "vocab", "vocab_scatter"}
 COLWISE = {"colwise", "colwise_gather"}
 
-# The built-in GPT (paratrain.models.gpt): Megatron's layout, with sequence parallelism starting after
-# the embedding (token + position) and ending at the head's all-gather.
-GPT_PLAN: dict[str, str] = {
-    "embed.tok": "vocab",
-    "embed": "sequence_scatter",
-    "blocks.*.ln1": "sequence",
-    "blocks.*.attn": "region_input",
-    "blocks.*.attn.[qkv]": "colwise",
-    "blocks.*.attn.core": "in_region",
-    "blocks.*.attn.o": "rowwise",
-    "blocks.*.attn.resid_dropout": "sequence",
-    "blocks.*.ln2": "sequence",
-    "blocks.*.mlp.fc": "colwise",
-    "blocks.*.mlp.proj": "rowwise",
-    "blocks.*.mlp.dropout": "sequence",
-    "ln_f": "sequence",
-    "head": "colwise_vocab",
-    "loss_fn": "vocab_loss",
-}
-BUILTIN_PLANS: dict[str, dict[str, str]] = {"gpt": GPT_PLAN}
-
-
 def match(pattern: str, path: str) -> bool:
     """Whether the dotted module `path` matches `pattern` (`*` one component, `**` any number)."""
 
@@ -91,11 +70,11 @@ def check_plan_syntax(plan, where: str = "tensor_parallel.plan") -> dict[str, st
     """Validate a plan's form without a model: a built-in name, or {pattern: style}. Returns the dict."""
     if plan is None:
         return None
-    if isinstance(plan, str):
-        if plan not in BUILTIN_PLANS:
-            raise PlanError(f"config key '{where}' = {plan!r} is not a built-in plan; use one of "
-                            f"{sorted(BUILTIN_PLANS)} or a {{module-pattern: style}} mapping")
-        return BUILTIN_PLANS[plan]
+    if isinstance(plan, str):  # a model family's ready plan, resolved with the model (`ModelSpec.tp_plan`)
+        if plan not in plan_names():
+            raise PlanError(f"config key '{where}' = {plan!r} is not a built-in plan (a model family with a ready "
+                            f"plan); use one of {plan_names()} or a {{module-pattern: style}} mapping")
+        return None
     if not isinstance(plan, Mapping) or not plan:
         raise PlanError(f"config key '{where}' must be a built-in plan name or a non-empty {{module-pattern: "
                         f"style}} mapping, got {plan!r}")
@@ -111,16 +90,6 @@ def check_plan_syntax(plan, where: str = "tensor_parallel.plan") -> dict[str, st
     return dict(plan)
 
 
-def default_plan(model: nn.Module) -> dict[str, str]:
-    from paratrain.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return GPT_PLAN
-    raise PlanError(f"tensor_parallel.size > 1 needs a plan for {type(model).__name__}: set 'tensor_parallel.plan' "
-                    f"to a {{module-pattern: style}} mapping (styles: {', '.join(STYLES)}); only the built-in GPT "
-                    f"has a ready plan")
-
-
 def _parent(path: str) -> str:
     return path.rpartition(".")[0]
 
@@ -133,9 +102,26 @@ def _inside(path: str, ancestor: str) -> bool:
     return ancestor == "" or path.startswith(ancestor + ".")
 
 
-def resolve_plan(model: nn.Module, plan, tp_size: int, sequence_parallel: bool) -> dict[str, str]:
-    """Match `plan` against `model` and check it; returns {module path: style} in module order."""
-    plan = check_plan_syntax(plan) if plan is not None else default_plan(model)
+def plan_for(model: nn.Module, plan: Mapping[str, str] | str | None) -> dict[str, str]:
+    """The plan as a mapping: `plan` itself, the ready plan of the family it names, or (None) the ready plan of
+    `model`'s own spec (`paratrain.model_spec`)."""
+    if isinstance(plan, str):
+        check_plan_syntax(plan)
+        plan = spec_named(plan).tp_plan(model)
+    elif plan is None:
+        plan = spec_for(model).tp_plan(model)
+        if plan is None:
+            raise PlanError(f"tensor_parallel.size > 1 needs a plan for {type(model).__name__}: set "
+                            f"'tensor_parallel.plan' to a {{module-pattern: style}} mapping (styles: "
+                            f"{', '.join(STYLES)}), or register a model spec whose tp_plan() gives one "
+                            f"(paratrain.model_spec); the families with a ready plan: {plan_names()}")
+    return check_plan_syntax(plan)
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str | None, tp_size: int,
+                 sequence_parallel: bool) -> dict[str, str]:
+    """Match `plan` (see `plan_for`) against `model` and check it; returns {module path: style} in module order."""
+    plan = plan_for(model, plan)
     modules = dict(model.named_modules())
     paths = [p for p in modules if p]
     assigned: dict[str, tuple[str, str]] = {}  # path -> (style, pattern)

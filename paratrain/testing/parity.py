@@ -79,11 +79,11 @@ def run_layout(config: dict, make_model: Callable[[], nn.Module], dataset, steps
     """Train `steps` optimizer steps of `make_model()` in the layout of `config` (collective: call on every
     rank). The full state is gathered after the last step, or after every step with `state_every_step`
     (collective too); `keep_state=False` drops it after gathering (ranks whose copy is not needed)."""
-    import paratrain
+    from paratrain.api import initialize
 
     model = make_model()
-    engine, *_ = paratrain.initialize(model=model, config=copy.deepcopy(config), training_data=dataset,
-                                      model_parameters=model_parameters(model) if model_parameters else None)
+    engine, *_ = initialize(model=model, config=copy.deepcopy(config), training_data=dataset,
+                            model_parameters=model_parameters(model) if model_parameters else None)
     cfg = engine.config
     layout = describe_layout(cfg)
     case = engine.pmesh.dims.describe() + (f" {layout}" if layout else "")

@@ -49,17 +49,8 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
     """
     cfg = load_config(config)
     model = make_model()
-    masters = {name: p for name, p in model.named_parameters()}
+    masters, optimizer = _masters_and_optimizer(model, cfg, param_groups)
     scaler = make_loss_scaler(cfg)
-    if cfg.precision != "fp32":
-        masters = {name: nn.Parameter(p.detach().float().clone()) for name, p in model.named_parameters()}
-        model.to(compute_dtype(cfg.precision))
-    if param_groups is None:
-        optimizer = build_optimizer(cfg.optimizer, list(masters.values()))
-    else:
-        master_of = {id(p): masters[name] for name, p in model.named_parameters()}
-        optimizer = build_optimizer(cfg.optimizer, [{**g, "params": [master_of[id(p)] for p in g["params"]]}
-                                                    for g in param_groups(model)])
     scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler is not None else None
     batches = global_batches(dataset, cfg)
     loss_of = loss_of or (lambda m, batch: m(*batch))
@@ -102,3 +93,17 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
         if keep_states:
             states.append(current_state())
     return RunRecord(losses, norms, current_state(), states if keep_states else None)
+
+
+def _masters_and_optimizer(model: nn.Module, cfg: Config, param_groups) -> tuple[dict[str, nn.Parameter], object]:
+    """The parameters the optimizer updates (the model's own in fp32; fp32 copies taken before the model is cast
+    to the low dtype otherwise) and the optimizer over them, in `param_groups(model)` if given."""
+    masters = {name: p for name, p in model.named_parameters()}
+    if cfg.precision != "fp32":
+        masters = {name: nn.Parameter(p.detach().float().clone()) for name, p in model.named_parameters()}
+        model.to(compute_dtype(cfg.precision))
+    if param_groups is None:
+        return masters, build_optimizer(cfg.optimizer, list(masters.values()))
+    master_of = {id(p): masters[name] for name, p in model.named_parameters()}
+    return masters, build_optimizer(cfg.optimizer, [{**g, "params": [master_of[id(p)] for p in g["params"]]}
+                                                    for g in param_groups(model)])

@@ -23,8 +23,10 @@ from multiprocessing.connection import wait as wait_for
 
 import torch.multiprocessing as mp
 
+from paratrain.errors import Error
 
-class WorldError(RuntimeError):
+
+class WorldError(Error, RuntimeError):
     pass
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 names for the built-in GPT (`paratrain checkpoint export --hf`).
+"""Hugging Face GPT-2 names for the built-in GPT (`paratrain checkpoint export --hf`, through the GPT's model
+spec, `GPTSpec.to_hugging_face`).
 
 | paratrain (GPT)                         | GPT-2 (transformers `GPT2LMHeadModel`)                       |
 |-----------------------------------------|--------------------------------------------------------------|
@@ -27,6 +28,7 @@ import re
 import torch
 
 from paratrain.checkpoint.format import CheckpointError
+from paratrain.models.gpt import gpt_config
 
 _BLOCK = re.compile(r"blocks\.(\d+)\.")
 
@@ -74,8 +76,6 @@ def gpt2_config(state: dict[str, torch.Tensor], config: dict, n_head: int | None
     eps = 1e-5
     trainer = config.get("trainer", {})
     if n_head is None:
-        from paratrain.models.gpt import gpt_config
-
         try:
             cfg = gpt_config(trainer.get("model", ""), **trainer.get("model_overrides", {}))
         except (ValueError, TypeError):

@@ -1,0 +1,54 @@
+"""The global gradient norm of any layout: one function over the gradients' placements.
+
+    norm = global_grad_norm(grad_sync.grad_pieces(), mesh, grad_sync.axis, grad_sync.shards_gradients)
+
+Every rank adds up the squared gradients it holds, each weighted 1/n where n ranks of the model-parallel
+axes (the mesh axes outside the data-parallel one: pp, tp) hold the same elements (`Placement`); then
+  1. a data-parallel strategy whose ranks hold disjoint slices (ZeRO) sums over its axis, and
+  2. the sum runs over the model-parallel axes, whose ranks hold different slices or parameters.
+A data-parallel strategy that replicates (DDP) holds the same averaged gradient on every rank of its axis,
+so nothing is summed there. The result is the one-process norm on every rank (torchtitan's
+`clip_grad_norm_` over DTensor placements plus a pipeline all-reduce is the same idea).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from paratrain.comm import all_reduce
+from paratrain.mesh import AXES, Axis, Mesh
+from paratrain.placement import Placement
+
+GradPiece = tuple[torch.Tensor, Placement]  # gradient elements, and the placement of their parameter
+
+
+def model_parallel_axes(mesh: Mesh, data_parallel: Axis) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that the data-parallel axis does not span, outer to inner."""
+    return tuple(a for a in AXES if a not in data_parallel.dims and mesh.size(a) > 1)
+
+
+def local_grad_sq(pieces: Iterable[GradPiece], model_axes: dict[str, int], device: torch.device) -> torch.Tensor:
+    """This rank's weighted sum of squared gradient elements (float32, on `device`, where it is reduced)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    weights: dict[Placement, float] = {}
+    for grad, placement in pieces:
+        if placement not in weights:
+            weights[placement] = 1.0 / placement.replicated_over(model_axes)
+        sq = grad.float().pow(2).sum()
+        total += (sq if weights[placement] == 1.0 else sq * weights[placement]).to(device)
+    return total
+
+
+def global_grad_norm(pieces: Iterable[GradPiece], mesh: Mesh, data_parallel: Axis, shards_gradients: bool,
+                     device: torch.device) -> float:
+    """The L2 norm of the full gradient (collective over the world; the same number on every rank)."""
+    axes = model_parallel_axes(mesh, data_parallel)
+    local = local_grad_sq(pieces, {a: mesh.size(a) for a in axes}, device)
+    if shards_gradients:
+        all_reduce(local, data_parallel, tag="grad_norm")
+    if axes:
+        all_reduce(local, mesh.axis(axes), tag="grad_norm")
+    return math.sqrt(float(local))

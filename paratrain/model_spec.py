@@ -1,0 +1,113 @@
+"""Model specs: how a model family tells `parallelize()` what the strategies need to know about it.
+
+    @register_model_spec
+    class MyFamilySpec(ModelSpec):
+        name = "my-family"
+        def matches(self, model): return isinstance(model, MyModel)
+        def tp_plan(self, model): return {"layers.*.attn.[qkv]": "colwise", "layers.*.attn.o": "rowwise", ...}
+        def pipeline_module(self, model, micro_batch): return PipelineModule([...], loss_fn=..., layer_names=[...])
+
+`parallelize()` asks the spec of the model it is given (`spec_for`), never the model's class:
+  tp_plan           the tensor-parallel plan (data: module-path patterns -> styles), unless the config has one
+  blocks            the transformer blocks: ZeRO-3 units and the modules full activation checkpointing recomputes
+  attention_cores   the attention kernels (q, k, v -> out, `paratrain.attention`): ring attention replaces them
+                    under context parallelism, selective checkpointing recomputes them
+  pipeline_module   the model as a list of layers for the pipeline split
+  sequence_length   the training sequence length, for the checks of context and sequence parallelism
+  to_hugging_face   its state under Hugging Face's names (checkpoint export --hf)
+Every method has a default that fits a plain PyTorch transformer, so a spec overrides only what differs. A new
+family is one file in `paratrain/models/` (or the user's code) that defines and registers its spec; the
+library core never imports a model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.attention import CausalAttentionCore
+from paratrain.errors import Error
+
+
+class ModelSpecError(Error, ValueError):
+    """A model that a requested strategy needs more from than its spec provides; the message says what."""
+
+
+class ModelSpec:
+    """The defaults: no ready tensor-parallel plan, blocks = children of nn.ModuleLists, attention cores =
+    `CausalAttentionCore` modules, no automatic pipeline split."""
+
+    name = "generic"
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether this spec describes `model` (the registry asks the newest registration first)."""
+        return False
+
+    def tp_plan(self, model: nn.Module) -> dict[str, str] | None:
+        return None
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """Every child of an nn.ModuleList that holds no ModuleList itself (a transformer's `blocks.*`)."""
+        out, seen = [], set()
+        for lst in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
+            for child in lst:
+                if id(child) in seen or any(isinstance(m, nn.ModuleList) for m in child.modules()):
+                    continue
+                seen.add(id(child))
+                out.append(child)
+        return out
+
+    def attention_cores(self, model: nn.Module) -> list[nn.Module]:
+        return [m for m in model.modules() if isinstance(m, CausalAttentionCore)]
+
+    def pipeline_module(self, model: nn.Module, micro_batch: int) -> nn.Module:
+        """A `paratrain.PipelineModule` (layers, loss, layer_names giving the model's own names)."""
+        raise ModelSpecError(f"pipeline.stages > 1 needs the model as a list of layers: wrap it as "
+                             f"paratrain.PipelineModule(layers=[...], loss_fn=...), or register a model spec for "
+                             f"{type(model).__name__} whose pipeline_module() does (see paratrain.model_spec)")
+
+    def sequence_length(self, model: nn.Module) -> int | None:
+        seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+        return seq_len if isinstance(seq_len, int) else None
+
+    def to_hugging_face(self, state: dict[str, torch.Tensor], config: dict, **options
+                        ) -> tuple[dict[str, torch.Tensor], dict]:
+        """The model's full state under Hugging Face's names and the `config.json` that goes with it (`config`:
+        the training config a checkpoint stored). The family's state-dict adapter, for `export --hf`."""
+        raise ModelSpecError(f"the model family '{self.name}' has no Hugging Face conversion; export without --hf")
+
+
+_REGISTRY: list[ModelSpec] = []
+DEFAULT_SPEC = ModelSpec()
+
+
+def register_model_spec(spec):
+    """Register a spec (an instance, or a ModelSpec subclass, which is instantiated); usable as a decorator.
+    A spec registered later takes precedence, and one with the same name replaces the earlier one."""
+    instance = spec() if isinstance(spec, type) else spec
+    if not isinstance(instance, ModelSpec):
+        raise TypeError(f"register_model_spec needs a paratrain.model_spec.ModelSpec, got {type(instance).__name__}")
+    _REGISTRY[:] = [s for s in _REGISTRY if s.name != instance.name]
+    _REGISTRY.append(instance)
+    return spec
+
+
+def spec_for(model: nn.Module) -> ModelSpec:
+    """The newest registered spec that matches `model`, else the defaults."""
+    return next((s for s in reversed(_REGISTRY) if s.matches(model)), DEFAULT_SPEC)
+
+
+def spec_named(name: str) -> ModelSpec:
+    for spec in _REGISTRY:
+        if spec.name == name:
+            return spec
+    raise ModelSpecError(f"no model spec named {name!r}; registered: {', '.join(registered_names()) or 'none'}")
+
+
+def registered_names() -> list[str]:
+    return [s.name for s in _REGISTRY]
+
+
+def plan_names() -> list[str]:
+    """Names of the registered families with a ready tensor-parallel plan (usable as `tensor_parallel.plan`)."""
+    return [s.name for s in _REGISTRY if type(s).tp_plan is not ModelSpec.tp_plan]

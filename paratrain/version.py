@@ -1,0 +1,3 @@
+"""The package version (its own module, so that modules inside paratrain need not import the package root)."""
+
+__version__ = "0.1.0"

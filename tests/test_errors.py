@@ -1,0 +1,69 @@
+"""Every error paratrain defines derives from paratrain.Error and keeps its built-in base."""
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import paratrain
+from paratrain.planner import PlannerError
+from paratrain.tensor_parallel import PlanError
+
+# Modules that need an optional dependency (matplotlib for pictures) are skipped only when it is missing.
+OPTIONAL = ("matplotlib",)
+
+
+def _paratrain_modules():
+    for info in pkgutil.walk_packages(paratrain.__path__, "paratrain."):
+        try:
+            yield importlib.import_module(info.name)
+        except ModuleNotFoundError as exc:
+            if exc.name not in OPTIONAL:
+                raise
+
+
+def _defined_exceptions():
+    found = {}
+    for module in _paratrain_modules():
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__.startswith("paratrain."):
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return found
+
+
+def test_every_paratrain_error_derives_from_paratrain_error():
+    found = _defined_exceptions()
+    assert len(found) >= 20, sorted(found)  # the base and the 19 errors of today, at least
+    outside = sorted(name for name, cls in found.items() if not issubclass(cls, paratrain.Error))
+    assert outside == [], f"derive these from paratrain.errors.Error: {outside}"
+
+
+def test_each_error_keeps_its_builtin_base():
+    found = _defined_exceptions()
+    expected = {
+        "paratrain.config.errors.ConfigError": ValueError,
+        "paratrain.tensor_parallel.layers.PlanError": ValueError,
+        "paratrain.planner.model_specs.PlannerError": ValueError,
+        "paratrain.mesh.MeshError": ValueError,
+        "paratrain.compat.names.DeepSpeedNotSupported": AttributeError,
+        "paratrain.checkpoint.format.CheckpointError": RuntimeError,
+        "paratrain.comm.guard.CollectiveTimeout": RuntimeError,
+        "paratrain.precision.NonFiniteLossError": RuntimeError,
+        "paratrain.data_parallel.base.UnusedParametersError": RuntimeError,
+    }
+    for name, base in expected.items():
+        assert issubclass(found[name], base), name
+
+
+def test_the_two_plan_errors_are_distinct():
+    """The planner's error is its own class; tensor parallelism's PlanError is a config error."""
+    assert PlannerError is not PlanError
+    assert issubclass(PlanError, paratrain.ConfigError) and not issubclass(PlannerError, paratrain.ConfigError)
+
+
+def test_errors_module_imports_nothing_from_paratrain():
+    tree = ast.parse(Path(paratrain.errors.__file__).read_text())
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert [name for name in names if name.split(".")[0] == "paratrain"] == []
