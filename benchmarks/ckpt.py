@@ -37,7 +37,7 @@ def _layout(steps: int, warmup: int, ckpt: str = "none", tp: int = 1) -> dict:
                                         "granularity": ckpt if ckpt != "none" else "full"}}
     model = bench_model()
     engine, *_ = paratrain.initialize(model=model, config=cfg)
-    batches = LocalBatches(micro, dp, engine.pmesh.local_rank("dp"))
+    batches = LocalBatches(micro, dp, engine.mesh.local_rank("dp"))
     timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     kept = _kept_activation_bytes(engine, next(batches))

@@ -5,8 +5,13 @@ public API; DeepSpeed names paratrain does not implement raise an error that say
 (docs/deepspeed-compat.md).
 """
 
-from paratrain import comm, pipeline, zero  # paratrain.zero.estimate_memory; DeepSpeed's comm/zero/pipe names
-from paratrain.api import add_config_arguments, initialize, resolve_config
+from paratrain import (  # paratrain.zero.estimate_memory; DeepSpeed's comm/zero/pipe names
+    comm,
+    models,  # registers the built-in model families' specs (GPT): checkpoint export --hf needs them
+    pipeline,
+    zero,
+)
+from paratrain.api import add_config_arguments, initialize, resolve_config, resolve_layout
 from paratrain.checkpoint import CheckpointError
 from paratrain.comm import CommStats, build_mesh
 from paratrain.config import Config, ConfigError, load_config
@@ -40,9 +45,11 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "models",
     "pipe",
     "pipeline",
     "resolve_config",
+    "resolve_layout",
     "zero",
 ]
 

@@ -49,13 +49,17 @@ def _config_source(args, config, config_params):
     return chosen[0]
 
 
-def resolve_config(source, world_size: int) -> Config:
-    """Load, validate and resolve a config for a world size: pure, so every rank fails the same way."""
+def resolve_layout(source, world_size: int) -> tuple[Config, ParallelDims]:
+    """Load, validate and resolve a config for a world size, and its layout: pure, so every rank fails the
+    same way."""
     cfg = resolve_batch(load_config(source), world_size)
     check_supported(cfg)
-    ParallelDims(world_size, dp=cfg.dp_size(world_size), pp=cfg.pipeline.stages, cp=cfg.context_parallel.size,
-                 tp=cfg.tensor_parallel.size)
-    return cfg
+    return cfg, cfg.parallel_dims(world_size)
+
+
+def resolve_config(source, world_size: int) -> Config:
+    """`resolve_layout`'s config (every check included)."""
+    return resolve_layout(source, world_size)[0]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -72,10 +76,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     cfg = load_config(source)
     init_distributed(timeout=cfg.comm.timeout_s)
     world = dist.get_world_size()
-    cfg = resolve_config(cfg, world)
+    cfg, dims = resolve_layout(cfg, world)
     if mesh is None:
-        dims = ParallelDims(world, dp=cfg.dp_size(world), pp=cfg.pipeline.stages, cp=cfg.context_parallel.size,
-                            tp=cfg.tensor_parallel.size)
         mesh = build_mesh(dims, device_type="cuda" if uses_cuda() else "cpu")
     engine = Engine(model, cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler,
                     model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)

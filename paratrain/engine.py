@@ -7,45 +7,48 @@
         engine.step()                    # steps the optimizer only at the accumulation boundary
 
 The engine knows strategies only through `parallelize`: gradient synchronization, sharding and the update
-belong to the `GradSync` it returns.
+belong to the `GradSync` it returns. Its own state is a `TrainState` (counters, data position) and a
+`RandomState`; checkpoints receive those with the model, optimizer, scheduler and loss scaler as stateful
+objects (`CheckpointTarget`), never the engine. The DeepSpeed accessors (`compat/engine_api.py`) only read it.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 import paratrain.comm as comm
+from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
 from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
 from paratrain.data.batch_check import BatchChecker
+from paratrain.data.nested import to_device
 from paratrain.distributed import current_device
 from paratrain.engine_setup import make_loader, make_scheduler, optimizer_factory, param_groups
-from paratrain.engine_state import EngineStateAPI
-from paratrain.grad_norm import global_grad_norm
 from paratrain.mesh import Mesh
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.parallelize import parallelize
-from paratrain.precision import NonFiniteLossError, make_loss_scaler
+from paratrain.precision import make_loss_scaler
+from paratrain.train_state import RandomState, TrainState
+from paratrain.update import OptimizerUpdate
 
 log = logging.getLogger("paratrain")
 
 
-class Engine(EngineStateAPI, DeepSpeedEngineAPI):
-    """DeepSpeed's engine contract. Checkpoints and introspection live in `engine_state.py`, construction
-    helpers in `engine_setup.py`, the accessors DeepSpeed scripts use in `compat/engine_api.py`."""
+class Engine(DeepSpeedEngineAPI):
+    """DeepSpeed's engine contract. Construction helpers live in `engine_setup.py`, the update in `update.py`,
+    the read-only accessors (DeepSpeed's and paratrain's introspection) in `compat/engine_api.py`."""
 
     def __init__(self, model: nn.Module, config: Config, mesh: Mesh, optimizer=None, lr_scheduler=None,
                  model_parameters=None, training_data=None, collate_fn=None):
         self.config = config
-        self.pmesh = mesh
+        self.mesh = mesh  # the explicit mesh every strategy was given (axes, comm stats, guard)
+        self.destroyed = False
         setup_logging(mesh.rank)
         if mesh.guard is not None:  # every collective below waits at most comm.timeout_s, then reports
             mesh.guard.configure(timeout_s=config.comm.timeout_s, report_dir=config.comm.report_dir or ".")
@@ -60,15 +63,15 @@ class Engine(EngineStateAPI, DeepSpeedEngineAPI):
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
         self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
-        self._data_iter = None
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
+        sampler = self.training_dataloader.sampler if self.training_dataloader is not None else None
+        # (not a bound method of the engine: a cycle would keep a finished engine and its groups alive until gc)
+        self.train_state = TrainState(lambda: config.gradient_accumulation_steps, sampler)
+        self.random_state = RandomState(self.parallel.random_streams, {"sizes": dict(mesh.dims.sizes),
+                                                                       "coords": dict(mesh.coords)})
         self.loss_scaler = make_loss_scaler(config)  # fp16 only
+        self._update = OptimizerUpdate(self.grad_sync, mesh, self.device, self.loss_scaler, config.nonfinite_loss)
         self._grad_norm: float | None = None
         self._times: dict[str, float] = defaultdict(float)
-        self._window_micro_steps = 0  # micro-steps taken in the current accumulation window
         self._step_applied = False
         self._reporter = StepReporter(config, mesh.rank)
         self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled)
@@ -78,12 +81,13 @@ class Engine(EngineStateAPI, DeepSpeedEngineAPI):
 
     # ---- state of the step ----------------------------------------------------------------------
     @property
-    def mesh(self):
-        """The torch DeviceMesh with axes dp, pp, cp, tp (size-1 axes included)."""
-        return self.pmesh.device_mesh
+    def device_mesh(self):
+        """The torch DeviceMesh with axes dp, pp, cp, tp (size-1 axes included) and the flattened ones the
+        strategies use (`device_mesh["dp_cp"]`, ...)."""
+        return self.mesh.device_mesh
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self._micro_steps_in_window() + 1 == self.gradient_accumulation_steps()
+        return self.train_state.window_micro_steps + 1 == self.gradient_accumulation_steps()
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -101,7 +105,7 @@ class Engine(EngineStateAPI, DeepSpeedEngineAPI):
     # ---- the step contract -----------------------------------------------------------------------
     @contextmanager
     def _timed(self, name: str):
-        if getattr(self, "destroyed", False):  # every forward, backward, step and pipeline step passes here
+        if self.destroyed:  # every forward, backward, step and pipeline step passes here
             raise RuntimeError(f"engine.{name}: engine.destroy() was called, which freed its process groups; "
                                f"build a new engine with paratrain.initialize")
         start = time.perf_counter()
@@ -140,71 +144,34 @@ class Engine(EngineStateAPI, DeepSpeedEngineAPI):
         """Called after every backward; updates the model only at the accumulation boundary."""
         self._not_in_pipeline("step()")
         boundary = self.is_gradient_accumulation_boundary()
-        skipped = self.skipped_steps
         if boundary:
             with self._timed("step"):
                 self._optimizer_update()
-        self._step_applied = boundary and self.skipped_steps == skipped
-        self.micro_steps += 1
-        self._window_micro_steps = 0 if boundary else self._window_micro_steps + 1
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp")
+        else:
+            self._step_applied = False
+        state = self.train_state
+        state.micro_steps += 1
+        state.window_micro_steps = 0 if boundary else state.window_micro_steps + 1
+        state.global_samples += self.train_micro_batch_size_per_gpu() * self.mesh.size("dp")
         if boundary:
             self._reporter.after_step(self)
             self._save_if_due()
 
     def _optimizer_update(self) -> None:
+        """Update once (the same branch on every rank: the norm is the same number everywhere); a skipped
+        step still counts (DeepSpeed's behaviour on an fp16 overflow)."""
         with self._timed("comm_wait"):
             self.grad_sync.finish_gradients()
-        norm = global_grad_norm(self.grad_sync.grad_pieces(), self.pmesh, self.grad_sync.axis,
-                                self.grad_sync.shards_gradients, self.device)
-        factor = 1.0
-        if self.loss_scaler is not None:
-            # A non-finite norm means some gradient on some rank overflowed: every rank sees the same
-            # norm, so every rank skips the same step.
-            scale = self.loss_scaler.scale
-            overflow = not math.isfinite(norm)
-            self.loss_scaler.update(overflow)
-            if overflow:
-                self._skip_step(norm)
-                return
-            norm, factor = norm / scale, 1.0 / scale
-        elif not math.isfinite(norm):
-            self._nonfinite(norm)
-            return
-        self._grad_norm = norm
-        clip = self.gradient_clipping()
-        if clip > 0.0:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                factor *= coef
-        if factor != 1.0:
-            self.grad_sync.scale_gradients(factor)  # unscale and clip in one pass
-        self.grad_sync.optimizer_step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.grad_sync.zero_grad()
-        self.global_steps += 1
-
-    def _nonfinite(self, norm: float) -> None:
-        """bf16/fp32: a NaN/inf loss or gradient. The norm is the same number on every rank, so every rank
-        stops, or skips, at the same step."""
-        if self.config.nonfinite_loss == "skip":
-            self._skip_step(norm, f"the global gradient norm is {norm} (the loss or a gradient is NaN/inf)")
-            return
-        error = NonFiniteLossError.at(self.global_steps + 1, norm)
-        if self.global_rank == 0:
-            log.error(str(error))
-        raise error
-
-    def _skip_step(self, norm: float, reason: str | None = None) -> None:
-        """No update and no LR step (DeepSpeed's behaviour on an fp16 overflow); the step still counts."""
-        self._grad_norm = norm
-        self.grad_sync.zero_grad()
-        self.skipped_steps += 1
-        self.global_steps += 1
-        if self.global_rank == 0:
-            reason = reason or f"fp16 gradients overflowed (loss scale now {self.loss_scale():g})"
-            log.warning("step %d skipped: %s (skipped_steps=%d)", self.global_steps, reason, self.skipped_steps)
+        state = self.train_state
+        update = self._update(self.lr_scheduler, self.gradient_clipping(), state.global_steps + 1)
+        self._grad_norm = update.norm
+        self._step_applied = update.skipped is None
+        state.global_steps += 1
+        if update.skipped is not None:
+            state.skipped_steps += 1
+            if self.global_rank == 0:
+                log.warning("step %d skipped: %s (skipped_steps=%d)", state.global_steps, update.skipped,
+                            state.skipped_steps)
 
     def _run_micro_batch(self, batch) -> torch.Tensor:
         batch = self._checked(batch, self._check_train_batch if self.module.training else self._check_eval_batch)
@@ -259,30 +226,70 @@ class Engine(EngineStateAPI, DeepSpeedEngineAPI):
         with self._timed("pipeline"):
             mean = self.pipeline.train_step(batches)
         self._reporter.record_loss(mean)
-        skipped = self.skipped_steps
         with self._timed("step"):
             self._optimizer_update()
-        self._step_applied = self.skipped_steps == skipped
-        self.micro_steps += count
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.pmesh.size("dp") * count
+        self.train_state.micro_steps += count
+        self.train_state.global_samples += self.train_micro_batch_size_per_gpu() * self.mesh.size("dp") * count
         self._reporter.after_step(self)
         self._save_if_due()
         return self._mean_over_dp(mean)
 
     def _checked(self, batch, check: BatchChecker):
         check(batch)
-        return _to_device(batch, self.device)
-
-    def pipeline_timeline(self) -> dict | None:
-        """The last step's executed actions with start/end times on every rank (collective over the world;
-        None without a pipeline). `paratrain report` renders it."""
-        return None if self.pipeline is None else self.pipeline.gather_timeline()
+        return to_device(batch, self.device)
 
     def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        axis = self.pmesh.axis(("dp", "cp"))
+        axis = self.mesh.axis(("dp", "cp"))
         comm.all_reduce(value, axis, tag="metrics")
         return value / axis.size
 
+    # ---- checkpoints (paratrain/checkpoint, docs/checkpoints.md) -------------------------------------
+    def checkpoint_target(self, states: bool = True, lr_scheduler: bool = True) -> CheckpointTarget:
+        """The model, optimizer and stateful objects a checkpoint saves or loads (without `states`: the model
+        and optimizer only)."""
+        named = {"train": self.train_state, "lr_scheduler": self.lr_scheduler if lr_scheduler else None,
+                 "loss_scaler": self.loss_scaler} if states else {}
+        return CheckpointTarget(self.parallel, self.optimizer, self.mesh, self.config,
+                                {k: v for k, v in named.items() if v is not None},
+                                {"random": self.random_state} if states else {})
 
-def _to_device(batch, device: torch.device):
-    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N}."""
+        if self.train_state.window_micro_steps:
+            raise CheckpointError(f"save_checkpoint was called in the middle of a gradient-accumulation window "
+                                  f"(micro step {self.micro_steps}, {self.gradient_accumulation_steps()} per step): "
+                                  f"call it after the step that ends the window")
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        save_checkpoint(self.checkpoint_target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load a checkpoint saved under any layout (collective); returns (path, client_state), (None, None)
+        when `load_dir` holds none. `tag` defaults to the one the `latest` file names."""
+        target = self.checkpoint_target(states=not load_module_only, lr_scheduler=load_lr_scheduler_states)
+        return load_checkpoint(target, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states and not load_module_only)
+
+    def _save_if_due(self) -> None:
+        every = self.config.checkpoint.save_every
+        if every and self.global_steps % every == 0:
+            self.save_checkpoint(self.config.checkpoint.dir)
+
+    # ---- changing the engine's state -----------------------------------------------------------
+    def set_accumulation(self, steps: int) -> None:
+        """Accumulate `steps` micro-batches per optimizer step from the next window on (between windows only:
+        engine.set_train_batch_size checks and calls it)."""
+        if self.train_state.window_micro_steps:
+            raise ValueError("the number of accumulated micro-batches can only change between accumulation "
+                             "windows: call it after engine.step() has updated the model")
+        self.config.gradient_accumulation_steps = steps
+        self.config.train_batch_size = steps * self.train_micro_batch_size_per_gpu() * self.dp_world_size
+
+    def destroy(self) -> None:
+        """Free the engine's process groups (DeepSpeed's engine.destroy releases its resources likewise).
+        Collective: call on every rank once it has finished with this engine; afterwards it cannot train."""
+        self.mesh.destroy()
+        self.destroyed = True
+

@@ -52,3 +52,11 @@ def global_grad_norm(pieces: Iterable[GradPiece], mesh: Mesh, data_parallel: Axi
     if axes:
         all_reduce(local, mesh.axis(axes), tag="grad_norm")
     return math.sqrt(float(local))
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """The factor that scales gradients of global norm `norm` to at most `max_norm` (1.0 when `max_norm` is 0,
+    clipping off, or the norm is already below it; torch's clip_grad_norm_ rule, with its 1e-6)."""
+    if max_norm <= 0.0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

@@ -80,96 +80,113 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}MiB"
 
 
+def _start(cfg, run_dir: str | None):
+    """The GPT, the corpus and the engine (resumed when checkpoint.auto_resume finds a checkpoint)."""
+    t = cfg.trainer
+    torch.manual_seed(cfg.seed)
+    model = GPT(t.model, **t.model_overrides)
+    num_params = model.num_params()  # before parallelizing: the model is split in place
+    train_tokens, val_tokens = load_corpus()
+    seq_len = model.config.seq_len
+    out = Path(run_dir or t.run_dir)
+    if not cfg.comm.report_dir:  # hang reports land next to the metrics
+        cfg.comm.report_dir = str(out)
+    engine, _, loader, _ = initialize(model=model, config=cfg, training_data=TokenWindows(train_tokens, seq_len))
+    if engine.global_rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(engine.config.model_dump(mode="json"), indent=2))
+    return engine, loader, TokenWindows(val_tokens, seq_len), out, {"params": num_params, "seq_len": seq_len}
+
+
+def _val_loader(engine, val_data) -> DataParallelLoader:
+    """The same validation batches at every evaluation."""
+    return DataParallelLoader(val_data, DataParallelSampler(
+        len(val_data), engine.train_micro_batch_size_per_gpu(), engine.mesh.size("dp"),
+        engine.mesh.local_rank("dp"), seed=engine.config.seed, shuffle=False))
+
+
+def _step(engine, loader, val_data, step: int, steps: int, tokens_per_step: int) -> dict:
+    """Train one step and return its metrics row (validation and per-rank memory when due)."""
+    cfg, t = engine.config, engine.config.trainer
+    tic = time.perf_counter()
+    loss = float(engine.train_batch(loader))
+    elapsed = time.perf_counter() - tic
+    stats = engine.comm_stats(reset=True)
+    memory = engine.memory_stats()
+    row = {"step": step, "loss": loss, "lr": engine.get_lr()[0], "grad_norm": engine.get_global_grad_norm(),
+           "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, "state_bytes": memory["total"],
+           "comm_bytes": sum(c["bytes"] for ops in stats.values() for c in ops.values()), "comm": stats}
+    if t.eval_every and (step % t.eval_every == 0 or step == steps):
+        row["val_loss"] = float(engine.eval_batch(_val_loader(engine, val_data), num_micro_batches=t.eval_batches))
+        engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
+    if step % cfg.steps_per_print == 0 or step == steps:
+        # Every rank's model-state bytes and peak RSS (a small all-gather, counted under the "metrics" tag).
+        per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.axis(
+            ("dp", "pp", "cp", "tp")), tag="metrics")
+        row["state_bytes_per_rank"] = [state for state, _ in per_rank]
+        row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
+        engine.comm_stats(reset=True)
+    return row
+
+
+def _finish(engine, out: Path, steps: int, done: int) -> None:
+    """The final checkpoint (unless the last step just saved it) and the pipeline timeline (collective)."""
+    ck = engine.config.checkpoint
+    if ck.dir and steps > done and not (ck.save_every and steps % ck.save_every == 0):
+        engine.save_checkpoint(ck.dir)
+    timeline = engine.pipeline_timeline()  # collective; None without a pipeline
+    if timeline is not None and engine.global_rank == 0:
+        (out / "timeline.json").write_text(json.dumps(timeline))
+
+
 def train(config_source, run_dir: str | None = None, steps: int | None = None) -> dict:
     """Train the configured GPT; returns the summary (also written to run_dir/summary.json on rank 0)."""
     cfg = load_config(config_source)
     init_distributed(timeout=cfg.comm.timeout_s)
-    t = cfg.trainer
-    steps = steps or t.steps
-    torch.manual_seed(cfg.seed)
-    model = GPT(t.model, **t.model_overrides)
-    num_params = model.num_params()  # before parallelizing: the model is split in place
-    seq_len = model.config.seq_len
-    train_tokens, val_tokens = load_corpus()
-    train_data = TokenWindows(train_tokens, seq_len)
-    out = Path(run_dir or t.run_dir)
-    if not cfg.comm.report_dir:  # hang reports land next to the metrics
-        cfg.comm.report_dir = str(out)
-    engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
+    steps = steps or cfg.trainer.steps
+    engine, loader, val_data, out, model = _start(cfg, run_dir)
     rank0 = engine.global_rank == 0
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
-        resolved = engine.config.model_dump(mode="json")
-        (out / "config.json").write_text(json.dumps(resolved, indent=2))
     metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps)
-    val_data = TokenWindows(val_tokens, seq_len)
-
-    def val_loader() -> DataParallelLoader:  # the same validation batches at every evaluation
-        return DataParallelLoader(val_data, DataParallelSampler(
-            len(val_data), engine.train_micro_batch_size_per_gpu(), engine.pmesh.size("dp"),
-            engine.pmesh.local_rank("dp"), seed=cfg.seed, shuffle=False))
-
-    tokens_per_step = engine.train_batch_size() * seq_len
+    tokens_per_step = engine.train_batch_size() * model["seq_len"]
     redirect = contextlib.ExitStack()
     done = engine.global_steps  # > 0 when initialize() resumed from a checkpoint (checkpoint.auto_resume)
-    bar = _progress(steps, rank0 and t.progress_bar, redirect)
+    bar = _progress(steps, rank0 and cfg.trainer.progress_bar, redirect)
     if bar is not None and done:
         bar.update(done)
     engine.comm_stats(reset=True)
-    first_loss = metrics.kept[0]["loss"] if metrics.kept else None
-    last_loss = metrics.kept[-1]["loss"] if metrics.kept else None
-    val_loss = None
+    rows = list(metrics.kept)
     start = time.perf_counter()
     for step in range(done + 1, steps + 1):
-        tic = time.perf_counter()
-        loss = float(engine.train_batch(loader))
-        elapsed = time.perf_counter() - tic
-        stats = engine.comm_stats(reset=True)
-        comm_bytes = sum(c["bytes"] for ops in stats.values() for c in ops.values())
-        memory = engine.memory_stats()
-        first_loss = loss if first_loss is None else first_loss
-        last_loss = loss
-        row = {"step": step, "loss": loss, "lr": engine.get_lr()[0], "grad_norm": engine.get_global_grad_norm(),
-               "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, "state_bytes": memory["total"],
-               "comm_bytes": comm_bytes, "comm": stats}
-        if t.eval_every and (step % t.eval_every == 0 or step == steps):
-            val_loss = float(engine.eval_batch(val_loader(), num_micro_batches=t.eval_batches))
-            row["val_loss"] = val_loss
-            engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
-        if step % cfg.steps_per_print == 0 or step == steps:
-            # Every rank's model-state bytes and peak RSS (a small all-gather, counted under the "metrics" tag).
-            per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.pmesh.axis(
-                ("dp", "pp", "cp", "tp")), tag="metrics")
-            row["state_bytes_per_rank"] = [state for state, _ in per_rank]
-            row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
-            engine.comm_stats(reset=True)
+        row = _step(engine, loader, val_data, step, steps, tokens_per_step)
+        rows.append({k: row[k] for k in ("loss", "val_loss") if k in row})
         metrics.write(row)
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", state=_mib(memory["total"]),
-                            comm=f"{_mib(comm_bytes)}/step", refresh=False)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                            state=_mib(row["state_bytes"]), comm=f"{_mib(row['comm_bytes'])}/step", refresh=False)
             bar.update(1)
     if bar is not None:
         bar.close()
     redirect.close()
     metrics.close()
-    ck = cfg.checkpoint
-    if ck.dir and steps > done and not (ck.save_every and steps % ck.save_every == 0):
-        engine.save_checkpoint(ck.dir)  # the final state, unless the last step just saved it
-    timeline = engine.pipeline_timeline()  # collective; None without a pipeline
-    if timeline is not None and rank0:
-        (out / "timeline.json").write_text(json.dumps(timeline))
+    _finish(engine, out, steps, done)
     total = time.perf_counter() - start
-    summary = {"steps": steps, "first_loss": first_loss, "last_loss": last_loss, "val_loss": val_loss,
+    val_losses = [r["val_loss"] for r in rows if "val_loss" in r]
+    summary = {"steps": steps, "first_loss": rows[0]["loss"] if rows else None,
+               "last_loss": rows[-1]["loss"] if rows else None, "val_loss": val_losses[-1] if val_losses else None,
                "resumed_at": done, "tokens_per_s": (steps - done) * tokens_per_step / max(total, 1e-9),
-               "wall_s": total, "world_size": engine.world_size,
-               "layout": engine.pmesh.dims.describe(), "params": num_params,
-               "corpus": corpus_fingerprint(), "run_dir": str(out)}
+               "wall_s": total, "world_size": engine.world_size, "layout": engine.mesh.dims.describe(),
+               "params": model["params"], "corpus": corpus_fingerprint(), "run_dir": str(out)}
     if rank0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        validation = f", validation {val_loss:.3f}" if val_loss is not None else ""
-        resumed = f" (resumed at step {done})" if done else ""
-        losses = f"{first_loss:.3f} -> {last_loss:.3f}" if last_loss is not None else "-"
-        print(f"trained {steps} steps{resumed} on {engine.world_size} process(es) [{summary['layout']}]: loss "
-              f"{losses}{validation}, {summary['tokens_per_s']:.0f} tokens/s; run directory {out}")
-    comm.barrier(engine.pmesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
+        _report(summary, out)
+    comm.barrier(engine.mesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
     return summary
+
+
+def _report(summary: dict, out: Path) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    val, done = summary["val_loss"], summary["resumed_at"]
+    validation = f", validation {val:.3f}" if val is not None else ""
+    resumed = f" (resumed at step {done})" if done else ""
+    losses = f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}" if summary["last_loss"] is not None else "-"
+    print(f"trained {summary['steps']} steps{resumed} on {summary['world_size']} process(es) [{summary['layout']}]: "
+          f"loss {losses}{validation}, {summary['tokens_per_s']:.0f} tokens/s; run directory {out}")

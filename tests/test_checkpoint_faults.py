@@ -149,7 +149,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_latest(uninterr
     # right now, before the restarted job saves again: the interrupted tag is not complete, latest is intact
     assert read_latest(tmp_path / "ck") == f"global_step{EVERY}"
     assert not (tmp_path / "ck" / f"global_step{2 * EVERY}").exists()
-    assert CheckpointReader(tmp_path / "ck").manifest["engine"]["global_steps"] == EVERY  # sha256-verified
+    assert CheckpointReader(tmp_path / "ck").manifest["states"]["train"]["global_steps"] == EVERY  # sha256-verified
     log = _finish(p, tmp_path)
     assert f"(resumed at step {EVERY})" in log, log[-3000:]
     assert not partial.exists() and read_latest(tmp_path / "ck") == f"global_step{STEPS}"
@@ -194,7 +194,13 @@ def test_checkpoint_cli_inspect_export_hf_and_convert(uninterrupted, tmp_path, c
     assert "model/embed.tok.weight" in shown and "[256, 32]" in shown
 
     state = CheckpointReader(ck).model_state()
-    assert _cli("export", ck, "--out", str(tmp_path / "hf" / "model.safetensors"), "--hf") == 0
+    # The command itself, in a fresh interpreter: the GPT's spec (its Hugging Face names) must be registered by
+    # `import paratrain` alone, not by something this test process happened to import.
+    command = "import sys; from paratrain.cli import main; sys.exit(main(sys.argv[1:]))"
+    fresh = subprocess.run([sys.executable, "-c", command, "checkpoint", "export", ck, "--out",
+                            str(tmp_path / "hf" / "model.safetensors"), "--hf"], capture_output=True, text=True,
+                           timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
     sd = load_file(tmp_path / "hf" / "model.safetensors")
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["n_head"] == 4 and cfg["n_layer"] == 2 and cfg["tie_word_embeddings"] is False

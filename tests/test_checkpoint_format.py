@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from paratrain.checkpoint.format import (
+    VERSION,
     CheckpointError,
     check_tag,
     read_manifest,
@@ -42,7 +43,7 @@ def test_streamed_safetensors_are_read_by_the_safetensors_library(tmp_path):
 
 
 def test_manifest_checksum_and_tag_names(tmp_path):
-    write_manifest(tmp_path, {"format": "paratrain-checkpoint", "version": 1, "x": [1, 2]})
+    write_manifest(tmp_path, {"format": "paratrain-checkpoint", "version": VERSION, "x": [1, 2]})
     assert read_manifest(tmp_path)["x"] == [1, 2]
     raw = json.loads((tmp_path / "manifest.json").read_text())
     raw["x"] = [1, 3]

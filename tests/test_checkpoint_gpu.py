@@ -46,7 +46,7 @@ def test_exact_resume_on_the_gpu(tmp_path, name, cfg):
     got = resumed.full_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert next(iter(got.values())).is_cuda
-    assert "rng/torch_cuda" in CheckpointReader(tmp_path).manifest["ranks"][0]["rng"]
+    assert "torch_cuda" in CheckpointReader(tmp_path).manifest["ranks"][0]["states"]["random"]
 
 
 @pytest.mark.multiprocess

@@ -44,7 +44,7 @@ def _legs(legs: list[tuple[str | None, str, dict]], steps: int = 2) -> list[dict
         losses = [float(engine.train_batch()) for _ in range(steps)]
         engine.save_checkpoint(dst)
         out.append({"start": start, "losses": losses, "state": engine.full_state_dict(),
-                    "layout": engine.pmesh.dims.describe()})
+                    "layout": engine.mesh.dims.describe()})
     return out
 
 

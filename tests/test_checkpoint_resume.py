@@ -53,7 +53,7 @@ def _resume(directory: str, cfg: dict, dropout: float) -> dict:
     got = resumed.full_state_dict()
     return {"first": first, "uninterrupted": uninterrupted, "resumed": again, "steps": steps_after_load,
             "path": path, "client": client, "scale": (scale, resumed.loss_scale()),
-            "params_equal": all(torch.equal(got[k], want[k]) for k in want), "layout": engine.pmesh.dims.describe(),
+            "params_equal": all(torch.equal(got[k], want[k]) for k in want), "layout": engine.mesh.dims.describe(),
             "lr": (engine.get_lr(), resumed.get_lr())}
 
 

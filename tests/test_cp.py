@@ -116,8 +116,8 @@ def _parity(cp: int, tp: int = 1, sp: bool = False, accumulation: int = 1) -> di
     x, y = (torch.stack(t) for t in zip(data[0], data[1]))
 
     def ranks_params_and_one_forward(engine) -> dict:
-        out = {"dp": engine.pmesh.size("dp"), "cp_rank": engine.pmesh.local_rank("cp"),
-               "tp_rank": engine.pmesh.local_rank("tp"),
+        out = {"dp": engine.mesh.size("dp"), "cp_rank": engine.mesh.local_rank("cp"),
+               "tp_rank": engine.mesh.local_rank("tp"),
                "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
         engine.comm_stats(reset=True)
         engine(x, y)  # one forward, only to count its exchanges

@@ -139,7 +139,8 @@ def test_initial_parameters_are_broadcast_from_rank_0(world2):
 def _mesh_axes():
     engine, *_ = paratrain.initialize(model=torch.nn.Linear(2, 2), config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    return engine.mesh.mesh_dim_names, engine.mesh["dp"].get_local_rank(), engine.world_size, engine.global_rank
+    device_mesh = engine.device_mesh
+    return device_mesh.mesh_dim_names, device_mesh["dp"].get_local_rank(), engine.world_size, engine.global_rank
 
 
 def test_engine_mesh_is_a_named_device_mesh(world4):

@@ -50,7 +50,7 @@ def test_nccl_world_routes_device_and_host_tensors():
     _, engine = _train(_config(0))
     assert "nccl" in dist.get_backend() and engine.device.type == "cuda"
     assert next(engine.module.parameters()).is_cuda
-    axis = engine.pmesh.axis("dp")
+    axis = engine.mesh.axis("dp")
     for device in ("cuda", "cpu"):  # host tensors (offload, checkpoint metadata) go over gloo
         t = torch.ones(3, device=device)
         comm.all_reduce(t, axis, tag="test")

@@ -89,7 +89,7 @@ def _skip_cases(report_dir: str) -> dict:
     engine.train_batch()  # a whole step on every rank
     params = sum(p.numel() for p in engine.module.parameters())
     return {"backend_first": backend_first, "engine": _wait_for_skipped(engine.train_batch), "params": params,
-            "configured": engine.pmesh.guard.timeout_s}
+            "configured": engine.mesh.guard.timeout_s}
 
 
 def test_a_skipped_collective_is_reported_by_every_waiting_rank(world4, tmp_path):

@@ -4,9 +4,9 @@ handled, everything else passes through untouched."""
 import torch
 
 from paratrain.data import default_collate
+from paratrain.data.nested import tensors_in as _tensors
+from paratrain.data.nested import to_device as _to_device
 from paratrain.data_parallel.dp import _gather, _has_empty, _scatter
-from paratrain.data_parallel.fsdp import _tensors
-from paratrain.engine import _to_device
 
 MARKER = object()
 

@@ -65,7 +65,7 @@ def _case(schedule: str, stages: int, m: int, virtual: int) -> dict:
             "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)), "param_err": param_err,
             "where": where, "losses": losses, "eval_err": rel_diff(eval_loss, ref_eval), "psi": psi,
             "pp": stats.get("pp", {}), "dp": stats.get("dp", {}), "params": engine.memory_stats()["params"],
-            "coords": engine.pmesh.coords, "refused": refused,
+            "coords": engine.mesh.coords, "refused": refused,
             "timeline": timeline if engine.global_rank == 0 else None}
 
 

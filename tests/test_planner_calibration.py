@@ -72,7 +72,7 @@ def _measure(config: dict) -> dict:
     engine.train_batch()
     engine.comm_stats(reset=True)
     engine.train_batch()
-    return {"coords": engine.pmesh.coords, "memory": engine.memory_stats(), "comm": engine.comm_stats()}
+    return {"coords": engine.mesh.coords, "memory": engine.memory_stats(), "comm": engine.comm_stats()}
 
 
 @pytest.mark.parametrize("layout,extra", CALIBRATION)

@@ -140,7 +140,7 @@ def _parity(model: str, tp: int, sp: bool, accumulation: int = 1, stage: int = 0
     def shards(engine) -> dict:
         local = dict(engine.module.named_parameters())
         sharded = {n for n, p in local.items() if _is_split(p)}
-        return {"dp": engine.pmesh.size("dp"),
+        return {"dp": engine.mesh.size("dp"),
                 "replicated": {n: p.detach().clone() for n, p in local.items() if n not in sharded},
                 "sharded_numel": {n: local[n].numel() for n in sharded},
                 "dense_numel": {n: dense_params[n].numel() for n in sharded},

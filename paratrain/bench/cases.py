@@ -34,12 +34,9 @@ class Case:
         """The mesh the case runs on, as `paratrain train` prints it (dp4, dp2 x tp2, ...)."""
         if self.threads:
             return f"1 process x {n} threads"
-        from paratrain.api import resolve_config
-        from paratrain.mesh import ParallelDims
+        from paratrain.api import resolve_layout
 
-        cfg = resolve_config(self.config(), n)
-        return ParallelDims(n, dp=cfg.dp_size(n), pp=cfg.pipeline.stages, cp=cfg.context_parallel.size,
-                            tp=cfg.tensor_parallel.size).describe()
+        return resolve_layout(self.config(), n)[1].describe()
 
     def config(self, seed: int = 0) -> dict:
         return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": self.accumulation,

@@ -3,5 +3,6 @@
 from paratrain.checkpoint.format import CheckpointError
 from paratrain.checkpoint.load import load_checkpoint
 from paratrain.checkpoint.save import save_checkpoint
+from paratrain.checkpoint.target import CheckpointTarget, Stateful
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointTarget", "Stateful", "load_checkpoint", "save_checkpoint"]

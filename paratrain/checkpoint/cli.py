@@ -70,7 +70,8 @@ def _size(n: int) -> str:
 
 def describe(reader, tensors: bool = False, verified: bool = True) -> str:
     m = reader.manifest
-    layout, engine, opt = m["layout"], m["engine"], m["optimizer"]
+    layout, states, opt = m["layout"], m["states"], m["optimizer"]
+    train = states.get("train") or {}
     model = {k: v for k, v in m["tensors"].items() if k.startswith("model/")}
     states = sorted({k.split("/")[1] for k in m["tensors"] if k.startswith("optim/")})
     lines = [
@@ -78,11 +79,10 @@ def describe(reader, tensors: bool = False, verified: bool = True) -> str:
         f"layout: {layout['describe']} ({layout['world_size']} ranks), ZeRO stage {layout['zero_stage']}, "
         f"{layout['precision']}, train_batch_size {layout['train_batch_size']}, gradient_accumulation_steps "
         f"{layout['gradient_accumulation_steps']}",
-        f"engine: global_steps {engine['global_steps']}, micro_steps {engine['micro_steps']}, global_samples "
-        f"{engine['global_samples']}, skipped_steps {engine['skipped_steps']}; lr scheduler "
-        f"{'saved' if engine['lr_scheduler'] is not None else 'none'}; loss scaler "
-        f"{'saved' if engine['loss_scaler'] is not None else 'none'}",
-        f"data: {engine['data']}" if engine["data"] else "data: no training loader position",
+        f"engine: global_steps {train.get('global_steps')}, micro_steps {train.get('micro_steps')}, global_samples "
+        f"{train.get('global_samples')}, skipped_steps {train.get('skipped_steps')}; states saved: "
+        f"{', '.join(sorted(states)) or 'none'}",
+        f"data: {train['data']}" if train.get("data") else "data: no training loader position",
         f"optimizer: {opt['type']}, {len(opt['groups'])} group(s), states {', '.join(states) or '-'}, scalars "
         f"{', '.join(sorted(opt['scalars'])) or '-'}" if opt else "optimizer: none",
         f"model: {len(model)} tensors, {sum(math.prod(v['shape']) for v in model.values()):,} elements",

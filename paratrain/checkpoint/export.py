@@ -35,6 +35,7 @@ from paratrain.checkpoint.format import (
 )
 from paratrain.checkpoint.load import PieceFiles
 from paratrain.checkpoint.reshard import Piece, coverage_problem, read_full
+from paratrain.checkpoint.state import tensor_keys
 from paratrain.mesh import AXES
 from paratrain.model_spec import ModelSpecError, spec_named
 
@@ -89,7 +90,7 @@ def export_safetensors(reader: CheckpointReader, out, hf: bool = False, dtype: t
     written."""
     state = reader.model_state()
     metadata = {"format": "pt", "source": str(reader.path),
-                "global_steps": str(reader.manifest["engine"]["global_steps"])}
+                "global_steps": str((reader.manifest["states"].get("train") or {}).get("global_steps"))}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if hf:
@@ -125,9 +126,9 @@ def convert(reader: CheckpointReader, out_dir, tag: str | None = None) -> Path:
         shape = reader.shape(key)
         tensors.append((key, reader.tensor(key)))
         pieces[key] = [Piece(file, key, (0,) * len(shape), shape, 0, math.prod(shape)).to_json()]
-    first = m["ranks"][0]
-    extra = [(k, reader.files.tensor(first["file"], k)) for k in first["rng"]]
-    extra += [(k, reader.files.tensor(first["file"], k)) for k in _client_tensor_keys(m["client_state"])]
+    first = m["ranks"][0]  # its file holds the tensors of rank 0's states, the job's states and the client state
+    keys = tensor_keys([first["states"], m["states"], m["client_state"]])
+    extra = [(k, reader.files.tensor(first["file"], k)) for k in keys]
     record = write_safetensors(partial / file, tensors + extra)
     layout = {**m["layout"], "world_size": 1, **{a: 1 for a in AXES}, "describe": "single process"}
     manifest = {**m, "tag": tag, "layout": layout, "pieces": pieces, "files": {file: {"rank": 0, **record}},
@@ -140,12 +141,3 @@ def convert(reader: CheckpointReader, out_dir, tag: str | None = None) -> Path:
     atomic_write_text(directory / LATEST, tag + "\n")
     return final
 
-
-def _client_tensor_keys(value) -> list[str]:
-    if isinstance(value, dict):
-        if set(value) == {"__tensor__"}:
-            return [value["__tensor__"]]
-        return [k for v in value.values() for k in _client_tensor_keys(v)]
-    if isinstance(value, list):
-        return [k for v in value for k in _client_tensor_keys(v)]
-    return []

@@ -28,7 +28,7 @@ import torch
 from paratrain.errors import Error
 
 FORMAT = "paratrain-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: stateful objects' states under `states` and each rank's `states`
 LATEST = "latest"
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"  # a tag being written

@@ -30,14 +30,8 @@ from paratrain.checkpoint.format import (
     verify_file,
 )
 from paratrain.checkpoint.reshard import Piece, coverage_problem, pieces_needed, read_region
-from paratrain.checkpoint.state import (
-    decode_client,
-    restore_counters,
-    restore_data,
-    restore_group_options,
-    restore_rng,
-    scalar_value,
-)
+from paratrain.checkpoint.state import decode_state, restore_group_options, scalar_value
+from paratrain.checkpoint.target import CheckpointTarget
 from paratrain.mesh import AXES
 from paratrain.origin import Origin
 
@@ -82,7 +76,7 @@ class _Plan:
                            end, dtype)
 
 
-def _plan(engine, path: Path, optimizer_states: bool) -> _Plan:
+def _plan(target: CheckpointTarget, path: Path, optimizer_states: bool) -> _Plan:
     manifest = read_manifest(path)
     tensors = manifest["tensors"]
     plan = _Plan(path, manifest, {k: [Piece.from_json(p) for p in v] for k, v in manifest["pieces"].items()})
@@ -90,7 +84,8 @@ def _plan(engine, path: Path, optimizer_states: bool) -> _Plan:
         problem = coverage_problem(key, tuple(tensors[key]["shape"]), pieces)
         if problem:
             raise CheckpointError(f"checkpoint '{path}': {problem}; load another tag")
-    gs, parallel = engine.grad_sync, engine.parallel
+    parallel = target.model
+    gs = parallel.grad_sync
     local = dict(gs.named_params)
 
     def need(key: str, origin: Origin, start: int, end: int) -> bool:
@@ -121,7 +116,7 @@ def _plan(engine, path: Path, optimizer_states: bool) -> _Plan:
             if need(f"model/{origin.name}", origin, 0, t.numel()):
                 plan.buffers.append((t, origin))
     if optimizer_states and manifest["optimizer"] is not None:
-        saved, mine = manifest["optimizer"]["type"], type(engine.optimizer).__name__
+        saved, mine = manifest["optimizer"]["type"], type(target.optimizer).__name__
         if saved != mine:
             raise CheckpointError(f"checkpoint '{path}' holds {saved} optimizer states but the engine's optimizer is "
                                   f"{mine}; use the same optimizer, or pass load_optimizer_states=False to start "
@@ -131,10 +126,10 @@ def _plan(engine, path: Path, optimizer_states: bool) -> _Plan:
             for seg, origin in held:
                 for key in states.get(origin.name, []):
                     need(f"optim/{key}/{origin.name}", origin, seg.start, seg.end)
-    layout, dims = manifest["layout"], engine.pmesh.dims
+    layout, dims = manifest["layout"], target.mesh.dims
     plan.same_layout = layout["world_size"] == dims.world_size and all(layout[a] == dims.sizes[a] for a in AXES)
-    plan.files.add(manifest["ranks"][engine.pmesh.rank if plan.same_layout else 0]["file"])
-    plan.files.add(manifest["ranks"][0]["file"])  # client-state tensors
+    plan.files.add(_rank_entry(plan, target.mesh.rank)["file"])  # this rank's own states
+    plan.files.add(manifest["ranks"][0]["file"])  # the tensors of the job's states and the client state
     for name, record in manifest["files"].items():
         problem = verify_file(path, name, record, check_hash=name in plan.files)
         if problem:
@@ -152,8 +147,12 @@ def _optimizer_states(tensors: dict) -> dict[str, list[str]]:
     return {name: sorted(states) for name, states in out.items()}
 
 
-def resolve_tag(engine, load_dir, tag) -> str | None:
-    world = engine.pmesh.axis(AXES)
+def _rank_entry(plan: _Plan, rank: int) -> dict:
+    """Whose per-rank states this rank gets back: its own under the same layout, rank 0's under another."""
+    return plan.manifest["ranks"][rank if plan.same_layout else 0]
+
+
+def resolve_tag(world, load_dir, tag) -> str | None:
     if tag is None:
         tag = read_latest(Path(load_dir))
     tags = comm.all_gather_object(tag, world, tag="checkpoint")
@@ -163,25 +162,27 @@ def resolve_tag(engine, load_dir, tag) -> str | None:
     return tags[0]
 
 
-def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """Load a checkpoint saved under any layout into `engine`; returns (path, client_state), or (None, None)
-    when `load_dir` holds no complete checkpoint (DeepSpeed's contract). Collective over every rank."""
-    world = engine.pmesh.axis(AXES)
-    tag = resolve_tag(engine, load_dir, tag)
+def load_checkpoint(target: CheckpointTarget, load_dir, tag=None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True):
+    """Load a checkpoint saved under any layout into `target` (its model, optimizer states when
+    `load_optimizer_states`, and each of its stateful objects the checkpoint holds a state for); returns
+    (path, client_state), or (None, None) when `load_dir` holds no complete checkpoint (DeepSpeed's contract).
+    Collective over every rank."""
+    rank, world = target.mesh.rank, target.mesh.axis(AXES)
+    tag = resolve_tag(world, load_dir, tag)
     if tag is None:
-        if engine.global_rank == 0:
+        if rank == 0:
             log.warning("no checkpoint to load in '%s' (no '%s' file)", load_dir, "latest")
         return None, None
     path = tag_dir(Path(load_dir), str(tag))
-    optimizer_states = load_optimizer_states and not load_module_only
+    optimizer_states = load_optimizer_states
     plan, error = None, None
     try:
-        plan = _plan(engine, path, optimizer_states)
+        plan = _plan(target, path, optimizer_states)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, or they would hang
-        error = f"checking checkpoint '{path}' failed on rank {engine.global_rank}: {type(exc).__name__}: {exc}"
+        error = f"checking checkpoint '{path}' failed on rank {rank}: {type(exc).__name__}: {exc}"
     everyone = comm.all_gather_object((error, sorted(plan.names) if plan else []), world, tag="checkpoint")
     errors = [e for e, _ in everyone if e]
     if errors:
@@ -198,10 +199,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
             raise CheckpointError(f"checkpoint '{path}' has {len(extra)} tensor(s) this model does not: "
                                   f"{', '.join(extra[:8])}: it is of a different model; load a checkpoint of this "
                                   f"model, or pass load_module_strict=False to ignore them")
-    return str(path), _apply(engine, plan, optimizer_states, load_lr_scheduler_states, load_module_only)
+    return str(path), _apply(target, plan, optimizer_states)
 
 
-def _apply(engine, plan: _Plan, optimizer_states: bool, scheduler_states: bool, module_only: bool):
+def _apply(target: CheckpointTarget, plan: _Plan, optimizer_states: bool):
     files = PieceFiles(plan.path)
     manifest = plan.manifest
     with torch.no_grad():
@@ -213,28 +214,27 @@ def _apply(engine, plan: _Plan, optimizer_states: bool, scheduler_states: bool, 
         for t, origin in plan.buffers:
             t.detach().copy_(plan.read(files, f"model/{origin.name}", origin, 0, t.numel(), t.dtype).view(t.shape))
         if optimizer_states and manifest["optimizer"] is not None:
-            _load_optimizer(engine, plan, files)
-    engine.grad_sync.masters_loaded()
-    if not module_only:
-        saved = manifest["engine"]
-        restore_counters(engine, saved, manifest["layout"]["gradient_accumulation_steps"])
-        if scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
-        if engine.loss_scaler is not None and saved["loss_scaler"] is not None:
-            engine.loss_scaler.load_state_dict(saved["loss_scaler"])
-        restore_data(engine, saved["data"])
-        source = manifest["ranks"][engine.global_rank if plan.same_layout else 0]
-        rng = {k: files.tensor(source["file"], k) for k in source["rng"]}
-        restore_rng(rng, source["python_random"], engine.parallel.random_streams, with_streams=plan.same_layout)
-        if not plan.same_layout and engine.global_rank == 0:
-            log.info("checkpoint '%s' was saved under layout %s: rank 0's random state is restored on every rank "
-                     "and per-rank streams start fresh", plan.path, manifest["layout"]["describe"])
+            _load_optimizer(target.optimizer, plan, files)
+    target.model.grad_sync.masters_loaded()
     first = manifest["ranks"][0]["file"]
-    return decode_client(manifest["client_state"], lambda key: files.tensor(first, key))
+    _load_states(target.states, manifest["states"], files, first)
+    own = _rank_entry(plan, target.mesh.rank)
+    _load_states(target.rank_states, own["states"], files, own["file"])
+    if target.rank_states and not plan.same_layout and target.mesh.rank == 0:
+        log.info("checkpoint '%s' was saved under layout %s: rank 0's per-rank states (random generators) are "
+                 "given to every rank", plan.path, manifest["layout"]["describe"])
+    return decode_state(manifest["client_state"], lambda key: files.tensor(first, key))
 
 
-def _load_optimizer(engine, plan: _Plan, files: PieceFiles) -> None:
-    optimizer, tensors = engine.optimizer, plan.manifest["tensors"]
+def _load_states(states: dict, saved: dict, files: PieceFiles, file: str) -> None:
+    """Each stateful object the checkpoint holds a state for gets it back (tensors read from `file`)."""
+    for name, obj in states.items():
+        if saved.get(name) is not None:
+            obj.load_state_dict(decode_state(saved[name], lambda key: files.tensor(file, key)))
+
+
+def _load_optimizer(optimizer, plan: _Plan, files: PieceFiles) -> None:
+    tensors = plan.manifest["tensors"]
     saved = plan.manifest["optimizer"]
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     states = _optimizer_states(tensors)

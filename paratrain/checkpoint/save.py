@@ -43,16 +43,8 @@ from paratrain.checkpoint.format import (
 )
 from paratrain.checkpoint.pieces import HeldPiece, agree_on_pieces, model_pieces
 from paratrain.checkpoint.reshard import Piece, coverage_problem
-from paratrain.checkpoint.state import (
-    COUNTERS,
-    data_state,
-    encode_client,
-    group_options,
-    json_value,
-    python_rng,
-    rng_tensors,
-    scalar_entry,
-)
+from paratrain.checkpoint.state import encode_state, group_options, scalar_entry
+from paratrain.checkpoint.target import CheckpointTarget
 from paratrain.mesh import AXES
 from paratrain.version import __version__
 
@@ -62,10 +54,9 @@ log = logging.getLogger("paratrain")
 PAUSE_ENV = "PARATRAIN_TEST_SAVE_PAUSE_S"
 
 
-def _collect(engine, file: str, pieces: list[HeldPiece], owned: list[bool]) -> tuple[list, dict]:
+def _collect(optimizer, file: str, pieces: list[HeldPiece], owned: list[bool]) -> tuple[list, dict]:
     """This rank's pieces to write (the model's and the optimizer states' of each piece it keeps) and what the
     manifest needs to know about them."""
-    optimizer = engine.optimizer
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     tensors, info = [], {"tensors": {}, "pieces": {}, "scalars": {}, "groups": {}}
 
@@ -109,19 +100,25 @@ def _moments(state: dict, master: torch.Tensor, optimizer) -> dict[str, torch.Te
     return moments
 
 
-def _pieces_to_save(engine, exclude_frozen: bool) -> tuple[list[HeldPiece], list[bool]]:
+def _pieces_to_save(target: CheckpointTarget, exclude_frozen: bool) -> tuple[list[HeldPiece], list[bool]]:
     """This rank's model pieces, agreed with every rank's and checked for consistency (collective; raises the
     same error everywhere before anything is written) and which of them this rank writes."""
-    pieces = model_pieces(engine.parallel)
+    parallel = target.model
+    pieces = model_pieces(parallel)
     if exclude_frozen:
-        module = engine.parallel.module
+        module = parallel.module
         frozen = {id(p) for p in module.parameters() if not p.requires_grad}
-        keys = {f"model/{engine.parallel.origin(n, t).name}" for n, t in module.state_dict(keep_vars=True).items()
+        keys = {f"model/{parallel.origin(n, t).name}" for n, t in module.state_dict(keep_vars=True).items()
                 if id(t) in frozen}
         pieces = [p for p in pieces if p.key not in keys]
-    everyone, _ = agree_on_pieces(pieces, engine.parallel, engine.pmesh)
-    mine = [d["owned"] for d in everyone if d["rank"] == engine.pmesh.rank]
+    everyone, _ = agree_on_pieces(pieces, parallel, target.mesh)
+    mine = [d["owned"] for d in everyone if d["rank"] == target.mesh.rank]
     return pieces, mine
+
+
+def _encode_states(states: dict, tensors: dict[str, torch.Tensor], prefix: str) -> dict:
+    return {name: encode_state(obj.state_dict(), tensors, f"{prefix}/{name}", f"the state of '{name}'")
+            for name, obj in states.items()}
 
 
 def _agree_on_tag(tag: str, world, policy: str) -> str:
@@ -134,20 +131,15 @@ def _agree_on_tag(tag: str, world, policy: str) -> str:
     return tags[0]
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
+def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> Path:
-    """Write a complete checkpoint of `engine` to `save_dir/tag` (collective over every rank). Frozen
+    """Write a complete checkpoint of `target` to `save_dir/tag` (collective over every rank). Frozen
     parameters are left out with `exclude_frozen_parameters` (load such a checkpoint with
     load_module_strict=False)."""
-    mesh, world = engine.pmesh, engine.pmesh.axis(AXES)
-    if engine._micro_steps_in_window():  # not micro_steps % accumulation: set_train_batch_size
-        raise CheckpointError(f"save_checkpoint was called in the middle of a gradient-accumulation window "
-                              f"(micro step {engine.micro_steps}, {engine.gradient_accumulation_steps()} per step): "
-                              f"call it after the step that ends the window")
-    tag = _agree_on_tag(check_tag(tag if tag is not None else f"global_step{engine.global_steps}"), world,
-                        engine.config.checkpoint.tag_validation)
+    mesh, world = target.mesh, target.mesh.axis(AXES)
+    tag = _agree_on_tag(check_tag(tag), world, target.config.checkpoint.tag_validation)
     try:
-        pieces, owned = _pieces_to_save(engine, exclude_frozen_parameters)
+        pieces, owned = _pieces_to_save(target, exclude_frozen_parameters)
     except CheckpointError as exc:
         raise CheckpointError(f"saving checkpoint '{tag}' in '{save_dir}' refused, nothing was written: "
                               f"{exc}") from None
@@ -161,14 +153,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     file = rank_file(mesh.rank)
     summary: dict = {"rank": mesh.rank, "error": None}
     try:
-        tensors, info = _collect(engine, file, pieces, owned)
-        rng = rng_tensors(engine.parallel.random_streams)
-        client: dict[str, torch.Tensor] = {}
+        tensors, info = _collect(target.optimizer, file, pieces, owned)
+        extra: dict[str, torch.Tensor] = {}  # the tensors inside states and client state
+        summary["rank_states"] = _encode_states(target.rank_states, extra, "rank_state")
         if mesh.rank == 0:
-            summary["client_state"] = encode_client(client_state if client_state is not None else {}, client)
-        record = write_safetensors(partial / file, tensors + list(rng.items()) + list(client.items()))
-        summary.update(info, file=file, record=record, coords=dict(mesh.coords), rng=sorted(rng),
-                       python_random=python_rng())
+            summary["states"] = _encode_states(target.states, extra, "state")
+            summary["client_state"] = encode_state(client_state if client_state is not None else {}, extra,
+                                                   "client", "client_state")
+        record = write_safetensors(partial / file, tensors + list(extra.items()))
+        summary.update(info, file=file, record=record, coords=dict(mesh.coords))
         if os.environ.get(PAUSE_ENV):
             time.sleep(float(os.environ[PAUSE_ENV]))
     except (CheckpointError, OSError) as exc:
@@ -177,7 +170,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     error = next((s["error"] for s in everyone if s["error"]), None)
     if error is None and mesh.rank == 0:
         try:
-            _publish(engine, directory, tag, partial, everyone, save_latest)
+            _publish(target, directory, tag, partial, everyone, save_latest)
         except (CheckpointError, OSError) as exc:
             error = f"rank 0: {exc}"
     error = comm.all_gather_object(error, world, tag="checkpoint")[0] or error
@@ -190,7 +183,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     return directory / tag
 
 
-def _manifest(engine, tag: str, everyone: list[dict]) -> dict:
+def _manifest(target: CheckpointTarget, tag: str, everyone: list[dict]) -> dict:
     tensors, pieces, scalars, groups = {}, {}, {}, {}
     for s in everyone:
         tensors.update(s["tensors"])
@@ -205,36 +198,32 @@ def _manifest(engine, tag: str, everyone: list[dict]) -> dict:
         problem = coverage_problem(key, tuple(tensors[key]["shape"]), [Piece.from_json(p) for p in pieces[key]])
         if problem:
             raise CheckpointError(f"internal error, please report: {problem}")
-    dims = engine.pmesh.dims
-    config = engine.config
+    dims, config = target.mesh.dims, target.config
     return {
         "format": FORMAT, "version": VERSION, "tag": tag, "created": time.time(), "paratrain_version": __version__,
         "torch_version": torch.__version__,
         "layout": {"world_size": dims.world_size, **{a: dims.sizes[a] for a in AXES}, "describe": dims.describe(),
                    "zero_stage": config.zero_optimization.stage, "precision": config.precision,
-                   "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-                   "train_batch_size": engine.train_batch_size()},
+                   "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                   "train_batch_size": config.train_batch_size},
         "config": config.model_dump(mode="json"),
-        "model": {"family": engine.parallel.spec.name},
-        "engine": {**{k: getattr(engine, k) for k in COUNTERS},
-                   "lr_scheduler": json_value(engine.lr_scheduler.state_dict(), "the lr scheduler's state")
-                   if engine.lr_scheduler is not None else None,
-                   "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-                   "data": data_state(engine)},
-        "optimizer": {"type": type(engine.optimizer).__name__, "groups": [groups[k] for k in sorted(groups, key=int)],
+        "model": {"family": target.model.spec.name},
+        "states": everyone[0]["states"],
+        "optimizer": {"type": type(target.optimizer).__name__, "groups": [groups[k] for k in sorted(groups, key=int)],
                       "scalars": scalars},
         "client_state": everyone[0]["client_state"],
         "tensors": dict(sorted(tensors.items())),
         "pieces": dict(sorted(pieces.items())),
         "files": {s["file"]: {"rank": s["rank"], **s["record"]} for s in everyone},
-        "ranks": [{"rank": s["rank"], "coords": s["coords"], "file": s["file"], "rng": s["rng"],
-                   "python_random": s["python_random"]} for s in everyone],
+        "ranks": [{"rank": s["rank"], "coords": s["coords"], "file": s["file"], "states": s["rank_states"]}
+                  for s in everyone],
     }
 
 
-def _publish(engine, directory: Path, tag: str, partial: Path, everyone: list[dict], save_latest: bool) -> None:
+def _publish(target: CheckpointTarget, directory: Path, tag: str, partial: Path, everyone: list[dict],
+             save_latest: bool) -> None:
     """Rank 0, once every rank's file is durable: manifest, atomic rename of the tag, then `latest`."""
-    write_manifest(partial, _manifest(engine, tag, everyone))
+    write_manifest(partial, _manifest(target, tag, everyone))
     fsync_dir(partial)
     final = directory / tag
     if final.exists():  # overwrite: move the old copy aside (tag_dir() falls back to it), swap, delete it
@@ -249,7 +238,7 @@ def _publish(engine, directory: Path, tag: str, partial: Path, everyone: list[di
         fsync_dir(directory)
     if save_latest:
         atomic_write_text(directory / LATEST, tag + "\n")
-    keep = engine.config.checkpoint.keep_last
+    keep = target.config.checkpoint.keep_last
     if keep:
         _prune(directory, keep)
 

@@ -1,25 +1,21 @@
-"""The small, non-sharded state a checkpoint carries besides tensors, as JSON (never pickle).
+"""The small, non-sharded state a checkpoint carries besides the model's pieces, as JSON (never pickle).
 
-Engine counters, the LR scheduler's and loss scaler's `state_dict()`, the data position, the optimizer's
-per-group options and per-parameter scalars (Adam's `step`), every rank's random-generator states
-(torch CPU/CUDA and the per-rank streams of `parallelize` as tensors; Python's `random` as JSON), and the
-user's `client_state` (JSON values and tensors).
+The stateful objects' `state_dict()`s (train state, random state, LR scheduler, loss scaler) and the user's
+`client_state` are JSON with their tensors stored beside it in the safetensors files (`encode_state`); the
+optimizer's per-group options and per-parameter scalars (Adam's `step`) are JSON.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import random
 from typing import Any
 
 import torch
+from torch.utils._pytree import MappingKey, keystr, tree_flatten_with_path, tree_leaves, tree_map, tree_unflatten
 
 from paratrain.checkpoint.format import DTYPE_BY_NAME, DTYPE_NAMES, CheckpointError
 
-log = logging.getLogger("paratrain")
-
-COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")
+TENSOR_REF = "__tensor__"  # {"__tensor__": key}: a tensor stored in a safetensors file under `key`
 
 
 def json_value(value: Any, what: str) -> Any:
@@ -31,63 +27,40 @@ def json_value(value: Any, what: str) -> Any:
                               f"tensors only, never pickled objects") from None
 
 
-# ---- client state: JSON with tensors stored beside it -----------------------------------------------------
-def encode_client(value: Any, tensors: dict[str, torch.Tensor], path: str = "client_state") -> Any:
-    if isinstance(value, torch.Tensor):
-        key = f"client/{len(tensors)}"
-        tensors[key] = value.detach()
-        return {"__tensor__": key}
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise CheckpointError(f"{path} has non-string keys; checkpoints store dicts with string keys")
-        return {k: encode_client(v, tensors, f"{path}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [encode_client(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise CheckpointError(f"{path} is a {type(value).__name__}, which cannot be stored in a checkpoint; use JSON "
-                          f"values (dict, list, str, int, float, bool, None) and tensors")
+# ---- JSON with tensors stored beside it ------------------------------------------------------------------
+def _is_tensor_ref(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {TENSOR_REF}
 
 
-def decode_client(value: Any, read_tensor) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"__tensor__"}:
-            return read_tensor(value["__tensor__"])
-        return {k: decode_client(v, read_tensor) for k, v in value.items()}
-    if isinstance(value, list):
-        return [decode_client(v, read_tensor) for v in value]
-    return value
+def encode_state(value: Any, tensors: dict[str, torch.Tensor], prefix: str, what: str) -> Any:
+    """`value` as JSON, each tensor in it replaced by {"__tensor__": key} and put into `tensors` under a key
+    starting with `prefix`; anything else that is not a JSON value is refused, naming where it is."""
+    leaves, spec = tree_flatten_with_path(value)
+    encoded = []
+    for path, leaf in leaves:
+        where = f"{what}{keystr(path)}"
+        if any(isinstance(k, MappingKey) and not isinstance(k.key, str) for k in path):
+            raise CheckpointError(f"{where} sits under a non-string key; checkpoints store dicts with string keys")
+        if isinstance(leaf, torch.Tensor):
+            key = f"{prefix}/{len(tensors)}"
+            tensors[key] = leaf.detach()
+            encoded.append({TENSOR_REF: key})
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            encoded.append(leaf)
+        else:
+            raise CheckpointError(f"{where} is a {type(leaf).__name__}, which cannot be stored in a checkpoint; use "
+                                  f"JSON values (dict, list, str, int, float, bool, None) and tensors")
+    return json_value(tree_unflatten(encoded, spec), what)
 
 
-# ---- random generators -------------------------------------------------------------------------------------
-def rng_tensors(streams: dict) -> dict[str, torch.Tensor]:
-    out = {"rng/torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["rng/torch_cuda"] = torch.cuda.get_rng_state()
-    for name, stream in streams.items():
-        for kind, state in stream.get_state().items():
-            out[f"rng/{name}_{kind}"] = state
-    return out
+def decode_state(value: Any, read_tensor) -> Any:
+    """The inverse of `encode_state`: `read_tensor(key)` gives each stored tensor back."""
+    return tree_map(lambda v: read_tensor(v[TENSOR_REF]) if _is_tensor_ref(v) else v, value, is_leaf=_is_tensor_ref)
 
 
-def python_rng() -> list:
-    version, state, gauss = random.getstate()
-    return [version, list(state), gauss]
-
-
-def restore_rng(tensors: dict[str, torch.Tensor], python_state: list | None, streams: dict,
-                with_streams: bool) -> None:
-    torch.set_rng_state(tensors["rng/torch_cpu"])
-    if "rng/torch_cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng/torch_cuda"])
-    if python_state is not None:
-        random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
-    if with_streams:
-        for name, stream in streams.items():
-            prefix = f"rng/{name}_"
-            state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            if state:
-                stream.set_state(state)
+def tensor_keys(value: Any) -> list[str]:
+    """The keys of the stored tensors an encoded value refers to."""
+    return [v[TENSOR_REF] for v in tree_leaves(value, is_leaf=_is_tensor_ref) if _is_tensor_ref(v)]
 
 
 # ---- optimizer: group options and per-parameter scalars --------------------------------------------------
@@ -127,33 +100,4 @@ def scalar_value(entry: list, master: torch.Tensor, group: dict):
     # torch keeps `step` on the parameter's device when the update is fused/capturable, on the CPU otherwise.
     device = master.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
     return torch.tensor(value, dtype=DTYPE_BY_NAME[dtype], device=device)
-
-
-# ---- data position -----------------------------------------------------------------------------------------
-def data_state(engine) -> dict | None:
-    loader = getattr(engine, "training_dataloader", None)
-    if loader is None:
-        return None
-    s = loader.sampler
-    return {"epoch": s.epoch, "samples_in_epoch": (s.position // s.accumulation) * s.global_batch, "seed": s.seed}
-
-
-def restore_data(engine, state: dict | None) -> None:
-    loader = getattr(engine, "training_dataloader", None)
-    if loader is None or state is None:
-        return
-    s = loader.sampler
-    done, rest = divmod(state["samples_in_epoch"], s.global_batch)
-    if rest:
-        log.warning("the checkpoint's data position (%d samples into epoch %d) is not a whole number of this "
-                    "run's global batches (%d); resuming at the batch before it", state["samples_in_epoch"],
-                    state["epoch"], s.global_batch)
-    s.load_state_dict({"epoch": state["epoch"], "position": done * s.accumulation, "seed": state["seed"]})
-
-
-def restore_counters(engine, saved: dict, saved_accumulation: int) -> None:
-    for name in COUNTERS:
-        setattr(engine, name, int(saved[name]))
-    # micro_steps counts micro-batches: under another accumulation the same optimizer step is another count
-    engine.micro_steps = engine.micro_steps // saved_accumulation * engine.gradient_accumulation_steps()
 

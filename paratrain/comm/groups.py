@@ -11,7 +11,8 @@ from paratrain.mesh import AXES, COMBINED_AXES, Axis, Mesh, MeshError, ParallelD
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=None) -> Mesh:
-    """Create the torch DeviceMesh and one process group per axis (and per combined axis).
+    """Create the torch DeviceMesh and one process group per axis (and per combined axis, as the DeviceMesh's
+    flattened sub-meshes: `mesh.device_mesh["dp_cp"]`).
 
     Collective: every rank must call it with the same `dims`. `stats` (a CommStats) counts and `guard`
     (a CommGuard) watches every collective on the mesh's axes; fresh ones are made when not given.
@@ -37,7 +38,6 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=N
         group = device_mesh.get_group(name) if len(members) > 1 else None
         axes[(name,)] = Axis(name, tuple(members), members.index(rank), group, stats, guard, (name,))
     for combo in COMBINED_AXES:
-        all_groups = dims.groups(combo)
         members = dims.group_of(rank, combo)
         # A combination with only one axis of size > 1 is that axis: reuse its group and its name, so
         # e.g. gradient traffic over ("dp", "cp") is counted under "dp" when cp == 1.
@@ -45,15 +45,14 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=N
         if len(real) == 1:
             axes[combo] = axes[(real[0],)]
             continue
+        name = "_".join(combo)
         group = None
         if len(members) > 1:
-            # Every rank creates every group (collective), keeping its own.
-            for ranks in all_groups:
-                created = dist.new_group(ranks)
-                if rank in ranks:
-                    group = created
-                    owned.append(created)
-        axes[combo] = Axis("_".join(combo), tuple(members), members.index(rank), group, stats, guard, combo)
+            # The DeviceMesh's flattened sub-mesh (torchtitan's `mesh["dp", "cp"]._flatten()`): every rank
+            # creates every group of the combination (collective) and the mesh keeps its own as mesh[name].
+            group = device_mesh[combo]._flatten(name).get_group()
+            owned.append(group)
+        axes[combo] = Axis(name, tuple(members), members.index(rank), group, stats, guard, combo)
     world = tuple(range(dims.world_size))
     axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats, guard, AXES)
     # A dim spanning the whole world is the default group itself: that one belongs to init_distributed.

@@ -1,22 +1,62 @@
 """The rest of DeepSpeed's engine surface: accessors and small calls scripts touch, with DeepSpeed's meaning.
 
-`Engine` inherits this mixin; it relies on the engine's `config`, `pmesh`, `module`, `optimizer`,
-`grad_sync`, `pipeline`, `micro_steps`, `loss_scaler` and `_grad_norm`. Anything DeepSpeed's engine has and
+`Engine` inherits these accessors; they only read the state the engine owns (the attributes declared at the
+top of the class) and change nothing but through the engine's methods. Anything DeepSpeed's engine has and
 this one does not raises `DeepSpeedNotSupported` with the replacement (`compat/names.py`), never a silent
 stand-in.
 """
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
+from paratrain.checkpoint.pieces import gather_full_state
 from paratrain.compat.names import DOCS, ENGINE, DeepSpeedNotSupported, refuse
+from paratrain.config import Config
 from paratrain.distributed import local_rank
+from paratrain.mesh import Mesh
+from paratrain.precision import LossScaler
+from paratrain.train_state import TrainState
 
 
 class DeepSpeedEngineAPI:
+    # What the accessors read; `Engine` owns and sets all of it.
+    config: Config
+    mesh: Mesh
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    pipeline: object | None
+    train_state: TrainState
+    loss_scaler: LossScaler | None
+    grad_sync: object
+    parallel: object
+    device: torch.device
+    _grad_norm: float | None
+    _step_applied: bool
+    _times: dict[str, float]
+
+    # ---- step counters (DeepSpeed's names) -------------------------------------------------------
+    @property
+    def global_steps(self) -> int:
+        return self.train_state.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.train_state.micro_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.train_state.global_samples
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.train_state.skipped_steps
+
     # ---- ranks and sizes -------------------------------------------------------------------------
     @property
     def global_rank(self) -> int:
-        return self.pmesh.rank
+        return self.mesh.rank
 
     @property
     def local_rank(self) -> int:
@@ -24,39 +64,39 @@ class DeepSpeedEngineAPI:
 
     @property
     def world_size(self) -> int:
-        return self.pmesh.world_size
+        return self.mesh.world_size
 
     @property
     def dp_world_size(self) -> int:
         """Ranks that draw different samples (`ParallelDims.sample_parallel_size`: dp); DeepSpeed's meaning,
         which leaves out sequence-parallel ranks. The batch arithmetic counts these."""
-        return self.pmesh.dims.sample_parallel_size
+        return self.mesh.dims.sample_parallel_size
 
     @property
     def seq_dp_world_size(self) -> int:
         """Ranks whose gradients are averaged (`ParallelDims.gradient_average_size`: dp x cp); DeepSpeed's
         meaning, which includes sequence-parallel ranks."""
-        return self.pmesh.dims.gradient_average_size
+        return self.mesh.dims.gradient_average_size
 
     @property
     def data_parallel_group(self):
         """The torch process group of the ranks that draw different samples, dp (None on one rank)."""
-        return self.pmesh.axis("dp").group
+        return self.mesh.axis("dp").group
 
     @property
     def seq_data_parallel_group(self):
         """The torch process group gradients are averaged over, dp x cp (None on one rank)."""
-        return self.pmesh.axis(("dp", "cp")).group
+        return self.mesh.axis(("dp", "cp")).group
 
     def get_data_parallel_rank(self) -> int:
-        return self.pmesh.local_rank("dp")
+        return self.mesh.local_rank("dp")
 
     def get_tensor_parallel_rank(self) -> int:
-        return self.pmesh.local_rank("tp")
+        return self.mesh.local_rank("tp")
 
     def get_model_parallel_rank(self) -> int:
         """Megatron's meaning (DeepSpeed asks its mpu): the tensor-parallel rank."""
-        return self.pmesh.local_rank("tp")
+        return self.mesh.local_rank("tp")
 
     # ---- configuration, as DeepSpeed's accessors report it ---------------------------------------
     def train_batch_size(self) -> int:
@@ -105,11 +145,10 @@ class DeepSpeedEngineAPI:
         if self.pipeline is not None:
             raise ValueError("set_train_batch_size is not supported with pipeline.stages > 1: the schedule is "
                              "built for gradient_accumulation_steps micro-batches; set the batch in the config")
-        if self._micro_steps_in_window():
+        if self.train_state.window_micro_steps:
             raise ValueError("set_train_batch_size inside a gradient accumulation window: call it after "
                              "engine.step() has updated the model")
-        self.config.train_batch_size = train_batch_size
-        self.config.gradient_accumulation_steps = train_batch_size // per_micro_step
+        self.set_accumulation(train_batch_size // per_micro_step)
 
     # ---- optimizer state -------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -134,7 +173,7 @@ class DeepSpeedEngineAPI:
     def zero_grad(self) -> None:
         """Gradients are already zero after every optimizer step: a no-op there, refused inside a window
         (dropping part of an accumulated, possibly in-flight reduction is not something a strategy can undo)."""
-        if self._micro_steps_in_window():
+        if self.train_state.window_micro_steps:
             raise ValueError("engine.zero_grad() inside a gradient accumulation window is not supported: the "
                              "engine zeroes gradients after each optimizer step; to discard this window's "
                              "gradients, finish it with engine.step()")
@@ -152,17 +191,34 @@ class DeepSpeedEngineAPI:
         """The complete, unsharded state dict of the model (every rank), as DeepSpeed's module_state_dict."""
         return self.full_state_dict()
 
-    # ---- helpers ---------------------------------------------------------------------------------
-    def destroy(self) -> None:
-        """Free the engine's process groups (DeepSpeed's engine.destroy releases its resources likewise).
-        Collective: call on every rank once it has finished with this engine; afterwards it cannot train."""
-        self.pmesh.destroy()
-        self.destroyed = True
+    # ---- introspection (paratrain's own) ---------------------------------------------------------------------------
+    def comm_stats(self, reset: bool = False, by_tag: bool = False) -> dict:
+        """Collectives since the last reset: {axis: {op: {calls, elements, bytes}}}."""
+        out = self.mesh.stats.snapshot(by_tag=by_tag)
+        if reset:
+            self.mesh.stats.reset()
+        return out
 
-    def _micro_steps_in_window(self) -> int:
-        """Micro-steps since the last optimizer step (0 at a boundary): not micro_steps % accumulation, which
-        set_train_batch_size would break."""
-        return self._window_micro_steps
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of model state this rank holds: params, grads, optimizer_state, total."""
+        return self.grad_sync.memory_stats()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The complete, unsharded state dict under the original names, on every rank (collective)."""
+        return gather_full_state(self.parallel, self.mesh, self.device)
+
+    def timings(self, reset: bool = False) -> dict[str, float]:
+        """Seconds spent so far in forward, backward, step (with comm_wait, the wait for gradient reductions,
+        inside it) and, with a pipeline, the pipeline's part of the step."""
+        out = dict(self._times)
+        if reset:
+            self._times.clear()
+        return out
+
+    def pipeline_timeline(self) -> dict | None:
+        """The last step's executed actions with start/end times on every rank (collective over the world;
+        None without a pipeline). `paratrain report` renders it."""
+        return None if self.pipeline is None else self.pipeline.gather_timeline()
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

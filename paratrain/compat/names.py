@@ -76,15 +76,15 @@ ENGINE = {
     "timers": "use engine.timings() (seconds per phase) and wall_clock_breakdown in the config",
     "tput_timer": "the trainer reports tokens/s; engine.timings() has the per-phase times",
     "flops_profiler": "the flops profiler is not implemented",
-    "is_first_stage": "compare engine.pmesh.local_rank('pp') with 0",
-    "is_last_stage": "compare engine.pmesh.local_rank('pp') with engine.pmesh.size('pp') - 1",
+    "is_first_stage": "compare engine.mesh.local_rank('pp') with 0",
+    "is_last_stage": "compare engine.mesh.local_rank('pp') with engine.mesh.size('pp') - 1",
     "get_data_types": "the compute dtype follows fp16/bf16; master weights and optimizer state are fp32",
     "communication_data_type": "gradients are communicated in the compute dtype (fp32, bf16 or fp16)",
     "empty_partition_cache": "ZeRO-3 units are freed after their forward/backward; there is no cache to empty",
     "offload_states": "offload is static (zero_optimization.offload_optimizer / offload_param)",
     "reload_states": "offload is static (zero_optimization.offload_optimizer / offload_param)",
     "compile": "call torch.compile on the model before initialize()",
-    "mpu": "paratrain has no Megatron mpu; the mesh is engine.pmesh (axes dp, pp, cp, tp)",
+    "mpu": "paratrain has no Megatron mpu; the mesh is engine.mesh (axes dp, pp, cp, tp)",
 }
 
 # deepspeed.zero.<name>
@@ -102,15 +102,15 @@ ZERO = {
 # deepspeed.pipe.<name>
 PIPE = {
     "TiedLayerSpec": "weights tied across pipeline stages are not supported; use LayerSpec and untie them",
-    "ProcessTopology": "the rank layout is paratrain.ParallelDims (pure rank math) and engine.pmesh",
-    "PipeDataParallelTopology": "the rank layout is paratrain.ParallelDims (pure rank math) and engine.pmesh",
-    "PipeModelDataParallelTopology": "the rank layout is paratrain.ParallelDims (pure rank math) and engine.pmesh",
+    "ProcessTopology": "the rank layout is paratrain.ParallelDims (pure rank math) and engine.mesh",
+    "PipeDataParallelTopology": "the rank layout is paratrain.ParallelDims (pure rank math) and engine.mesh",
+    "PipeModelDataParallelTopology": "the rank layout is paratrain.ParallelDims (pure rank math) and engine.mesh",
     "PipelineEngine": TOP_LEVEL["PipelineEngine"],
 }
 
 # deepspeed.comm.<name> (paratrain.comm is paratrain's counted collectives: they take a mesh Axis)
 COMM = {
-    name: "paratrain.comm's collectives take a mesh Axis (engine.pmesh.axis('dp')) and are counted; for "
+    name: "paratrain.comm's collectives take a mesh Axis (engine.mesh.axis('dp')) and are counted; for "
           f"DeepSpeed's deepspeed.comm.{name}(..., group=...) call torch.distributed.{name} directly"
     for name in ("all_gather", "all_gather_into_tensor", "all_to_all_single", "reduce", "reduce_scatter",
                  "reduce_scatter_tensor", "send", "recv", "isend", "irecv", "gather", "scatter", "new_group",

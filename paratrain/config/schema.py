@@ -33,6 +33,7 @@ from paratrain.config.training import (
     TorchAutocastConfig,
     ZeroConfig,
 )
+from paratrain.mesh import ParallelDims
 
 
 class Config(Section):
@@ -101,6 +102,11 @@ class Config(Section):
         """Ranks that draw different samples: the dp of the batch arithmetic, `ParallelDims.sample_parallel_size`
         once the mesh exists (context-parallel ranks share samples; gradients average over dp x cp)."""
         return world_size // self.model_parallel_size if self.data_parallel.size == -1 else self.data_parallel.size
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The layout on `world_size` ranks (raises MeshError, naming the sizes, when they do not fit)."""
+        return ParallelDims(world_size, dp=self.dp_size(world_size), pp=self.pipeline.stages,
+                            cp=self.context_parallel.size, tp=self.tensor_parallel.size)
 
     @property
     def precision(self) -> Literal["fp32", "bf16", "fp16"]:

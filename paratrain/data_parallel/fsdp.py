@@ -29,8 +29,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
 
+from paratrain.data.nested import tensors_in
 from paratrain.data_parallel.base import (
     GradSync,
     MasterSegment,
@@ -139,7 +139,7 @@ class FullyShardedDataParallel(GradSync):
             return
         if unit.reshard_after_forward:
             unit.reshard()
-        tensors = [t for t in _tensors(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, lambda grad, u=unit: self._pre_backward(u), mode="any")
 
@@ -296,7 +296,3 @@ class FullyShardedDataParallel(GradSync):
                                                                      self.offload.device)))
         return state_with_gathered(self.module, gathered)
 
-
-def _tensors(value) -> list[torch.Tensor]:
-    """Every tensor in a nested output (tuples, lists, dicts, dataclasses of tensors and other values), in order."""
-    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]

@@ -1,8 +1,8 @@
-"""Apply a tensor-parallel plan to a model in place, and undo it for `full_state_dict`.
+"""Apply a tensor-parallel plan to a model in place; the returned step undoes itself for one tensor.
 
     applied = parallelize(model, mesh, plan, sequence_parallel=True, seed=cfg.seed)
     ...
-    full = applied.unshard(local_state)   # gathered tensors under the original names, on every rank
+    origin = applied.origin(local)   # which box of the unsplit tensor this rank's tensor is (from its placement)
 
 [Note: in place, names kept]
 Split layers replace the dense ones under the same attribute, with parameters under the same names

@@ -86,7 +86,7 @@ def run_layout(config: dict, make_model: Callable[[], nn.Module], dataset, steps
                             model_parameters=model_parameters(model) if model_parameters else None)
     cfg = engine.config
     layout = describe_layout(cfg)
-    case = engine.pmesh.dims.describe() + (f" {layout}" if layout else "")
+    case = engine.mesh.dims.describe() + (f" {layout}" if layout else "")
     records = []
     for step in range(steps):
         loss = float(engine.train_batch())
