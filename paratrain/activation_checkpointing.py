@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from paratrain.errors import InvalidValueError
 from paratrain.origin import Step
 
 GRANULARITIES = ("full", "selective")
@@ -101,7 +102,7 @@ def checkpoint_activations(model: nn.Module, granularity: str, *, blocks: Iterab
     module's `forward` is wrapped; modules of `blocks`/`cores` that `model` does not hold (another pipeline
     stage's) are skipped."""
     if granularity not in GRANULARITIES:
-        raise ValueError(f"activation checkpointing granularity {granularity!r}: use one of {GRANULARITIES}")
+        raise InvalidValueError(f"activation checkpointing granularity {granularity!r}: use one of {GRANULARITIES}")
     chosen = {id(m) for m in (blocks if granularity == "full" else cores)}
     applied = AppliedCheckpointing(granularity)
     for name, module in model.named_modules():

@@ -12,6 +12,7 @@ from paratrain.comm import build_mesh
 from paratrain.config import Config, ConfigError, load_config, resolve_batch
 from paratrain.distributed import init_distributed, uses_cuda
 from paratrain.engine import Engine
+from paratrain.errors import InvalidValueError
 from paratrain.mesh import ParallelDims
 from paratrain.parallelize import check_supported
 
@@ -67,7 +68,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                config_params=None, mesh=None):
     """Build the engine. Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does."""
     if model is None:
-        raise ValueError("initialize() needs model=")
+        raise InvalidValueError("initialize() needs model=")
     if mpu is not None:
         raise ConfigError("initialize(mpu=...) is Megatron's model-parallel unit, which paratrain does not use; "
                           "set tensor_parallel / pipeline sizes in the config instead")

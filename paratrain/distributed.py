@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.guard import CollectiveTimeout
+from paratrain.errors import RunError
 
 
 def default_backend() -> str:
@@ -50,9 +51,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, **kwargs)
     elif auto_mpi_discovery and any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
-        raise RuntimeError("this process was started by MPI, but paratrain does not discover ranks from MPI "
-                           "(DeepSpeed's auto_mpi_discovery); launch with `paratrain run` or torchrun, or pass "
-                           "init_method=, rank= and world_size= to init_distributed")
+        raise RunError("this process was started by MPI, but paratrain does not discover ranks from MPI "
+                       "(DeepSpeed's auto_mpi_discovery); launch with `paratrain run` or torchrun, or pass "
+                       "init_method=, rank= and world_size= to init_distributed")
     else:
         store = dist.HashStore()
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, **kwargs)

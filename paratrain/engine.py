@@ -30,6 +30,7 @@ from paratrain.data.batch_check import BatchChecker
 from paratrain.data.nested import to_device
 from paratrain.distributed import current_device
 from paratrain.engine_setup import make_loader, make_scheduler, optimizer_factory, param_groups
+from paratrain.errors import InvalidValueError, RunError
 from paratrain.mesh import Mesh
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.parallelize import parallelize
@@ -106,8 +107,8 @@ class Engine(DeepSpeedEngineAPI):
     @contextmanager
     def _timed(self, name: str):
         if self.destroyed:  # every forward, backward, step and pipeline step passes here
-            raise RuntimeError(f"engine.{name}: engine.destroy() was called, which freed its process groups; "
-                               f"build a new engine with paratrain.initialize")
+            raise RunError(f"engine.{name}: engine.destroy() was called, which freed its process groups; "
+                           f"build a new engine with paratrain.initialize")
         start = time.perf_counter()
         try:
             yield
@@ -116,9 +117,9 @@ class Engine(DeepSpeedEngineAPI):
 
     def _not_in_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
-            raise RuntimeError(f"engine.{what} is not available with pipeline.stages > 1: a pipeline runs whole "
-                               f"steps of micro-batches; call engine.train_batch(data_iter) or "
-                               f"engine.eval_batch(data_iter) (DeepSpeed's PipelineEngine does the same)")
+            raise RunError(f"engine.{what} is not available with pipeline.stages > 1: a pipeline runs whole "
+                           f"steps of micro-batches; call engine.train_batch(data_iter) or "
+                           f"engine.eval_batch(data_iter) (DeepSpeed's PipelineEngine does the same)")
 
     def forward(self, *inputs, **kwargs):
         self._not_in_pipeline("forward()")
@@ -129,8 +130,8 @@ class Engine(DeepSpeedEngineAPI):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         if loss.dim() != 0:
-            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
-                             f"(e.g. loss.mean()) first")
+            raise InvalidValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
+                                    f"(e.g. loss.mean()) first")
         self._not_in_pipeline("backward()")
         self._reporter.record_loss(loss)
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
@@ -185,7 +186,7 @@ class Engine(DeepSpeedEngineAPI):
         """Run one global batch (every micro-batch of this rank), step, and return the global mean loss."""
         if data_iter is None:
             if self.training_dataloader is None:
-                raise ValueError("train_batch() needs data_iter= or training_data= passed to initialize()")
+                raise InvalidValueError("train_batch() needs data_iter= or training_data= passed to initialize()")
             data_iter = self.training_dataloader
         if self.pipeline is not None:
             return self._train_pipeline(data_iter)
@@ -282,8 +283,8 @@ class Engine(DeepSpeedEngineAPI):
         """Accumulate `steps` micro-batches per optimizer step from the next window on (between windows only:
         engine.set_train_batch_size checks and calls it)."""
         if self.train_state.window_micro_steps:
-            raise ValueError("the number of accumulated micro-batches can only change between accumulation "
-                             "windows: call it after engine.step() has updated the model")
+            raise InvalidValueError("the number of accumulated micro-batches can only change between accumulation "
+                                    "windows: call it after engine.step() has updated the model")
         self.config.gradient_accumulation_steps = steps
         self.config.train_batch_size = steps * self.train_micro_batch_size_per_gpu() * self.dp_world_size
 

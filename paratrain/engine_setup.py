@@ -6,6 +6,7 @@ import torch
 
 from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
+from paratrain.errors import InvalidValueError
 from paratrain.optim import build_optimizer, build_scheduler
 
 
@@ -13,8 +14,8 @@ def optimizer_factory(config: Config, optimizer):
     """A callable params -> optimizer over what the strategy updates (a flat shard under ZeRO)."""
     if optimizer is None:
         if config.optimizer is None:
-            raise ValueError("no optimizer: pass optimizer= to initialize() or set the config's 'optimizer' "
-                             "section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
+            raise InvalidValueError("no optimizer: pass optimizer= to initialize() or set the config's 'optimizer' "
+                                    "section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
         return lambda params: build_optimizer(config.optimizer, params)
     if isinstance(optimizer, torch.optim.Optimizer):
         # A ready optimizer is re-created over what the strategy updates (a shard under ZeRO).

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from paratrain.attention import CausalAttentionCore
-from paratrain.errors import Error
+from paratrain.errors import Error, InvalidTypeError
 
 
 class ModelSpecError(Error, ValueError):
@@ -86,7 +86,8 @@ def register_model_spec(spec):
     A spec registered later takes precedence, and one with the same name replaces the earlier one."""
     instance = spec() if isinstance(spec, type) else spec
     if not isinstance(instance, ModelSpec):
-        raise TypeError(f"register_model_spec needs a paratrain.model_spec.ModelSpec, got {type(instance).__name__}")
+        raise InvalidTypeError(f"register_model_spec needs a paratrain.model_spec.ModelSpec, got "
+                               f"{type(instance).__name__}")
     _REGISTRY[:] = [s for s in _REGISTRY if s.name != instance.name]
     _REGISTRY.append(instance)
     return spec

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from paratrain.errors import Error
+from paratrain.errors import Error, InvalidValueError
 
 log = logging.getLogger("paratrain")
 
@@ -34,7 +34,7 @@ def compute_dtype(precision: str) -> torch.dtype:
     try:
         return DTYPES[precision]
     except KeyError:
-        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(DTYPES)}") from None
+        raise InvalidValueError(f"unknown precision {precision!r}; use one of {', '.join(DTYPES)}") from None
 
 
 def autocast_context(enabled: bool, device: torch.device):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from paratrain.errors import InvalidValueError
 from paratrain.precision import compute_dtype
 
 OFFLOAD = ("none", "optimizer", "optimizer+param")
@@ -39,12 +40,12 @@ def estimate_memory(model: nn.Module | int, dp: int, stage: int, offload: str = 
     """Per-rank model-state bytes: params, grads, optimizer_state, total, and the host/device split."""
     psi = model if isinstance(model, int) else sum(p.numel() for p in model.parameters() if p.requires_grad)
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+        raise InvalidValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload not in OFFLOAD:
-        raise ValueError(f"offload must be one of {', '.join(OFFLOAD)}, got {offload!r}")
+        raise InvalidValueError(f"offload must be one of {', '.join(OFFLOAD)}, got {offload!r}")
     if offload != "none" and stage == 0 or offload == "optimizer+param" and stage != 3:
-        raise ValueError(f"offload={offload!r} is not available at stage {stage} (optimizer offload needs stage "
-                         f">= 1, parameter offload stage 3)")
+        raise InvalidValueError(f"offload={offload!r} is not available at stage {stage} (optimizer offload needs stage "
+                                f">= 1, parameter offload stage 3)")
     p = compute_dtype(precision).itemsize
     mixed = precision != "fp32"
     off = offload != "none"

@@ -67,3 +67,32 @@ def test_errors_module_imports_nothing_from_paratrain():
     names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     assert [name for name in names if name.split(".")[0] == "paratrain"] == []
+
+
+# Built-in exceptions raised on purpose, each for a reason: the attribute protocol (`__getattr__`, `hasattr`),
+# a missing optional dependency, an unreachable branch, and the guard's internal timeout it turns into a
+# CollectiveTimeout at once.
+BUILTIN_ALLOWED = {"AttributeError", "ImportError", "AssertionError", "TimeoutError"}
+
+
+def test_paratrain_raises_its_own_errors_not_bare_builtins():
+    import builtins
+
+    builtin_errors = {name for name, obj in vars(builtins).items()
+                      if isinstance(obj, type) and issubclass(obj, BaseException)}
+    bare = []
+    for path in sorted(Path(paratrain.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+                name = node.exc.func.id
+                if name in builtin_errors and name not in BUILTIN_ALLOWED:
+                    bare.append(f"{path.name}:{node.lineno} {name}")
+    assert bare == [], f"raise a paratrain.errors class (InvalidValueError, RunError, ...) instead: {bare}"
+
+
+def test_the_general_errors_keep_their_builtin_bases():
+    from paratrain.errors import InvalidTypeError, InvalidValueError, MissingKeyError, RunError
+
+    for cls, base in ((InvalidValueError, ValueError), (InvalidTypeError, TypeError), (RunError, RuntimeError),
+                      (MissingKeyError, KeyError)):
+        assert issubclass(cls, paratrain.Error) and issubclass(cls, base)

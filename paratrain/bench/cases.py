@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paratrain.errors import InvalidValueError
+
 GLOBAL_BATCH = 16
 MODELS = {
     # The benchmark GPT of benchmarks/common.py: 3.31M parameters, 128-token sequences.
@@ -83,6 +85,6 @@ def select(n: int, only: str | None) -> list[Case]:
         known = {c.name for c in cases(n)}
         unknown = sorted(set(names) - known)
         if unknown:
-            raise ValueError(f"unknown case(s) {unknown}; choose from {', '.join(sorted(known))}")
+            raise InvalidValueError(f"unknown case(s) {unknown}; choose from {', '.join(sorted(known))}")
         chosen = [c for c in chosen if c.name in names]
     return chosen

@@ -7,6 +7,7 @@ import platform
 from pathlib import Path
 
 from paratrain.bench.cases import GLOBAL_BATCH, MODELS
+from paratrain.errors import InvalidValueError
 
 BEGIN, END = "<!-- paratrain bench: begin -->", "<!-- paratrain bench: end -->"
 MIB = 2**20
@@ -72,8 +73,8 @@ def write_between_markers(path: str | Path, text: str) -> None:
     path = Path(path)
     doc = path.read_text()
     if BEGIN not in doc or END not in doc or doc.index(BEGIN) > doc.index(END):
-        raise ValueError(f"{path} has no '{BEGIN}' ... '{END}' block to write the table into; add the two lines "
-                         f"where it belongs")
+        raise InvalidValueError(f"{path} has no '{BEGIN}' ... '{END}' block to write the table into; add the two lines "
+                                f"where it belongs")
     head, rest = doc.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")

@@ -23,14 +23,16 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm.collectives import all_gather_into, all_reduce, reduce_scatter_into
+from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
 
 
 def _check_divisible(x: torch.Tensor, dim: int, axis: Axis, what: str) -> None:
     if x.shape[dim] % axis.size:
-        raise ValueError(f"{what}: dimension {dim} of a tensor of shape {tuple(x.shape)} has size {x.shape[dim]}, "
-                         f"which is not divisible by the {axis.name} size {axis.size}; use sizes that are "
-                         f"multiples of {axis.size} (e.g. the sequence length under sequence parallelism)")
+        raise InvalidValueError(f"{what}: dimension {dim} of a tensor of shape {tuple(x.shape)} has size "
+                                f"{x.shape[dim]}, "
+                                f"which is not divisible by the {axis.name} size {axis.size}; use sizes that are "
+                                f"multiples of {axis.size} (e.g. the sequence length under sequence parallelism)")
 
 
 def _all_gather(x: torch.Tensor, axis: Axis, dim: int, tag: str) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.guard import CommGuard
+from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -64,7 +65,7 @@ def _reduce_op(op: str):
     try:
         return _REDUCE_OPS[op]
     except KeyError:
-        raise ValueError(f"unsupported reduce op {op!r}; use one of {sorted(_REDUCE_OPS)}") from None
+        raise InvalidValueError(f"unsupported reduce op {op!r}; use one of {sorted(_REDUCE_OPS)}") from None
 
 
 def _launch(axis: Axis, op: str, tag: str, payload: torch.Tensor, call: Callable, async_op: bool,
@@ -103,8 +104,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, axis: Axis, tag: 
             output.copy_(shard.view_as(output))
         return Handle()
     if output.numel() != shard.numel() * axis.size:
-        raise ValueError(f"all_gather on {axis.name}: output has {output.numel()} elements, expected "
-                         f"{axis.size} x {shard.numel()}")
+        raise InvalidValueError(f"all_gather on {axis.name}: output has {output.numel()} elements, expected "
+                                f"{axis.size} x {shard.numel()}")
     return _launch(axis, "all_gather", tag, output,
                    lambda a: _all_gather_single(output, shard, group=axis.group, async_op=a), async_op)
 
@@ -117,8 +118,8 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, axis: Axis, op
             output.copy_(full.view_as(output))
         return Handle()
     if full.numel() != output.numel() * axis.size:
-        raise ValueError(f"reduce_scatter on {axis.name}: input has {full.numel()} elements, expected "
-                         f"{axis.size} x {output.numel()}")
+        raise InvalidValueError(f"reduce_scatter on {axis.name}: input has {full.numel()} elements, expected "
+                                f"{axis.size} x {output.numel()}")
     red = _reduce_op(op)
     return _launch(axis, "reduce_scatter", tag, full,
                    lambda a: _reduce_scatter_single(output, full, op=red, group=axis.group, async_op=a),

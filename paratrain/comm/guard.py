@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.errors import Error
+from paratrain.errors import Error, InvalidValueError
 
 
 class CollectiveTimeout(Error, RuntimeError):
@@ -90,7 +90,7 @@ class CommGuard:
         """Set the timeout and the report directory (the engine does this from the config's `comm` section)."""
         if timeout_s is not None:
             if timeout_s <= 0:
-                raise ValueError(f"comm.timeout_s must be > 0, got {timeout_s}")
+                raise InvalidValueError(f"comm.timeout_s must be > 0, got {timeout_s}")
             self.timeout_s = float(timeout_s)
         if report_dir is not None:
             self.report_dir = Path(report_dir or ".")

@@ -15,6 +15,7 @@ from paratrain.checkpoint.pieces import gather_full_state
 from paratrain.compat.names import DOCS, ENGINE, DeepSpeedNotSupported, refuse
 from paratrain.config import Config
 from paratrain.distributed import local_rank
+from paratrain.errors import InvalidValueError
 from paratrain.mesh import Mesh
 from paratrain.precision import LossScaler
 from paratrain.train_state import TrainState
@@ -140,14 +141,15 @@ class DeepSpeedEngineAPI:
         """Change the global batch through the number of accumulated micro-batches (DeepSpeed's rule)."""
         per_micro_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if train_batch_size % per_micro_step:
-            raise ValueError(f"train batch size {train_batch_size} must be divisible by micro-batch "
-                             f"({self.train_micro_batch_size_per_gpu()}) x data parallelism ({self.dp_world_size})")
+            raise InvalidValueError(f"train batch size {train_batch_size} must be divisible by micro-batch "
+                                    f"({self.train_micro_batch_size_per_gpu()}) x data parallelism "
+                                    f"({self.dp_world_size})")
         if self.pipeline is not None:
-            raise ValueError("set_train_batch_size is not supported with pipeline.stages > 1: the schedule is "
-                             "built for gradient_accumulation_steps micro-batches; set the batch in the config")
+            raise InvalidValueError("set_train_batch_size is not supported with pipeline.stages > 1: the schedule is "
+                                    "built for gradient_accumulation_steps micro-batches; set the batch in the config")
         if self.train_state.window_micro_steps:
-            raise ValueError("set_train_batch_size inside a gradient accumulation window: call it after "
-                             "engine.step() has updated the model")
+            raise InvalidValueError("set_train_batch_size inside a gradient accumulation window: call it after "
+                                    "engine.step() has updated the model")
         self.set_accumulation(train_batch_size // per_micro_step)
 
     # ---- optimizer state -------------------------------------------------------------------------
@@ -174,9 +176,9 @@ class DeepSpeedEngineAPI:
         """Gradients are already zero after every optimizer step: a no-op there, refused inside a window
         (dropping part of an accumulated, possibly in-flight reduction is not something a strategy can undo)."""
         if self.train_state.window_micro_steps:
-            raise ValueError("engine.zero_grad() inside a gradient accumulation window is not supported: the "
-                             "engine zeroes gradients after each optimizer step; to discard this window's "
-                             "gradients, finish it with engine.step()")
+            raise InvalidValueError("engine.zero_grad() inside a gradient accumulation window is not supported: the "
+                                    "engine zeroes gradients after each optimizer step; to discard this window's "
+                                    "gradients, finish it with engine.step()")
 
     # ---- the module ------------------------------------------------------------------------------
     def parameters(self, recurse: bool = True):

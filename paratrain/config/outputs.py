@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from paratrain.config.section import Section
+from paratrain.errors import InvalidValueError
 
 
 class TensorboardConfig(Section):
@@ -63,8 +64,9 @@ class CheckpointConfig(Section):
     @model_validator(mode="after")
     def _needs_dir(self) -> CheckpointConfig:
         if self.dir is None and (self.save_every or self.auto_resume):
-            raise ValueError("checkpoint.save_every / checkpoint.auto_resume need checkpoint.dir, the directory to "
-                             "save to and resume from")
+            raise InvalidValueError("checkpoint.save_every / checkpoint.auto_resume need checkpoint.dir, the "
+                                    "directory to "
+                                    "save to and resume from")
         return self
 
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from paratrain.config.section import Section
+from paratrain.errors import InvalidValueError
 
 
 class DataParallelConfig(Section):
@@ -24,7 +25,7 @@ class DataParallelConfig(Section):
     @classmethod
     def _size(cls, value: int) -> int:
         if value != -1 and value < 1:
-            raise ValueError("must be a positive integer, or -1 for 'the rest of the world'")
+            raise InvalidValueError("must be a positive integer, or -1 for 'the rest of the world'")
         return value
 
 

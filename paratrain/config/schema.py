@@ -33,6 +33,7 @@ from paratrain.config.training import (
     TorchAutocastConfig,
     ZeroConfig,
 )
+from paratrain.errors import InvalidValueError
 from paratrain.mesh import ParallelDims
 
 
@@ -86,11 +87,12 @@ class Config(Section):
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
-            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+            raise InvalidValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
         if self.torch_autocast.enabled and self.precision != "fp32":
-            raise ValueError(f"torch_autocast.enabled with {self.precision}.enabled: autocast keeps the model in fp32 "
-                             f"and casts inside the forward, {self.precision} makes the model itself "
-                             f"{self.precision}; enable one of them")
+            raise InvalidValueError(f"torch_autocast.enabled with {self.precision}.enabled: autocast keeps the model "
+                                    f"in fp32 "
+                                    f"and casts inside the forward, {self.precision} makes the model itself "
+                                    f"{self.precision}; enable one of them")
         return self
 
     # ---- derived views ---------------------------------------------------------------------------

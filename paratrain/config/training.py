@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from paratrain.config.section import Section
+from paratrain.errors import InvalidValueError
 
 
 class OptimizerConfig(Section):
@@ -21,8 +22,8 @@ class OptimizerConfig(Section):
     @classmethod
     def _no_max_grad_norm(cls, value: dict[str, Any]) -> dict[str, Any]:
         if "max_grad_norm" in value:
-            raise ValueError("'max_grad_norm' is not an optimizer parameter; set the top-level "
-                             "'gradient_clipping' key instead")
+            raise InvalidValueError("'max_grad_norm' is not an optimizer parameter; set the top-level "
+                                    "'gradient_clipping' key instead")
         return value
 
 
@@ -51,8 +52,8 @@ class FP16Config(Section):
     @classmethod
     def _fp32_masters(cls, value: bool) -> bool:
         if value:
-            raise ValueError("fp16 master weights and gradients are not supported: paratrain keeps the master "
-                             "weights and optimizer state in fp32; set it to false")
+            raise InvalidValueError("fp16 master weights and gradients are not supported: paratrain keeps the master "
+                                    "weights and optimizer state in fp32; set it to false")
         return value
 
 
@@ -78,8 +79,9 @@ class TorchAutocastConfig(Section):
     @classmethod
     def _only_default(cls, value):
         if value is not None:
-            raise ValueError("torch_autocast.lower_precision_safe_modules is not supported: paratrain keeps every "
-                             "gradient and its communication in fp32 under autocast; remove the key")
+            raise InvalidValueError("torch_autocast.lower_precision_safe_modules is not supported: paratrain keeps "
+                                    "every "
+                                    "gradient and its communication in fp32 under autocast; remove the key")
         return value
 
 
@@ -146,7 +148,7 @@ class ZeroConfig(Section):
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if data.get(old):
                 if new in data:
-                    raise ValueError(f"'{old}' is the deprecated spelling of '{new}'; give only '{new}'")
+                    raise InvalidValueError(f"'{old}' is the deprecated spelling of '{new}'; give only '{new}'")
                 data[new] = {"device": "cpu", "pin_memory": bool(data.get("cpu_offload_use_pin_memory"))}
         return data
 
@@ -158,7 +160,7 @@ class ZeroConfig(Section):
                   "free_grad_buckets": ((0, 1), "stages 2-3 keep no gradient buckets between steps")}
         for key, (valid, why) in stages.items():
             if key in self.model_fields_set and getattr(self, key) and self.stage not in valid:
-                raise ValueError(f"zero_optimization.{key} applies to stages {valid[0]}-{valid[1]} and stage is "
-                                 f"{self.stage} ({why}); remove zero_optimization.{key} or set "
-                                 f"zero_optimization.stage to {valid[0]} or {valid[1]}")
+                raise InvalidValueError(f"zero_optimization.{key} applies to stages {valid[0]}-{valid[1]} and stage is "
+                                        f"{self.stage} ({why}); remove zero_optimization.{key} or set "
+                                        f"zero_optimization.stage to {valid[0]} or {valid[1]}")
         return self

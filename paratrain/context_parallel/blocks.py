@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.errors import InvalidValueError
+
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -59,8 +61,8 @@ def pick(kernel: str, device: torch.device):
     if kernel == "auto":
         kernel = "flash_cpu" if device.type == "cpu" and _FLASH_CPU is not None else "math"
     if kernel not in KERNELS:
-        raise ValueError(f"unknown attention block kernel {kernel!r}; use auto, {', '.join(KERNELS)}")
+        raise InvalidValueError(f"unknown attention block kernel {kernel!r}; use auto, {', '.join(KERNELS)}")
     if kernel == "flash_cpu" and (device.type != "cpu" or _FLASH_CPU is None):
-        raise ValueError("the flash_cpu block kernel needs CPU tensors and a torch with "
-                         "aten._scaled_dot_product_flash_attention_for_cpu; use kernel='math'")
+        raise InvalidValueError("the flash_cpu block kernel needs CPU tensors and a torch with "
+                                "aten._scaled_dot_product_flash_attention_for_cpu; use kernel='math'")
     return KERNELS[kernel]

@@ -39,6 +39,7 @@ from torch import nn
 
 from paratrain.comm import Handle, send_recv
 from paratrain.context_parallel import blocks
+from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
 
 KV_TAG = "cp"  # K and V blocks, forward and backward
@@ -148,8 +149,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis
     if axis.size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if q.shape[-2] % 2 or q.shape != k.shape or k.shape != v.shape:
-        raise ValueError(f"ring attention on {axis.name}: q, k, v must have one shape (b, h, s/cp, d) with an even "
-                         f"local length (two chunks); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise InvalidValueError(f"ring attention on {axis.name}: q, k, v must have one shape (b, h, s/cp, d) with an "
+                                f"even "
+                                f"local length (two chunks); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     return _RingAttention.apply(q, k, v, axis, scale, kernel)
 
 

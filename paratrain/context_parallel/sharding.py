@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.errors import Error
+from paratrain.errors import Error, InvalidValueError
 
 
 class SequenceSplitError(Error, ValueError):
@@ -37,7 +37,7 @@ def check_divisible(seq_len: int, cp: int, what: str) -> None:
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
     """The two chunks (of 2·cp) that cp rank `rank` holds: (head, tail)."""
     if not 0 <= rank < cp:
-        raise ValueError(f"cp rank {rank} is outside an axis of size {cp}")
+        raise InvalidValueError(f"cp rank {rank} is outside an axis of size {cp}")
     return rank, 2 * cp - 1 - rank
 
 

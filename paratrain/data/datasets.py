@@ -6,13 +6,15 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_structure, tree_unflatten
 from torch.utils.data import Dataset
 
+from paratrain.errors import InvalidValueError
+
 
 class TokenWindows(Dataset):
     """Non-overlapping windows of `seq_len + 1` tokens: sample i is (x, y) with y = x shifted by one."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int):
         if tokens.numel() < seq_len + 1:
-            raise ValueError(f"{tokens.numel()} tokens are too few for a window of {seq_len + 1}")
+            raise InvalidValueError(f"{tokens.numel()} tokens are too few for a window of {seq_len + 1}")
         self.tokens = tokens
         self.seq_len = seq_len
 
@@ -46,8 +48,8 @@ class DataParallelSampler:
         self.shuffle = shuffle
         self.global_batch = micro_batch * dp_size * accumulation
         if num_samples < self.global_batch:
-            raise ValueError(f"the dataset has {num_samples} samples, fewer than one global batch "
-                             f"({micro_batch} x {dp_size} x {accumulation} = {self.global_batch})")
+            raise InvalidValueError(f"the dataset has {num_samples} samples, fewer than one global batch "
+                                    f"({micro_batch} x {dp_size} x {accumulation} = {self.global_batch})")
         self.epoch = 0
         self.position = 0  # micro-batches already taken in this epoch by this rank
         self._order: list[int] | None = None

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_structure, tree_unflatten
 
+from paratrain.errors import InvalidValueError, RunError
+
 
 def _scatter(value, devices: list[torch.device], dim: int):
     """Split tensors along `dim` into len(devices) chunks (moved to each device); replicate the rest.
@@ -68,7 +70,7 @@ class DataParallel(nn.Module):
             devices = [f"cuda:{i}" for i in range(count)] if count else ["cpu", "cpu"]
         self.devices = [torch.device(f"cuda:{d}" if isinstance(d, int) else d) for d in devices]
         if not self.devices:
-            raise ValueError("DataParallel needs at least one device")
+            raise InvalidValueError("DataParallel needs at least one device")
         self.module = module
         self.output_device = torch.device(output_device) if output_device is not None else self.devices[0]
         self.dim = dim
@@ -115,6 +117,6 @@ class DataParallel(nn.Module):
         outputs = []
         for i, _ in work:
             if isinstance(results[i], BaseException):
-                raise RuntimeError(f"DataParallel replica {i} on {self.devices[i]} failed") from results[i]
+                raise RunError(f"DataParallel replica {i} on {self.devices[i]} failed") from results[i]
             outputs.append(results[i])
         return _gather(outputs, self.output_device, self.dim)

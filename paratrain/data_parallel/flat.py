@@ -20,6 +20,7 @@ from torch import nn
 
 import paratrain.comm as comm
 from paratrain.data_parallel.base import MasterSegment, placement_spans
+from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
 from paratrain.placement import Placement, placement_of
 
@@ -178,12 +179,12 @@ def split_param_groups(named_params: list[tuple[str, nn.Parameter]],
     for gi, group in enumerate(param_groups):
         for p in group["params"]:
             if id(p) in group_of:
-                raise ValueError("a parameter appears in two param groups; each must be in exactly one")
+                raise InvalidValueError("a parameter appears in two param groups; each must be in exactly one")
             group_of[id(p)] = gi
     missing = [n for n, p in named_params if id(p) not in group_of]
     if missing:
-        raise ValueError(f"trainable parameter(s) missing from the param groups: {', '.join(missing[:8])}; "
-                         f"put every parameter with requires_grad in a group (or freeze it)")
+        raise InvalidValueError(f"trainable parameter(s) missing from the param groups: {', '.join(missing[:8])}; "
+                                f"put every parameter with requires_grad in a group (or freeze it)")
     out = []
     for gi, group in enumerate(param_groups):
         options = {k: v for k, v in group.items() if k != "params"}

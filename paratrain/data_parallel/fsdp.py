@@ -49,6 +49,7 @@ from paratrain.data_parallel.flat import (
     state_with_gathered,
 )
 from paratrain.data_parallel.fsdp_units import FlatParam, Unit, WrapPolicy, build_units, config_wrap_policy, in_backward
+from paratrain.errors import RunError
 from paratrain.mesh import Axis
 from paratrain.placement import Placement
 from paratrain.precision import compute_dtype
@@ -195,8 +196,8 @@ class FullyShardedDataParallel(GradSync):
 
     @contextmanager
     def no_sync(self):
-        raise RuntimeError("no_sync() needs full gradients to accumulate into, which ZeRO stage 3 does not keep; "
-                           "use gradient_accumulation_steps instead")
+        raise RunError("no_sync() needs full gradients to accumulate into, which ZeRO stage 3 does not keep; "
+                       "use gradient_accumulation_steps instead")
         yield  # pragma: no cover
 
     def _collect(self) -> None:

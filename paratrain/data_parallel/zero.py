@@ -49,6 +49,7 @@ from paratrain.data_parallel.flat import (
 from paratrain.data_parallel.gradients import ReduceScatterInPlace, StagedReduceScatter
 from paratrain.data_parallel.param_gather import ParamGather
 from paratrain.data_parallel.reducer import BucketOperation, BucketReducer, GradBucket, NamedParams, plan_buckets
+from paratrain.errors import RunError
 from paratrain.mesh import Axis
 from paratrain.placement import Placement
 from paratrain.precision import compute_dtype
@@ -231,8 +232,8 @@ class ZeroStage2(ZeroDataParallel):
                                    accumulate=self.reduce_at_boundary)
 
     def no_sync(self):
-        raise RuntimeError("no_sync() needs a full gradient buffer to accumulate into, which ZeRO stage 2 "
-                           "does not keep; use gradient_accumulation_steps, or zero_optimization.stage 1")
+        raise RunError("no_sync() needs a full gradient buffer to accumulate into, which ZeRO stage 2 "
+                       "does not keep; use gradient_accumulation_steps, or zero_optimization.stage 1")
 
     def finish_gradients(self) -> None:
         self.reducer.finish()  # the last backward's reductions, if not collected yet

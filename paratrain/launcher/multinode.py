@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from paratrain.errors import InvalidValueError
 from paratrain.launcher.run import LaunchOptions, restart_env
 
 # Environment variables forwarded to every node (prefixes), as DeepSpeed forwards NCCL_*/PYTHON*.
@@ -57,7 +58,7 @@ def forwarded_env(extra: dict[str, str], environ: dict[str, str] | None = None,
                     continue
                 key, sep, value = line.partition("=")
                 if not sep or not key.strip():
-                    raise ValueError(f"{path} line {number}: {line!r} is not NAME=VALUE")
+                    raise InvalidValueError(f"{path} line {number}: {line!r} is not NAME=VALUE")
                 out[key.strip()] = value.strip()
     out.update(extra)
     return out
@@ -95,11 +96,11 @@ def remote_argv(opts: MultiNodeOptions, plans: list[NodePlan]) -> list[list[str]
     if opts.launcher == "pdsh":
         commands = {p.command for p in plans}
         if len(commands) != 1:
-            raise ValueError("pdsh runs one command on every host, but the hosts need different commands "
-                             "(different slot counts or devices); use --launcher ssh")
+            raise InvalidValueError("pdsh runs one command on every host, but the hosts need different commands "
+                                    "(different slot counts or devices); use --launcher ssh")
         return [["pdsh", "-S", "-f", "1024", "-w", ",".join(p.host for p in plans), plans[0].command]]
     if opts.launcher != "ssh":
-        raise ValueError(f"--launcher {opts.launcher!r}: use ssh or pdsh")
+        raise InvalidValueError(f"--launcher {opts.launcher!r}: use ssh or pdsh")
     ssh = shlex.split(opts.ssh_command)
     return [[*ssh, p.host, p.command] for p in plans]
 

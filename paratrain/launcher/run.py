@@ -11,6 +11,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from paratrain.errors import InvalidValueError
+
 
 @dataclass
 class LaunchOptions:
@@ -68,7 +70,7 @@ def restart_env(opts: LaunchOptions) -> dict[str, str]:
 def torchrun_argv(opts: LaunchOptions, target: str, target_args: list[str]) -> list[str]:
     """The argument list for torch.distributed.run for one node."""
     if opts.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}")
+        raise InvalidValueError(f"--nproc-per-node must be >= 1, got {opts.nproc_per_node}")
     argv = [f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}",
             f"--max-restarts={opts.max_restarts}"]
     elastic = opts.max_restarts > 0 or ":" in opts.nnodes or opts.rdzv_backend == "c10d"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.attention import CausalAttentionCore
-from paratrain.errors import Error
+from paratrain.errors import Error, InvalidValueError
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+            raise InvalidValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
 
@@ -87,10 +87,11 @@ PRESETS: dict[str, GPTConfig] = {
 def gpt_config(name: str, **overrides) -> GPTConfig:
     """A preset by name, optionally with fields replaced (e.g. seq_len=32)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown GPT preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise InvalidValueError(f"unknown GPT preset {name!r}; choose one of {', '.join(PRESETS)}")
     unknown = set(overrides) - set(asdict(PRESETS[name]))
     if unknown:
-        raise ValueError(f"unknown GPTConfig field(s) {sorted(unknown)}; fields are {sorted(asdict(PRESETS[name]))}")
+        raise InvalidValueError(f"unknown GPTConfig field(s) {sorted(unknown)}; fields are "
+                                f"{sorted(asdict(PRESETS[name]))}")
     return replace(PRESETS[name], **overrides)
 
 

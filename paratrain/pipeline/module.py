@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from paratrain.errors import InvalidTypeError, InvalidValueError, RunError
 from paratrain.model_spec import ModelSpec, register_model_spec
 
 
@@ -28,7 +29,7 @@ class LayerSpec:
 
     def __init__(self, typename: type[nn.Module], *args, **kwargs):
         if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
-            raise TypeError(f"LayerSpec needs an nn.Module class, got {typename!r}")
+            raise InvalidTypeError(f"LayerSpec needs an nn.Module class, got {typename!r}")
         self.typename, self.args, self.kwargs = typename, args, kwargs
 
     def build(self) -> nn.Module:
@@ -60,17 +61,17 @@ class PipelineModule(nn.Module):
                  partition_method: str | None = None):
         super().__init__()
         if not layers:
-            raise ValueError("PipelineModule needs at least one layer")
+            raise InvalidValueError("PipelineModule needs at least one layer")
         if partition is not None and partition_method is not None:
-            raise ValueError("give partition= or DeepSpeed's partition_method=, not both")
+            raise InvalidValueError("give partition= or DeepSpeed's partition_method=, not both")
         self.specs: list = []
         for i, layer in enumerate(layers):
             if isinstance(layer, nn.Module):
                 self.add_module(str(i), layer)
             elif not isinstance(layer, LayerSpec):
                 if not callable(layer):
-                    raise TypeError(f"layer {i} is a {type(layer).__name__}; layers are modules, LayerSpecs or "
-                                    f"functions")
+                    raise InvalidTypeError(f"layer {i} is a {type(layer).__name__}; layers are modules, LayerSpecs or "
+                                           f"functions")
                 layer = FunctionLayer(layer)
                 self.add_module(str(i), layer)
             self.specs.append(layer)
@@ -79,7 +80,7 @@ class PipelineModule(nn.Module):
         self.num_stages = num_stages
         self.layer_names = [str(i) for i in range(len(self.specs))] if layer_names is None else list(layer_names)
         if len(self.layer_names) != len(self.specs):
-            raise ValueError(f"layer_names has {len(self.layer_names)} entries for {len(self.specs)} layers")
+            raise InvalidValueError(f"layer_names has {len(self.layer_names)} entries for {len(self.specs)} layers")
         self.example_input = example_input
 
     def __len__(self) -> int:
@@ -103,8 +104,8 @@ class PipelineModule(nn.Module):
     def forward(self, inputs, targets=None):
         unbuilt = [i for i, s in enumerate(self.specs) if isinstance(s, LayerSpec)]
         if unbuilt:
-            raise RuntimeError(f"layers {unbuilt} are LayerSpecs that were never built; call materialize() to "
-                               f"run the whole module on one stage")
+            raise RunError(f"layers {unbuilt} are LayerSpecs that were never built; call materialize() to "
+                           f"run the whole module on one stage")
         x = inputs
         for layer in self.specs:
             x = layer(x)

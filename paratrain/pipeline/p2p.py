@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 import paratrain.comm as comm
+from paratrain.errors import InvalidTypeError, InvalidValueError, RunError
 from paratrain.mesh import Axis
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -28,8 +29,8 @@ def describe(value) -> Meta:
         return False, ((tuple(value.shape), value.dtype),)
     if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
         return True, tuple((tuple(t.shape), t.dtype) for t in value)
-    raise TypeError(f"a pipeline stage must output a tensor or a tuple of tensors, got {type(value).__name__}"
-                    + (f" of {[type(t).__name__ for t in value]}" if isinstance(value, (tuple, list)) else ""))
+    raise InvalidTypeError(f"a pipeline stage must output a tensor or a tuple of tensors, got {type(value).__name__}"
+                           + (f" of {[type(t).__name__ for t in value]}" if isinstance(value, (tuple, list)) else ""))
 
 
 def encode(meta: Meta) -> torch.Tensor:
@@ -37,10 +38,10 @@ def encode(meta: Meta) -> torch.Tensor:
     flat = [int(is_tuple), len(items)]
     for shape, dtype in items:
         if dtype not in DTYPES:
-            raise TypeError(f"pipeline stages cannot send tensors of dtype {dtype}; use one of {DTYPES}")
+            raise InvalidTypeError(f"pipeline stages cannot send tensors of dtype {dtype}; use one of {DTYPES}")
         flat += [DTYPES.index(dtype), len(shape), *shape]
     if len(flat) > HEADER_LEN:
-        raise ValueError(f"a stage output with {len(items)} tensors does not fit the {HEADER_LEN}-entry header")
+        raise InvalidValueError(f"a stage output with {len(items)} tensors does not fit the {HEADER_LEN}-entry header")
     return torch.tensor(flat + [0] * (HEADER_LEN - len(flat)), dtype=torch.int64)
 
 
@@ -102,9 +103,9 @@ class StageLinks:
     def check_sent(self, stage: int, value) -> None:
         meta = describe(value)
         if self.sent.get(stage) != meta:
-            raise RuntimeError(f"stage {stage} sends {meta[1]} but its output was {self.sent.get(stage, (0, ()))[1]} "
-                               f"when the shapes were learnt; a stage's output shapes must stay the same between "
-                               f"micro-batches and steps (same micro-batch size)")
+            raise RunError(f"stage {stage} sends {meta[1]} but its output was {self.sent.get(stage, (0, ()))[1]} "
+                           f"when the shapes were learnt; a stage's output shapes must stay the same between "
+                           f"micro-batches and steps (same micro-batch size)")
 
     def post(self, sends: list[tuple[object, int]], recvs: list[tuple[Meta, int]]) -> list[Incoming]:
         """Post one gap's sends (value, peer pp rank) and receives (meta, peer) as one batch, in order;

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 import paratrain.comm as comm
+from paratrain.errors import InvalidTypeError, InvalidValueError, RunError
 from paratrain.mesh import Mesh
 from paratrain.pipeline.module import StageModule
 from paratrain.pipeline.p2p import StageLinks, as_tensors, describe
@@ -100,8 +101,9 @@ class PipelineRunner:
         """Run one optimizer step's micro-batches ((inputs, targets) each); gradients accumulate in the
         stage's parameters. Returns the mean loss over the micro-batches, on every pp rank."""
         if len(batches) != self.schedule.micro_batches:
-            raise ValueError(f"the {self.schedule.name} schedule runs {self.schedule.micro_batches} micro-batches "
-                             f"per step, got {len(batches)}")
+            raise InvalidValueError(f"the {self.schedule.name} schedule runs {self.schedule.micro_batches} "
+                                    f"micro-batches "
+                                    f"per step, got {len(batches)}")
         self._sync_actions = _last_gradient_actions(self.schedule, self.rank)
         return self._run(self.schedule, batches, training=True)
 
@@ -120,8 +122,8 @@ class PipelineRunner:
     def _run(self, schedule: Schedule, batches: list, training: bool) -> torch.Tensor:
         for b in batches:
             if not (isinstance(b, (tuple, list)) and len(b) == 2):
-                raise TypeError("in pipeline mode every micro-batch must be a pair (inputs, targets): the first "
-                                "stage consumes the inputs, the last stage the targets")
+                raise InvalidTypeError("in pipeline mode every micro-batch must be a pair (inputs, targets): the first "
+                                       "stage consumes the inputs, the last stage the targets")
         if self.prepare_batch is not None:
             batches = [self.prepare_batch(b) for b in batches]
         if not self._shapes_known:
@@ -152,8 +154,8 @@ class PipelineRunner:
             j += 1
         self.links.wait_sends()
         if step.leftovers() or self.deferral.pending():  # every activation must be gone by now
-            raise RuntimeError(f"pipeline step ended holding {step.leftovers()} and {self.deferral.pending()} "
-                               f"pending weight gradients; the schedule is not complete")
+            raise RunError(f"pipeline step ended holding {step.leftovers()} and {self.deferral.pending()} "
+                           f"pending weight gradients; the schedule is not complete")
         if training:  # the timeline shows the last training step (an evaluation does not replace it)
             self.last_events, self.last_schedule = step.events, schedule
             self.last_peak_in_flight = step.peak_in_flight

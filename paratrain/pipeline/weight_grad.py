@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.errors import RunError
+
 
 class _LinearInputGradOnly(torch.autograd.Function):
     @staticmethod
@@ -72,7 +74,7 @@ class WeightGradDeferral:
 
     def stash(self, module: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> None:
         if self.key is None:
-            raise RuntimeError("a deferred Linear ran its backward outside a pipeline B action")
+            raise RunError("a deferred Linear ran its backward outside a pipeline B action")
         self._stash[self.key].append((module.weight, x, dy))
 
     def pending(self) -> int:

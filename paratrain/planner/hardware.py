@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from paratrain.errors import InvalidValueError
 from paratrain.mesh import AXES
 
 GiB = 2**30
@@ -75,7 +76,7 @@ def collective_seconds(op: str, payload_bytes: float, group_size: int, bandwidth
     if group_size <= 1 or payload_bytes == 0:
         return 0.0
     if op not in RING_STEPS:
-        raise ValueError(f"no ring model for collective {op!r}; known: {sorted(RING_STEPS)}")
+        raise InvalidValueError(f"no ring model for collective {op!r}; known: {sorted(RING_STEPS)}")
     return calls * RING_STEPS[op](group_size) * latency + RING_MOVED[op](group_size) * payload_bytes / bandwidth
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.errors import InvalidValueError, MissingKeyError
+
 
 def rel_diff(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     """||a - b|| / ||b|| (L2 over all elements; |a - b| / |b| for scalars), with a 1e-12 floor.
@@ -16,7 +18,7 @@ def rel_diff(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     a = torch.as_tensor(a, dtype=torch.float64)
     b = torch.as_tensor(b, dtype=torch.float64)
     if a.shape != b.shape:
-        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+        raise InvalidValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
@@ -24,7 +26,7 @@ def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     """The worst `rel_diff` over matching entries of two state dicts, and its name."""
     missing = sorted(set(want) ^ set(got))
     if missing:
-        raise KeyError(f"state dicts differ in keys: {missing[:8]}")
+        raise MissingKeyError(f"state dicts differ in keys: {missing[:8]}")
     worst, name = 0.0, ""
     for key in want:
         d = rel_diff(got[key], want[key])
