@@ -37,6 +37,8 @@ def _free_port() -> int:
 
 
 DROP_GROUPS = "drop-groups"
+READY = "ready"  # what a rank sends once its process group exists
+STARTUP_S = 300.0  # spawning, importing torch and joining the group: seconds on a loaded machine, never timed
 
 
 def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> None:
@@ -48,6 +50,7 @@ def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     groups_before = set(_process_groups())
+    conn.send(READY)
     while True:
         message = conn.recv()
         if message is None:
@@ -106,6 +109,29 @@ class World:
             p.start()
             self._procs.append(p)
             self._conns.append(parent)
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        """Start-up is not part of any sub-case's time limit: wait (up to STARTUP_S) for every rank to join."""
+        deadline = time.monotonic() + STARTUP_S
+        pending = list(self._conns)
+        while pending:
+            ready = wait_for(pending, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                pending.remove(conn)
+                try:
+                    message = conn.recv()
+                except EOFError:
+                    message = "the process died"
+                if message != READY:
+                    self.kill()
+                    raise WorldError(f"a rank of a world of {self.world_size} did not start: {message}")
+        if pending:
+            self.kill()
+            raise WorldError(f"{len(pending)} rank(s) of a world of {self.world_size} did not start within "
+                             f"{STARTUP_S:.0f}s")
 
     def stop(self, wait_s: float = 10.0) -> None:
         """Ask every rank to leave; kill those still there after `wait_s` (all ranks share the wait)."""
