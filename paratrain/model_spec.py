@@ -14,6 +14,9 @@
                     under context parallelism, selective checkpointing recomputes them
   pipeline_module   the model as a list of layers for the pipeline split
   sequence_length   the training sequence length, for the checks of context and sequence parallelism
+  check             refuse, by name, a layout the family cannot take (e.g. a tp that does not divide its heads)
+  init_module       the family's own initialization after construction, one module at a time (deferred
+                    initialization replays it on the meta device's modules, `paratrain.deferred`)
   to_hugging_face   its state under Hugging Face's names (checkpoint export --hf)
 Every method has a default that fits a plain PyTorch transformer, so a spec overrides only what differs. A new
 family is one file in `paratrain/models/` (or the user's code) that defines and registers its spec; the
@@ -21,6 +24,8 @@ library core never imports a model.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -69,6 +74,15 @@ class ModelSpec:
     def sequence_length(self, model: nn.Module) -> int | None:
         seq_len = getattr(getattr(model, "config", None), "seq_len", None)
         return seq_len if isinstance(seq_len, int) else None
+
+    def check(self, model: nn.Module, sizes: Mapping[str, int]) -> None:
+        """Raise a ConfigError naming the size and the fix if the layout (`sizes`: axis -> size) cannot work
+        for this model; called before anything changes or communicates."""
+
+    def init_module(self, model: nn.Module, name: str, module: nn.Module) -> None:
+        """What the model's constructor does to `module` (at `name`) after every module's own
+        `reset_parameters()` ran (GPT-2's N(0, 0.02), say): eager construction runs it over
+        `model.named_modules()` in order, and deferred initialization replays exactly that. Default: nothing."""
 
     def to_hugging_face(self, state: dict[str, torch.Tensor], config: dict, **options
                         ) -> tuple[dict[str, torch.Tensor], dict]:

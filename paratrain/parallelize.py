@@ -29,7 +29,7 @@ from paratrain.config import Config, ConfigError
 from paratrain.context_parallel import check_context_parallel, context_parallelize, context_parallelize_stages
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
-from paratrain.data_parallel.flat import OffloadPolicy
+from paratrain.data_parallel.flat import OffloadPolicy, allocate_local
 from paratrain.data_parallel.fsdp import FullyShardedDataParallel
 from paratrain.data_parallel.fsdp_units import config_wrap_policy
 from paratrain.data_parallel.zero import ZERO_STAGES
@@ -61,6 +61,7 @@ class ParallelModel:
     random_streams: dict[str, RNGTracker] = field(default_factory=dict)
     autocast: Callable = contextlib.nullcontext
     spec: ModelSpec = DEFAULT_SPEC  # the model family's (checkpoints record its name)
+    deferred: bool = False  # built on the meta device: allocated, not yet filled (the engine fills it)
 
     @property
     def notes(self) -> list[str]:
@@ -120,6 +121,7 @@ def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None
     spec = spec or spec_for(model)
     cp, tp = config.context_parallel.size, config.tensor_parallel
     seq_len = spec.sequence_length(model)
+    spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp})
     check_context_parallel(model, cp)
     ac = config.activation_checkpointing
     if ac.enabled and not isinstance(model, PipelineModule):  # a PipelineModule's layers are its blocks
@@ -148,6 +150,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     which has already run `check_supported`."""
     spec = spec_for(model)
     _check_model(model, config, spec)
+    # A model on the meta device is split like any other; each rank then allocates only what it keeps, and
+    # the engine fills it in (paratrain.deferred, checkpoint.load_weights).
+    deferred = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     cores = spec.attention_cores(model)  # found before any step replaces one
     steps: list[Step] = []
     streams: dict[str, RNGTracker] = {}
@@ -162,8 +167,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     pp = config.pipeline
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
         pipe = spec.pipeline_module(model, config.train_micro_batch_size_per_gpu)
-        split = split_pipeline(pipe, mesh, pp.stages, pp.virtual_stages, pp.partition, device=device,
-                               own_names=pipe is model)
+        split = split_pipeline(pipe, mesh, pp.stages, pp.virtual_stages, pp.partition,
+                               device=None if deferred else device, own_names=pipe is model)
         steps.append(split)
         module = split.module
     elif isinstance(model, PipelineModule):
@@ -177,17 +182,20 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     if ac.enabled:  # 4. recompute blocks (full) or attention cores (selective) in backward
         steps.append(checkpoint_activations(module, ac.granularity, blocks=spec.blocks(model), cores=cores,
                                             rng_streams=list(streams.values())))
-    if device is not None:
+    if device is not None and not deferred:
         module.to(device)
     device = device or torch.device("cpu")
-    grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model))  # 5.
+    if deferred:  # ZeRO-3 allocates its parameters' shards itself; the others hold this rank's whole tensors
+        allocate_local(module, device, parameters=config.zero_optimization.stage < 3)
+    grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model),  # 5.
+                               sync_initial_state=not deferred)
     autocast = autocast_context(config.torch_autocast.enabled, device)
     runner = None
     if split is not None:  # 6. the runner drives the stage, the strategy and the split of micro-batches
         runner = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
                                 pp.virtual_stages, split.pipe.loss_fn, device, grad_sync,
                                 prepare_batch=ring.split_batch if ring is not None else None, autocast=autocast)
-    return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec)
+    return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred)
 
 
 def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module]):
@@ -199,7 +207,7 @@ def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh
 
 
 def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
-                   blocks: list[nn.Module]) -> GradSync:
+                   blocks: list[nn.Module], sync_initial_state: bool = True) -> GradSync:
     """Step 5: DDP (stage 0, any precision), ZeRO-1/2 over flat buckets, or FSDP, over
     `axis` (dp x cp: every rank of it saw different tokens). ZeRO-3's units are the spec's blocks unless the
     config names other modules."""
@@ -209,7 +217,8 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
         return DistributedDataParallel(
             model, axis, precision=config.precision, bucket_cap_mb=dp.bucket_cap_mb,
             allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
-            broadcast_buffers=dp.broadcast_buffers, free_grad_buckets=zero.free_grad_buckets)
+            broadcast_buffers=dp.broadcast_buffers, free_grad_buckets=zero.free_grad_buckets,
+            sync_initial_state=sync_initial_state)
     offload = OffloadPolicy(device, offload_optimizer=zero.offload_optimizer.device == "cpu",
                             offload_param=zero.offload_param.device == "cpu",
                             pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
@@ -220,7 +229,7 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
                                        offload=offload, allow_unused_parameters=dp.allow_unused_parameters,
                                        predivide_factor=predivide,
                                        overlap_param_gather=zero.overlap_param_gather is not False,  # unset: on
-                                       **stage_option)
+                                       sync_initial_state=sync_initial_state, **stage_option)
     units = {id(b) for b in blocks}
     policy = config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names) \
         if zero.wrap_module_classes or zero.wrap_module_names else (lambda name, module: id(module) in units)
@@ -229,4 +238,4 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
         reshard_after_forward=zero.reshard_after_forward,
         persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
         allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
-        reduce_at_boundary=zero.reduce_at_boundary)
+        reduce_at_boundary=zero.reduce_at_boundary, sync_initial_state=sync_initial_state)

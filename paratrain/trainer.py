@@ -21,7 +21,7 @@ from paratrain.api import initialize
 from paratrain.config import load_config
 from paratrain.data import DataParallelLoader, DataParallelSampler, TokenWindows, corpus_fingerprint, load_corpus
 from paratrain.distributed import init_distributed
-from paratrain.models import GPT
+from paratrain.models import build_model
 from paratrain.monitor import peak_rss_bytes
 
 
@@ -84,8 +84,8 @@ def _start(cfg, run_dir: str | None):
     """The GPT, the corpus and the engine (resumed when checkpoint.auto_resume finds a checkpoint)."""
     t = cfg.trainer
     torch.manual_seed(cfg.seed)
-    model = GPT(t.model, **t.model_overrides)
-    num_params = model.num_params()  # before parallelizing: the model is split in place
+    model = build_model(t.model, **t.model_overrides)
+    num_params = sum(p.numel() for p in model.parameters())  # before parallelizing: the model is split in place
     train_tokens, val_tokens = load_corpus()
     seq_len = model.config.seq_len
     out = Path(run_dir or t.run_dir)
@@ -140,7 +140,8 @@ def _finish(engine, out: Path, steps: int, done: int) -> None:
 
 
 def train(config_source, run_dir: str | None = None, steps: int | None = None) -> dict:
-    """Train the configured GPT; returns the summary (also written to run_dir/summary.json on rank 0)."""
+    """Train the configured model (a GPT or Llama preset); returns the summary (also written to
+    run_dir/summary.json on rank 0)."""
     cfg = load_config(config_source)
     init_distributed(timeout=cfg.comm.timeout_s)
     steps = steps or cfg.trainer.steps

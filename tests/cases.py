@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.data import TokenWindows, load_corpus
-from paratrain.models import GPT
+from paratrain.models import GPT, Llama
 
 # bias=False: a key projection's bias has an exactly-zero gradient (softmax ignores a shift shared by all
 # keys), so its computed gradient is pure rounding noise that Adam normalizes into lr-sized steps, and two
@@ -16,6 +16,15 @@ TINY = dict(vocab_size=256, seq_len=16, n_layer=2, n_head=4, d_model=32, bias=Fa
 def tiny_gpt(seed: int = 1, **overrides) -> GPT:
     torch.manual_seed(seed)
     return GPT("gpt-tiny", **{**TINY, **overrides})
+
+
+# Grouped-query attention (2 k/v heads for 4 query heads), so tp = 2 splits k/v by their own heads.
+TINY_LLAMA = dict(vocab_size=256, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64)
+
+
+def tiny_llama(seed: int = 1, **overrides) -> Llama:
+    torch.manual_seed(seed)
+    return Llama("llama-tiny", **{**TINY_LLAMA, **overrides})
 
 
 def corpus_windows(seq_len: int = 16, limit: int = 512) -> TokenWindows:

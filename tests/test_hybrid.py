@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from paratrain.testing.parity import compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
-from tests.cases import adamw_config, corpus_windows, tiny_gpt
+from tests.cases import adamw_config, corpus_windows, tiny_gpt, tiny_llama
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -63,19 +63,34 @@ MATRIX_4 = with_and_without_checkpointing([
 ])
 
 
-def _run_matrix(configs: list[dict]) -> list:
+FAMILIES = {"gpt": tiny_gpt, "llama": tiny_llama}  # the Llama with grouped-query attention: tp = n_kv_head
+UNIT_NAMES = {"gpt": ["blocks.*.attn", "blocks.*.mlp"], "llama": ["model.layers.*.self_attn", "model.layers.*.mlp"]}
+
+
+def for_family(configs: list[dict], family: str) -> list[dict]:
+    """The matrix with the family's module names where a config names modules (nested ZeRO-3 units)."""
+    out = []
+    for cfg in configs:
+        zero = cfg["zero_optimization"]
+        if "wrap_module_names" in zero:
+            cfg = {**cfg, "zero_optimization": {**zero, "wrap_module_names": UNIT_NAMES[family]}}
+        out.append(cfg)
+    return out
+
+
+def _run_matrix(configs: list[dict], family: str = "gpt") -> list:
     runs = []
     for cfg in configs:
         start = time.perf_counter()
-        run = run_layout(cfg, tiny_gpt, corpus_windows(), STEPS, keep_state=dist.get_rank() == 0)
+        run = run_layout(cfg, FAMILIES[family], corpus_windows(), STEPS, keep_state=dist.get_rank() == 0)
         run.extra["seconds"] = time.perf_counter() - start
         runs.append(run)
     return runs
 
 
-def _check_matrix(per_rank: list[list], configs: list[dict]) -> list[str]:
+def _check_matrix(per_rank: list[list], configs: list[dict], family: str = "gpt") -> list[str]:
     data = corpus_windows()
-    ref = reference_run(tiny_gpt, reference_config(configs[0], per_rank[0][0]), data, STEPS)
+    ref = reference_run(FAMILIES[family], reference_config(configs[0], per_rank[0][0]), data, STEPS)
     assert all(norm > CLIP for norm in ref.grad_norms), ref.grad_norms  # every step is clipped
     cases = []
     for i, cfg in enumerate(configs):
@@ -95,16 +110,20 @@ def _check_matrix(per_rank: list[list], configs: list[dict]) -> list[str]:
     return cases
 
 
-def test_parity_matrix_8_ranks(world8):
-    cases = _check_matrix(world8.run(_run_matrix, MATRIX_8), MATRIX_8)
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_parity_matrix_8_ranks(world8, family):
+    matrix = for_family(MATRIX_8, family)
+    cases = _check_matrix(world8.run(_run_matrix, matrix, family), matrix, family)
     print("\n".join(cases))
     assert [c.split(":")[0] for c in cases[::2]] == [
         "dp2 x pp2 x tp2 1f1b", "dp2 x cp2 x tp2", "pp2 x cp2 x tp2 zb-h1", "pp4 x tp2 1f1b", "dp4 x tp2 zero1",
         "dp2 x pp2 x tp2 zero1 1f1b sp", "dp8 zero3", "dp2 x cp2 x tp2 zero3 sp"]
 
 
-def test_parity_matrix_4_ranks(world4):
-    cases = _check_matrix(world4.run(_run_matrix, MATRIX_4), MATRIX_4)
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_parity_matrix_4_ranks(world4, family):
+    matrix = for_family(MATRIX_4, family)
+    cases = _check_matrix(world4.run(_run_matrix, matrix, family), matrix, family)
     print("\n".join(cases))
     assert "pp2 x cp2 1f1b ckpt:full" in cases[1] and "dp2 x cp2 zero3 ckpt:full" in cases[7]
 

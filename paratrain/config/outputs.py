@@ -55,6 +55,12 @@ class CheckpointConfig(Section):
     """DeepSpeed's: when ranks pass different tags to save_checkpoint, warn (and use rank 0's), fail, or ignore."""
     load_universal: bool = False
     """Accepted for DeepSpeed compatibility: every paratrain checkpoint loads under any layout."""
+    load_weights: str | None = None
+    """Model weights (not optimizer state) initialize() loads into the parallel model: a .safetensors file, a
+    directory of them (a Hugging Face model directory, sharded with model.safetensors.index.json or not), or a
+    paratrain checkpoint; each rank reads only the slices it keeps (docs/big-models.md)."""
+    load_weights_map: dict[str, str] | None = None
+    """Renames for load_weights: {name in the weights: name in the model}; other names are kept as they are."""
 
     @field_validator("tag_validation", mode="before")
     @classmethod
@@ -74,7 +80,8 @@ class TrainerConfig(Section):
     """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
 
     model: str = "gpt-tiny"
-    """GPT preset (gpt-tiny, gpt-mini, gpt-small, gpt-125m, ...); `paratrain verify` also takes a user model as
+    """GPT or Llama preset (gpt-tiny, gpt-mini, gpt-small, gpt-125m, ..., llama-tiny, llama-mini, llama3-8b, ...);
+    `paratrain verify` also takes a user model as
     'package.module:factory', built as factory(**model_overrides)."""
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     """GPTConfig fields to replace, e.g. {"n_layer": 8}."""

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.attention import expand_kv_heads
 from paratrain.comm import Handle, send_recv
 from paratrain.context_parallel import blocks
 from paratrain.errors import InvalidValueError
@@ -156,13 +157,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis
 
 
 class RingAttentionCore(nn.Module):
-    """Drop-in replacement for the GPT's `CausalAttentionCore` under context parallelism."""
+    """Drop-in replacement for `CausalAttentionCore` under context parallelism (grouped-query attention too)."""
 
     def __init__(self, axis: Axis):
         super().__init__()
         self.axis = axis
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Grouped-query attention: k/v heads repeated to q's before the ring (the blocks sent are q-sized).
+        k, v = expand_kv_heads(k, v, q.shape[1])
         return ring_attention(q, k, v, self.axis)
 
     def extra_repr(self) -> str:

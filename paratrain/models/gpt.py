@@ -202,18 +202,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layer)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("attn.o", "mlp.proj")) else 0.02
-                nn.init.normal_(module.weight, 0.0, std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, 0.02)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+            init_module(self.config, name, module)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,3 +220,18 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+@torch.no_grad()
+def init_module(cfg: GPTConfig, name: str, module: nn.Module) -> None:
+    """One module's share of `GPT.init_weights` (deferred initialization replays it module by module)."""
+    if isinstance(module, nn.Linear):
+        std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("attn.o", "mlp.proj")) else 0.02
+        nn.init.normal_(module.weight, 0.0, std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, 0.0, 0.02)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)

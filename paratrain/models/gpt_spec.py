@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from paratrain.model_spec import ModelSpec, register_model_spec
-from paratrain.models.gpt import GPT
+from paratrain.models.gpt import GPT, init_module
 from paratrain.pipeline.module import PipelineModule
 
 # Megatron's layout, with sequence parallelism starting after the embedding (token + position) and ending at
@@ -73,6 +73,9 @@ class GPTSpec(ModelSpec):
 
     def sequence_length(self, model: GPT) -> int:
         return model.config.seq_len
+
+    def init_module(self, model: GPT, name: str, module: nn.Module) -> None:
+        init_module(model.config, name, module)
 
     def to_hugging_face(self, state, config, n_head: int | None = None, **options):
         from paratrain.models.gpt_hf import gpt2_config, to_gpt2

@@ -27,7 +27,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="a GPT preset (gpt-7b, gpt-70b, ...) or a paratrain JSON config naming one")
+                        help="a GPT or Llama preset (gpt-7b, llama3-70b, ...) or a paratrain JSON config naming one")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (processes)")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")

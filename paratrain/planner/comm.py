@@ -110,7 +110,7 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
             out.append(Transfer(("tp",), "all_reduce", m * bsh, e, m, "tp"))
         # Layer norms are replicated but see different tokens under SP: their gradients are summed over tp,
         # in every backward (the sum is an autograd op on the parameter).
-        norm_grads = layers * spec.layernorm_params_per_layer() + (2 * spec.d_model if last else 0)
+        norm_grads = layers * spec.layernorm_params_per_layer() + (spec.final_norm_params() if last else 0)
         calls = layers * 4 + (2 if last else 0)
         out.append(Transfer(("tp",), "all_reduce", m * norm_grads, layout.param_bytes, m * calls, "tp"))
     else:

@@ -42,6 +42,7 @@ def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str |
     checks = [
         (spec.n_head % layout.tp == 0, f"tp={layout.tp} does not divide the {spec.n_head} heads"),
         (spec.d_ff % layout.tp == 0, f"tp={layout.tp} does not divide d_ff={spec.d_ff}"),
+        (spec.n_kv_head % layout.tp == 0, f"tp={layout.tp} does not divide n_kv_head={spec.n_kv_head}"),
         (spec.vocab_size % layout.tp == 0, f"tp={layout.tp} does not divide the vocabulary {spec.vocab_size}"),
         (layout.tp <= gpus_per_node, f"tp={layout.tp} is larger than a node ({gpus_per_node} GPUs)"),
         (layout.pp <= spec.n_layer, f"pp={layout.pp} is more than the {spec.n_layer} layers"),

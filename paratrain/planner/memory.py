@@ -104,12 +104,12 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
     b, s_local, s = layout.micro_batch, spec.seq_len // layout.cp, spec.seq_len
     h, f, a = spec.d_model, spec.d_ff, spec.n_head
     sbh = s_local * b * h
-    dropout = spec.config.dropout > 0
+    dropout = spec.dropout > 0
     if recompute == "full":
         return {"inputs": e * sbh / sp}
     out = {
         "inputs": e * (2 * sbh / sp + 2 * sbh / (sp if regather_sequence else 1)),
-        "tensor_parallel": e * (4 * sbh + 2 * s_local * b * f) / t,
+        "tensor_parallel": e * (4 * sbh + spec.mlp_intermediates * s_local * b * f) / t,
         "masks": (2 * sbh / sp) if dropout else 0.0,
         "norm_stats": 16 * s_local * b / sp,
     }
@@ -141,7 +141,7 @@ def embed_activations(spec: ModelSpec, layout: Layout) -> float:
     """Bytes the first stage keeps for one micro-batch before the blocks: int64 token and position ids (and
     the embedding dropout mask; vocab-parallel, the 1-byte mask of the tokens outside this rank's rows)."""
     b, s = layout.micro_batch, spec.seq_len // layout.cp
-    mask = s * b * spec.d_model / (layout.tp if layout.sequence_parallel else 1) if spec.config.dropout else 0
+    mask = s * b * spec.d_model / (layout.tp if layout.sequence_parallel else 1) if spec.dropout else 0
     outside = s * b if layout.tp > 1 else 0
     return 8 * s * b + 8 * s + mask + outside
 

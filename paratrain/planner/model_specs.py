@@ -1,4 +1,4 @@
-"""The shape of the model being planned: a GPT preset, a GPTConfig, or a paratrain JSON config naming one.
+"""The shape of the model being planned: a GPT or Llama preset, its config, or a paratrain JSON config naming one.
 
 Everything the cost model needs is a count derived from `GPTConfig` (never from building the model), so
 a 70B model is planned in microseconds. `GPTConfig.num_params()` is exact for `paratrain.models.GPT`; the
@@ -10,6 +10,11 @@ column-parallel (weight and bias split over tp), attn.o and mlp.proj are row-par
 replicated), layer norms are replicated. The token embedding is vocab-parallel and the head column-parallel
 over the vocabulary (vocab-parallel loss); the position embedding and the final norm are replicated.
 `tests/test_planner_model.py` checks these counts against a real `Block` with the plan's patterns.
+
+A Llama (`LlamaConfig`) is counted by its own shapes: q and o of n_head heads, k and v of n_kv_head heads,
+a three-matrix SwiGLU MLP, RMSNorm weights only, no biases, no position table, the head tied or not. Its
+activation memory is the GPT formula with the SwiGLU's four (s, b, d_ff) intermediates in place of the GELU
+MLP's two; unlike the GPT's, it is not calibrated against measured runs.
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from paratrain.errors import Error
-from paratrain.models.gpt import PRESETS, GPTConfig, gpt_config
+from paratrain.models.gpt import PRESETS as GPT_PRESETS
+from paratrain.models.gpt import GPTConfig
+from paratrain.models.llama import PRESETS as LLAMA_PRESETS
+from paratrain.models.llama import LlamaConfig
+from paratrain.models.registry import preset_config
+
+PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
 # Which parameters tensor parallelism splits (fnmatch patterns over GPT parameter names).
 TP_PLAN: dict[str, str] = {
@@ -41,10 +52,10 @@ class PlannerError(Error, ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT's dimensions and parameter counts, and how to name it in a paratrain config."""
+    """A GPT's or Llama's dimensions and parameter counts, and how to name it in a paratrain config."""
 
     name: str  # preset the config's trainer.model names
-    config: GPTConfig
+    config: GPTConfig | LlamaConfig
     overrides: dict = field(default_factory=dict)  # trainer.model_overrides relative to the preset
 
     # ---- dimensions (the letters of Korthikanti et al.: s, h, a, L, V) ----------------------------
@@ -72,6 +83,24 @@ class ModelSpec:
     def d_ff(self) -> int:
         return self.config.d_ff
 
+    @property
+    def llama(self) -> bool:
+        return isinstance(self.config, LlamaConfig)
+
+    @property
+    def n_kv_head(self) -> int:
+        return self.config.n_kv_head if self.llama else self.n_head
+
+    @property
+    def dropout(self) -> float:
+        return getattr(self.config, "dropout", 0.0)
+
+    @property
+    def mlp_intermediates(self) -> int:
+        """(s, b, d_ff) tensors one MLP keeps for backward: GELU's input and output; SwiGLU's gate, up, silu
+        and their product."""
+        return 4 if self.llama else 2
+
     # ---- parameter counts -------------------------------------------------------------------------
     @property
     def params(self) -> int:
@@ -79,24 +108,36 @@ class ModelSpec:
 
     def layer_params(self, tp: int = 1) -> int:
         """Parameters of one transformer block held by one tensor-parallel rank."""
+        if self.llama:
+            h, f, hd = self.d_model, self.d_ff, self.config.head_dim
+            return (2 * h * self.n_head * hd + 2 * h * self.n_kv_head * hd + 3 * h * f) // tp + 2 * h
         h, f, b = self.d_model, self.d_ff, int(self.config.bias)
         sharded = 4 * h * h + 2 * h * f + b * (3 * h + f)  # q, k, v, fc (weights + biases), o, proj weights
         replicated = 4 * h + b * 2 * h  # two layer norms, the row-parallel biases of o and proj
         return sharded // tp + replicated
 
     def embed_params(self, tp: int = 1) -> int:
-        return self.vocab_size * self.d_model // tp + self.seq_len * self.d_model
+        positions = 0 if self.llama else self.seq_len * self.d_model
+        return self.vocab_size * self.d_model // tp + positions
 
     def head_params(self, tp: int = 1) -> int:
         """The final layer norm (replicated) and the output projection (split over the vocabulary)."""
+        if self.llama:
+            head = 0 if self.config.tie_embeddings else self.d_model * self.vocab_size // tp
+            return self.final_norm_params() + head
         h, v, b = self.d_model, self.vocab_size, int(self.config.bias)
         return 2 * h + (h * v + b * v) // tp
 
     def layernorm_params_per_layer(self) -> int:
-        return 4 * self.d_model
+        return (2 if self.llama else 4) * self.d_model
+
+    def final_norm_params(self) -> int:
+        return (1 if self.llama else 2) * self.d_model
 
     def largest_module_params(self) -> int:
         """Parameters of the largest single module (DeepSpeed's `largest_layer_params`)."""
+        if self.llama:
+            return max(self.vocab_size * self.d_model, self.d_model * self.d_ff)
         h, f, v, b = self.d_model, self.d_ff, self.vocab_size, int(self.config.bias)
         return max(v * h, h * v + b * v, h * f + b * f, self.seq_len * h)
 
@@ -112,8 +153,9 @@ class ModelSpec:
 
     def describe(self) -> str:
         count = f"{self.params / 1e9:.2f}B" if self.params >= 1e9 else f"{self.params / 1e6:.2f}M"
+        kv = f" ({self.n_kv_head} k/v)" if self.llama else ""
         return (f"{self.name}{'*' if self.overrides else ''}: {count} parameters, "
-                f"{self.n_layer} layers, d_model {self.d_model}, {self.n_head} heads, d_ff {self.d_ff}, "
+                f"{self.n_layer} layers, d_model {self.d_model}, {self.n_head} heads{kv}, d_ff {self.d_ff}, "
                 f"seq {self.seq_len}, vocab {self.vocab_size}")
 
 
@@ -123,9 +165,10 @@ def stage_layers(n_layer: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def spec_from_config(config: GPTConfig, name: str = "custom") -> ModelSpec:
-    """A spec for an explicit GPTConfig; `name` is the preset it is expressed against (or "gpt-tiny")."""
-    base_name = name if name in PRESETS else "gpt-tiny"
+def spec_from_config(config: GPTConfig | LlamaConfig, name: str = "custom") -> ModelSpec:
+    """A spec for an explicit config; `name` is the preset it is expressed against (or the family's tiny one)."""
+    tiny = "llama-tiny" if isinstance(config, LlamaConfig) else "gpt-tiny"
+    base_name = name if name in PRESETS and type(PRESETS[name]) is type(config) else tiny
     base = asdict(PRESETS[base_name])
     overrides = {k: v for k, v in asdict(config).items() if base[k] != v}
     return ModelSpec(base_name, config, overrides)
@@ -139,7 +182,8 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
     else:
         path = Path(model)
         if not path.is_file():
-            raise PlannerError(f"--model {model!r} is neither a GPT preset ({', '.join(PRESETS)}) nor a config file")
+            raise PlannerError(f"--model {model!r} is neither a GPT preset nor a Llama preset ({', '.join(PRESETS)}) "
+                               f"nor a config file")
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -150,7 +194,7 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
     if seq_len is not None:
         overrides["seq_len"] = seq_len
     try:
-        config = gpt_config(name, **overrides)
+        config = preset_config(name, **overrides)
     except ValueError as exc:
         raise PlannerError(f"--model {model!r}: {exc}") from None
     return ModelSpec(name, config, overrides)

@@ -40,6 +40,7 @@ class ModelRecipe:
 
     seed: int
     gpt: dict | None = None  # GPTConfig fields
+    llama: dict | None = None  # LlamaConfig fields
     factory: str | None = None  # "package.module:function"
     overrides: dict | None = None
     seq_len: int = 16
@@ -50,9 +51,17 @@ class ModelRecipe:
             from paratrain.models import GPT, GPTConfig
 
             return GPT(GPTConfig(**self.gpt))
+        if self.llama is not None:
+            from paratrain.models import Llama, LlamaConfig
+
+            return Llama(LlamaConfig(**self.llama))
         return load_factory(self.factory)(**(self.overrides or {}))
 
     def describe(self) -> str:
+        if self.llama is not None:
+            g = self.llama
+            return (f"Llama n_layer {g['n_layer']}, d_model {g['d_model']}, n_head {g['n_head']}, n_kv_head "
+                    f"{g['n_kv_head']}, seq_len {g['seq_len']}, vocab {g['vocab_size']}")
         if self.gpt is None:
             return f"{self.factory}({', '.join(f'{k}={v!r}' for k, v in (self.overrides or {}).items())})"
         g = self.gpt
@@ -86,16 +95,20 @@ def small_instance(config: Config, seq_len: int | None = None) -> ModelRecipe:
         overrides = dict(t.model_overrides)
         return ModelRecipe(config.seed, factory=t.model, overrides=overrides,
                            seq_len=seq_len or overrides.get("seq_len", 16))
-    from paratrain.models import gpt_config
+    from paratrain.models import LlamaConfig, preset_config
 
     try:
-        base = gpt_config(t.model, **t.model_overrides)
+        base = preset_config(t.model, **t.model_overrides)
     except ValueError as exc:
         raise ConfigError(f"config key 'trainer.model' = {t.model!r}: {exc}") from None
     n_head = tp * math.ceil(4 / tp)
     seq = seq_len or _lcm(16, 2 * cp, cp * tp)
-    small = replace(base, vocab_size=256, n_layer=max(2, pp * config.pipeline.virtual_stages), n_head=n_head,
-                    d_model=8 * n_head, d_ff=32 * n_head, seq_len=seq, dropout=0.0, bias=False)
+    shape = dict(vocab_size=256, n_layer=max(2, pp * config.pipeline.virtual_stages), n_head=n_head,
+                 d_model=8 * n_head, d_ff=32 * n_head, seq_len=seq)
+    if isinstance(base, LlamaConfig):  # k/v heads: tp of them, so grouped-query attention splits as it would
+        small = replace(base, **shape, n_kv_head=tp, tie_embeddings=base.tie_embeddings and pp == 1)
+        return ModelRecipe(config.seed, llama=asdict(small), seq_len=seq)
+    small = replace(base, **shape, dropout=0.0, bias=False)
     return ModelRecipe(config.seed, gpt=asdict(small), seq_len=seq)
 
 
