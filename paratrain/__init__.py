@@ -17,6 +17,7 @@ from paratrain.comm import CommStats, build_mesh
 from paratrain.config import Config, ConfigError, load_config
 from paratrain.data_parallel.dp import DataParallel
 from paratrain.distributed import init_distributed
+from paratrain.empty_init import init_empty
 from paratrain.engine import Engine
 from paratrain.errors import Error
 from paratrain.mesh import Mesh, ParallelDims
@@ -43,6 +44,7 @@ __all__ = [
     "build_mesh",
     "comm",
     "init_distributed",
+    "init_empty",
     "initialize",
     "load_config",
     "models",

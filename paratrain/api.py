@@ -65,8 +65,10 @@ def resolve_config(source, world_size: int) -> Config:
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               config_params=None, mesh=None):
-    """Build the engine. Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does."""
+               config_params=None, mesh=None, init_fn=None):
+    """Build the engine. Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does.
+    A model on the meta device (`paratrain.init_empty()`) is materialized shard by shard: with the values
+    eager construction gives, or `init_fn(module)` run module by module, or `checkpoint.load_weights`."""
     if model is None:
         raise InvalidValueError("initialize() needs model=")
     if mpu is not None:
@@ -81,7 +83,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mesh is None:
         mesh = build_mesh(dims, device_type="cuda" if uses_cuda() else "cpu")
     engine = Engine(model, cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                    model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
+                    model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn,
+                    init_fn=init_fn)
     if cfg.checkpoint.auto_resume:  # a restarted job continues from the newest complete checkpoint
         path, client_state = engine.load_checkpoint(cfg.checkpoint.dir)
         if path is not None:

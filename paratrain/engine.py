@@ -24,10 +24,13 @@ from torch import nn
 
 import paratrain.comm as comm
 from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
+from paratrain.checkpoint.sources import open_weights
+from paratrain.checkpoint.weights import fill_model
 from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
 from paratrain.data.batch_check import BatchChecker
 from paratrain.data.nested import to_device
+from paratrain.deferred import InitReplay, template_of
 from paratrain.distributed import current_device
 from paratrain.engine_setup import make_loader, make_scheduler, optimizer_factory, param_groups
 from paratrain.errors import InvalidValueError, RunError
@@ -46,7 +49,7 @@ class Engine(DeepSpeedEngineAPI):
     the read-only accessors (DeepSpeed's and paratrain's introspection) in `compat/engine_api.py`."""
 
     def __init__(self, model: nn.Module, config: Config, mesh: Mesh, optimizer=None, lr_scheduler=None,
-                 model_parameters=None, training_data=None, collate_fn=None):
+                 model_parameters=None, training_data=None, collate_fn=None, init_fn=None):
         self.config = config
         self.mesh = mesh  # the explicit mesh every strategy was given (axes, comm stats, guard)
         self.destroyed = False
@@ -54,6 +57,7 @@ class Engine(DeepSpeedEngineAPI):
         if mesh.guard is not None:  # every collective below waits at most comm.timeout_s, then reports
             mesh.guard.configure(timeout_s=config.comm.timeout_s, report_dir=config.comm.report_dir or ".")
         self.device = current_device()
+        template = template_of(model)  # a meta model's structure, before parallelize changes it
         self.parallel = parallelize(model, mesh, config, device=self.device)
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
@@ -62,6 +66,10 @@ class Engine(DeepSpeedEngineAPI):
         self.optimizer = self.grad_sync.build_optimizer(optimizer_factory(config, optimizer),
                                                         param_groups(model_parameters))
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
+        if config.checkpoint.load_weights:  # weights only; also what a meta model starts from
+            self.load_weights(config.checkpoint.load_weights, config.checkpoint.load_weights_map)
+        elif template is not None:  # deferred init: the values eager construction would have given
+            fill_model(self.parallel, mesh, InitReplay(template, self.parallel.spec, init_fn))
         self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
         sampler = self.training_dataloader.sampler if self.training_dataloader is not None else None
@@ -272,6 +280,13 @@ class Engine(DeepSpeedEngineAPI):
         target = self.checkpoint_target(states=not load_module_only, lr_scheduler=load_lr_scheduler_states)
         return load_checkpoint(target, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only)
+
+    def load_weights(self, path, name_map=None, strict: bool = True) -> None:
+        """Load model weights (not optimizer state) from safetensors (a file, a directory, a Hugging Face
+        sharded directory) or a paratrain checkpoint, each rank reading only the slices it keeps (collective).
+        `name_map`: {name in the weights: model name} or a function (None: skip the tensor)."""
+        source = open_weights(path, name_map)
+        fill_model(self.parallel, self.mesh, source, strict=strict, names=source.names())
 
     def _save_if_due(self) -> None:
         every = self.config.checkpoint.save_every

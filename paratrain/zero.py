@@ -26,8 +26,12 @@ from a backward to the update, so between steps, where `memory_stats()` measures
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch import nn
 
+from paratrain.compat.names import DeepSpeedNotSupported
 from paratrain.errors import InvalidValueError
 from paratrain.precision import compute_dtype
 
@@ -72,8 +76,27 @@ def estimate_memory(model: nn.Module | int, dp: int, stage: int, offload: str = 
             "device": total - host}
 
 
+def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None, pin_memory=False,  # noqa: N802 - DeepSpeed's name
+         config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None, **unsupported):
+    """DeepSpeed's `zero.Init` context: `paratrain.init_empty()` under DeepSpeed's name. The model is built on
+    the meta device and `initialize()` materializes each rank's part of it, in any layout (not only stage 3).
+    The group and config arguments are accepted and unused (the engine's config and mesh decide); arguments
+    that would change the meaning are refused by name."""
+    from paratrain.empty_init import init_empty
+
+    refused = {"module": module is not None, "remote_device": remote_device not in (None, "cpu", "none"),
+               "mpu": mpu is not None, "dtype": dtype not in (None, torch.float32),
+               **{k: v not in (None, False) for k, v in unsupported.items()}}
+    named = [k for k, bad in refused.items() if bad]
+    if named:
+        raise DeepSpeedNotSupported(f"deepspeed.zero.Init({named[0]}=...) is not supported by paratrain: build the "
+                                    f"model inside `with paratrain.zero.Init():` (or paratrain.init_empty()) and set "
+                                    f"precision and offload in the config (bf16, zero_optimization.offload_param)")
+    return init_empty() if enabled else contextlib.nullcontext()
+
+
 def __getattr__(name: str):
-    """deepspeed.zero.<name> that paratrain does not provide (Init, GatheredParameters, ...)."""
+    """deepspeed.zero.<name> that paratrain does not provide (GatheredParameters, ...)."""
     from paratrain.compat.names import ZERO, refuse
 
     refuse(ZERO, "paratrain.zero (deepspeed.zero)", name)

@@ -89,9 +89,6 @@ ENGINE = {
 
 # deepspeed.zero.<name>
 ZERO = {
-    "Init": "paratrain builds the full model on every rank and shards it inside initialize() at "
-            "zero_optimization.stage 3 (construction peaks at one full fp32 model per rank); remove the "
-            "`with deepspeed.zero.Init(...)` block",
     "GatheredParameters": "use engine.full_state_dict() to read full parameters; to change them, change the model "
                           "before initialize()",
     "register_external_parameter": "parameters used outside their module are not supported at stage 3",

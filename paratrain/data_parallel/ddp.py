@@ -138,7 +138,7 @@ class MasterCopies:
 class DistributedDataParallel(GradSync):
     def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", bucket_cap_mb: float = 25.0,
                  allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
-                 broadcast_buffers: bool = True, free_grad_buckets: bool = False):
+                 broadcast_buffers: bool = True, free_grad_buckets: bool = False, sync_initial_state: bool = True):
         super().__init__(module, axis)
         self.free_grad_buckets = free_grad_buckets
         self.dtype = compute_dtype(precision)
@@ -147,7 +147,8 @@ class DistributedDataParallel(GradSync):
         self.allow_unused = allow_unused_parameters
         self.pre_divide = predivide_factor
         self.post_divide = axis.size / predivide_factor
-        broadcast_module_state(module, axis, buffers=broadcast_buffers)
+        if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
+            broadcast_module_state(module, axis, buffers=broadcast_buffers)
         self.buckets: list[GradBucket] = []
 
     # ---- buckets (built with the optimizer, like every strategy's state) -------------------------

@@ -240,3 +240,28 @@ def gather_master(layout: FlatLayout, master: MasterShard, axis: Axis, device: t
     full = torch.empty(layout.padded, dtype=torch.float32, device=device)
     comm.all_gather_into(full, master.param.detach().to(device), axis, tag="state_dict")
     return full
+
+
+def set_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """`param.data = data`, also for a parameter still on the meta device (a tensor of another type, which
+    `.data` refuses): its object, hooks and records (placements) stay, so every reference to it still holds."""
+    if param.is_meta and not data.is_meta:
+        # First a real tensor of its own (own version counter), then `.data` as for any parameter: a parameter
+        # made from `data` itself would share the version counter of `data`'s base, and the writes ZeRO-3 makes
+        # into a unit's flat buffer would then look like in-place changes to autograd.
+        new = nn.Parameter(torch.empty(0, dtype=param.dtype, device=data.device), requires_grad=param.requires_grad)
+        new.__dict__.update(param.__dict__)
+        torch.utils.swap_tensors(param, new)
+    param.data = data
+
+
+def allocate_local(module: nn.Module, device: torch.device, parameters: bool) -> None:
+    """Deferred init: give every meta buffer and frozen parameter of `module` (and, with `parameters`, every
+    trainable one) uninitialized storage of its local size on `device`; their values are filled in later."""
+    for sub in module.modules():
+        for key, b in sub._buffers.items():
+            if b is not None and b.is_meta:
+                sub._buffers[key] = torch.empty_like(b, device=device)
+        for p in sub._parameters.values():
+            if p is not None and p.is_meta and (parameters or not p.requires_grad):
+                set_data(p, torch.empty_like(p, device=device))

@@ -60,7 +60,7 @@ class FullyShardedDataParallel(GradSync):
                  wrap_policy: WrapPolicy | None = None, reshard_after_forward: bool = True,
                  persistence_threshold: int = 100_000, prefetch_depth: int = 1,
                  allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
-                 reduce_at_boundary: bool = False):
+                 reduce_at_boundary: bool = False, sync_initial_state: bool = True):
         super().__init__(module, axis)
         self.reduce_at_boundary = reduce_at_boundary
         self.pre_divide = predivide_factor
@@ -72,7 +72,8 @@ class FullyShardedDataParallel(GradSync):
         self.persistence_threshold = persistence_threshold
         self.prefetch_depth = prefetch_depth
         self.allow_unused = allow_unused_parameters
-        broadcast_module_state(module, self.axis)
+        if sync_initial_state:  # False: meta parameters, filled shard by shard later (deferred init)
+            broadcast_module_state(module, self.axis)
         self.root: Unit | None = None
         self.units: list[Unit] = []  # non-root units, in module order
         self.persistent: Unit | None = None

@@ -23,6 +23,7 @@ from paratrain.data_parallel.flat import (
     OffloadPolicy,
     group_index,
     restrict_param_groups,
+    set_data,
     split_param_groups,
 )
 from paratrain.data_parallel.gradients import StagedGradient
@@ -80,17 +81,23 @@ class FlatParam:
         self.layout = FlatLayout(named, axis.size, axis.rank)
         self.dtype = dtype
         self.offload = offload
-        fp32 = self.layout.flatten([p.detach() for _, p in named], torch.float32, offload.device)
-        self.master = MasterShard(self.layout, self.layout.shard_of(fp32), offload)
+        if any(p.is_meta for _, p in named):  # deferred init: only the shard exists, filled in later
+            fp32 = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=offload.device)
+            shard = fp32
+        else:
+            fp32 = self.layout.flatten([p.detach() for _, p in named], torch.float32, offload.device)
+            shard = self.layout.shard_of(fp32)
+        self.master = MasterShard(self.layout, shard, offload)
         self.master.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.master.param.device)
         # offload_optimizer keeps the master on the host: a compute-dtype copy of the shard stays on the
         # device as the all-gather input, unless offload_param sends that to the host too.
         self.device_shard = None
         if offload.offload_optimizer and not offload.offload_param:
-            self.device_shard = self.layout.shard_of(fp32).to(offload.device, dtype, copy=True)
+            self.device_shard = shard.to(offload.device, dtype, copy=True)
+        del fp32  # the full fp32 copy of the unit, when there was one
         self.full = torch.empty(self.layout.padded, dtype=dtype, device=offload.device)
         for slot, view in zip(self.layout.slots, self.layout.views(self.full)):
-            slot.param.data = view
+            set_data(slot.param, view)
         self.free()
         self.grads = StagedGradient(self.layout, self.master, dtype, offload.device)  # until reduce-scattered
         self.ready: set[int] = set()  # slots whose gradient this backward has staged

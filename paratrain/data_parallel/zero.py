@@ -60,7 +60,7 @@ class ZeroDataParallel(GradSync):
 
     def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", bucket_numel: int = 500_000_000,
                  offload: OffloadPolicy | None = None, allow_unused_parameters: bool = False,
-                 predivide_factor: float = 1.0, overlap_param_gather: bool = True):
+                 predivide_factor: float = 1.0, overlap_param_gather: bool = True, sync_initial_state: bool = True):
         super().__init__(module, axis)
         self.overlap_param_gather = overlap_param_gather
         self.dtype = compute_dtype(precision)
@@ -69,7 +69,8 @@ class ZeroDataParallel(GradSync):
         self.allow_unused = allow_unused_parameters
         self.pre_divide = predivide_factor
         self.post_divide = self.axis.size / predivide_factor
-        broadcast_module_state(module, self.axis)
+        if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
+            broadcast_module_state(module, self.axis)
         self.buckets: list[GradBucket] = []
         self.params_full: list[torch.Tensor] = []  # (padded,) compute dtype: the model's parameters are views
         self.masters: list[MasterShard] = []

@@ -81,6 +81,9 @@ def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | 
         if pipe.example_input is None:
             raise PartitionError("pipeline.partition 'balanced' profiles every layer on an example micro-batch: pass "
                                  "PipelineModule(..., example_input=...) or use 'parameters'")
+        if any(p.is_meta for p in pipe.parameters()):
+            raise PartitionError("pipeline.partition 'balanced' times every layer on an example micro-batch, which "
+                                 "a model on the meta device (deferred initialization) cannot run; use 'parameters'")
         costs = torch.tensor(profile_layer_costs([pipe.layer(i) for i in range(n)], pipe.example_input),
                              dtype=torch.float64)
         if mesh is not None:  # every rank must cut at the same place: average the measured times

@@ -1,0 +1,212 @@
+"""Bigger than one rank: a Llama whose fp32 training state is larger than any rank's peak memory, built on the
+meta device, materialized shard by shard, loaded from a safetensors file and trained, at 4 ranks.
+
+    python -m benchmarks.big_init                     # llama-350m: 349M parameters, 5.6 GB of fp32 state
+    python -m benchmarks.big_init --model llama-mini  # the same run on a small model (what the test runs)
+
+Cases, each in a fresh spawned world of 4 ranks (so every peak RSS is its own):
+  paratrain ZeRO-3 (dp4), paratrain ZeRO-1 (dp2 x tp2): init (`paratrain.init_empty` + initialize), load
+      (`engine.load_weights` of the file), then STEPS training steps;
+  DeepSpeed ZeRO-3: the model built under `deepspeed.zero.Init`, then `deepspeed.initialize` and the steps;
+  torch FSDP2: the model built on the meta device, `fully_shard` per layer and root, `to_empty`, then
+      `init_weights` on the shards, and the steps.
+Each rank reports its peak RSS (`ru_maxrss`) after init, after load and after the first steps, and the
+formula: the process's RSS before the model existed + the model state this layout holds at that point
+(`paratrain.zero.estimate_memory`'s params and grads of this rank's Ψ before the first step; with the
+optimizer states after it) + one full copy of the largest parameter (the module being initialized or read).
+Every case runs the same AdamW (fused), seed, data and micro-batch. Nothing here asserts a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import ADAMW, FUSED, deepspeed_optimizer, paratrain_optimizer, torch_adamw
+from paratrain.monitor import peak_rss_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "big_init.json"
+WORLD = 4
+STEPS = 2
+MICRO_BATCH = 1
+SEQ_LEN = 64
+MIB = 2**20
+
+
+def _model(name: str):
+    from paratrain.models import Llama
+
+    torch.manual_seed(0)
+    return Llama(name, seq_len=SEQ_LEN)
+
+
+def write_weights(name: str, path: Path) -> Path:
+    """One process builds the model eagerly and writes it as `save_pretrained` would (once per model)."""
+    from safetensors.torch import save_file
+
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in _model(name).state_dict().items()}, str(path))
+    return path
+
+
+def _batches(vocab: int):
+    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    while True:
+        idx = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN + 1), generator=generator)
+        yield idx[:, :-1], idx[:, 1:]
+
+
+def _formula(baseline: int, local_params: int, dp: int, stage: int, largest: int, with_optimizer: bool) -> int:
+    from paratrain.zero import estimate_memory
+
+    state = estimate_memory(local_params, dp=dp, stage=stage)
+    held = state["params"] + state["grads"] + (state["optimizer_state"] if with_optimizer else 0)
+    return int(baseline + held + 4 * largest)
+
+
+def _largest(model) -> int:
+    return max(p.numel() for p in model.parameters())
+
+
+def paratrain_case(name: str, weights: str, tp: int, stage: int) -> dict:
+    import paratrain
+
+    baseline = peak_rss_bytes()
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": paratrain_optimizer(),
+           "tensor_parallel": {"size": tp}, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    start = time.perf_counter()
+    with paratrain.init_empty():
+        model = _model(name)
+    largest = _largest(model)
+    engine, *_ = paratrain.initialize(model=model, config=cfg)
+    init_s, init_peak = time.perf_counter() - start, peak_rss_bytes()
+    local = sum(p.numel() for p in engine.module.parameters())
+    dp = engine.dp_world_size
+    start = time.perf_counter()
+    engine.load_weights(weights)
+    load_s, load_peak = time.perf_counter() - start, peak_rss_bytes()
+    batches = _batches(model.config.vocab_size)
+    losses = [float(engine.train_batch(batches)) for _ in range(STEPS)]
+    return {"baseline": baseline, "init": init_peak, "load": load_peak, "step": peak_rss_bytes(),
+            "init_s": init_s, "load_s": load_s, "losses": losses, "local_params": local,
+            "formula_init": _formula(baseline, local, dp, stage, largest, False),
+            "formula_step": _formula(baseline, local, dp, stage, largest, True),
+            "optimizer": type(engine.optimizer).__name__}
+
+
+def deepspeed_case(name: str) -> dict:
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    baseline = peak_rss_bytes()
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+              "optimizer": deepspeed_optimizer(), "zero_optimization": {"stage": 3}}
+    start = time.perf_counter()
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = _model(name)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      dist_init_required=False)
+    init_s, init_peak = time.perf_counter() - start, peak_rss_bytes()
+    batches = _batches(model.config.vocab_size)
+    losses = []
+    for _ in range(STEPS):
+        x, y = next(batches)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"baseline": baseline, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s, "losses": losses}
+
+
+def fsdp2_case(name: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    baseline = peak_rss_bytes()
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = _model(name)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    model.init_weights()  # on the DTensor shards: each rank draws only its part
+    init_s, init_peak = time.perf_counter() - start, peak_rss_bytes()
+    opt = torch_adamw(model.parameters())
+    batches = _batches(model.config.vocab_size)
+    losses = []
+    for _ in range(STEPS):
+        x, y = next(batches)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"baseline": baseline, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s, "losses": losses}
+
+
+def run(name: str, weights: Path, only: set[str] | None = None) -> dict:
+    from paratrain.testing import World
+
+    cases = {"paratrain ZeRO-3 (dp4)": (paratrain_case, (name, str(weights), 1, 3)),
+             "paratrain ZeRO-1 (dp2 x tp2)": (paratrain_case, (name, str(weights), 2, 1)),
+             "DeepSpeed ZeRO-3 (zero.Init)": (deepspeed_case, (name,)),
+             "torch FSDP2 (meta init)": (fsdp2_case, (name,))}
+    out = {}
+    for case, (fn, args) in cases.items():
+        if only and not any(word in case for word in only):
+            continue
+        print(f"[big_init] {case}", file=sys.stderr, flush=True)
+        with World(WORLD, timeout_s=3600) as world:
+            out[case] = world.run(fn, *args)
+    return out
+
+
+def table(result: dict) -> str:
+    lines = ["| case | peak RSS / rank after init (MiB) | after load | after the first steps | formula at init "
+             "(MiB) | init / formula |", "|---|---:|---:|---:|---:|---:|"]
+    for case, ranks in result["cases"].items():
+        worst = max(ranks, key=lambda r: r["init"])
+        formula = worst.get("formula_init")
+        cells = [f"{worst['init'] / MIB:.0f}", f"{worst['load'] / MIB:.0f}" if "load" in worst else "-",
+                 f"{max(r['step'] for r in ranks) / MIB:.0f}", f"{formula / MIB:.0f}" if formula else "-",
+                 f"{worst['init'] / formula:.2f}" if formula else "-"]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-350m")
+    parser.add_argument("--weights", type=Path, default=None, help="where the model's safetensors file is kept")
+    parser.add_argument("--only", default=None, help="comma-separated words a case's name must contain")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from paratrain.models import llama_config
+
+    cfg = llama_config(args.model, seq_len=SEQ_LEN)
+    weights = write_weights(args.model, args.weights or Path("runs") / "big_init" / f"{args.model}.safetensors")
+    result = {"model": args.model, "params": cfg.num_params(), "state_bytes_fp32": 16 * cfg.num_params(),
+              "world": WORLD, "steps": STEPS, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN,
+              "optimizer": {"type": "AdamW", **ADAMW, "fused": FUSED}, "torch": torch.__version__,
+              "command": "python -m benchmarks.big_init " + " ".join(sys.argv[1:] if argv is None else argv),
+              "cases": run(args.model, weights, set(args.only.split(",")) if args.only else None)}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Filling a parallel model's tensors from a source of whole tensors, each rank only what it keeps.
+
+    fill_model(parallel, mesh, source)     # collective; source: a weights file (`sources.py`) or InitReplay
+
+What a rank keeps is described as regions of the original tensors (`Region`: a flat range of a box, as
+checkpoint pieces are): the fp32 masters the data-parallel strategy updates (`master_segments`) and the
+module's other tensors (buffers, frozen parameters). A source writes each region from its tensor, reading
+only the rows of the box the range covers (`read_box_range`); then the strategy rebuilds the parameters
+from the masters (`masters_loaded`: the ZeRO-1/2 all-gather, the ZeRO-3 device shards).
+
+[Note: no rank changes anything until every rank has checked]
+A source first checks every region (names, shapes, dtypes, files); the ranks agree on the problems found,
+and on the names none of them holds (a tensor of the source that the model lacks), before any region is
+written, so a bad file leaves the model as it was, and the error is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from paratrain.checkpoint.format import CheckpointError
+from paratrain.comm import all_gather_object
+from paratrain.mesh import AXES, Mesh
+from paratrain.origin import Origin
+
+
+class WeightsError(CheckpointError):
+    """Weights that cannot fill the model: the message names the tensor and what is wrong with it."""
+
+
+@dataclass
+class Region:
+    """Elements [start, end) of this rank's box of one original tensor (flattened), and where they go."""
+
+    origin: Origin
+    start: int
+    end: int
+    dest: torch.Tensor  # end - start elements: a flat view of a master shard, or of a buffer
+
+
+class Source(Protocol):
+    def check(self, regions: dict[str, list[Region]]) -> None: ...
+
+    def fill(self, regions: dict[str, list[Region]]) -> list[str]: ...
+
+
+def model_regions(parallel) -> dict[str, list[Region]]:
+    """{original name: this rank's regions of it} (`parallel`: a ParallelModel)."""
+    sync = parallel.grad_sync
+    local = dict(sync.named_params)
+    out: dict[str, list[Region]] = {}
+    for master, segments in sync.master_segments():
+        flat = master.detach().view(-1)
+        for seg in segments:
+            origin = parallel.origin(seg.name, local[seg.name])
+            dest = flat[seg.offset:seg.offset + seg.end - seg.start]
+            out.setdefault(origin.name, []).append(Region(origin, seg.start, seg.end, dest))
+    trainable = {id(p) for p in local.values()}
+    for name, t in parallel.module.state_dict(keep_vars=True).items():
+        if id(t) in trainable:
+            continue  # a parameter (or a tied alias of one): its master is above
+        if not t.is_contiguous():
+            raise WeightsError(f"'{name}' is not contiguous; weights can only be filled into contiguous buffers")
+        origin = parallel.origin(name, t)
+        out.setdefault(origin.name, []).append(Region(origin, 0, t.numel(), t.detach().view(-1)))
+    return out
+
+
+def read_box_range(read, shape: tuple[int, ...], origin: Origin, start: int, end: int, dtype) -> torch.Tensor:
+    """Elements [start, end) of `origin`'s box (flattened) of a tensor of `shape`, from `read(index)` (a tuple
+    of slices into the whole tensor). Only the rows of the box the range covers are read; the part of a box
+    that reaches past the tensor (an uneven vocabulary's padding) is zeros."""
+    box, offsets = origin.local_shape, origin.offsets
+    if not box:  # a 0-d tensor
+        return read(()).reshape(1).to(dtype)
+    row = math.prod(box[1:])
+    first, last = start // row, -(-end // row)  # the box's rows [first, last) hold the range
+    sub = (last - first, *box[1:])
+    out = torch.zeros(sub, dtype=dtype)
+    lo = (offsets[0] + first, *offsets[1:])
+    hi = tuple(min(lo[d] + sub[d], shape[d]) for d in range(len(shape)))
+    if all(h > low for low, h in zip(lo, hi)):
+        out[tuple(slice(0, h - low) for low, h in zip(lo, hi))] = read(tuple(slice(low, h) for low, h in zip(lo, hi)))
+    return out.view(-1)[start - first * row:end - first * row]
+
+
+def write_regions(value: torch.Tensor, regions: list[Region]) -> None:
+    """Write each region from `value`, the whole tensor."""
+    for r in regions:
+        r.dest.copy_(read_box_range(value.__getitem__, tuple(value.shape), r.origin, r.start, r.end, r.dest.dtype))
+
+
+def fill_model(parallel, mesh: Mesh, source: Source, strict: bool = True, names: set[str] | None = None) -> None:
+    """Fill every tensor this rank keeps from `source` (collective over the world). `names`: the tensors the
+    source holds (for `strict`: any the model lacks on every rank is refused)."""
+    world = mesh.axis(AXES)
+    regions = model_regions(parallel)
+    problem = None
+    try:
+        source.check(regions)
+    except CheckpointError as exc:
+        problem = str(exc)
+    everyone = all_gather_object((problem, sorted(regions)), world, tag="weights")
+    problem = next((p for p, _ in everyone if p), None)
+    if problem is None and strict and names is not None:
+        held = set().union(*(set(n) for _, n in everyone))
+        extra = sorted(names - held)
+        if extra:
+            problem = (f"the weights hold {len(extra)} tensor(s) this model does not: {', '.join(extra[:8])}; map "
+                       f"them to the model's names (name_map) or pass strict=False to ignore them")
+    if problem:
+        raise WeightsError(problem)
+    missing = source.fill(regions)
+    everyone = all_gather_object(missing, world, tag="weights")
+    missing = sorted(set().union(*map(set, everyone)))
+    if missing:
+        raise WeightsError(f"{len(missing)} tensor(s) of the model were never initialized: {', '.join(missing[:8])}; "
+                           f"give their modules a reset_parameters() that sets them, or pass init_fn= to "
+                           f"initialize(), or load them with checkpoint.load_weights")
+    parallel.grad_sync.masters_loaded()

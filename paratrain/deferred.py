@@ -1,0 +1,123 @@
+"""Deferred initialization: build a model on the meta device; each rank materializes only what it keeps.
+
+    with paratrain.init_empty():                   # or torch.device("meta"), or paratrain.zero.Init()
+        model = Llama("llama3-8b")                  # no memory: every tensor is on the meta device
+    engine, *_ = paratrain.initialize(model=model, config=cfg)
+
+`parallelize` splits the meta model as it splits any other (TP slices, the pipeline split, ZeRO shards), then
+allocates only this rank's part; the engine fills it from a weights file (`checkpoint.load_weights`) or, by
+default, from `InitReplay`: the initialization the model would have had on the CPU.
+
+[Note: bit-equal to eager construction]
+Eager construction draws random numbers in a fixed order: every module's `reset_parameters()` as its
+constructor finishes (children before parents), then the family's own pass over `named_modules()` (GPT-2's
+N(0, 0.02): `ModelSpec.init_module`). `InitReplay` replays exactly that order on a copy of the meta model,
+from the random state the construction started from (recorded by `init_empty`; with a bare
+`torch.device("meta")`, the state at `initialize`). One module at a time gets full-size temporaries for its
+own tensors, runs the same call, and hands each tensor's value to the regions this rank keeps, so each rank
+holds at most its local state plus one module's tensors, and every rank computes the same numbers. A
+tensor shared by two modules (tied embeddings) takes its constructor value from the module that registered
+it first, as eagerly. With `init_fn(module)` given, that runs instead, module by module in the same order.
+A tensor nobody initialized is an error that names it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from paratrain.checkpoint.weights import Region, write_regions
+from paratrain.empty_init import RNG_ATTRIBUTE, has_meta_tensors, model_tensors
+from paratrain.model_spec import ModelSpec
+
+
+def template_of(model: nn.Module) -> nn.Module | None:
+    """A copy of a meta model's structure (free: it holds no data), taken before `parallelize` changes the
+    model: what `InitReplay` runs the constructors' initialization on. None for a model with real tensors."""
+    return copy.deepcopy(model) if has_meta_tensors(model) else None
+
+
+def _post_order(module: nn.Module, prefix: str = "", seen: set | None = None) -> Iterator[tuple[str, nn.Module]]:
+    """Children before their parent, in registration order: the order constructors finish."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name, seen)
+    yield prefix, module
+
+
+class InitReplay:
+    """Fills the regions a rank keeps with the values eager construction gives (see the module's note)."""
+
+    def __init__(self, template: nn.Module, spec: ModelSpec, init_fn: Callable[[nn.Module], None] | None = None,
+                 rng_state: torch.Tensor | None = None):
+        self.template = template
+        self.spec = spec
+        self.init_fn = init_fn
+        first = next((t for t in model_tensors(template)), None)
+        self.rng_state = rng_state if rng_state is not None else getattr(first, RNG_ATTRIBUTE, None)
+        self.names: dict[int, list[str]] = {}  # id(tensor) -> every name it has (tied tensors: several)
+        for name, t in [*template.named_parameters(remove_duplicate=False),
+                        *template.named_buffers(remove_duplicate=False)]:
+            self.names.setdefault(id(t), []).append(name)
+        self.owner: dict[int, int] = {}  # id(tensor) -> id(the module that registered it first)
+        for module in template.modules():
+            for t in [*module._parameters.values(), *module._buffers.values()]:
+                if t is not None:
+                    self.owner.setdefault(id(t), id(module))
+
+    def check(self, regions: dict[str, list[Region]]) -> None:
+        """Nothing to check before filling: the template is the model itself."""
+
+    def fill(self, regions: dict[str, list[Region]]) -> list[str]:
+        """Write every region; returns the names of tensors no initialization reached (to be refused)."""
+        if self.rng_state is not None:
+            torch.set_rng_state(self.rng_state)
+        written: set[str] = set()
+        if self.init_fn is not None:
+            for _, module in _post_order(self.template):
+                self._run(module, lambda m=module: self.init_fn(m), regions, written, owned_only=False)
+        else:
+            for _, module in _post_order(self.template):
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    self._run(module, reset, regions, written, owned_only=True)
+            for name, module in self.template.named_modules():
+                self._run(module, lambda n=name, m=module: self.spec.init_module(self.template, n, m), regions,
+                          written, owned_only=False)
+        return sorted(n for n in regions if n not in written)
+
+    def _run(self, module: nn.Module, call: Callable[[], None], regions: dict[str, list[Region]], written: set,
+             owned_only: bool) -> None:
+        """`call()` with the module's own tensors as full-size CPU temporaries; their values then go to the
+        regions of every name they have (`owned_only`: only tensors this module registered first)."""
+        slots = [(store, key, t) for store in (module._parameters, module._buffers) for key, t in store.items()
+                 if t is not None]
+        if not slots:
+            return
+        temps = []
+        for store, key, t in slots:
+            temp = torch.empty(t.shape, dtype=t.dtype)
+            store[key] = nn.Parameter(temp, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else temp
+            temps.append((store[key], store[key]._version))
+        try:
+            with torch.no_grad():
+                call()
+            # Written: replaced, or changed in place (its version moved); a tensor the call left alone keeps
+            # the value an earlier call gave it.
+            values = [(t, store[key]) for (store, key, t), (temp, version) in zip(slots, temps)
+                      if store[key] is not temp or temp._version != version]
+        finally:
+            for store, key, t in slots:
+                store[key] = t
+        for original, value in values:
+            if owned_only and self.owner.get(id(original)) != id(module):
+                continue
+            for name in self.names.get(id(original), []):
+                write_regions(value.detach(), regions.get(name, []))
+                written.add(name)
