@@ -89,15 +89,6 @@ class Engine(DeepSpeedEngineAPI):
         self.auto_resumed: tuple[str, dict] | None = None  # (path, client_state) when initialize() resumed
 
     # ---- state of the step ----------------------------------------------------------------------
-    @property
-    def device_mesh(self):
-        """The torch DeviceMesh with axes dp, pp, cp, tp (size-1 axes included) and the flattened ones the
-        strategies use (`device_mesh["dp_cp"]`, ...)."""
-        return self.mesh.device_mesh
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return self.train_state.window_micro_steps + 1 == self.gradient_accumulation_steps()
-
     def train(self, mode: bool = True):
         self.module.train(mode)
         return self
@@ -282,9 +273,8 @@ class Engine(DeepSpeedEngineAPI):
                                load_optimizer_states=load_optimizer_states and not load_module_only)
 
     def load_weights(self, path, name_map=None, strict: bool = True) -> None:
-        """Load model weights (not optimizer state) from safetensors (a file, a directory, a Hugging Face
-        sharded directory) or a paratrain checkpoint, each rank reading only the slices it keeps (collective).
-        `name_map`: {name in the weights: model name} or a function (None: skip the tensor)."""
+        """Model weights only, from safetensors (file, directory, HF sharded) or a paratrain checkpoint; each rank
+        reads its slices (collective). `name_map`: {weights' name: model name}, or a function (None: skip)."""
         source = open_weights(path, name_map)
         fill_model(self.parallel, self.mesh, source, strict=strict, names=source.names())
 

@@ -62,7 +62,7 @@ def test_plan_errors_name_the_module_and_the_fix():
     msg = _error(gpt, {**GPT_PLAN, "blocks.*.attn.qkv": "colwise"})
     assert "'blocks.*.attn.qkv' (colwise) matches no module" in msg and "blocks.1.attn.q" in msg
     assert "did you mean 'colwise'" in _error(gpt, {"blocks.*.attn.[qkv]": "colwize"})
-    assert "not a built-in plan" in _error(gpt, "llama")
+    assert "not a built-in plan" in _error(gpt, "mistral")
     msg = _error(tiny_gpt(d_ff=100), GPT_PLAN, tp=8)  # 100 % 8 != 0 (and 32 % 8 == 0)
     assert "'blocks.0.mlp.fc' (colwise) splits out_features 100 over tensor_parallel.size 8" in msg
     assert "'blocks.0.ln1' is a LayerNorm, but style 'colwise' applies to Linear" in _error(

@@ -37,6 +37,12 @@ class DeepSpeedEngineAPI:
     _step_applied: bool
     _times: dict[str, float]
 
+    @property
+    def device_mesh(self):
+        """The torch DeviceMesh with axes dp, pp, cp, tp (size-1 axes included) and the flattened ones the
+        strategies use (`device_mesh["dp_cp"]`, ...)."""
+        return self.mesh.device_mesh
+
     # ---- step counters (DeepSpeed's names) -------------------------------------------------------
     @property
     def global_steps(self) -> int:
@@ -53,6 +59,9 @@ class DeepSpeedEngineAPI:
     @property
     def skipped_steps(self) -> int:
         return self.train_state.skipped_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.train_state.window_micro_steps + 1 == self.gradient_accumulation_steps()
 
     # ---- ranks and sizes -------------------------------------------------------------------------
     @property
