@@ -23,7 +23,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,8 +61,9 @@ def write_weights(name: str, path: Path) -> Path:
     return path
 
 
-def _batches(vocab: int):
-    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+def _batches(vocab: int, dp_rank: int):
+    """Random token windows, the same on every rank of a data-parallel replica (tp peers see one batch)."""
+    generator = torch.Generator().manual_seed(1 + dp_rank)
     while True:
         idx = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN + 1), generator=generator)
         yield idx[:, :-1], idx[:, 1:]
@@ -74,6 +77,19 @@ def _formula(baseline: int, local_params: int, dp: int, stage: int, largest: int
     return int(baseline + held + 4 * largest)
 
 
+PROGRESS_ENV = "PARATRAIN_BIG_INIT_PROGRESS"
+
+
+def _reached(phase: str, **values) -> None:
+    """Leave this rank's peak RSS after `phase` on disk as it goes, so a rank killed later (for memory) still
+    tells what it reached."""
+    directory = os.environ.get(PROGRESS_ENV)
+    if directory:
+        path = Path(directory) / f"rank{dist.get_rank()}.json"
+        seen = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**seen, phase: peak_rss_bytes(), **values}))
+
+
 def _largest(model) -> int:
     return max(p.numel() for p in model.parameters())
 
@@ -82,6 +98,7 @@ def paratrain_case(name: str, weights: str, tp: int, stage: int) -> dict:
     import paratrain
 
     baseline = peak_rss_bytes()
+    _reached("baseline")
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": paratrain_optimizer(),
            "tensor_parallel": {"size": tp}, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
     start = time.perf_counter()
@@ -90,12 +107,13 @@ def paratrain_case(name: str, weights: str, tp: int, stage: int) -> dict:
     largest = _largest(model)
     engine, *_ = paratrain.initialize(model=model, config=cfg)
     init_s, init_peak = time.perf_counter() - start, peak_rss_bytes()
+    _reached("init")
     local = sum(p.numel() for p in engine.module.parameters())
     dp = engine.dp_world_size
     start = time.perf_counter()
     engine.load_weights(weights)
     load_s, load_peak = time.perf_counter() - start, peak_rss_bytes()
-    batches = _batches(model.config.vocab_size)
+    batches = _batches(model.config.vocab_size, engine.get_data_parallel_rank())
     losses = [float(engine.train_batch(batches)) for _ in range(STEPS)]
     return {"baseline": baseline, "init": init_peak, "load": load_peak, "step": peak_rss_bytes(),
             "init_s": init_s, "load_s": load_s, "losses": losses, "local_params": local,
@@ -109,15 +127,18 @@ def deepspeed_case(name: str) -> dict:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     baseline = peak_rss_bytes()
+    _reached("baseline")
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
               "optimizer": deepspeed_optimizer(), "zero_optimization": {"stage": 3}}
     start = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = _model(name)
+    _reached("built under zero.Init")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                       dist_init_required=False)
     init_s, init_peak = time.perf_counter() - start, peak_rss_bytes()
-    batches = _batches(model.config.vocab_size)
+    _reached("init")
+    batches = _batches(model.config.vocab_size, dist.get_rank())
     losses = []
     for _ in range(STEPS):
         x, y = next(batches)
@@ -141,8 +162,9 @@ def fsdp2_case(name: str) -> dict:
     model.to_empty(device="cpu")
     model.init_weights()  # on the DTensor shards: each rank draws only its part
     init_s, init_peak = time.perf_counter() - start, peak_rss_bytes()
+    _reached("init")
     opt = torch_adamw(model.parameters())
-    batches = _batches(model.config.vocab_size)
+    batches = _batches(model.config.vocab_size, dist.get_rank())
     losses = []
     for _ in range(STEPS):
         x, y = next(batches)
@@ -156,7 +178,7 @@ def fsdp2_case(name: str) -> dict:
 
 
 def run(name: str, weights: Path, only: set[str] | None = None) -> dict:
-    from paratrain.testing import World
+    from paratrain.testing import World, WorldError
 
     cases = {"paratrain ZeRO-3 (dp4)": (paratrain_case, (name, str(weights), 1, 3)),
              "paratrain ZeRO-1 (dp2 x tp2)": (paratrain_case, (name, str(weights), 2, 1)),
@@ -167,8 +189,17 @@ def run(name: str, weights: Path, only: set[str] | None = None) -> dict:
         if only and not any(word in case for word in only):
             continue
         print(f"[big_init] {case}", file=sys.stderr, flush=True)
-        with World(WORLD, timeout_s=3600) as world:
-            out[case] = world.run(fn, *args)
+        progress = Path(tempfile.mkdtemp(prefix="big_init_"))
+        os.environ[PROGRESS_ENV] = str(progress)  # the spawned ranks inherit it
+        try:  # a case that fails (a rank killed for memory, say) is recorded with what each rank reached
+            with World(WORLD, timeout_s=3600) as world:
+                out[case] = world.run(fn, *args)
+        except WorldError as exc:
+            reached = {f.stem: json.loads(f.read_text()) for f in sorted(progress.glob("rank*.json"))}
+            out[case] = {"error": str(exc)[-2000:], "reached": reached}
+        finally:
+            os.environ.pop(PROGRESS_ENV, None)
+            shutil.rmtree(progress, ignore_errors=True)
     return out
 
 
@@ -176,6 +207,12 @@ def table(result: dict) -> str:
     lines = ["| case | peak RSS / rank after init (MiB) | after load | after the first steps | formula at init "
              "(MiB) | init / formula |", "|---|---:|---:|---:|---:|---:|"]
     for case, ranks in result["cases"].items():
+        if isinstance(ranks, dict):  # the case failed: the phases its ranks reached
+            phases = [(rank, phase, v) for rank, seen in ranks["reached"].items() for phase, v in seen.items()
+                      if phase != "baseline"]
+            reached = "; ".join(f"{rank} {phase} {v / MIB:.0f} MiB" for rank, phase, v in phases) or "nothing"
+            lines.append(f"| {case} | failed (a rank died: killed for memory?) after: {reached} | | | | |")
+            continue
         worst = max(ranks, key=lambda r: r["init"])
         formula = worst.get("formula_init")
         cells = [f"{worst['init'] / MIB:.0f}", f"{worst['load'] / MIB:.0f}" if "load" in worst else "-",

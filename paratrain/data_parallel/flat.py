@@ -132,11 +132,15 @@ class MasterShard:
     """
 
     def __init__(self, layout: FlatLayout, fp32_shard: torch.Tensor, offload: OffloadPolicy,
-                 alias: torch.Tensor | None = None):
+                 alias: torch.Tensor | None = None, owned: bool = False):
         self.layout = layout
         self.aliased = alias is not None
         self._spans: list[tuple[int, int, Placement]] | None = None
-        self.param = nn.Parameter(alias if alias is not None else offload.to_optimizer(fp32_shard))
+        if alias is not None:
+            master = alias
+        else:  # owned: `fp32_shard` is already a fresh fp32 tensor where the optimizer runs; no copy
+            master = fp32_shard if owned else offload.to_optimizer(fp32_shard)
+        self.param = nn.Parameter(master)
 
     @property
     def grad(self) -> torch.Tensor | None:

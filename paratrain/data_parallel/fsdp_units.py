@@ -82,12 +82,16 @@ class FlatParam:
         self.dtype = dtype
         self.offload = offload
         if any(p.is_meta for _, p in named):  # deferred init: only the shard exists, filled in later
-            fp32 = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=offload.device)
-            shard = fp32
+            # Allocated where the optimizer runs and used as the master itself: a zeros shard copied into
+            # the master would leave its freed pages in the heap (glibc keeps mid-sized frees), one more
+            # shard of resident memory per unit at init.
+            fp32 = None
+            shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=offload.optimizer_device)
+            self.master = MasterShard(self.layout, shard, offload, owned=True)
         else:
             fp32 = self.layout.flatten([p.detach() for _, p in named], torch.float32, offload.device)
             shard = self.layout.shard_of(fp32)
-        self.master = MasterShard(self.layout, shard, offload)
+            self.master = MasterShard(self.layout, shard, offload)
         self.master.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.master.param.device)
         # offload_optimizer keeps the master on the host: a compute-dtype copy of the shard stays on the
         # device as the all-gather input, unless offload_param sends that to the host too.
