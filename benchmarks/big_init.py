@@ -207,11 +207,11 @@ def table(result: dict) -> str:
     lines = ["| case | peak RSS / rank after init (MiB) | after load | after the first steps | formula at init "
              "(MiB) | init / formula |", "|---|---:|---:|---:|---:|---:|"]
     for case, ranks in result["cases"].items():
-        if isinstance(ranks, dict):  # the case failed: the phases its ranks reached
-            phases = [(rank, phase, v) for rank, seen in ranks["reached"].items() for phase, v in seen.items()
-                      if phase != "baseline"]
-            reached = "; ".join(f"{rank} {phase} {v / MIB:.0f} MiB" for rank, phase, v in phases) or "nothing"
-            lines.append(f"| {case} | failed (a rank died: killed for memory?) after: {reached} | | | | |")
+        if isinstance(ranks, dict):  # the case failed: the worst peak its ranks reached at init, if they did
+            inits = [seen["init"] for seen in ranks["reached"].values() if "init" in seen]
+            died = "a rank died in the first steps (killed for memory?)" if inits else "a rank died before init"
+            lines.append(f"| {case} | {max(inits) / MIB:.0f} | - | {died} | - | - |" if inits else
+                         f"| {case} | {died} | - | - | - | - |")
             continue
         worst = max(ranks, key=lambda r: r["init"])
         formula = worst.get("formula_init")
