@@ -27,6 +27,7 @@ from torch import nn
 from paratrain.activation_checkpointing import checkpoint_activations
 from paratrain.config import Config, ConfigError
 from paratrain.context_parallel import check_context_parallel, context_parallelize, context_parallelize_stages
+from paratrain.context_parallel.ulysses import check_heads
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.data_parallel.flat import OffloadPolicy, allocate_local
@@ -123,6 +124,13 @@ def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None
     seq_len = spec.sequence_length(model)
     spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp})
     check_context_parallel(model, cp)
+    cpc = config.context_parallel
+    heads = getattr(getattr(model, "config", None), "n_head", None)
+    if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:
+        try:  # Ulysses splits each tp rank's heads again
+            check_heads(heads // tp.size, cpc.size if cpc.method == "ulysses" else cpc.ulysses_size)
+        except ValueError as exc:
+            raise ConfigError(f"context_parallel.method {cpc.method!r}: {exc}") from None
     ac = config.activation_checkpointing
     if ac.enabled and not isinstance(model, PipelineModule):  # a PipelineModule's layers are its blocks
         if ac.granularity == "full" and not spec.blocks(model):
@@ -175,7 +183,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         model.materialize()  # used whole, a PipelineModule is an ordinary model
     ring = None
     if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
-        ring = _context_parallel(module, split, mesh, cores)
+        ring = _context_parallel(module, split, mesh, cores, config.context_parallel.method)
         cores = [ring.replaced.get(id(core), core) for core in cores]
         steps.append(ring)
     ac = config.activation_checkpointing
@@ -198,12 +206,13 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred)
 
 
-def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module]):
+def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module],
+                      method: str):
     if split is None:
-        return context_parallelize(module, mesh, cores)
+        return context_parallelize(module, mesh, cores, method)
     # No stage calls the model's forward: the runner splits each micro-batch instead.
     first = split.pipe.layer(0) if 0 in split.module.stages else None
-    return context_parallelize_stages(module, mesh, cores, first)
+    return context_parallelize_stages(module, mesh, cores, first, method)
 
 
 def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
