@@ -45,12 +45,13 @@ class PipelineConfig(Section):
 
     stages: int = Field(1, ge=1)
     """Pipeline ranks (p); 1 disables pipelining."""
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
-    """Order of forwards and backwards: gpipe, 1f1b, interleaved (virtual_stages chunks per rank), zb-h1."""
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"] = "1f1b"
+    """Order of forwards and backwards: gpipe, 1f1b, interleaved (virtual_stages chunks per rank), zb-h1 (split
+    backward), zb-v and dualpipev (two chunks per rank in a V, split backward; dualpipev needs m >= 2p)."""
     micro_batches: int | None = Field(None, ge=1)
     """Micro-batches per optimizer step (m): the same number as gradient_accumulation_steps, which it sets."""
     virtual_stages: int = Field(1, ge=1)
-    """Stages (chunks) per rank for the interleaved schedule (v)."""
+    """Stages (chunks) per rank (v): the interleaved schedule's, 2 for zb-v and dualpipev (their V)."""
     partition: Literal["uniform", "parameters", "balanced"] | list[int] = "parameters"
     """How layers are cut: uniform (count), parameters, balanced (profiled time), or boundaries [0, ..., L]."""
 
