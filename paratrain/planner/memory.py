@@ -198,8 +198,12 @@ def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention
     """Peak working memory beyond states and stored activations on a rank of `stage`:
     - full recompute: one layer's activations rebuilt during its backward;
     - ZeRO-3: the gathered parameters of (1 + prefetch) units and one unit's unreduced gradient;
+    - ZeRO-2 in a pipeline with partial backwards: the whole unsharded gradient, staged through the step
+      until its one reduce-scatter (`Layout.partial_backwards`);
     - the last stage: the logits and their gradient during the loss (fp32 for the gradient)."""
     out = 0.0
+    if layout.zero_stage == 2 and layout.partial_backwards:
+        out += rank_params(spec, layout, stage) * layout.param_bytes
     if layout.recompute == "full":
         out += sum(layer_activations(spec, layout, recompute="none", flash_attention=flash_attention).values())
     if layout.zero_stage == 3:
