@@ -10,7 +10,10 @@ core goes to someone else, so the bubble shows only when every rank has a core o
 
 from __future__ import annotations
 
+import json
+import os
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from benchmarks.common import (
 )
 
 PP_MODEL = dict(n_layer=6)
+TIMELINES_ENV = "PARATRAIN_BENCH_TIMELINES"  # a directory: rank 0 of each case writes its timeline there
 MICRO_BATCH = 2
 
 
@@ -61,7 +65,13 @@ def paratrain_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int =
     batches = LocalBatches(MICRO_BATCH, 1, 0, m)
     timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
-    bubbles = measured_bubbles(engine.pipeline_timeline())
+    timeline = engine.pipeline_timeline()
+    bubbles = measured_bubbles(timeline)
+    keep = os.environ.get(TIMELINES_ENV)
+    if keep and dist.get_rank() == 0:  # the last step's events, for the timeline pictures of the docs
+        path = Path(keep) / f"{schedule}_p{p}" / "timeline.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(timeline))
     return timer.result(state_bytes=engine.memory_stats()["total"],
                         extra_bubble=[round(b["bubble"], 3) for b in bubbles],
                         extra_unit_bubble=round(bubbles[0]["unit_bubble"], 3),

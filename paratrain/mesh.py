@@ -46,6 +46,7 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    cp_ulysses: int = 1  # USP: ranks of a cp group that share a ring rank's tokens (Ulysses inside, ring across)
     sizes: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +74,21 @@ class ParallelDims:
                 f"{self.world_size}"
             )
         object.__setattr__(self, "sizes", {a: getattr(self, a) for a in AXES})
+        if not isinstance(self.cp_ulysses, int) or self.cp_ulysses < 1 or self.cp % self.cp_ulysses:
+            raise MeshError(f"the Ulysses size {self.cp_ulysses!r} must be a positive divisor of cp ({self.cp})")
+
+    def cp_subgroups(self) -> dict[str, list[list[int]]]:
+        """USP's two sub-axes of every cp group (cp index c = ring index · u + Ulysses index): "cp_ulysses"
+        groups are runs of u consecutive cp indices, "cp_ring" groups the indices with the same c mod u. Empty
+        unless 1 < cp_ulysses < cp."""
+        u = self.cp_ulysses
+        if not 1 < u < self.cp:
+            return {}
+        out: dict[str, list[list[int]]] = {"cp_ring": [], "cp_ulysses": []}
+        for members in self.groups("cp"):
+            out["cp_ulysses"] += [members[i * u:(i + 1) * u] for i in range(self.cp // u)]
+            out["cp_ring"] += [members[j::u] for j in range(u)]
+        return out
 
     # ---- what "data-parallel" counts ------------------------------------------------------------------
     @property
@@ -171,8 +187,9 @@ class Mesh:
     the comm guard (timeouts and hang reports; the engine configures it from the config's `comm`)."""
 
     def __init__(self, dims: ParallelDims, rank: int, device_mesh, axes: dict[tuple[str, ...], Axis], stats,
-                 guard=None, owned_groups: Sequence = ()):
+                 guard=None, owned_groups: Sequence = (), sub_axes: dict[str, Axis] | None = None):
         self.owned_groups = list(owned_groups)  # the process groups build_mesh created for this rank
+        self.sub_axes = dict(sub_axes or {})  # USP's cp_ring and cp_ulysses (`ParallelDims.cp_subgroups`)
         self.dims = dims
         self.rank = rank
         self.device_mesh = device_mesh

@@ -27,6 +27,7 @@ from torch import nn
 from paratrain.activation_checkpointing import checkpoint_activations
 from paratrain.config import Config, ConfigError
 from paratrain.context_parallel import check_context_parallel, context_parallelize, context_parallelize_stages
+from paratrain.context_parallel.ulysses import check_heads
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.data_parallel.flat import OffloadPolicy, allocate_local
@@ -38,7 +39,7 @@ from paratrain.model_spec import DEFAULT_SPEC, ModelSpec, spec_for
 from paratrain.origin import Origin, Renamed, Step
 from paratrain.pipeline.module import PipelineModule
 from paratrain.pipeline.runtime import PipelineRunner
-from paratrain.pipeline.schedules import ScheduleError, check_sizes
+from paratrain.pipeline.schedules import V_SCHEDULES, ScheduleError, check_sizes, placement_of
 from paratrain.pipeline.split import PipelineSplit, split_pipeline
 from paratrain.precision import autocast_context
 from paratrain.tensor_parallel import RNGTracker
@@ -123,6 +124,13 @@ def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None
     seq_len = spec.sequence_length(model)
     spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp})
     check_context_parallel(model, cp)
+    cpc = config.context_parallel
+    heads = getattr(getattr(model, "config", None), "n_head", None)
+    if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:
+        try:  # Ulysses splits each tp rank's heads again
+            check_heads(heads // tp.size, cpc.size if cpc.method == "ulysses" else cpc.ulysses_size)
+        except ValueError as exc:
+            raise ConfigError(f"context_parallel.method {cpc.method!r}: {exc}") from None
     ac = config.activation_checkpointing
     if ac.enabled and not isinstance(model, PipelineModule):  # a PipelineModule's layers are its blocks
         if ac.granularity == "full" and not spec.blocks(model):
@@ -167,7 +175,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     pp = config.pipeline
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
         pipe = spec.pipeline_module(model, config.train_micro_batch_size_per_gpu)
-        split = split_pipeline(pipe, mesh, pp.stages, pp.virtual_stages, pp.partition,
+        split = split_pipeline(pipe, mesh, pp.stages, pp.virtual_stages, pp.partition, placement_of(pp.schedule),
                                device=None if deferred else device, own_names=pipe is model)
         steps.append(split)
         module = split.module
@@ -175,7 +183,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         model.materialize()  # used whole, a PipelineModule is an ordinary model
     ring = None
     if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
-        ring = _context_parallel(module, split, mesh, cores)
+        ring = _context_parallel(module, split, mesh, cores, config.context_parallel.method)
         cores = [ring.replaced.get(id(core), core) for core in cores]
         steps.append(ring)
     ac = config.activation_checkpointing
@@ -198,12 +206,22 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred)
 
 
-def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module]):
+def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module],
+                      method: str):
     if split is None:
-        return context_parallelize(module, mesh, cores)
+        return context_parallelize(module, mesh, cores, method)
     # No stage calls the model's forward: the runner splits each micro-batch instead.
     first = split.pipe.layer(0) if 0 in split.module.stages else None
-    return context_parallelize_stages(module, mesh, cores, first)
+    return context_parallelize_stages(module, mesh, cores, first, method)
+
+
+def _partial_backwards(config: Config) -> bool:
+    """Whether one backward of the pipeline reaches only part of a rank's parameters: two chunks per rank
+    (interleaved, the V schedules) or a backward split into B and W (ZB-H1, ZB-V, DualPipeV). ZeRO-2 then
+    reduces at the window's last gradient of each parameter (`reduce_at_boundary`) instead of after every
+    backward, which expects every parameter's gradient."""
+    pp = config.pipeline
+    return pp.stages > 1 and (pp.virtual_stages > 1 or pp.schedule in ("zb-h1", *V_SCHEDULES))
 
 
 def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
@@ -224,7 +242,7 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
                             pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
     if zero.stage <= 2:
         stage_option = {"free_grad_buckets": zero.free_grad_buckets} if zero.stage == 1 else \
-            {"reduce_at_boundary": zero.reduce_at_boundary}
+            {"reduce_at_boundary": zero.reduce_at_boundary or _partial_backwards(config)}
         return ZERO_STAGES[zero.stage](model, axis, precision=config.precision, bucket_numel=zero.reduce_bucket_size,
                                        offload=offload, allow_unused_parameters=dp.allow_unused_parameters,
                                        predivide_factor=predivide,

@@ -30,7 +30,7 @@ def layout(dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, zero: int = 0, sp
                        tensor_parallel={"size": tp, "sequence_parallel": sp},
                        context_parallel={"size": cp},
                        pipeline={"stages": pp, "schedule": schedule, "partition": "uniform",
-                                 "virtual_stages": 2 if schedule == "interleaved" else 1},
+                                 "virtual_stages": 2 if schedule in ("interleaved", "zb-v", "dualpipev") else 1},
                        zero_optimization={"stage": zero, "stage3_param_persistence_threshold": 0, **zero_extra})
     if ckpt is not None:
         cfg["activation_checkpointing"] = {"enabled": True, "granularity": ckpt}
@@ -51,6 +51,7 @@ MATRIX_8 = with_and_without_checkpointing([
     (dict(dp=2, pp=2, tp=2, zero=1, sp=True, micro_batch=1), "selective"),
     (dict(dp=8, zero=3, micro_batch=1), "full"),
     (dict(dp=2, tp=2, cp=2, zero=3, sp=True), "selective"),
+    (dict(dp=2, pp=2, tp=2, zero=1, schedule="zb-v"), "full"),
 ])
 
 MATRIX_4 = with_and_without_checkpointing([
@@ -60,6 +61,8 @@ MATRIX_4 = with_and_without_checkpointing([
     (dict(dp=2, cp=2, zero=3, wrap_module_names=["blocks.*.attn", "blocks.*.mlp"]), "full"),  # nested units
     (dict(tp=2, cp=2, sp=True), "selective"),
     (dict(dp=2, tp=2, zero=2, sp=True), "selective"),
+    (dict(pp=2, cp=2, schedule="dualpipev", micro_batch=1), "selective"),
+    (dict(dp=2, pp=2, zero=2, schedule="zb-v"), "full"),
 ])
 
 
@@ -117,7 +120,7 @@ def test_parity_matrix_8_ranks(world8, family):
     print("\n".join(cases))
     assert [c.split(":")[0] for c in cases[::2]] == [
         "dp2 x pp2 x tp2 1f1b", "dp2 x cp2 x tp2", "pp2 x cp2 x tp2 zb-h1", "pp4 x tp2 1f1b", "dp4 x tp2 zero1",
-        "dp2 x pp2 x tp2 zero1 1f1b sp", "dp8 zero3", "dp2 x cp2 x tp2 zero3 sp"]
+        "dp2 x pp2 x tp2 zero1 1f1b sp", "dp8 zero3", "dp2 x cp2 x tp2 zero3 sp", "dp2 x pp2 x tp2 zero1 zb-v"]
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])

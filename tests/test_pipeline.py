@@ -11,7 +11,7 @@ import torch
 import paratrain
 from paratrain.cli import main as cli_main
 from paratrain.data import default_collate
-from paratrain.pipeline.schedules import build_schedule
+from paratrain.pipeline.schedules import build_schedule, stages_of_rank
 from paratrain.pipeline.timeline import measured_bubbles
 from paratrain.pipeline.validate import simulate
 from paratrain.testing import max_rel_diff, rel_diff
@@ -25,7 +25,11 @@ STEPS = 5
 N_LAYER = 6  # 8 pipeline layers (embed, 6 blocks, head): enough for p = 4 with 2 chunks per rank
 MICRO_BATCH = 2
 BSH = MICRO_BATCH * 16 * 32  # elements of one activation message: micro-batch x seq_len x d_model
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)]
+
+
+def _micro_batches(schedule: str, stages: int) -> int:
+    return 2 * stages if schedule == "dualpipev" else 4  # DualPipeV fills its V with 2p micro-batches
 
 
 def _model():
@@ -114,12 +118,13 @@ def _cases(cases: list[tuple]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def p2(world2):
-    return world2.run(_cases, [(s, 2, 4, v) for s, v in SCHEDULES])
+    return world2.run(_cases, [(s, 2, _micro_batches(s, 2), v) for s, v in SCHEDULES])
 
 
 @pytest.fixture(scope="module")
 def p4_and_dp2pp2(world4):
-    return world4.run(_cases, [(s, 4, 4, v) for s, v in SCHEDULES] + [(s, 2, 4, v) for s, v in SCHEDULES])
+    return world4.run(_cases, [(s, 4, _micro_batches(s, 4), v) for s, v in SCHEDULES] +
+                      [(s, 2, _micro_batches(s, 2), v) for s, v in SCHEDULES])
 
 
 def _by_case(per_rank: list[list[dict]]) -> list[list[dict]]:
@@ -136,15 +141,17 @@ def _check_parity(ranks: list[dict]) -> None:
 
 def _check_traffic(ranks: list[dict]) -> None:
     """Per step, each stage boundary carries m activations forward and m gradients back, b·s·h each."""
-    schedule, p, m, v = ranks[0]["case"]
+    name, p, m, v = ranks[0]["case"]
+    schedule = build_schedule(name, p, m, v)
     stages = p * v
+    remote = [s for s in range(stages - 1) if not schedule.local(s, s + 1)]  # the bottom of a V is not sent
     for r in ranks:
-        mine = [c * p + r["coords"]["pp"] for c in range(v)]
-        expected = m * BSH * (sum(s < stages - 1 for s in mine) + sum(s > 0 for s in mine))
+        mine = stages_of_rank(schedule.placement, r["coords"]["pp"], p, v)
+        expected = m * BSH * (sum(s in remote for s in mine) + sum(s - 1 in remote for s in mine))
         assert r["pp"]["send"] == {"pp": {"calls": expected // BSH, "elements": expected, "bytes": 4 * expected}}, r
         assert r["pp"]["recv"]["pp"]["elements"] == expected
     replica = [r for r in ranks if r["coords"]["dp"] == 0]
-    assert sum(r["pp"]["send"]["pp"]["elements"] for r in replica) == 2 * m * BSH * (stages - 1)
+    assert sum(r["pp"]["send"]["pp"]["elements"] for r in replica) == 2 * m * BSH * len(remote)
     assert sum(r["params"] for r in replica) == 4 * ranks[0]["psi"]  # every parameter on exactly one stage
 
 
@@ -176,16 +183,19 @@ def test_timeline_and_report(p2, tmp_path):
     for name, timeline in timelines.items():
         assert [r["pp"] for r in timeline["ranks"]] == [0, 1]
         kinds = {e[0] for r in timeline["ranks"] for e in r["events"]}
-        assert kinds == ({"F", "B", "W"} if name == "zb-h1" else {"F", "B"})
-        v = 2 if name == "interleaved" else 1
-        assert all(len(r["events"]) == (3 if name == "zb-h1" else 2) * 4 * v for r in timeline["ranks"])
+        split = name in ("zb-h1", "zb-v", "dualpipev")
+        assert kinds == ({"F", "B", "W"} if split else {"F", "B"})
+        v = dict(SCHEDULES)[name]
+        assert all(len(r["events"]) == (3 if split else 2) * 4 * v for r in timeline["ranks"])
         for b in measured_bubbles(timeline):
             assert 0.0 <= b["bubble"] < 1.0 and b["busy_s"] > 0
         # Activations held at once, counted in the runner, are what the validator predicts: GPipe holds all
         # m micro-batches, 1F1B (and ZB-H1) at most p - rank; a micro-batch's are freed at its backward.
         expected = simulate(build_schedule(name, 2, 4, v)).peak_in_flight
         assert [r["peak_in_flight"] for r in timeline["ranks"]] == expected
-        assert expected == {"gpipe": [4, 4], "1f1b": [2, 1], "zb-h1": [2, 1], "interleaved": [5, 3]}[name]
+        # (chunks for interleaved and the V schedules: ZB-V's 2p chunks are 1F1B's p stages, DualPipeV's 2p + 1)
+        assert expected == {"gpipe": [4, 4], "1f1b": [2, 1], "zb-h1": [2, 1], "interleaved": [5, 3], "zb-v": [4, 4],
+                            "dualpipev": [5, 5]}[name]
     run = tmp_path / "run"
     run.mkdir()
     (run / "timeline.json").write_text(json.dumps(timelines["zb-h1"]))

@@ -16,10 +16,12 @@ def _model():
     return tiny_gpt(n_layer=4)
 
 
-def _compose(schedule: str, dp: int, tp: int, stage: int, sp: bool = False) -> dict:
-    """The layout dp x pp x tp on 4 ranks with a ZeRO stage on dp; the summary of its parity run."""
+def _compose(schedule: str, dp: int, tp: int, stage: int, sp: bool = False, cp: int = 1) -> dict:
+    """The layout dp x pp x tp x cp on 4 ranks with a ZeRO stage on dp; the summary of its parity run."""
+    virtual = 2 if schedule in ("interleaved", "zb-v", "dualpipev") else 1
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
-                       pipeline={"stages": 4 // (dp * tp), "schedule": schedule, "partition": "uniform"},
+                       pipeline={"stages": 4 // (dp * tp * cp), "schedule": schedule, "partition": "uniform",
+                                 "virtual_stages": virtual}, context_parallel={"size": cp},
                        tensor_parallel={"size": tp, "sequence_parallel": sp}, zero_optimization={"stage": stage})
     return layout_parity(cfg, _model, corpus_windows(), STEPS)
 
@@ -28,8 +30,13 @@ def _cases(cases):
     return [_compose(*c) for c in cases]
 
 
-def test_dp2_pp2_with_zero_1_and_2_and_pp2_tp2(world4):
-    cases = [("1f1b", 2, 1, 1), ("zb-h1", 2, 1, 1), ("gpipe", 2, 1, 2), ("1f1b", 1, 2, 0), ("zb-h1", 1, 2, 1, True)]
+def test_dp2_pp2_with_zero_1_and_2_and_pp2_tp2_and_pp2_cp2(world4):
+    cases = [("1f1b", 2, 1, 1), ("zb-h1", 2, 1, 1), ("gpipe", 2, 1, 2), ("1f1b", 1, 2, 0), ("zb-h1", 1, 2, 1, True),
+             # the V schedules with ZeRO-1/2 on dp, with tp (and sp), and with cp
+             ("zb-v", 2, 1, 1), ("dualpipev", 2, 1, 2), ("zb-v", 1, 2, 1, True), ("dualpipev", 1, 2, 0),
+             ("zb-v", 1, 1, 0, False, 2), ("dualpipev", 1, 1, 1, False, 2),
+             # ZeRO-2 where one backward reaches part of a rank's parameters (two chunks, or B apart from W)
+             ("zb-h1", 2, 1, 2), ("interleaved", 2, 1, 2), ("zb-v", 2, 1, 2)]
     per_rank = world4.run(_cases, cases)
     for ranks in zip(*per_rank):
         for r in ranks:

@@ -6,6 +6,7 @@ import pytest
 
 from paratrain.pipeline.schedules import (
     RECV_F,
+    SEND_B,
     SEND_F,
     Action,
     ActionKind,
@@ -15,6 +16,7 @@ from paratrain.pipeline.schedules import (
     ScheduleError,
     W,
     build_schedule,
+    stages_of_rank,
 )
 from paratrain.pipeline.timeline import _unit_events
 from paratrain.pipeline.validate import check_schedule, simulate, theoretical_bubble, validate
@@ -135,3 +137,65 @@ def test_schedule_size_errors_name_the_fix():
         build_schedule("interleaved", 2, 4, 1)
     with pytest.raises(ScheduleError, match="unknown pipeline schedule 'pipedream'"):
         build_schedule("pipedream", 2, 4)
+
+
+# ---- the V schedules: two chunks per rank, stages r and 2p - 1 - r --------------------------------------
+V_GRID = [(name, p, m) for name in ("zb-v", "dualpipev") for p in (2, 4, 8) for m in (1, p, 2 * p, 4 * p, 8 * p)
+          if not (name == "dualpipev" and m < 2 * p)]  # DualPipeV fills its V with 2p micro-batches first
+
+
+@pytest.mark.parametrize("name,p,m", V_GRID)
+def test_v_schedules_are_complete_and_deadlock_free_with_no_message_at_the_bottom_of_the_v(name, p, m):
+    schedule = build_schedule(name, p, m, 2)
+    validate(schedule)  # both backend models
+    validate(build_schedule(name, p, m, 2, forward_only=True))
+    assert schedule.placement == "v" and schedule.split_backward
+    for rank in range(p):
+        assert stages_of_rank("v", rank, p, 2) == [rank, 2 * p - 1 - rank]
+        for stage in (rank, 2 * p - 1 - rank):
+            for micro in range(m):
+                assert {Action(k, stage, micro) for k in (F, B, W)} <= set(schedule.actions[rank])
+    # Stages p - 1 and p share the last rank: that boundary is handed over in place, never sent.
+    sent = {(a.stage, a.kind) for actions in schedule.actions for a in actions if a.is_comm}
+    assert (p - 1, SEND_F) not in sent and (p, RECV_F) not in sent and (p, SEND_B) not in sent
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p, 8 * p)])
+def test_zb_v_is_no_more_idle_than_zb_h1_at_1f1b_activation_memory(p, m):
+    zb_v = simulate(build_schedule("zb-v", p, m, 2))
+    zb_h1 = simulate(build_schedule("zb-h1", p, m))
+    one_f_one_b = simulate(build_schedule("1f1b", p, m))
+    assert max(zb_v.idle_fraction) <= min(zb_h1.idle_fraction) + 1e-12
+    # Unit slots are per chunk (half a stage): p - 1 idle chunk slots of 6m + p - 1, the ZB-V paper's bubble.
+    assert zb_v.idle_fraction == pytest.approx([(p - 1) / (6 * m + p - 1)] * p)
+    assert theoretical_bubble(zb_v.schedule) == pytest.approx(max(zb_v.idle_fraction))
+    if m >= 2 * p:
+        dualpipev = simulate(build_schedule("dualpipev", p, m, 2))
+        assert theoretical_bubble(dualpipev.schedule) == pytest.approx(max(dualpipev.idle_fraction))
+    # A chunk activation is half a stage's: at most 2p of them, 1F1B's p whole stages.
+    assert max(zb_v.peak_in_flight) / 2 <= max(one_f_one_b.peak_in_flight)
+
+
+@pytest.mark.parametrize("durations", [{F: 1.0, B: 1.0, W: 1.0}, {F: 2.0, B: 2.0, W: 1.0}, {F: 1.0, B: 1.0, W: 0.5},
+                                       {F: 1.0, B: 2.0, W: 1.0}])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_dualpipev_bubble_and_memory_are_deepseeks_formula(p, durations):
+    """DeepSeek's table: bubble (PP/2 - 1)(F&B + B - 3W), activations PP + 1, for PP = 2p chunks on p ranks,
+    with B there the whole backward (our B + W) and F&B = F + B (run back to back: nothing overlaps on CPU)."""
+    f, b, w = durations[F], durations[B] + durations[W], durations[W]
+    formula = (p - 1) * ((f + b) + b - 3 * w)
+    for m in (2 * p, 3 * p, 8 * p):
+        for rendezvous in (False, True):
+            sim = simulate(build_schedule("dualpipev", p, m, 2), durations, rendezvous=rendezvous)
+            assert max(sim.peak_in_flight) == 2 * p + 1
+            if durations[B] == durations[F]:
+                assert max(sim.idle_slots) == pytest.approx(formula)
+            elif not rendezvous:  # a backward slower than the forward: the steady state's wait shrinks
+                assert max(sim.idle_slots) <= formula + 1e-9
+
+
+def test_v_schedule_size_errors_name_the_fix():
+    with pytest.raises(ScheduleError, match="set pipeline.virtual_stages to 2"):
+        build_schedule("zb-v", 2, 4, 1)
+    with pytest.raises(ScheduleError, match=r"micro-batches \(6\) must be at least 8"):
+        build_schedule("dualpipev", 4, 6, 2)

@@ -52,6 +52,18 @@ CALIBRATION = [
                  {"zero_optimization": {"stage3_param_persistence_threshold": 0}}, id="dp2-cp2-tp2-zero3"),
     pytest.param(Layout(dp=4, tp=2, zero_stage=2, micro_batch=1, grad_accum=2, recompute="full", precision="fp32"),
                  {}, id="dp4-tp2-zero2-full"),
+    # Ulysses (on cp), USP (cp_ring x cp_ulysses), and the V schedules (the bottom of the V sends nothing;
+    # ZeRO-2 there reduces once per step, a backward reaching one chunk only).
+    pytest.param(Layout(dp=1, cp=2, cp_method="ulysses", micro_batch=2, grad_accum=2, precision="fp32"), {},
+                 id="ulysses2-accum2"),
+    pytest.param(Layout(dp=1, cp=2, tp=2, cp_method="ulysses", micro_batch=2, grad_accum=1, recompute="selective",
+                        precision="fp32"), {}, id="tp2-ulysses2-selective"),
+    pytest.param(Layout(dp=1, cp=4, cp_method="usp", ulysses_size=2, micro_batch=1, grad_accum=2, precision="fp32"),
+                 {}, id="usp-ring2-ulysses2"),
+    pytest.param(Layout(dp=1, pp=2, schedule="zb-v", virtual_stages=2, micro_batch=2, grad_accum=4, precision="fp32"),
+                 {}, id="pp2-zbv"),
+    pytest.param(Layout(dp=2, pp=2, schedule="dualpipev", virtual_stages=2, zero_stage=2, micro_batch=1, grad_accum=4,
+                        precision="fp32"), {}, id="dp2-pp2-dualpipev-zero2"),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -32,6 +33,32 @@ def test_every_enumerated_layout_obeys_the_rules():
     assert (2, 4, 1, "interleaved", 1) in kinds and (8, 1, 4, "none", 3) in kinds
     unfused = list(enumerate_layouts(SPEC, 4, 8, 8, SearchSpace(flash_attention=False)))
     assert any(lay.recompute == "selective" for lay in unfused)
+
+
+def test_the_search_weighs_every_sequence_method_and_schedule():
+    layouts = list(enumerate_layouts(SPEC, 16, 64, gpus_per_node=8))
+    kinds = {(lay.cp, lay.cp_method, lay.ulysses_size) for lay in layouts}
+    assert {(4, "ring", 1), (4, "ulysses", 1), (4, "usp", 2), (8, "usp", 4)} <= kinds
+    assert {"zb-v", "dualpipev"} <= {lay.schedule for lay in layouts}
+    assert all(lay.virtual_stages == 2 for lay in layouts if lay.schedule in ("zb-v", "dualpipev"))
+    assert all(lay.grad_accum >= 2 * lay.pp for lay in layouts if lay.schedule == "dualpipev")
+    # 12 heads: Ulysses over 8 ranks cannot split them, USP with a Ulysses part of 4 can (ring over 2).
+    twelve = model_spec("gpt-125m")
+    found = {(lay.cp, lay.cp_method, lay.ulysses_size) for lay in enumerate_layouts(twelve, 8, 8, gpus_per_node=8)
+             if lay.tp == 1}
+    assert (8, "ulysses", 1) not in found and (8, "usp", 4) in found and (8, "usp", 2) in found
+    assert "Ulysses over 8 ranks does not divide the 12 heads" in invalid_reason(
+        twelve, Layout(dp=1, micro_batch=1, grad_accum=8, cp=8, cp_method="ulysses"), 8)
+    # At equal micro-batches ZB-V idles half as long as ZB-H1 and DualPipeV, which hold more activations; but
+    # under a V rank 0 holds the embedding and the head, so with the uniform split its compute sets the pace.
+    hw = Hardware(latency=0.0, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30)
+    base = Layout(dp=1, micro_batch=1, grad_accum=16, pp=4, schedule="zb-h1", precision="bf16")
+    runs = {name: evaluate(SPEC, replace(base, schedule=name, virtual_stages=2 if name != "zb-h1" else 1), hw)
+            for name in ("zb-h1", "zb-v", "dualpipev")}
+    bubble = {name: run.time.bubble / (run.time.compute / base.grad_accum) for name, run in runs.items()}
+    assert bubble == pytest.approx({"zb-h1": 1.0, "zb-v": 0.5, "dualpipev": 1.0})
+    assert runs["zb-v"].memory.total < runs["dualpipev"].memory.total
+    assert runs["zb-v"].time.compute > runs["zb-h1"].time.compute
 
 
 @pytest.mark.parametrize("layout,reason", [

@@ -23,8 +23,10 @@ def test_ring_collective_costs():
     assert collective_seconds("send", size, 2, bw, lat) == pytest.approx(lat + size / bw)
     assert collective_seconds("recv", size, 2, bw, lat) == 0.0  # the peer's send carries the time
     assert collective_seconds("all_reduce", size, 1, bw, lat) == 0.0
-    with pytest.raises(ValueError, match="no ring model for collective 'all_to_all'"):
-        collective_seconds("all_to_all", size, 2, bw, lat)
+    # all-to-all: n - 1 pairwise steps, its payload already what leaves the rank (as paratrain.comm counts it)
+    assert collective_seconds("all_to_all", size, 4, bw, lat) == pytest.approx(3 * lat + size / bw)
+    with pytest.raises(ValueError, match="no ring model for collective 'gather'"):
+        collective_seconds("gather", size, 2, bw, lat)
 
 
 def test_groups_inside_or_across_nodes():
@@ -58,6 +60,14 @@ def test_pipeline_bubble_fraction(p, m):
     assert estimate_time(SPEC, replace(layout, schedule="gpipe"), hw).bubble == pytest.approx(t.bubble)
     assert bubble_factor(replace(layout, schedule="zb-h1")) == pytest.approx((p - 1) / 3)
     assert bubble_factor(replace(layout, schedule="interleaved", virtual_stages=2)) == pytest.approx((p - 1) / 2)
+    # The V schedules: the simulator's idle slots per rank over one micro-batch's 6 chunk slots (F, B, W of two
+    # chunks), the planner's unit of a stage's forward + backward.
+    from paratrain.pipeline.schedules import build_schedule
+    from paratrain.pipeline.validate import simulate
+
+    for name in ("zb-v", "dualpipev"):
+        sim = simulate(build_schedule(name, p, m, 2))
+        assert bubble_factor(replace(layout, schedule=name, virtual_stages=2)) == pytest.approx(max(sim.idle_slots) / 6)
 
 
 def test_recompute_costs_a_forward():

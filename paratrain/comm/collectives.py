@@ -126,6 +126,25 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, axis: Axis, op
                    async_op)
 
 
+def all_to_all_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag: str = "",
+                    async_op: bool = False) -> Handle:
+    """Split `tensor` into `axis.size` equal chunks along dim 0 and send chunk j to rank j; `output` (the
+    same shape) receives rank j's chunk for this rank at position j. Counted: the elements that leave this
+    rank, (n - 1) / n of `tensor` (its own chunk stays)."""
+    if axis.size == 1:
+        if output.data_ptr() != tensor.data_ptr():
+            output.copy_(tensor)
+        return Handle()
+    if tensor.shape[0] % axis.size or output.shape != tensor.shape:
+        raise InvalidValueError(f"all_to_all on {axis.name}: dimension 0 of {tuple(tensor.shape)} must split into "
+                                f"{axis.size} equal chunks and the output must have the input's shape, got "
+                                f"{tuple(output.shape)}")
+    leaving = tensor.numel() // axis.size * (axis.size - 1)
+    return _launch(axis, "all_to_all", tag, tensor,
+                   lambda a: dist.all_to_all_single(output, tensor, group=axis.group, async_op=a), async_op,
+                   elements=leaving)
+
+
 def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = "", async_op: bool = False) -> Handle:
     """Broadcast from the rank with index `src` inside the axis."""
     if axis.size == 1:

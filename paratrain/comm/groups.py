@@ -53,8 +53,15 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=N
             group = device_mesh[combo]._flatten(name).get_group()
             owned.append(group)
         axes[combo] = Axis(name, tuple(members), members.index(rank), group, stats, guard, combo)
+    sub_axes: dict[str, Axis] = {}
+    for name, all_groups in dims.cp_subgroups().items():  # USP: every rank creates every group, keeps its own
+        for ranks in all_groups:
+            created = dist.new_group(ranks)
+            if rank in ranks:
+                owned.append(created)
+                sub_axes[name] = Axis(name, tuple(ranks), ranks.index(rank), created, stats, guard, ("cp",))
     world = tuple(range(dims.world_size))
     axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats, guard, AXES)
     # A dim spanning the whole world is the default group itself: that one belongs to init_distributed.
     unique = [g for g in {id(g): g for g in owned}.values() if g is not dist.GroupMember.WORLD]
-    return Mesh(dims, rank, device_mesh, axes, stats, guard, owned_groups=unique)
+    return Mesh(dims, rank, device_mesh, axes, stats, guard, owned_groups=unique, sub_axes=sub_axes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from paratrain.config.section import Section
 from paratrain.errors import InvalidValueError
@@ -45,12 +45,13 @@ class PipelineConfig(Section):
 
     stages: int = Field(1, ge=1)
     """Pipeline ranks (p); 1 disables pipelining."""
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
-    """Order of forwards and backwards: gpipe, 1f1b, interleaved (virtual_stages chunks per rank), zb-h1."""
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"] = "1f1b"
+    """Order of forwards and backwards: gpipe, 1f1b, interleaved (virtual_stages chunks per rank), zb-h1 (split
+    backward), zb-v and dualpipev (two chunks per rank in a V, split backward; dualpipev needs m >= 2p)."""
     micro_batches: int | None = Field(None, ge=1)
     """Micro-batches per optimizer step (m): the same number as gradient_accumulation_steps, which it sets."""
     virtual_stages: int = Field(1, ge=1)
-    """Stages (chunks) per rank for the interleaved schedule (v)."""
+    """Stages (chunks) per rank (v): the interleaved schedule's, 2 for zb-v and dualpipev (their V)."""
     partition: Literal["uniform", "parameters", "balanced"] | list[int] = "parameters"
     """How layers are cut: uniform (count), parameters, balanced (profiled time), or boundaries [0, ..., L]."""
 
@@ -61,10 +62,38 @@ class PipelineConfig(Section):
 
 
 class ContextParallelConfig(Section):
-    """Ring attention over the cp axis: each rank holds 2 mirrored chunks of every sequence."""
+    """The sequence split over the cp axis, attention exact over the whole of it (docs/strategies.md)."""
 
     size: int = Field(1, ge=1)
     """Ranks that split each sequence (the model's seq_len must be divisible by 2 x size)."""
+    method: Literal["ring", "ulysses", "usp"] = "ring"
+    """ring: K/V blocks travel around the cp ranks (each holds 2 mirrored chunks); ulysses: an all-to-all gives
+    each rank every token of heads/size heads (size must divide the heads of each tp rank); usp: Ulysses over
+    ulysses_size ranks inside, ring attention across size/ulysses_size groups."""
+    ulysses_size: int | None = Field(None, ge=1)
+    """usp: ranks of the Ulysses sub-axis (a divisor of size, between 1 and size); ulysses: size (the default)."""
+
+    @model_validator(mode="after")
+    def _sizes(self) -> ContextParallelConfig:
+        u = self.ulysses_size
+        if self.method == "usp" and (u is None or not 1 < u < self.size or self.size % u):
+            works = [d for d in range(2, self.size) if self.size % d == 0]
+            raise InvalidValueError(f"context_parallel.method 'usp' needs context_parallel.ulysses_size, a divisor "
+                                    f"of context_parallel.size ({self.size}) strictly between 1 and it: one of "
+                                    f"{works or 'none (use a size with a proper divisor, e.g. 4)'}; got {u}")
+        if self.method == "ulysses" and u not in (None, self.size):
+            raise InvalidValueError(f"context_parallel.method 'ulysses' runs Ulysses over all {self.size} cp ranks: "
+                                    f"drop context_parallel.ulysses_size ({u}), or use method 'usp' for Ulysses "
+                                    f"inside ring attention")
+        if self.method == "ring" and u is not None:
+            raise InvalidValueError("context_parallel.ulysses_size is for methods 'ulysses' and 'usp'; drop it or "
+                                    "set context_parallel.method")
+        return self
+
+    @property
+    def cp_ulysses(self) -> int:
+        """The Ulysses sub-axis size of the mesh (1 unless usp)."""
+        return self.ulysses_size if self.method == "usp" else 1
 
 
 class ActivationCheckpointingConfig(Section):

@@ -108,7 +108,8 @@ class Config(Section):
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The layout on `world_size` ranks (raises MeshError, naming the sizes, when they do not fit)."""
         return ParallelDims(world_size, dp=self.dp_size(world_size), pp=self.pipeline.stages,
-                            cp=self.context_parallel.size, tp=self.tensor_parallel.size)
+                            cp=self.context_parallel.size, tp=self.tensor_parallel.size,
+                            cp_ulysses=self.context_parallel.cp_ulysses)
 
     @property
     def precision(self) -> Literal["fp32", "bf16", "fp16"]:

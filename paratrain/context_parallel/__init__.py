@@ -1,4 +1,5 @@
-"""Context parallelism: the sequence split over the cp axis, exact causal attention by ring attention.
+"""Context parallelism: the sequence split over the cp axis, exact causal attention by ring attention, by
+Ulysses' all-to-all, or by both (USP).
 
     from paratrain.context_parallel import context_parallelize
     applied = context_parallelize(model, mesh)   # ring attention cores + the split of the inputs
@@ -12,17 +13,21 @@ from paratrain.context_parallel.apply import (
 )
 from paratrain.context_parallel.ring_attention import RingAttentionCore, ring_attention
 from paratrain.context_parallel.sharding import (
+    SequenceSplit,
     SequenceSplitError,
     chunk_ids,
     local_positions,
     merge_sequence,
     split_sequence,
 )
+from paratrain.context_parallel.ulysses import UlyssesAttentionCore
 
 __all__ = [
     "AppliedContextParallel",
     "RingAttentionCore",
+    "SequenceSplit",
     "SequenceSplitError",
+    "UlyssesAttentionCore",
     "check_context_parallel",
     "chunk_ids",
     "context_parallelize",

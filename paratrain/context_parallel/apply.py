@@ -1,6 +1,7 @@
-"""Apply context parallelism to a model in place: ring attention cores and the split of its inputs.
+"""Apply context parallelism to a model in place: attention cores that see the whole sequence (ring
+attention, Ulysses' all-to-all, or both: USP) and the split of its inputs.
 
-    applied = context_parallelize(model, mesh, cores)  # cores: the model's attention cores (its model spec's)
+    applied = context_parallelize(model, mesh, cores, method="ring")  # cores: the model spec's attention cores
     loss = model(idx, targets)                   # idx, targets: the full (b, s) batch, the same on every cp rank
 
 [Note: where the sequence is split]
@@ -31,7 +32,8 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.context_parallel.ring_attention import RingAttentionCore
-from paratrain.context_parallel.sharding import SequenceSplitError, check_divisible, local_positions, split_sequence
+from paratrain.context_parallel.sharding import SequenceSplit, SequenceSplitError, check_divisible
+from paratrain.context_parallel.ulysses import UlyssesAttentionCore
 from paratrain.mesh import Axis, Mesh
 from paratrain.model_spec import spec_for
 from paratrain.origin import Step
@@ -43,13 +45,17 @@ class AppliedContextParallel(Step):
     and replicated over cp, so nothing needs undoing for checkpoints."""
 
     axis: Axis
-    replaced: dict[int, nn.Module] = field(default_factory=dict)  # id(original core) -> its ring attention
+    split: SequenceSplit | None = None  # which tokens this rank holds
+    method: str = "ring"
+    replaced: dict[int, nn.Module] = field(default_factory=dict)  # id(original core) -> its replacement
     # Pipeline only: (inputs, targets) of a micro-batch -> this rank's tokens of both (the runner applies it).
     split_batch: Callable | None = None
     name = "context parallel"
 
     def note(self) -> str:
-        return f"context parallel over {self.axis.size} ranks: ring attention in {len(self.replaced)} layers"
+        what = {"ring": "ring attention", "ulysses": "Ulysses all-to-all attention",
+                "usp": f"USP (Ulysses over {self.split.ulysses if self.split else '?'}, ring across)"}[self.method]
+        return f"context parallel over {self.axis.size} ranks: {what} in {len(self.replaced)} layers"
 
 
 def check_context_parallel(model: nn.Module, cp: int) -> None:
@@ -83,7 +89,7 @@ def check_context_parallel(model: nn.Module, cp: int) -> None:
             raise ConfigError(f"context_parallel.size = {cp}: {exc}") from None
 
 
-def _split_inputs_hook(axis: Axis, signature: inspect.Signature):
+def _split_inputs_hook(split: SequenceSplit, signature: inspect.Signature):
     tokens_name = next(iter(signature.parameters))
 
     def hook(module, args, kwargs):
@@ -91,20 +97,20 @@ def _split_inputs_hook(axis: Axis, signature: inspect.Signature):
         values = bound.arguments
         tokens = values[tokens_name]  # (b, s)
         seq = tokens.shape[1]
-        check_divisible(seq, axis.size, f"context parallel input '{tokens_name}' of shape {tuple(tokens.shape)}")
+        check_divisible(seq, split.size, f"context parallel input '{tokens_name}' of shape {tuple(tokens.shape)}")
         positions = values.get("position_ids")
         if positions is None:
             positions = torch.arange(seq, device=tokens.device)
-        values[tokens_name] = split_sequence(tokens, axis.size, axis.rank, dim=1)  # (b, s/cp)
-        values["position_ids"] = split_sequence(positions, axis.size, axis.rank, dim=-1)  # (s/cp,) or (b, s/cp)
+        values[tokens_name] = split.split(tokens, dim=1)  # (b, s/cp)
+        values["position_ids"] = split.split(positions, dim=-1)  # (s/cp,) or (b, s/cp)
         if values.get("targets") is not None:
-            values["targets"] = split_sequence(values["targets"], axis.size, axis.rank, dim=1)
+            values["targets"] = split.split(values["targets"], dim=1)
         return bound.args, bound.kwargs
 
     return hook
 
 
-def _positions_hook(axis: Axis, signature: inspect.Signature):
+def _positions_hook(split: SequenceSplit, signature: inspect.Signature):
     """Give a first pipeline layer that gets no position ids the global positions of this rank's tokens."""
     tokens_name = next(iter(signature.parameters))
 
@@ -112,55 +118,74 @@ def _positions_hook(axis: Axis, signature: inspect.Signature):
         bound = signature.bind(*args, **kwargs)
         if bound.arguments.get("position_ids") is None:
             tokens = bound.arguments[tokens_name]  # (b, s/cp): already this rank's chunks
-            bound.arguments["position_ids"] = local_positions(tokens.shape[1] * axis.size, axis.size, axis.rank,
-                                                              device=tokens.device)
+            bound.arguments["position_ids"] = split.positions(tokens.shape[1] * split.size, device=tokens.device)
         return bound.args, bound.kwargs
 
     return hook
 
 
-def _split_batch(axis: Axis):
-    def split(batch):
+def _split_batch(split: SequenceSplit):
+    def split_batch(batch):
         inputs, targets = batch
         if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
-            raise ConfigError(f"context_parallel.size = {axis.size} with a pipeline: a micro-batch's inputs must be "
-                              f"one (b, s) tensor of token ids, got {type(inputs).__name__}")
-        check_divisible(inputs.shape[1], axis.size, f"context parallel input of shape {tuple(inputs.shape)}")
-        return (split_sequence(inputs, axis.size, axis.rank, dim=1),
-                split_sequence(targets, axis.size, axis.rank, dim=1))  # (b, s/cp) each
+            raise ConfigError(f"context_parallel.size = {split.size} with a pipeline: a micro-batch's inputs must "
+                              f"be one (b, s) tensor of token ids, got {type(inputs).__name__}")
+        check_divisible(inputs.shape[1], split.size, f"context parallel input of shape {tuple(inputs.shape)}")
+        return split.split(inputs, dim=1), split.split(targets, dim=1)  # (b, s/cp) each
 
-    return split
+    return split_batch
 
 
-def _swap_cores(model: nn.Module, cores: list[nn.Module], applied: AppliedContextParallel) -> None:
-    """Put ring attention wherever `model` holds one of `cores` (by identity: a pipeline stage holds the same
-    layer objects as the model under other names)."""
+def _core_factory(mesh: Mesh | Axis, method: str) -> tuple[Axis, Callable[[], nn.Module], SequenceSplit]:
+    """The cp axis, the core that replaces each attention core, and this rank's tokens, for `method`."""
+    if isinstance(mesh, Axis):  # the cp axis alone: ring attention or Ulysses over all of it
+        axis = mesh
+        sub = None
+    else:
+        axis = mesh.axis("cp")
+        sub = mesh.sub_axes
+    if method == "ring":
+        return axis, lambda: RingAttentionCore(axis), SequenceSplit.for_method("ring", axis.size, axis.rank)
+    if method == "ulysses":
+        return axis, lambda: UlyssesAttentionCore(axis), SequenceSplit.for_method("ulysses", axis.size, axis.rank)
+    if not sub or "cp_ulysses" not in sub:
+        raise ConfigError("context_parallel.method 'usp' needs the mesh's cp_ring and cp_ulysses sub-axes: build "
+                          "the mesh from a config with method 'usp' and its ulysses_size")
+    ring, uly = sub["cp_ring"], sub["cp_ulysses"]
+    split = SequenceSplit.for_method("usp", axis.size, axis.rank, uly.size)
+    return axis, lambda: UlyssesAttentionCore(uly, RingAttentionCore(ring)), split
+
+
+def _swap_cores(model: nn.Module, cores: list[nn.Module], applied: AppliedContextParallel,
+                make: Callable[[], nn.Module]) -> None:
+    """Put a new core (`make()`) wherever `model` holds one of `cores` (by identity: a pipeline stage holds
+    the same layer objects as the model under other names)."""
     wanted = {id(c) for c in cores}
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
             if id(child) in wanted:
-                ring = applied.replaced.get(id(child)) or RingAttentionCore(applied.axis)
+                ring = applied.replaced.get(id(child)) or make()
                 ring.train(child.training)
                 setattr(parent, attr, ring)
                 applied.replaced[id(child)] = ring
 
 
-def context_parallelize(model: nn.Module, mesh: Mesh | Axis, cores: list[nn.Module] | None = None
-                        ) -> AppliedContextParallel:
-    """Swap each of the model's attention `cores` (default: its model spec's) for ring attention over the cp
-    axis and split the inputs. In place."""
-    axis = mesh.axis("cp") if isinstance(mesh, Mesh) else mesh
-    applied = AppliedContextParallel(axis)
+def context_parallelize(model: nn.Module, mesh: Mesh | Axis, cores: list[nn.Module] | None = None,
+                        method: str = "ring") -> AppliedContextParallel:
+    """Swap each of the model's attention `cores` (default: its model spec's) for `method`'s core (ring
+    attention, Ulysses, or USP on the mesh's cp sub-axes) and split the inputs. In place."""
+    axis, make, split = _core_factory(mesh, method)
+    applied = AppliedContextParallel(axis, split, method)
     if axis.size == 1:
         return applied
     check_context_parallel(model, axis.size)
-    _swap_cores(model, spec_for(model).attention_cores(model) if cores is None else cores, applied)
-    model.register_forward_pre_hook(_split_inputs_hook(axis, inspect.signature(model.forward)), with_kwargs=True)
+    _swap_cores(model, spec_for(model).attention_cores(model) if cores is None else cores, applied, make)
+    model.register_forward_pre_hook(_split_inputs_hook(split, inspect.signature(model.forward)), with_kwargs=True)
     return applied
 
 
 def context_parallelize_stages(stages: nn.Module, mesh: Mesh | Axis, cores: list[nn.Module],
-                               first_layer: nn.Module | None) -> AppliedContextParallel:
+                               first_layer: nn.Module | None, method: str = "ring") -> AppliedContextParallel:
     """Context parallelism inside a pipeline, where no stage calls the model's forward. In place.
 
     [Note: where a pipeline splits the sequence]
@@ -169,17 +194,17 @@ def context_parallelize_stages(stages: nn.Module, mesh: Mesh | Axis, cores: list
     between stages are (b, s/cp, h). The first layer (`first_layer`, on the rank holding stage 0) gets the
     global positions of those tokens from a pre-hook, unless it is given them.
     """
-    axis = mesh.axis("cp") if isinstance(mesh, Mesh) else mesh
-    applied = AppliedContextParallel(axis)
+    axis, make, split = _core_factory(mesh, method)
+    applied = AppliedContextParallel(axis, split, method)
     if axis.size == 1:
         return applied
-    _swap_cores(stages, cores, applied)
-    applied.split_batch = _split_batch(axis)
+    _swap_cores(stages, cores, applied, make)
+    applied.split_batch = _split_batch(split)
     if first_layer is not None:
         signature = inspect.signature(first_layer.forward)
         if "position_ids" not in signature.parameters:
             raise ConfigError(f"context_parallel.size = {axis.size} with a pipeline: the first layer "
                               f"({type(first_layer).__name__}) must accept `position_ids` (the positions of this "
                               f"rank's tokens), as the GPT's embedding does")
-        first_layer.register_forward_pre_hook(_positions_hook(axis, signature), with_kwargs=True)
+        first_layer.register_forward_pre_hook(_positions_hook(split, signature), with_kwargs=True)
     return applied

@@ -16,6 +16,8 @@ order, so a plain causal mask over the local tokens is right for a rank's own K/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from paratrain.errors import Error, InvalidValueError
@@ -71,3 +73,48 @@ def merge_sequence(pieces: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
         head, tail = chunk_ids(cp, rank)
         chunks[head], chunks[tail] = piece.chunk(2, dim=dim)
     return torch.cat(chunks, dim=dim)
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Which tokens cp rank `rank` holds, for every context-parallel method.
+
+    ring = cp, ulysses = 1   ring attention: the mirrored chunks above
+    ring = 1, ulysses = cp   Ulysses: cp contiguous pieces (each rank then attends over every token of its
+                             heads, so a causal mask costs every rank the same)
+    ring · ulysses = cp      USP: the mirrored chunks over the ring, each ring rank's pair cut into `ulysses`
+                             contiguous parts; cp rank = ring rank · ulysses + ulysses rank
+    """
+
+    ring: int
+    ulysses: int
+    rank: int
+
+    @classmethod
+    def for_method(cls, method: str, cp: int, rank: int, ulysses_size: int | None = None) -> SequenceSplit:
+        if method == "ring":
+            return cls(cp, 1, rank)
+        if method == "ulysses":
+            return cls(1, cp, rank)
+        if method == "usp":
+            return cls(cp // ulysses_size, ulysses_size, rank)
+        raise InvalidValueError(f"unknown context_parallel.method {method!r}; use 'ring', 'ulysses' or 'usp'")
+
+    @property
+    def size(self) -> int:
+        return self.ring * self.ulysses
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of `x` along `dim`: (b, s, ...) -> (b, s/cp, ...). Differentiable."""
+        if self.size == 1:
+            return x
+        dim = dim % x.dim()
+        check_divisible(x.shape[dim], self.size, "context parallel split")
+        local = split_sequence(x, self.ring, self.rank // self.ulysses, dim=dim)
+        if self.ulysses > 1:
+            local = local.chunk(self.ulysses, dim=dim)[self.rank % self.ulysses]
+        return local
+
+    def positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global position ids of this rank's tokens, in local order: (seq_len / cp,)."""
+        return self.split(torch.arange(seq_len, device=device), dim=0)

@@ -84,9 +84,13 @@ class StageLinks:
     def learn_shapes(self, stages: list[int], num_stages: int, rank_of, run_chunk, first_inputs) -> None:
         """Once, before the first step: pass headers down the stages in order (see the module docstring).
         `run_chunk(stage, x)` runs a stage's forward."""
+        outputs = {}
         for stage in stages:  # increasing: stage s waits only for s - 1
             if stage == 0:
                 x = first_inputs
+            elif rank_of(stage - 1) == self.axis.rank:  # the bottom of a V: the previous stage is this rank's
+                x = outputs[stage - 1]
+                self.known[stage] = describe(x)
             else:
                 header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 for h in comm.send_recv([], [(header, rank_of(stage - 1))], self.axis, tag="pp_meta"):
@@ -95,7 +99,10 @@ class StageLinks:
                 zeros = [torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in items]
                 x = tuple(zeros) if is_tuple else zeros[0]
             if stage < num_stages - 1:
-                meta = self.sent[stage] = describe(run_chunk(stage, x))
+                outputs[stage] = run_chunk(stage, x)
+                meta = self.sent[stage] = describe(outputs[stage])
+                if rank_of(stage + 1) == self.axis.rank:
+                    continue  # handed over in place, no header
                 for h in comm.send_recv([(encode(meta).to(self.device), rank_of(stage + 1))], [], self.axis,
                                         tag="pp_meta"):
                     h.wait()

@@ -204,9 +204,9 @@ class PipelineRunner:
             step.incoming[a] = incoming
 
     def _wait_for_inputs(self, schedule: Schedule, a: Action, step: _Step) -> None:
-        if a.kind == F and a.stage > 0:
+        if a.kind == F and a.stage > 0 and not schedule.local(a.stage, a.stage - 1):
             step.incoming[Action(RECV_F, a.stage, a.micro)].wait()
-        elif a.kind == B and a.stage < schedule.num_stages - 1:
+        elif a.kind == B and a.stage < schedule.num_stages - 1 and not schedule.local(a.stage, a.stage + 1):
             step.incoming[Action(RECV_B, a.stage, a.micro)].wait()
 
     def _forward(self, schedule: Schedule, a: Action, step: _Step) -> None:
@@ -214,6 +214,9 @@ class PipelineRunner:
         inputs, targets = step.batches[a.micro]
         if a.stage == 0:
             x = inputs
+        elif schedule.local(a.stage, a.stage - 1):  # the bottom of a V: this rank's own previous stage
+            previous = (a.stage - 1, a.micro)
+            x = _handed_over(step.outputs[previous] if step.training else step.outputs.pop(previous), step.training)
         else:
             incoming = step.incoming.pop(Action(RECV_F, a.stage, a.micro))
             tensors = incoming.wait()
@@ -239,7 +242,8 @@ class PipelineRunner:
         if a.stage == schedule.num_stages - 1:
             roots, grads = [out], [None]
         else:
-            incoming = step.incoming.pop(Action(RECV_B, a.stage, a.micro)).wait()
+            incoming = step.input_grads.pop((a.stage + 1, a.micro)) if schedule.local(a.stage, a.stage + 1) else \
+                step.incoming.pop(Action(RECV_B, a.stage, a.micro)).wait()
             floats = [t for t in as_tensors(out) if t.is_floating_point()]
             pairs = [(t, g) for t, g in zip(floats, incoming) if t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
@@ -259,6 +263,14 @@ class PipelineRunner:
         self.grad_sync.prepare_backward(sync=a in self._sync_actions)
         if weights:
             torch.autograd.backward(weights, grads)
+
+
+def _handed_over(value, training: bool):
+    """A stage's output as the next stage's input on the same rank: detached (each stage's backward stops at
+    its input, as across ranks), floating tensors requiring grad so the input gradient is computed."""
+    tensors = [t.detach().requires_grad_() if training and t.is_floating_point() else t.detach()
+               for t in as_tensors(value)]
+    return tuple(tensors) if isinstance(value, (tuple, list)) else tensors[0]
 
 
 def _last_gradient_actions(schedule: Schedule, rank: int) -> set[Action]:

@@ -5,8 +5,8 @@
 
 An action is (kind, stage, micro-batch), its kind an `ActionKind`. Compute kinds: `F` forward; `B`
 backward — the input gradient and, unless the schedule splits the backward, the weight gradient too; `W` the
-weight gradient of a split backward (ZB-H1). Communication kinds: `SEND_F`/`RECV_F` carry activations from
-stage s to s+1, `SEND_B`/`RECV_B` carry their gradients back. An action prints as kind, micro-batch and
+weight gradient of a split backward (ZB-H1, ZB-V, DualPipeV). Communication kinds: `SEND_F`/`RECV_F` carry
+activations from stage s to s+1, `SEND_B`/`RECV_B` carry their gradients back. An action prints as kind, micro-batch and
 stage: `F3@s1`. A schedule generator only orders the compute actions of
 each rank, in steps (one compute; or Megatron's F + B pair in the interleaved steady state);
 `with_communication` then places every send right after the step that produces it and every receive
@@ -61,7 +61,26 @@ class ActionKind(Enum):
 
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W  # the short names the schedules are written in
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SCHEDULES = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2p - 1 - r
+
+
+def placement_of(name: str) -> str:
+    """Where a schedule puts its stages: "loop" (stage s on rank s mod p) or "v"."""
+    return "v" if name in V_SCHEDULES else "loop"
+
+
+def rank_of_stage(placement: str, stage: int, ranks: int) -> int:
+    if placement == "v" and stage >= ranks:
+        return 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+def stages_of_rank(placement: str, rank: int, ranks: int, virtual: int) -> list[int]:
+    """The stages rank `rank` holds, chunk by chunk."""
+    if placement == "v":
+        return [rank, 2 * ranks - 1 - rank]
+    return [c * ranks + rank for c in range(virtual)]
 
 
 class ScheduleError(Error, ValueError):
@@ -101,13 +120,18 @@ class Schedule:
     split_backward: bool  # True when B is the input gradient only and W computes the weight gradient
     actions: tuple[tuple[Action, ...], ...]  # per rank, in execution order
     forward_only: bool = False
+    placement: str = "loop"  # "loop": stage s on rank s mod p; "v": ranks hold stages r and 2p - 1 - r
 
     @property
     def num_stages(self) -> int:
         return self.stages * self.virtual
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.stages
+        return rank_of_stage(self.placement, stage, self.stages)
+
+    def local(self, stage: int, other: int) -> bool:
+        """Whether two stages live on one rank (their boundary needs no message)."""
+        return 0 <= other < self.num_stages and self.rank_of(stage) == self.rank_of(other)
 
     def chunk_of(self, stage: int) -> int:
         return stage // self.stages
@@ -202,20 +226,28 @@ def _zb_h1(p: int, m: int) -> list[list[Action]]:
 
 
 # ---- communication ---------------------------------------------------------------------------------
-def with_communication(steps: list[list[list[Action]]], num_stages: int) -> tuple[tuple[Action, ...], ...]:
+def with_communication(steps: list[list[list[Action]]], num_stages: int, ranks: int = 0,
+                       placement: str = "loop") -> tuple[tuple[Action, ...], ...]:
     """Insert the communication: `steps[rank]` groups the rank's computes into steps (a single compute, or
-    an F and a B that Megatron's interleaved schedule runs back to back). Between two steps one batch holds
-    the sends of the step before (its activations and input gradients) and the receives the step after
-    needs; before the first step, its receives."""
+    an F and a B run back to back: Megatron's interleaved steady state, DualPipeV's F&B). Between two steps
+    one batch holds the sends of the step before (its activations and input gradients) and the receives the
+    step after needs; before the first step, its receives. A boundary between two stages of one rank (the
+    bottom of a V) carries no message: the runtime hands the tensor over in place."""
+    ranks = ranks or len(steps)
+
+    def remote(stage: int, other: int) -> bool:
+        return 0 <= other < num_stages and rank_of_stage(placement, stage, ranks) != rank_of_stage(placement, other,
+                                                                                                     ranks)
+
     out = []
     for rank_steps in steps:
         actions: list[Action] = []
         for step in rank_steps:
-            recvs = [Action(RECV_F, a.stage, a.micro) for a in step if a.kind == F and a.stage > 0] + \
-                    [Action(RECV_B, a.stage, a.micro) for a in step if a.kind == B and a.stage < num_stages - 1]
+            recvs = [Action(RECV_F, a.stage, a.micro) for a in step if a.kind == F and remote(a.stage, a.stage - 1)]
+            recvs += [Action(RECV_B, a.stage, a.micro) for a in step if a.kind == B and remote(a.stage, a.stage + 1)]
             actions += recvs + step
-            actions += [Action(SEND_F, a.stage, a.micro) for a in step if a.kind == F and a.stage < num_stages - 1]
-            actions += [Action(SEND_B, a.stage, a.micro) for a in step if a.kind == B and a.stage > 0]
+            actions += [Action(SEND_F, a.stage, a.micro) for a in step if a.kind == F and remote(a.stage, a.stage + 1)]
+            actions += [Action(SEND_B, a.stage, a.micro) for a in step if a.kind == B and remote(a.stage, a.stage - 1)]
         out.append(tuple(_sends_first(actions)))
     return tuple(out)
 
@@ -250,6 +282,14 @@ def check_sizes(name: str, stages: int, micro_batches: int, virtual: int = 1) ->
             raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of pipeline.stages: "
                                 f"micro-batches ({micro_batches}) must be a multiple of stages ({stages}); set "
                                 f"gradient_accumulation_steps to a multiple of {stages}")
+    elif name in V_SCHEDULES:
+        if virtual != 2:
+            raise ScheduleError(f"the {name} schedule puts two chunks on every rank (stages r and 2p - 1 - r): set "
+                                f"pipeline.virtual_stages to 2 (it is {virtual})")
+        if name == "dualpipev" and micro_batches < 2 * stages:
+            raise ScheduleError(f"dualpipev fills its V with 2 x pipeline.stages micro-batches before its steady "
+                                f"state: micro-batches ({micro_batches}) must be at least {2 * stages}; set "
+                                f"gradient_accumulation_steps to {2 * stages} or more")
     elif virtual != 1:
         raise ScheduleError(f"pipeline.virtual_stages = {virtual} needs schedule 'interleaved'; schedule "
                             f"{name!r} runs one stage per rank (set virtual_stages to 1)")
@@ -264,8 +304,17 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1,
     name = name.lower()
     check_sizes(name, stages, micro_batches, virtual)
     p, m, v = stages, micro_batches, virtual
+    placement = placement_of(name)
     if name == "interleaved" and not forward_only:
         steps = _interleaved(p, v, m)
+    elif placement == "v":
+        from paratrain.pipeline.v_schedules import v_forwards, v_schedule_actions
+
+        if forward_only:
+            steps = [[[a] for a in order] for order in v_forwards(p, m)]
+        else:  # the receives go where the list scheduler's clock says their tensors exist (v_schedules.py)
+            return Schedule(name, p, v, m, split_backward=True, actions=v_schedule_actions(name, p, m),
+                            placement=placement)
     else:
         if forward_only:  # the forwards of the schedule's own order (Megatron's for interleaved)
             orders = _gpipe(p, m, forward_only=True) if v == 1 else \
@@ -274,5 +323,6 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1,
             orders = {"gpipe": lambda: _gpipe(p, m, forward_only=False), "1f1b": lambda: _one_f_one_b(p, m),
                       "zb-h1": lambda: _zb_h1(p, m)}[name]()
         steps = [[[a] for a in order] for order in orders]
-    return Schedule(name, p, v, m, split_backward=name == "zb-h1" and not forward_only,
-                    actions=with_communication(steps, p * v), forward_only=forward_only)
+    split = name in ("zb-h1", *V_SCHEDULES) and not forward_only
+    return Schedule(name, p, v, m, split_backward=split, actions=with_communication(steps, p * v, p, placement),
+                    forward_only=forward_only, placement=placement)

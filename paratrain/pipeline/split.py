@@ -27,6 +27,7 @@ from paratrain.pipeline.partition import (
     parameter_counts,
     profile_layer_costs,
 )
+from paratrain.pipeline.schedules import stages_of_rank
 from paratrain.placement import Partition, place
 
 
@@ -95,17 +96,18 @@ def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | 
                          f"stage boundaries")
 
 
-def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, partition,
+def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, partition, placement: str = "loop",
                    device: torch.device | None = None, own_names: bool = True) -> PipelineSplit:
-    """Keep the layers of this rank's stages (chunk c = stage c·p + pp rank); free the others. `own_names`:
-    `pipe` is the model itself (False: a model's spec made `pipe` from it, and its layer names are the model's)."""
+    """Keep the layers of this rank's stages (chunk c = stage c·p + pp rank; under a "v" placement stages r
+    and 2p - 1 - r); free the others. `own_names`: `pipe` is the model itself (False: a model's spec made
+    `pipe` from it, and its layer names are the model's)."""
     if pipe.num_stages is not None and pipe.num_stages != stages:
         raise PartitionError(f"PipelineModule(num_stages={pipe.num_stages}) disagrees with pipeline.stages = "
                              f"{stages}; set them equal (or leave num_stages out)")
     chosen = pipe.partition if pipe.partition is not None else partition
     bounds, method = choose_boundaries(pipe, chosen, stages * virtual, mesh)
     rank = mesh.local_rank("pp")
-    mine = [c * stages + rank for c in range(virtual)]
+    mine = stages_of_rank(placement, rank, stages, virtual)
     chunks = []
     for s in mine:
         layers = [pipe.layer(i) for i in range(bounds[s], bounds[s + 1])]

@@ -54,12 +54,17 @@ def unit_durations(schedule: Schedule) -> dict[ActionKind, float]:
 def theoretical_bubble(schedule: Schedule) -> float:
     """Idle fraction per rank in unit slots: (p−1)/(m+p−1) for GPipe and 1F1B, the interleaved schedule
     divides the bubble by v ((p−1)/(v·m+p−1)), ZB-H1 leaves (p−1) idle slots of 3m+p−1 (F = B = W; for
-    m ≥ p — with fewer micro-batches than stages nothing can fill the wait for the first gradient)."""
+    m ≥ p — with fewer micro-batches than stages nothing can fill the wait for the first gradient), ZB-V
+    (p−1) idle chunk slots of 6m+p−1, DualPipeV DeepSeek's 2(p−1) of 6m+2(p−1) (F&B = F + B)."""
     p, m, v = schedule.stages, schedule.micro_batches, schedule.virtual
     if schedule.forward_only:
         return (p - 1) / (v * m + p - 1)
     if schedule.name == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
+    if schedule.name == "zb-v":
+        return (p - 1) / (6 * m + p - 1)
+    if schedule.name == "dualpipev":
+        return 2 * (p - 1) / (6 * m + 2 * (p - 1))
     return (p - 1) / (v * m + p - 1)
 
 
@@ -79,7 +84,7 @@ def check_schedule(schedule: Schedule) -> None:
                                     f"micro-batches")
             if a.kind not in kinds and not a.is_comm:
                 raise ScheduleError(f"rank {rank}: {a} does not belong in a {schedule.name} schedule")
-            for need in _local_dependencies(a, s_count):
+            for need in _local_dependencies(a, schedule):
                 if need not in done:
                     raise ScheduleError(f"rank {rank} runs {a} before {need}, which it depends on")
             done.add(a)
@@ -97,12 +102,20 @@ def check_schedule(schedule: Schedule) -> None:
     _check_message_order(schedule, p)
 
 
-def _local_dependencies(a: Action, num_stages: int) -> list[Action]:
+def _local_dependencies(a: Action, schedule: Schedule) -> list[Action]:
+    """What `a` needs done first on its own rank: a receive, or — across the bottom of a V, where both
+    stages live on this rank — the neighbouring stage's compute itself."""
     if a.kind == F:
-        return [Action(RECV_F, a.stage, a.micro)] if a.stage > 0 else []
+        if a.stage == 0:
+            return []
+        return [Action(F, a.stage - 1, a.micro) if schedule.local(a.stage, a.stage - 1) else
+                Action(RECV_F, a.stage, a.micro)]
     if a.kind == B:
-        return [Action(F, a.stage, a.micro)] + ([Action(RECV_B, a.stage, a.micro)] if a.stage < num_stages - 1
-                                                 else [])
+        after = []
+        if a.stage < schedule.num_stages - 1:
+            after = [Action(B, a.stage + 1, a.micro) if schedule.local(a.stage, a.stage + 1) else
+                     Action(RECV_B, a.stage, a.micro)]
+        return [Action(F, a.stage, a.micro)] + after
     if a.kind == W:
         return [Action(B, a.stage, a.micro)]
     if a.kind == SEND_F:
@@ -176,7 +189,7 @@ def simulate(schedule: Schedule, durations: dict[ActionKind, float] | None = Non
                     ptr[r] += len(batch)
                     progress = True
                     continue
-                needs = [x for x in _local_dependencies(a, schedule.num_stages) if x.is_comm]
+                needs = [x for x in _local_dependencies(a, schedule) if x.is_comm]
                 if any(x not in done for x in needs):
                     break
                 start = max([clock[r]] + [done[x] for x in needs])
@@ -191,7 +204,7 @@ def simulate(schedule: Schedule, durations: dict[ActionKind, float] | None = Non
     if stuck:
         lines = []
         for r in stuck:
-            waiting = [x for x in _local_dependencies(schedule.actions[r][ptr[r]], schedule.num_stages)
+            waiting = [x for x in _local_dependencies(schedule.actions[r][ptr[r]], schedule)
                        if x.is_comm and x not in done]
             blocked = batches[r][stream_next[r]][0] if rendezvous and stream_next[r] < len(batches[r]) else []
             missing = [counterpart(x) for x in blocked if counterpart(x) not in started]

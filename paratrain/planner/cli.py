@@ -9,7 +9,7 @@ from pathlib import Path
 
 from paratrain.planner.enumerate import SearchSpace, plan
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import RECOMPUTE, SCHEDULES
+from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES
 from paratrain.planner.model_specs import PlannerError, config_batch_size, model_spec
 from paratrain.planner.report import compact_json, render
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
@@ -48,6 +48,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero", type=_ints, default=(0, 1, 2, 3), help="ZeRO stages to consider, e.g. 1,2")
     parser.add_argument("--schedules", type=_names, default=SCHEDULES, help="pipeline schedules to consider")
     parser.add_argument("--recompute", type=_names, default=RECOMPUTE, help="none,selective,full")
+    parser.add_argument("--cp-methods", type=_names, default=CP_METHODS, help="sequence methods: ring,ulysses,usp")
     parser.add_argument("--unfused-attention", action="store_true",
                         help="attention keeps its s^2 scores (no flash attention): Korthikanti's 5as/h term")
     parser.add_argument("--max-micro-batch", type=int, default=16)
@@ -73,13 +74,15 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
 
 
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
-    bad = [s for s in args.schedules if s not in SCHEDULES] + [r for r in args.recompute if r not in RECOMPUTE]
+    bad = [s for s in args.schedules if s not in SCHEDULES] + [r for r in args.recompute if r not in RECOMPUTE] + \
+        [m for m in args.cp_methods if m not in CP_METHODS]
     if bad or not set(args.zero) <= {0, 1, 2, 3}:
         raise PlannerError(f"unknown choice(s) {bad or list(args.zero)}: --schedules takes {','.join(SCHEDULES)}, "
-                        f"--recompute {','.join(RECOMPUTE)}, --zero stages 0-3")
+                        f"--recompute {','.join(RECOMPUTE)}, --cp-methods {','.join(CP_METHODS)}, --zero stages 0-3")
     return SearchSpace(precision=args.precision, zero_stages=args.zero, schedules=args.schedules,
                        recompute=args.recompute, offload_optimizer=(False, True) if args.offload else (False,),
-                       max_micro_batch=args.max_micro_batch, flash_attention=not args.unfused_attention)
+                       max_micro_batch=args.max_micro_batch, flash_attention=not args.unfused_attention,
+                       cp_methods=args.cp_methods)
 
 
 def run_plan(args: argparse.Namespace) -> int:

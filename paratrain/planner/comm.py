@@ -26,6 +26,10 @@ ZeRO's flat shards; m = micro-batches per step; b s h = one micro-batch's activa
   CP (ring)    per layer per micro-batch: (cp - 1) exchanges of this rank's K and V blocks forward, and of
                K, V, dK, dV backward (send and recv each); the forward exchanges again under full and
                selective recompute (ring attention is the recomputed attention core)
+  CP (Ulysses) per layer per micro-batch: four all-to-alls forward (q, k, v to head shards, the output back)
+               and four backward, each moving (u - 1)/u of the local tensor (`ulysses_elements`); the forward
+               ones again under recompute. USP: ring over cp / u ranks and Ulysses over u, on the sub-axes
+               cp_ring and cp_ulysses
 Bookkeeping scalars are listed too (the global mean loss of `train_batch`, the grad-norm sums), so a
 prediction can equal a measurement exactly.
 """
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import ceil_div, rank_params
-from paratrain.planner.model_specs import ModelSpec, stage_layers
+from paratrain.planner.model_specs import ModelSpec, rank_blocks
 
 DP_CP = ("dp", "cp")
 PP_TP = ("pp", "tp")
@@ -53,6 +57,7 @@ class Transfer:
     element_size: int
     calls: int  # collectives per step (a bucketed reduction counts as one)
     kind: str  # what the time model overlaps it with: dp_grad, dp_param, zero3_param, tp, pp, cp, scalar
+    group: tuple[str, int] | None = None  # a sub-axis of `axes` (USP's cp_ring, cp_ulysses): its name and size
 
     @property
     def bytes(self) -> int:
@@ -63,8 +68,8 @@ def zero3_units(spec: ModelSpec, layout: Layout, stage: int) -> list[tuple[int, 
     """(parameters, all-gathers per micro-batch) of each ZeRO-3 unit of a rank: its blocks (forward and
     backward) and the root with the embedding / final norm and head its stage holds (once)."""
     root = (spec.embed_params(layout.tp) if stage == 0 else 0) + \
-        (spec.head_params(layout.tp) if stage == layout.pp - 1 else 0)
-    blocks = stage_layers(spec.n_layer, layout.pp)[stage]
+        (spec.head_params(layout.tp) if stage == layout.head_rank else 0)
+    blocks = rank_blocks(spec, layout, stage)
     return [(spec.layer_params(layout.tp), 2)] * blocks + ([(root, 1)] if root else [])
 
 
@@ -80,6 +85,7 @@ def data_parallel_transfers(layout: Layout, params: int, units: list[tuple[int, 
         return [Transfer(DP_CP, "reduce_scatter", padded, size, 1, "dp_grad"),
                 Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param")]
     if layout.zero_stage == 2:
+        m = 1 if layout.partial_backwards else m  # then once per step (Layout.partial_backwards)
         return [Transfer(DP_CP, "reduce_scatter", m * padded, size, m, "dp_grad"),
                 Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param")]
     units = units if units is not None else [(params, 2)]
@@ -94,11 +100,11 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
     if layout.tp == 1:
         return []
     m, e = layout.grad_accum, layout.activation_bytes
-    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    layers = rank_blocks(spec, layout, stage)
     s_local = spec.seq_len // layout.cp
     bsh = layout.micro_batch * s_local * spec.d_model
     per_layer = 6 if layout.recompute == "full" else 4  # collectives of b s h per layer (see module doc)
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = stage == 0, stage == layout.head_rank
     out = []
     if layout.sequence_parallel:
         # Each all-reduce becomes an all-gather + a reduce-scatter; the embedding's all-reduced output is
@@ -122,34 +128,57 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
 
 
 def pipeline_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
-    """Sends and receives of rank `stage`: it holds virtual stages stage, stage + p, ... (v of them)."""
+    """Sends and receives of rank `stage`: it holds virtual stages stage, stage + p, ... (v of them), or
+    stage and 2p - 1 - stage under a V schedule."""
     p, v, m = layout.pp, layout.virtual_stages, layout.grad_accum
     if p == 1:
         return []
     message = layout.micro_batch * (spec.seq_len // layout.cp) * spec.d_model
     if layout.sequence_parallel:
         message //= layout.tp
-    held = [stage + j * p for j in range(v)]
+    held = layout.stages_held(stage)
     last = p * v - 1
-    sends = sum(k < last for k in held) + sum(k > 0 for k in held)  # activations forward, gradients back
-    recvs = sum(k > 0 for k in held) + sum(k < last for k in held)
+    # activations forward, gradients back, over every boundary that is not inside this rank (a V's bottom)
+    sends = sum(k < last and k + 1 not in held for k in held) + sum(k > 0 and k - 1 not in held for k in held)
+    recvs = sends
     e = layout.activation_bytes
     return [Transfer(("pp",), "send", m * sends * message, e, m * sends, "pp"),
             Transfer(("pp",), "recv", m * recvs * message, e, m * recvs, "pp")]
 
 
 def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
-    c = layout.cp
-    if c == 1:
+    """Ring attention over the ring degree, Ulysses' all-to-alls over the Ulysses degree (USP: both, on the
+    cp_ring and cp_ulysses sub-axes; ring or ulysses alone: on cp)."""
+    if layout.cp == 1:
         return []
+    usp = layout.cp_method == "usp"
+    c, u = layout.ring_degree, layout.ulysses_degree
     m, e = layout.grad_accum, layout.activation_bytes
-    layers = stage_layers(spec.n_layer, layout.pp)[stage]
-    block = layout.micro_batch * (spec.seq_len // c) * spec.d_model // layout.tp  # one K (or V) block
-    forward_passes = 1 if layout.recompute == "none" else 2  # full and selective both recompute ring attention
-    per_layer = (c - 1) * block * (2 * forward_passes + 4)  # K, V per forward; K, V, dK, dV backward
-    calls = (c - 1) * (2 * forward_passes + 4)
-    return [Transfer(("cp",), "send", m * layers * per_layer, e, m * layers * calls, "cp"),
-            Transfer(("cp",), "recv", m * layers * per_layer, e, m * layers * calls, "cp")]
+    layers = rank_blocks(spec, layout, stage)
+    forward_passes = 1 if layout.recompute == "none" else 2  # full and selective both recompute the core
+    out = []
+    if c > 1:
+        block = layout.micro_batch * (spec.seq_len // layout.cp) * spec.d_model // layout.tp  # one K (or V) block
+        per_layer = (c - 1) * block * (2 * forward_passes + 4)  # K, V per forward; K, V, dK, dV backward
+        calls = (c - 1) * (2 * forward_passes + 4)
+        ring = ("cp_ring", c) if usp else None
+        out += [Transfer(("cp",), "send", m * layers * per_layer, e, m * layers * calls, "cp", ring),
+                Transfer(("cp",), "recv", m * layers * per_layer, e, m * layers * calls, "cp", ring)]
+    if u > 1:
+        out.append(Transfer(("cp",), "all_to_all", m * layers * (forward_passes + 1) * ulysses_elements(spec, layout),
+                            e, m * layers * 4 * (forward_passes + 1), "cp", ("cp_ulysses", u) if usp else None))
+    return out
+
+
+def ulysses_elements(spec: ModelSpec, layout: Layout) -> int:
+    """Elements that leave a rank in one pass of Ulysses' four all-to-alls (q, k, v in, the output back; the
+    backward's transposes move as much): each local (b, heads, s/cp, head_dim) tensor but the 1/u it keeps.
+    k and v carry their own heads, or q's when the size does not divide them (expanded first)."""
+    u = layout.ulysses_degree
+    heads, kv = spec.n_head // layout.tp, spec.n_kv_head // layout.tp
+    kv = kv if kv % u == 0 else heads
+    local = layout.micro_batch * (spec.seq_len // layout.cp) * (spec.d_model // spec.n_head)
+    return local * (2 * heads + 2 * kv) * (u - 1) // u
 
 
 def scalar_transfers(layout: Layout) -> list[Transfer]:
@@ -180,7 +209,7 @@ def by_axis(transfers: list[Transfer], sizes: dict[str, int]) -> dict[str, dict[
     """{axis name: {op: {elements, bytes}}}: `engine.comm_stats()` without the call counts."""
     out: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
     for t in transfers:
-        name = axis_name(sizes, t.axes)
+        name = t.group[0] if t.group else axis_name(sizes, t.axes)
         if name is None:
             continue
         entry = out[name].setdefault(t.op, {"elements": 0, "bytes": 0})

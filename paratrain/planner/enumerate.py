@@ -4,7 +4,8 @@ A layout is valid when (`invalid_reason` says which rule fails otherwise):
   dp * tp * pp * cp = N and micro_batch * grad_accum * dp = the global batch
   tp divides the heads, d_ff and the vocabulary, and fits in a node (tensor parallelism needs NVLink)
   pp <= layers; interleaving needs layers divisible by pp * v and micro-batches divisible by pp (Megatron)
-  cp divides the sequence
+  cp divides the sequence; Ulysses (and USP's Ulysses part) divides the heads of a tp rank
+  the V schedules run two chunks per rank (2 pp <= layers); DualPipeV needs m >= 2 pp
   ZeRO-3 is not combined with pipeline parallelism (every micro-batch would re-gather every stage)
   optimizer offload needs ZeRO >= 1
 Variants that cannot differ are enumerated once: ZeRO stages when dp * cp = 1, sequence parallelism when
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import RECOMPUTE, SCHEDULES, Layout
+from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES, V_SCHEDULES, Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory
 from paratrain.planner.model_specs import ModelSpec, PlannerError, divisors
 from paratrain.planner.step_time import TimeEstimate, estimate_time
@@ -35,6 +36,7 @@ class SearchSpace:
     offload_optimizer: tuple[bool, ...] = (False,)
     max_micro_batch: int = 16
     flash_attention: bool = True
+    cp_methods: tuple[str, ...] = CP_METHODS
 
 
 def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str | None:
@@ -51,8 +53,24 @@ def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str |
         (not layout.offload_optimizer or layout.zero_stage >= 1, "optimizer offload needs ZeRO stage >= 1"),
         (not layout.sequence_parallel or layout.tp > 1, "sequence parallelism needs tp > 1"),
         ((layout.pp == 1) == (layout.schedule == "none"), "a pipeline schedule is needed exactly when pp > 1"),
-        (layout.virtual_stages == 1 or layout.schedule == "interleaved", "virtual stages need 'interleaved'"),
+        (layout.virtual_stages == 1 or layout.schedule in ("interleaved", *V_SCHEDULES),
+         "virtual stages need 'interleaved', 'zb-v' or 'dualpipev'"),
+        (layout.cp > 1 or layout.cp_method == "ring", "a context-parallel method needs cp > 1"),
     ]
+    if layout.schedule in V_SCHEDULES:
+        checks += [
+            (layout.virtual_stages == 2, f"{layout.schedule} runs two chunks per rank (virtual_stages 2)"),
+            (spec.n_layer >= 2 * layout.pp, f"{layout.schedule} needs 2 pp = {2 * layout.pp} chunks of the "
+                                            f"{spec.n_layer} layers"),
+            (layout.schedule == "zb-v" or layout.grad_accum >= 2 * layout.pp,
+             f"dualpipev needs at least 2 pp = {2 * layout.pp} micro-batches ({layout.grad_accum})"),
+        ]
+    if layout.ulysses_degree > 1:
+        u, heads = layout.ulysses_degree, spec.n_head // layout.tp if spec.n_head % layout.tp == 0 else 0
+        checks += [(heads % u == 0, f"Ulysses over {u} ranks does not divide the {heads} heads per tp rank")]
+    if layout.cp_method == "usp":
+        checks += [(1 < layout.ulysses_size < layout.cp and layout.cp % layout.ulysses_size == 0,
+                    f"usp needs 1 < ulysses_size < cp dividing cp={layout.cp}")]
     if layout.schedule == "interleaved":
         checks += [
             (layout.virtual_stages >= 2, "the interleaved schedule needs virtual_stages >= 2"),
@@ -80,15 +98,20 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, global_batch: int, gpus_per_no
         sps = space.sequence_parallel if tp > 1 else (False,)
         recomputes = [r for r in space.recompute if not (r == "selective" and space.flash_attention)]
         schedules = [("none", 1)] if pp == 1 else \
-            [(s, v) for s in space.schedules for v in (space.virtual_stages if s == "interleaved" else (1,))]
+            [(s, v) for s in space.schedules
+             for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
+        methods = [("ring", 1)] if cp == 1 else \
+            [(meth, u) for meth in space.cp_methods
+             for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
         for mb in divisors(per_rank):
             if mb > space.max_micro_batch:
                 continue
-            for (schedule, v), zero, offload, sp, recompute in itertools.product(
-                    schedules, zero_stages, space.offload_optimizer, sps, recomputes):
+            for (schedule, v), (method, u), zero, offload, sp, recompute in itertools.product(
+                    schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes):
                 layout = Layout(dp=dp, micro_batch=mb, grad_accum=per_rank // mb, tp=tp, pp=pp, cp=cp,
                                 zero_stage=zero, offload_optimizer=offload, schedule=schedule, virtual_stages=v,
-                                recompute=recompute, sequence_parallel=sp, precision=space.precision)
+                                recompute=recompute, sequence_parallel=sp, precision=space.precision,
+                                cp_method=method, ulysses_size=u)
                 if invalid_reason(spec, layout, gpus_per_node) is None:
                     yield layout
 

@@ -61,10 +61,10 @@ class Hardware:
 
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
               "reduce_scatter": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0,
-              "broadcast": lambda n: n - 1}
+              "broadcast": lambda n: n - 1, "all_to_all": lambda n: n - 1}
 RING_MOVED = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 0.0,
-              "broadcast": lambda n: 1.0}
+              "broadcast": lambda n: 1.0, "all_to_all": lambda n: 1.0}  # its payload: what leaves the rank
 
 
 def collective_seconds(op: str, payload_bytes: float, group_size: int, bandwidth: float, latency: float,

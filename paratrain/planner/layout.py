@@ -12,10 +12,13 @@ from typing import Literal
 from paratrain.mesh import AXES
 
 Precision = Literal["fp32", "bf16", "fp16"]
-Schedule = Literal["none", "gpipe", "1f1b", "interleaved", "zb-h1"]
+Schedule = Literal["none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"]
 Recompute = Literal["none", "selective", "full"]
+CpMethod = Literal["ring", "ulysses", "usp"]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SCHEDULES: tuple[str, ...] = ("zb-v", "dualpipev")  # two chunks per rank in a V (virtual_stages = 2)
+CP_METHODS: tuple[str, ...] = ("ring", "ulysses", "usp")
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 
 
@@ -34,6 +37,8 @@ class Layout:
     recompute: Recompute = "none"
     sequence_parallel: bool = False
     precision: Precision = "bf16"
+    cp_method: CpMethod = "ring"
+    ulysses_size: int = 1  # usp: the all-to-all degree inside cp (ring attention runs over cp / ulysses_size)
 
     @property
     def world(self) -> int:
@@ -46,6 +51,34 @@ class Layout:
     @property
     def sizes(self) -> dict[str, int]:
         return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def head_rank(self) -> int:
+        """The pipeline rank that holds the head (the loss): the last, or rank 0 under a V schedule, whose
+        rank 0 holds the first stage and the last (stage 2p - 1)."""
+        return 0 if self.schedule in V_SCHEDULES else self.pp - 1
+
+    def stages_held(self, rank: int) -> list[int]:
+        """The pipeline stages (chunks) a pp rank holds: rank, rank + p, ... (loop) or rank, 2p - 1 - rank (V)."""
+        if self.schedule in V_SCHEDULES:
+            return [rank, 2 * self.pp - 1 - rank]
+        return [rank + j * self.pp for j in range(self.virtual_stages)]
+
+    @property
+    def partial_backwards(self) -> bool:
+        """One pipeline backward reaches only part of a rank's parameters (two chunks per rank, or B apart from
+        W): ZeRO-2 then reduce-scatters once per step, at each parameter's last gradient."""
+        return self.pp > 1 and (self.virtual_stages > 1 or self.schedule in ("zb-h1", *V_SCHEDULES))
+
+    @property
+    def ulysses_degree(self) -> int:
+        """Ranks an all-to-all spans in each attention (1: ring attention only)."""
+        return {"ring": 1, "ulysses": self.cp, "usp": self.ulysses_size}[self.cp_method] if self.cp > 1 else 1
+
+    @property
+    def ring_degree(self) -> int:
+        """Ranks ring attention passes K and V around (1: Ulysses only)."""
+        return self.cp // self.ulysses_degree
 
     @property
     def shard_group(self) -> int:
@@ -68,6 +101,8 @@ class Layout:
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))
         parts.append(f"mb{self.micro_batch}x{self.grad_accum}")
+        if self.cp > 1 and self.cp_method != "ring":
+            parts.append(self.cp_method + (f"(u{self.ulysses_size})" if self.cp_method == "usp" else ""))
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute != "none":

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.planner.layout import Layout
-from paratrain.planner.model_specs import ModelSpec, stage_layers
+from paratrain.planner.model_specs import ModelSpec, rank_blocks
 from paratrain.zero import estimate_memory as estimate_model_states
 
 
@@ -65,11 +65,11 @@ def model_state_bytes(params: int, shard_group: int, stage: int, precision: str 
 
 def rank_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
     """Parameters held by a rank of pipeline stage `stage` (one tensor-parallel shard)."""
-    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    layers = rank_blocks(spec, layout, stage)
     total = layers * spec.layer_params(layout.tp)
     if stage == 0:
         total += spec.embed_params(layout.tp)
-    if stage == layout.pp - 1:
+    if stage == layout.head_rank:
         total += spec.head_params(layout.tp)
     return total
 
@@ -88,6 +88,7 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
                         unfused: the softmax output a s^2 b, plus with dropout its output and a 1-byte mask
                         ring attention (cp > 1): the log-sum-exp, fp32 copies of q, k, v (in place of the
                         e-byte ones counted above) and its fp32 output, which the o input copies
+                        Ulysses (and USP): also the head-sharded q, k, v and output, 4 s b h (/tp)
       masks             with dropout: two 1-byte masks of s b h (after attention and after the MLP)
       norm_stats        mean and rstd of both layer norms, fp32: 16 s b bytes
     Recompute: "selective" drops attention_core (recomputed in backward, Korthikanti et al. section 5);
@@ -114,13 +115,15 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
         "norm_stats": 16 * s_local * b / sp,
     }
     if recompute != "selective":
-        if layout.cp > 1:
+        if layout.ring_degree > 1:
             out["attention_core"] = 4 * a * s_local * b / t + (3 * (4 - e) + 4) * sbh / t
         elif flash_attention:
             out["attention_core"] = 4 * a * s_local * b / t
         else:  # queries are local, keys span the whole sequence (ring attention visits every block)
             scores = a * s_local * s * b / t
             out["attention_core"] = scores * (2 * e + 1 if dropout else e)
+        if layout.ulysses_degree > 1:  # the head-sharded q, k, v and output the all-to-alls made, kept
+            out["attention_core"] += 4 * e * sbh / t
     return out
 
 
@@ -152,7 +155,8 @@ def in_flight(layout: Layout, stage: int) -> float:
     GPipe runs every forward first: m. 1F1B (and ZB-H1, which keeps 1F1B's peak) starts p - stage
     forwards before the first backward. Interleaved 1F1B with v chunks per rank warms up
     2 (p - stage - 1) + (v - 1) p + 1 chunk-micro-batches (Megatron), each 1/v of the stage; for stage 0
-    that is p (1 + (p - 1)/(p v)), Korthikanti et al.'s factor.
+    that is p (1 + (p - 1)/(p v)), Korthikanti et al.'s factor. ZB-V holds at most 2p chunks (p stages, as
+    the validator shows); DualPipeV 2p + 1 chunks (DeepSeek's PP + 1).
     """
     m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
     if p == 1:
@@ -161,18 +165,22 @@ def in_flight(layout: Layout, stage: int) -> float:
         return float(m)
     if layout.schedule == "interleaved":
         return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1) / v
+    if layout.schedule == "zb-v":  # at most 2p chunk activations (p stages), on every rank alike
+        return float(min(m, p))
+    if layout.schedule == "dualpipev":  # DeepSeek's PP + 1 chunks, PP = 2p
+        return (2 * p + 1) / 2
     return float(min(m, p - stage))
 
 
 def activation_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention: bool = True) -> float:
     """Activation bytes a rank of `stage` holds at its peak."""
-    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    layers = rank_blocks(spec, layout, stage)
     per_layer = sum(layer_activations(spec, layout, flash_attention=flash_attention).values())
     flights = in_flight(layout, stage)
     total = flights * layers * per_layer
     if stage == 0:
         total += flights * embed_activations(spec, layout)
-    if stage == layout.pp - 1:
+    if stage == layout.head_rank:
         total += (layout.grad_accum if layout.schedule == "gpipe" else 1) * head_activations(spec, layout)
     return total
 
@@ -190,13 +198,17 @@ def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention
     """Peak working memory beyond states and stored activations on a rank of `stage`:
     - full recompute: one layer's activations rebuilt during its backward;
     - ZeRO-3: the gathered parameters of (1 + prefetch) units and one unit's unreduced gradient;
+    - ZeRO-2 in a pipeline with partial backwards: the whole unsharded gradient, staged through the step
+      until its one reduce-scatter (`Layout.partial_backwards`);
     - the last stage: the logits and their gradient during the loss (fp32 for the gradient)."""
     out = 0.0
+    if layout.zero_stage == 2 and layout.partial_backwards:
+        out += rank_params(spec, layout, stage) * layout.param_bytes
     if layout.recompute == "full":
         out += sum(layer_activations(spec, layout, recompute="none", flash_attention=flash_attention).values())
     if layout.zero_stage == 3:
         out += zero3_gathered_bytes(spec, layout, prefetch)
-    if stage == layout.pp - 1:
+    if stage == layout.head_rank:
         out += layout.micro_batch * (spec.seq_len // layout.cp) * spec.vocab_size / layout.tp * \
             (layout.activation_bytes + 4)
     return out
@@ -229,7 +241,7 @@ class MemoryEstimate:
 def estimate_memory(spec: ModelSpec, layout: Layout, flash_attention: bool = True) -> MemoryEstimate:
     """Per-rank memory of `layout`: the worst of the first and the last pipeline stage."""
     worst = None
-    for stage in sorted({0, layout.pp - 1}):
+    for stage in sorted({0, layout.head_rank, layout.pp - 1}):
         states = model_state_bytes(rank_params(spec, layout, stage), layout.shard_group, layout.zero_stage,
                                    layout.precision, layout.offload_optimizer)
         est = MemoryEstimate(states.params, states.grads, states.optimizer_state,

@@ -19,6 +19,7 @@ MLP's two; unlike the GPT's, it is not calibrated against measured runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,8 @@ from paratrain.models.gpt import GPTConfig
 from paratrain.models.llama import PRESETS as LLAMA_PRESETS
 from paratrain.models.llama import LlamaConfig
 from paratrain.models.registry import preset_config
+from paratrain.pipeline.partition import balanced_boundaries
+from paratrain.planner.layout import V_SCHEDULES, Layout
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
@@ -163,6 +166,22 @@ def stage_layers(n_layer: int, stages: int) -> list[int]:
     """Blocks per pipeline stage for a uniform split: the first `n_layer % stages` stages take one more."""
     base, extra = divmod(n_layer, stages)
     return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def rank_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
+    """Transformer blocks a pp rank holds: `stage_layers` for the loop placement; under a V schedule those of
+    its two chunks (rank and 2p - 1 - rank) in the pipeline's uniform split of the n_layer + 2 pipeline layers
+    (embedding, blocks, head) into 2p chunks, which leaves the outer chunks lighter."""
+    if layout.schedule not in V_SCHEDULES:
+        return stage_layers(spec.n_layer, layout.pp)[rank]
+    return _v_blocks(spec.n_layer, layout.pp)[rank]
+
+
+@functools.lru_cache(maxsize=256)
+def _v_blocks(n_layer: int, pp: int) -> tuple[int, ...]:
+    bounds = balanced_boundaries([1.0] * (n_layer + 2), 2 * pp)
+    per_chunk = [len(set(range(bounds[c], bounds[c + 1])) & set(range(1, n_layer + 1))) for c in range(2 * pp)]
+    return tuple(per_chunk[r] + per_chunk[2 * pp - 1 - r] for r in range(pp))
 
 
 def spec_from_config(config: GPTConfig | LlamaConfig, name: str = "custom") -> ModelSpec:

@@ -49,6 +49,10 @@ def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> 
                         virtual_stages=layout.virtual_stages, partition="uniform")
     cfg["pipeline"] = pipeline
     cfg["context_parallel"] = {"size": layout.cp}
+    if layout.cp > 1 and layout.cp_method != "ring":
+        cfg["context_parallel"]["method"] = layout.cp_method
+        if layout.cp_method == "usp":
+            cfg["context_parallel"]["ulysses_size"] = layout.ulysses_size
     cfg["activation_checkpointing"] = {"enabled": layout.recompute != "none"}
     if layout.recompute != "none":
         cfg["activation_checkpointing"]["granularity"] = layout.recompute

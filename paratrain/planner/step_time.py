@@ -3,10 +3,12 @@
   t_mb      one micro-batch forward+backward on the slowest stage: micro_batch_overhead +
             FLOPs / (peak * mfu), FLOPs = tokens * (6 * stage parameters + 12 h s per layer) / (tp cp)
             (+ one more forward of the layers under full recompute, of attention under selective),
-            plus the tensor-parallel collectives (on the critical path) and whatever ring-attention
-            traffic the attention compute does not hide
+            plus the tensor-parallel collectives (on the critical path), whatever ring-attention
+            traffic the attention compute does not hide, and Ulysses' all-to-alls (on the path)
   pipeline  (m + bubble) * t_mb, bubble = p - 1 (GPipe, 1F1B), (p - 1)/v (interleaved),
-            (p - 1)/3 (ZB-H1, Qi et al. 2024: F, B and W each a third of t_mb and only F + B - W idle)
+            (p - 1)/3 (ZB-H1, Qi et al. 2024: F, B and W each a third of t_mb and only F + B - W idle),
+            (p - 1)/6 (ZB-V: the same p - 1 slots, of chunks half a stage), (p - 1)/3 (DualPipeV, DeepSeek's
+            (PP/2 - 1)(F&B + B - 3W) with PP = 2p chunks and F&B = F + B: no overlap credited)
             plus 2 (m v + p - 1) point-to-point messages on the critical path
   data par. gradient reductions overlap the backward of the micro-batch that produces them (the last
             one for DDP/ZeRO-1, each for ZeRO-2/3); ZeRO-1/2's parameter all-gather after the step is
@@ -25,7 +27,7 @@ from paratrain.planner.comm import Transfer, rank_transfers
 from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import ceil_div, rank_params
-from paratrain.planner.model_specs import ModelSpec, stage_layers
+from paratrain.planner.model_specs import ModelSpec, rank_blocks
 
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW reads p, g, m, v and writes p, m, v (fp32 or 16-bit + fp32 master)
 
@@ -58,13 +60,16 @@ def bubble_factor(layout: Layout) -> float:
     p, v = layout.pp, layout.virtual_stages
     if p == 1:
         return 0.0
-    return {"gpipe": p - 1, "1f1b": p - 1, "interleaved": (p - 1) / v, "zb-h1": (p - 1) / 3}[layout.schedule]
+    # ZB-V: p - 1 idle chunk slots, a chunk's F, B, W being a sixth of a stage's micro-batch; DualPipeV:
+    # DeepSeek's (PP/2 - 1)(F&B + B - 3W) for PP = 2p chunks with no F&B overlap credited, 2(p - 1) slots.
+    return {"gpipe": p - 1, "1f1b": p - 1, "interleaved": (p - 1) / v, "zb-h1": (p - 1) / 3, "zb-v": (p - 1) / 6,
+            "dualpipev": (p - 1) / 3}[layout.schedule]
 
 
 def stage_flops_per_token(spec: ModelSpec, layout: Layout, stage: int, recompute: str | None = None) -> float:
     """Training FLOPs per token of the whole (unsharded) stage, forward + backward (+ recomputation)."""
     recompute = layout.recompute if recompute is None else recompute
-    layers = stage_layers(spec.n_layer, layout.pp)[stage]
+    layers = rank_blocks(spec, layout, stage)
     layer_matmul = 6 * spec.layer_params()
     attention = spec.attention_flops_per_token_per_layer()
     if recompute == "full":
@@ -76,7 +81,7 @@ def stage_flops_per_token(spec: ModelSpec, layout: Layout, stage: int, recompute
     total = layers * per_layer
     if stage == 0:
         total += 6 * spec.embed_params()
-    if stage == layout.pp - 1:
+    if stage == layout.head_rank:
         total += 6 * spec.head_params()
     return total
 
@@ -85,6 +90,8 @@ def _seconds(t: Transfer, layout: Layout, hw: Hardware, shape: tuple[int, ...]) 
     group = 1
     for a in t.axes:
         group *= layout.sizes[a]
+    if t.group is not None:  # a sub-axis (USP): its own ranks, on the wires of its parent axis
+        group = t.group[1]
     return collective_seconds(t.op, t.bytes, group, axis_bandwidth(hw, shape, t.axes), hw.latency, t.calls)
 
 
@@ -98,7 +105,7 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
     # The slowest stage sets the pace of the pipeline (and is the only stage when pp = 1).
     stage = max(range(p), key=lambda s: stage_flops_per_token(spec, layout, s))
     compute_mb = hw.micro_batch_overhead + tokens_mb * stage_flops_per_token(spec, layout, stage) / split / rate
-    attention_mb = tokens_mb * stage_layers(spec.n_layer, p)[stage] * \
+    attention_mb = tokens_mb * rank_blocks(spec, layout, stage) * \
         spec.attention_flops_per_token_per_layer() / split / rate
 
     transfers = rank_transfers(spec, layout, stage)
@@ -110,6 +117,7 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
 
     tp_mb = sum(seconds[id(t)] for t in by_kind["tp"]) / m
     cp_mb = max(0.0, sum(seconds[id(t)] for t in by_kind["cp"] if t.op == "send") / m - hw.overlap * attention_mb)
+    cp_mb += sum(seconds[id(t)] for t in by_kind["cp"] if t.op == "all_to_all") / m  # Ulysses: on the path
     t_mb = compute_mb + tp_mb + cp_mb
     bubble = bubble_factor(layout) * t_mb
     for t in by_kind["tp"]:  # the bubble (in units of t_mb) already holds the idle share of these
