@@ -83,6 +83,8 @@ def _layouts() -> dict[str, tuple[dict, str]]:
         "ulysses4": (_config(4, "ulysses"), "gpt"),
         "usp 2x2": (_config(4, "usp", 2), "gpt"),
         "dp2 ulysses2 zero3": (_config(2, "ulysses", dp=2, zero=3), "gpt"),
+        "dp2 ulysses2 zero1 ckpt": (_config(2, "ulysses", dp=2, zero=1, ckpt="full"), "gpt"),
+        "dp2 ulysses2 zero2": (_config(2, "ulysses", dp=2, zero=2), "gpt"),
         "tp2 ulysses2": (_config(2, "ulysses", tp=2), "gpt"),
         "ulysses2 pp2": (_config(2, "ulysses", pp=2), "gpt"),
         "llama gqa kv=2 ulysses2": (_config(2, "ulysses"), "llama"),
