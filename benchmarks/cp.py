@@ -19,13 +19,12 @@ SEQ_LEN = 512
 TOKENS_PER_STEP = 2 * SEQ_LEN
 
 
-def _attention_ms(engine, repeats: int = 10) -> float:
+def attention_ms(engine, batch: int, seq_len: int, repeats: int = 10) -> float:
     """Forward + backward of one layer's attention core on this rank's (b, heads, s/cp, head_dim)."""
     cp = engine.mesh.size("cp")
-    batch = TOKENS_PER_STEP // SEQ_LEN // engine.mesh.size("dp")
     heads, head_dim = BENCH_MODEL["n_head"], BENCH_MODEL["d_model"] // BENCH_MODEL["n_head"]
     core = engine.module.blocks[0].attn.core
-    q, k, v = (torch.randn(batch, heads, SEQ_LEN // cp, head_dim, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(batch, heads, seq_len // cp, head_dim, requires_grad=True) for _ in range(3))
     times = []
     for _ in range(repeats + 2):
         dist.barrier()
@@ -48,7 +47,8 @@ def paratrain_layout(steps: int, warmup: int, cp: int = 1) -> dict:
     batches = LocalBatches(micro, dp, engine.mesh.local_rank("dp"), seq_len=SEQ_LEN)
     timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
-    return timer.result(state_bytes=engine.memory_stats()["total"], extra_attn_ms=round(_attention_ms(engine), 2))
+    return timer.result(state_bytes=engine.memory_stats()["total"],
+                        extra_attn_ms=round(attention_ms(engine, micro, SEQ_LEN), 2))
 
 
 def paratrain_cp2(steps: int, warmup: int) -> dict:

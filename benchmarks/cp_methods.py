@@ -9,30 +9,14 @@ and all-to-alls the output back.
 
 from __future__ import annotations
 
-import statistics
-import time
 from functools import partial
 
-import torch
 import torch.distributed as dist
 
-from benchmarks.common import BENCH_MODEL, LocalBatches, Timer, bench_model, paratrain_optimizer, record_setup
+from benchmarks.common import LocalBatches, Timer, bench_model, paratrain_optimizer, record_setup
+from benchmarks.cp import attention_ms
 
 SEQUENCES_PER_STEP = 2
-
-
-def _attention_ms(engine, seq_len: int, repeats: int = 10) -> float:
-    cp = engine.mesh.size("cp")
-    heads, head_dim = BENCH_MODEL["n_head"], BENCH_MODEL["d_model"] // BENCH_MODEL["n_head"]
-    core = engine.module.blocks[0].attn.core
-    q, k, v = (torch.randn(SEQUENCES_PER_STEP, heads, seq_len // cp, head_dim, requires_grad=True) for _ in range(3))
-    times = []
-    for _ in range(repeats + 2):
-        dist.barrier()
-        tic = time.perf_counter()
-        core(q, k, v).sum().backward()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times[2:]) * 1e3
 
 
 def paratrain_cp(steps: int, warmup: int, method: str, seq_len: int) -> dict:
@@ -48,7 +32,7 @@ def paratrain_cp(steps: int, warmup: int, method: str, seq_len: int) -> dict:
     stats = engine.comm_stats()
     moved = sum(c["bytes"] for ops in stats.values() for c in ops.values())
     return timer.result(state_bytes=engine.memory_stats()["total"],
-                        extra_attn_ms=round(_attention_ms(engine, seq_len), 2),
+                        extra_attn_ms=round(attention_ms(engine, SEQUENCES_PER_STEP, seq_len), 2),
                         extra_comm_mib_per_step=round(moved / (steps + warmup) / 2**20, 2))
 
 
