@@ -39,7 +39,7 @@ from paratrain.model_spec import DEFAULT_SPEC, ModelSpec, spec_for
 from paratrain.origin import Origin, Renamed, Step
 from paratrain.pipeline.module import PipelineModule
 from paratrain.pipeline.runtime import PipelineRunner
-from paratrain.pipeline.schedules import V_SCHEDULES, ScheduleError, check_sizes, placement_of
+from paratrain.pipeline.schedules import ScheduleError, check_sizes, partial_backwards, placement_of
 from paratrain.pipeline.split import PipelineSplit, split_pipeline
 from paratrain.precision import autocast_context
 from paratrain.tensor_parallel import RNGTracker
@@ -215,15 +215,6 @@ def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh
     return context_parallelize_stages(module, mesh, cores, first, method)
 
 
-def _partial_backwards(config: Config) -> bool:
-    """Whether one backward of the pipeline reaches only part of a rank's parameters: two chunks per rank
-    (interleaved, the V schedules) or a backward split into B and W (ZB-H1, ZB-V, DualPipeV). ZeRO-2 then
-    reduces at the window's last gradient of each parameter (`reduce_at_boundary`) instead of after every
-    backward, which expects every parameter's gradient."""
-    pp = config.pipeline
-    return pp.stages > 1 and (pp.virtual_stages > 1 or pp.schedule in ("zb-h1", *V_SCHEDULES))
-
-
 def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
                    blocks: list[nn.Module], sync_initial_state: bool = True) -> GradSync:
     """Step 5: DDP (stage 0, any precision), ZeRO-1/2 over flat buckets, or FSDP, over
@@ -242,7 +233,8 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
                             pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
     if zero.stage <= 2:
         stage_option = {"free_grad_buckets": zero.free_grad_buckets} if zero.stage == 1 else \
-            {"reduce_at_boundary": zero.reduce_at_boundary or _partial_backwards(config)}
+            {"reduce_at_boundary": zero.reduce_at_boundary or partial_backwards(
+                config.pipeline.schedule, config.pipeline.stages, config.pipeline.virtual_stages)}
         return ZERO_STAGES[zero.stage](model, axis, precision=config.precision, bucket_numel=zero.reduce_bucket_size,
                                        offload=offload, allow_unused_parameters=dp.allow_unused_parameters,
                                        predivide_factor=predivide,

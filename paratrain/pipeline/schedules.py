@@ -65,6 +65,13 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2p - 1 - r
 
 
+def partial_backwards(name: str, stages: int, virtual: int) -> bool:
+    """Whether one backward of the pipeline reaches only part of a rank's parameters: two chunks per rank
+    (interleaved, the V schedules) or a backward split into B and W (ZB-H1, ZB-V, DualPipeV). A data-parallel
+    strategy that reduces after every backward (ZeRO-2) must then reduce at each parameter's last gradient."""
+    return stages > 1 and (virtual > 1 or name in ("zb-h1", *V_SCHEDULES))
+
+
 def placement_of(name: str) -> str:
     """Where a schedule puts its stages: "loop" (stage s on rank s mod p) or "v"."""
     return "v" if name in V_SCHEDULES else "loop"

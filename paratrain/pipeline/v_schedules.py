@@ -145,9 +145,10 @@ def timed(steps: Steps, p: int) -> list[list[int]]:
     done: dict[Action, int] = {}
     starts: list[list[int]] = [[] for _ in range(p)]
     ptr, free_at, t = [0] * p, [0] * p, 0
-    total = sum(len(s) for s in steps)
-    while len(starts[0]) + sum(len(s) for s in starts[1:]) < total:
-        if t > 4 * sum(len(step) for rank in steps for step in rank):
+    total, placed = sum(len(s) for s in steps), 0
+    horizon = 4 * sum(len(step) for rank in steps for step in rank)  # every compute of every rank, back to back
+    while placed < total:
+        if t > horizon:
             raise ScheduleError(f"the DualPipeV order cannot run: a rank waits for a tensor that never comes (p={p})")
         for r in range(p):
             if ptr[r] == len(steps[r]) or free_at[r] > t:
@@ -158,7 +159,7 @@ def timed(steps: Steps, p: int) -> list[list[int]]:
             for a in step:  # what a step produces leaves when the whole step is done
                 done[a] = t + len(step)
             starts[r].append(t)
-            free_at[r], ptr[r] = t + len(step), ptr[r] + 1
+            free_at[r], ptr[r], placed = t + len(step), ptr[r] + 1, placed + 1
         t += 1
     return starts
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from paratrain.mesh import AXES
+from paratrain.pipeline.schedules import V_SCHEDULES, partial_backwards
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal["none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"]
@@ -17,7 +18,6 @@ Recompute = Literal["none", "selective", "full"]
 CpMethod = Literal["ring", "ulysses", "usp"]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
-V_SCHEDULES: tuple[str, ...] = ("zb-v", "dualpipev")  # two chunks per rank in a V (virtual_stages = 2)
 CP_METHODS: tuple[str, ...] = ("ring", "ulysses", "usp")
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 
@@ -68,7 +68,7 @@ class Layout:
     def partial_backwards(self) -> bool:
         """One pipeline backward reaches only part of a rank's parameters (two chunks per rank, or B apart from
         W): ZeRO-2 then reduce-scatters once per step, at each parameter's last gradient."""
-        return self.pp > 1 and (self.virtual_stages > 1 or self.schedule in ("zb-h1", *V_SCHEDULES))
+        return partial_backwards(self.schedule, self.pp, self.virtual_stages)
 
     @property
     def ulysses_degree(self) -> int:
