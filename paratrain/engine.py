@@ -32,9 +32,16 @@ from paratrain.data.batch_check import BatchChecker
 from paratrain.data.nested import to_device
 from paratrain.deferred import InitReplay, template_of
 from paratrain.distributed import current_device
-from paratrain.engine_setup import make_loader, make_scheduler, optimizer_factory, param_groups
+from paratrain.engine_setup import (
+    local_param_groups,
+    make_loader,
+    make_scheduler,
+    named_param_groups,
+    optimizer_factory,
+)
 from paratrain.errors import InvalidValueError, RunError
 from paratrain.mesh import Mesh
+from paratrain.model_spec import spec_for
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.parallelize import parallelize
 from paratrain.precision import make_loss_scaler
@@ -57,14 +64,17 @@ class Engine(DeepSpeedEngineAPI):
         if mesh.guard is not None:  # every collective below waits at most comm.timeout_s, then reports
             mesh.guard.configure(timeout_s=config.comm.timeout_s, report_dir=config.comm.report_dir or ".")
         self.device = current_device()
+        model = spec_for(model).adapt(model)  # e.g. a transformers model's layered view, same names
         template = template_of(model)  # a meta model's structure, before parallelize changes it
+        groups = named_param_groups(model, model_parameters)  # by name: tensor parallelism replaces parameters
         self.parallel = parallelize(model, mesh, config, device=self.device)
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
         self.pipeline = self.parallel.pipeline  # set when pipeline.stages > 1: whole steps only
         self._autocast = self.parallel.autocast
         self.optimizer = self.grad_sync.build_optimizer(optimizer_factory(config, optimizer),
-                                                        param_groups(model_parameters))
+                                                        local_param_groups(groups, self.parallel,
+                                                                           self.grad_sync.named_params))
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
         if config.checkpoint.load_weights:  # weights only; also what a meta model starts from
             self.load_weights(config.checkpoint.load_weights, config.checkpoint.load_weights_map)
@@ -176,10 +186,12 @@ class Engine(DeepSpeedEngineAPI):
     def _run_micro_batch(self, batch) -> torch.Tensor:
         batch = self._checked(batch, self._check_train_batch if self.module.training else self._check_eval_batch)
         if isinstance(batch, dict):
-            return self(**batch)
-        if isinstance(batch, (tuple, list)):
-            return self(*batch)
-        return self(batch)
+            out = self(**batch)
+        elif isinstance(batch, (tuple, list)):
+            out = self(*batch)
+        else:
+            out = self(batch)
+        return _loss_of(out)
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Run one global batch (every micro-batch of this rank), step, and return the global mean loss."""
@@ -299,3 +311,14 @@ class Engine(DeepSpeedEngineAPI):
         self.mesh.destroy()
         self.destroyed = True
 
+
+
+def _loss_of(output) -> torch.Tensor:
+    """The loss a forward returned: the tensor itself, or the `loss` of a transformers output (`labels=`)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise InvalidValueError(f"train_batch: the model's forward returned {type(output).__name__} without a "
+                                f"loss; return the loss tensor, or an output with .loss (pass labels=)")
+    return loss

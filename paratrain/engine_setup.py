@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
@@ -32,6 +33,34 @@ def param_groups(model_parameters):
     if groups and isinstance(groups[0], dict):
         return groups
     return None  # a flat list of the model's parameters is the default anyway
+
+
+def named_param_groups(model: nn.Module, model_parameters) -> list[dict] | None:
+    """The param groups with each parameter replaced by its name in `model` (before any strategy runs: tensor
+    parallelism and deferred initialization replace parameter objects, names survive)."""
+    groups = param_groups(model_parameters)
+    if groups is None:
+        return None
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for gi, group in enumerate(groups):
+        stray = [tuple(p.shape) for p in group["params"] if id(p) not in name_of]
+        if stray:
+            raise InvalidValueError(f"initialize(model_parameters=...): group {gi} holds {len(stray)} tensor(s) that "
+                                    f"are not parameters of the model (shapes {stray[:3]}); pass groups of "
+                                    f"model.parameters() only")
+        out.append({**group, "params": [name_of[id(p)] for p in group["params"]]})
+    return out
+
+
+def local_param_groups(groups: list[dict] | None, parallel, named_params: list) -> list[dict] | None:
+    """The named groups over the parameters the strategy holds here (`named_params`); a parameter another
+    pipeline stage keeps is left out."""
+    if groups is None:
+        return None
+    local = dict(named_params)
+    return [{**g, "params": [local[n] for n in map(parallel.local_name, g["params"]) if n in local]}
+            for g in groups]
 
 
 def make_scheduler(config: Config, optimizer, lr_scheduler):

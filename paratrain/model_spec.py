@@ -8,6 +8,7 @@
         def pipeline_module(self, model, micro_batch): return PipelineModule([...], loss_fn=..., layer_names=[...])
 
 `parallelize()` asks the spec of the model it is given (`spec_for`), never the model's class:
+  adapt             the module to train in place of the model (a layered view of a transformers model)
   tp_plan           the tensor-parallel plan (data: module-path patterns -> styles), unless the config has one
   blocks            the transformer blocks: ZeRO-3 units and the modules full activation checkpointing recomputes
   attention_cores   the attention kernels (q, k, v -> out, `paratrain.attention`): ring attention replaces them
@@ -47,6 +48,12 @@ class ModelSpec:
     def matches(self, model: nn.Module) -> bool:
         """Whether this spec describes `model` (the registry asks the newest registration first)."""
         return False
+
+    def adapt(self, model: nn.Module) -> nn.Module:
+        """The module paratrain trains for `model`, built before anything else (default: `model` itself). A
+        family whose own forward offers no seams returns a view sharing its modules and names (transformers
+        models: `paratrain.models.hf.HFCausalLM`)."""
+        return model
 
     def tp_plan(self, model: nn.Module) -> dict[str, str] | None:
         return None

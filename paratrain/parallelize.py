@@ -76,6 +76,12 @@ class ParallelModel:
             found = step.origin(found)
         return found
 
+    def local_name(self, name: str) -> str:
+        """The local module's name of the original tensor `name` (the steps' renamings, first first)."""
+        for step in self.steps:
+            name = step.forward_name(name)
+        return name
+
     def explain(self, name: str) -> str:
         """What each step did with the original tensor `name` (for errors that must name the real cause)."""
         said = []
@@ -122,7 +128,8 @@ def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None
     spec = spec or spec_for(model)
     cp, tp = config.context_parallel.size, config.tensor_parallel
     seq_len = spec.sequence_length(model)
-    spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp})
+    spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp,
+                       "sp": int(tp.sequence_parallel and tp.size > 1)})
     check_context_parallel(model, cp)
     cpc = config.context_parallel
     heads = getattr(getattr(model, "config", None), "n_head", None)

@@ -66,3 +66,37 @@ def import_deepspeed(module: str = "deepspeed"):
         return importlib.import_module(module)
     except ImportError as exc:
         skip_without_deepspeed(f"DeepSpeed is not installed ({exc}); it comes with the dev extra")
+
+
+# Tiny transformers causal LMs (random weights; no hub here): grouped-query attention with tp = n_kv_heads.
+TINY_HF = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+               "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None})}
+
+
+def tiny_hf(family: str = "llama", seed: int = 1, **overrides):
+    import transformers
+
+    config_name, model_name, extra = HF_FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**TINY_HF, **extra, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config)
+
+
+def hf_param_groups(model) -> list[dict]:
+    """The k projection's bias gets lr 0: softmax ignores a shift shared by all keys, so its gradient is exactly
+    zero in theory and rounding noise in practice, which Adam would turn into lr-sized steps of random sign."""
+    frozen = [p for n, p in model.named_parameters() if n.endswith("k_proj.bias")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("k_proj.bias")]
+    return [{"params": rest}] + ([{"params": frozen, "lr": 0.0}] if frozen else [])
+
+
+def hf_loss(model, batch) -> torch.Tensor:
+    """The single-process reference: the transformers model's own forward, the loss on pre-shifted targets."""
+    import torch.nn.functional as F
+
+    idx, targets = batch
+    logits = model(input_ids=idx).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -22,6 +22,7 @@ leaves the tp shards distinct.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -120,12 +121,20 @@ def _with_grad_sum(module: nn.Module, names: list[str], axis: Axis, inner, *args
 
 
 def _region_input_hook(path: str, axis: Axis, sequence_parallel: bool):
-    def hook(module, args):
-        if not args or not isinstance(args[0], torch.Tensor):
-            raise PlanError(f"'{path}' (region_input) must receive a tensor as its first positional argument")
-        x = gather_from_sequence(args[0], axis, SEQ_DIM, ACTIVATION_TAG) if sequence_parallel \
-            else copy_to_region(args[0], axis, ACTIVATION_TAG)  # (b, s, h)
-        return (x, *args[1:])
+    """The module's input (b, s, h) enters the tp region: its first positional argument, or, for modules
+    called with keywords only (transformers' `self_attn(hidden_states=...)`), its first forward parameter."""
+    def enter(x: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence(x, axis, SEQ_DIM, ACTIVATION_TAG) if sequence_parallel \
+            else copy_to_region(x, axis, ACTIVATION_TAG)
+
+    def hook(module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (enter(args[0]), *args[1:]), kwargs
+        first = next(iter(inspect.signature(module.forward).parameters), None)
+        if not args and isinstance(kwargs.get(first), torch.Tensor):
+            return args, {**kwargs, first: enter(kwargs[first])}
+        raise PlanError(f"'{path}' (region_input) must receive a tensor as its first argument (positional, or "
+                        f"by the name of forward's first parameter)")
 
     return hook
 
@@ -185,7 +194,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
         if style == "vocab_loss":
             _set_submodule(model, path, _vocab_loss(module, head, axis, path))
         elif style == "region_input":
-            module.register_forward_pre_hook(_region_input_hook(path, axis, sp))
+            module.register_forward_pre_hook(_region_input_hook(path, axis, sp), with_kwargs=True)
         elif style == "in_region":
             _wrap_forward(module, functools.partial(_forked, tracker))
         elif style == "sequence" and sp:

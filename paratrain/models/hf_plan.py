@@ -1,0 +1,134 @@
+"""The tensor-parallel plan of a Hugging Face model, from its own config or from its module names.
+
+transformers models that support tensor parallelism carry a plan in their config (`base_model_tp_plan`,
+patterns under the base model, e.g. `layers.*.self_attn.q_proj: colwise`). paratrain translates its styles
+into ours and adds what the HF plan leaves to DTensor but a plan over plain tensors must say: the token
+table and head split over the vocabulary with the vocab-parallel loss, one region entry per attention and MLP
+(q, k, v share one copy / all-gather), the attention core inside the region, and the norms on s/tp tokens
+under sequence parallelism.
+
+| transformers style | paratrain style | why |
+|---|---|---|
+| `colwise`, `local_colwise` | `colwise` | output features (heads) split |
+| `rowwise`, `local_rowwise`, `rowwise_rep` | `rowwise` | input features split, output summed |
+| `colwise_rep`, `colwise_gather_output`, `gather` | `colwise_gather` | split, output gathered back |
+| `sequence_parallel` | `sequence` | runs on s/tp tokens |
+| `replicate`, `local` | `replicate` | deliberately whole |
+
+A model without a plan gets one from the names of its decoder layer's linear layers (`RULES`: q/k/v/o,
+gate/up/down, fc1/fc2, ...). A linear layer that fits no rule is refused by name, with the config entry to
+write.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from paratrain.model_spec import ModelSpecError
+from paratrain.models.hf import HFCausalLM, attention_modules
+
+HF_STYLES = {
+    "colwise": "colwise", "local_colwise": "colwise",
+    "rowwise": "rowwise", "local_rowwise": "rowwise", "rowwise_rep": "rowwise",
+    "colwise_rep": "colwise_gather", "colwise_gather_output": "colwise_gather", "gather": "colwise_gather",
+    "sequence_parallel": "sequence", "replicate": "replicate", "local": "replicate",
+}
+
+# Linear layers of a decoder layer by name (the last path component), for models without an HF plan.
+RULES = {
+    "colwise": ("q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv",
+                "gate_proj", "up_proj", "fc1", "fc_in", "w1", "w3", "c_fc"),
+    "rowwise": ("o_proj", "out_proj", "o", "wo", "dense", "down_proj", "fc2", "fc_out", "w2", "c_proj"),
+}
+PACKED = ("qkv_proj", "gate_up_proj", "c_attn", "query_key_value", "Wqkv", "W_pack")
+
+
+def _layer_prefix(model: HFCausalLM) -> str:
+    return f"{model.layout.base}.{model.layout.layers}.*"
+
+
+def _from_config(model: HFCausalLM) -> dict[str, str] | None:
+    hf_plan = getattr(model.config, "base_model_tp_plan", None)
+    if not hf_plan:
+        return None
+    out = {}
+    for pattern, style in hf_plan.items():
+        if style not in HF_STYLES:
+            raise ModelSpecError(f"{type(model.hf_model).__name__}'s base_model_tp_plan gives '{pattern}' the style "
+                                 f"'{style}', which paratrain does not translate; write tensor_parallel.plan in the "
+                                 f"config (styles: {sorted(set(HF_STYLES.values()))})")
+        out[f"{model.layout.base}.{pattern}"] = HF_STYLES[style]
+    return out
+
+
+def _from_names(model: HFCausalLM) -> dict[str, str]:
+    layer, prefix = model.layers[0], _layer_prefix(model)
+    out = {}
+    for name, module in layer.named_modules():
+        if not name or not _is_linear(module):
+            continue
+        last = name.rsplit(".", 1)[-1]
+        style = next((s for s, names in RULES.items() if last in names), None)
+        if style is None:
+            write = f'"{prefix}.{name}": "colwise" | "rowwise" | "replicate"'
+            what = "a packed projection, which paratrain does not split yet" if last in PACKED else \
+                "no rule knows its name"
+            raise ModelSpecError(f"tensor parallelism on {type(model.hf_model).__name__}: '{prefix}.{name}' "
+                                 f"({type(module).__name__}) is {what}; write tensor_parallel.plan in the config "
+                                 f"with {write} for it (and every other layer), or use tensor_parallel.size 1")
+        out[f"{prefix}.{name}"] = style
+    return out
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _parents(plan: dict[str, str]) -> set[str]:
+    """The modules whose input enters the region once: the parent of each colwise layer below the layer."""
+    out = set()
+    for pattern, style in plan.items():
+        parent = pattern.rsplit(".", 1)[0]
+        if style == "colwise" and not parent.endswith("*"):
+            out.add(parent)
+    return out
+
+
+def hf_tp_plan(model: HFCausalLM) -> dict[str, str]:
+    """The full paratrain plan: the model's own (translated) or the name rules', plus vocabulary, regions,
+    cores and norms."""
+    layers = _from_config(model) or _from_names(model)
+    base, layout, prefix = model.layout.base, model.layout, _layer_prefix(model)
+    _check_packed(model, layers)
+    plan = {f"{base}.{layout.embed}": "vocab" if layout.positions else "vocab_scatter"}
+    if layout.positions and layout.dropout:  # GPT-2: the sum of both tables enters the sequence shard here
+        plan[f"{base}.{layout.dropout}"] = "sequence_scatter"
+    plan.update({parent: "region_input" for parent in sorted(_parents(layers))})
+    plan.update(layers)
+    attn_name = next(n for n, m in model.layers[0].named_children() if m is attention_modules(model.layers)[0])
+    plan[f"{prefix}.{attn_name}.core"] = "in_region"
+    for name, child in model.layers[0].named_children():
+        if "norm" in type(child).__name__.lower() or name.startswith(("ln", "norm")):
+            plan[f"{prefix}.{name}"] = "sequence"
+    plan[f"{base}.{layout.norm}"] = "sequence"
+    plan[layout.head] = "colwise_vocab"
+    plan["loss_fn"] = "vocab_loss"
+    return plan
+
+
+def _check_packed(model: HFCausalLM, plan: dict[str, str]) -> None:
+    for pattern in plan:
+        last = pattern.rsplit(".", 1)[-1]
+        if any(fnmatch.fnmatchcase(p, last) for p in PACKED):
+            raise ModelSpecError(f"tensor parallelism on {type(model.hf_model).__name__}: '{pattern}' is a packed "
+                                 f"projection, which paratrain does not split yet (each packed part must be split "
+                                 f"on its own); use tensor_parallel.size 1, or another layout (ZeRO, pipeline, "
+                                 f"context parallel)")
+
+
+def supports_sequence_parallel(model: HFCausalLM) -> bool:
+    """GPT-2-style models add a position table after the token table; without a dropout after it there is no
+    module whose output could enter the sequence shard."""
+    return not model.layout.positions or bool(model.layout.dropout)

@@ -1,0 +1,147 @@
+"""The model spec of Hugging Face causal LMs: every strategy from the model's own config and structure.
+
+    tp_plan          the config's `base_model_tp_plan`, translated (`hf_plan.py`), or name rules
+    blocks           the decoder layers (the classes in `_no_split_modules`): ZeRO-3 units, checkpointed blocks
+    attention_cores  the `core` each attention module got (`hf.py`): ring attention replaces it
+    pipeline_module  embeddings -> decoder layers -> final norm + head; each stage passes (hidden, positions)
+                     and every layer recomputes its rotary embeddings from the positions
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from paratrain.config import ConfigError
+from paratrain.model_spec import ModelSpec, register_model_spec
+from paratrain.models.hf import HFCausalLM, _positions, as_causal_lm, attention_modules, is_transformers_model
+from paratrain.models.hf_plan import hf_tp_plan, supports_sequence_parallel
+from paratrain.pipeline.module import PipelineModule
+
+
+class HFEmbedStage(nn.Module):
+    """The first pipeline layer: token ids -> (hidden, positions (b, s)). Its children keep the base model's
+    attribute names (embed_tokens, or GPT-2's wte, wpe and drop)."""
+
+    def __init__(self, model: HFCausalLM):
+        super().__init__()
+        object.__setattr__(self, "view", model)
+        for name in (model.layout.embed, model.layout.positions, model.layout.dropout):
+            if name is not None:
+                self.add_module(name, getattr(model.base, name))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+        position_ids = _positions(input_ids, position_ids)
+        return self.view.embed(input_ids, position_ids), position_ids  # (b, s, d), (b, s)
+
+
+class _Holder(nn.Module):
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__()
+        self.add_module(name, module)
+
+
+class HFFinalStage(nn.Module):
+    """The last pipeline layer: final norm and head, under their names (model.norm, lm_head)."""
+
+    def __init__(self, model: HFCausalLM):
+        super().__init__()
+        object.__setattr__(self, "view", model)
+        self.add_module(model.layout.base, _Holder(model.layout.norm, getattr(model.base, model.layout.norm)))
+        self.add_module(model.layout.head, model.head)
+
+    def forward(self, x) -> torch.Tensor:
+        h, _ = x
+        return self.view.final(h)
+
+
+def _stage_hooks(model: HFCausalLM, layer: nn.Module) -> None:
+    """Let a decoder layer take and give the pipeline's (hidden, positions) pair; a call with a plain tensor
+    (the whole model's forward) passes through unchanged."""
+    if getattr(layer, "_paratrain_staged", False):
+        return
+
+    def before(module, args, kwargs):
+        if not (args and isinstance(args[0], tuple)):
+            return None
+        h, positions = args[0]
+        module.__dict__.setdefault("_paratrain_positions", []).append(positions)
+        return (h,), {**kwargs, **_layer_kwargs(model, h, positions)}
+
+    def after(module, args, output):
+        stack = module.__dict__.get("_paratrain_positions")
+        if not stack:
+            return None
+        h = output[0] if isinstance(output, tuple) else output
+        return h, stack.pop()
+
+    layer.register_forward_pre_hook(before, with_kwargs=True)
+    layer.register_forward_hook(after)
+    layer._paratrain_staged = True
+
+
+def _layer_kwargs(model: HFCausalLM, h: torch.Tensor, positions: torch.Tensor) -> dict:
+    extra = {"attention_mask": None, "use_cache": False}
+    if model.layout.rotary is not None:
+        rotary = getattr(model.base, model.layout.rotary)
+        extra.update(position_embeddings=rotary(h, positions), position_ids=positions)
+    return extra
+
+
+def hf_pipeline_module(model: HFCausalLM, micro_batch: int = 1) -> PipelineModule:
+    layers = list(model.layers)
+    for layer in layers:
+        _stage_hooks(model, layer)
+    prefix = f"{model.layout.base}.{model.layout.layers}"
+    names = [model.layout.base, *(f"{prefix}.{i}" for i in range(len(layers))), ""]
+    return PipelineModule([HFEmbedStage(model), *layers, HFFinalStage(model)], loss_fn=model.loss_fn,
+                          layer_names=names)
+
+
+@register_model_spec
+class HFSpec(ModelSpec):
+    name = "hf"
+
+    def matches(self, model: nn.Module) -> bool:
+        return isinstance(model, HFCausalLM) or is_transformers_model(model)
+
+    def adapt(self, model: nn.Module) -> nn.Module:
+        return model if isinstance(model, HFCausalLM) else as_causal_lm(model)
+
+    def tp_plan(self, model: HFCausalLM) -> dict[str, str]:
+        return hf_tp_plan(model)
+
+    def blocks(self, model: HFCausalLM) -> list[nn.Module]:
+        return list(model.layers)
+
+    def attention_cores(self, model: HFCausalLM) -> list[nn.Module]:
+        return [attn.core for attn in attention_modules(model.layers)]
+
+    def pipeline_module(self, model: HFCausalLM, micro_batch: int) -> PipelineModule:
+        return hf_pipeline_module(model, micro_batch)
+
+    def sequence_length(self, model: nn.Module) -> int | None:
+        return None
+
+    def init_module(self, model: HFCausalLM, name: str, module: nn.Module) -> None:
+        model.hf_model._init_weights(module)
+
+    def check(self, model: HFCausalLM, sizes: Mapping[str, int]) -> None:
+        cfg, tp, kind = model.config, sizes.get("tp", 1), type(model.hf_model).__name__
+        heads = getattr(cfg, "num_attention_heads", None)
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        if tp > 1 and heads and (heads % tp or kv % tp):
+            works = [t for t in range(1, kv + 1) if kv % t == 0 and heads % t == 0]
+            raise ConfigError(f"tensor_parallel.size = {tp} does not divide {kind}'s num_attention_heads ({heads}) "
+                              f"and num_key_value_heads ({kv}): each tp rank keeps whole heads; use a "
+                              f"tensor_parallel.size in {works}")
+        if sizes.get("pp", 1) > 1 and getattr(cfg, "tie_word_embeddings", False):
+            raise ConfigError(f"pipeline.stages > 1 with {kind} whose tie_word_embeddings is true: the token table "
+                              f"(first stage) and the head (last stage) would share one weight across stages, "
+                              f"which paratrain's pipeline does not support; use pipeline.stages 1")
+        if sizes.get("sp", 0) and not supports_sequence_parallel(model):
+            raise ConfigError(f"tensor_parallel.sequence_parallel with {kind}: its position table is added after "
+                              f"the token table with no module between them to start the sequence shard; set "
+                              f"sequence_parallel to false")
