@@ -73,23 +73,33 @@ TINY_HF = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_
                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
-               "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None})}
+               "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+               # GPT-2: a learned position table, Conv1D (transposed) layers, packed c_attn; dropouts off
+               "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                                                          "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                                                          "bos_token_id": 0, "eos_token_id": 0}),
+               # Phi-3: packed qkv_proj and gate_up_proj
+               "phi3": ("Phi3Config", "Phi3ForCausalLM", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 0,
+                                                          "bos_token_id": 0, "eos_token_id": 0})}
 
 
 def tiny_hf(family: str = "llama", seed: int = 1, **overrides):
     import transformers
 
     config_name, model_name, extra = HF_FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**TINY_HF, **extra, **overrides})
+    base = TINY_HF if family != "gpt2" else {"vocab_size": 256, "tie_word_embeddings": False}
+    config = getattr(transformers, config_name)(**{**base, **extra, **overrides})
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(config)
 
 
 def hf_param_groups(model) -> list[dict]:
     """The k projection's bias gets lr 0: softmax ignores a shift shared by all keys, so its gradient is exactly
-    zero in theory and rounding noise in practice, which Adam would turn into lr-sized steps of random sign."""
-    frozen = [p for n, p in model.named_parameters() if n.endswith("k_proj.bias")]
-    rest = [p for n, p in model.named_parameters() if not n.endswith("k_proj.bias")]
+    zero in theory and rounding noise in practice, which Adam would turn into lr-sized steps of random sign.
+    GPT-2 packs k's bias into c_attn's, so that whole bias gets it."""
+    keys = ("k_proj.bias", "c_attn.bias")
+    frozen = [p for n, p in model.named_parameters() if n.endswith(keys)]
+    rest = [p for n, p in model.named_parameters() if not n.endswith(keys)]
     return [{"params": rest}] + ([{"params": frozen, "lr": 0.0}] if frozen else [])
 
 

@@ -53,6 +53,7 @@ def _from_config(model: HFCausalLM) -> dict[str, str] | None:
     hf_plan = getattr(model.config, "base_model_tp_plan", None)
     if not hf_plan:
         return None
+    _check_packed(model, {f"{model.layout.base}.{p}": s for p, s in hf_plan.items()})
     out = {}
     for pattern, style in hf_plan.items():
         if style not in HF_STYLES:

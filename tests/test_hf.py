@@ -1,0 +1,124 @@
+"""Hugging Face models in every layout with no plan written: each family's tiny random transformers model,
+trained by paratrain, against the same model trained in one process by its own forward.
+
+The matrix of the issue: Llama (grouped-query attention, tp = num_key_value_heads) and Qwen2 (q/k/v biases)
+under DDP, ZeRO-1/2/3, dp2·tp2 with and without sequence parallelism, dp2·pp2 (1F1B and ZB-H1), dp2·cp2 and
+dp2·pp2·tp2; Mistral, GPT-2 (Conv1D, a learned position table) and Phi-3 (packed projections) where they run.
+One reference per family serves all of its layouts; each world runs all of its cases in one `World.run`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paratrain.testing.parity import compare, reference_config, run_layout, summarize
+from paratrain.testing.reference import reference_run
+from tests.cases import corpus_windows, hf_loss, hf_param_groups, tiny_hf
+from tests.test_hybrid import layout
+
+pytest.importorskip("transformers")
+
+STEPS = 4
+EVERY_LAYOUT_4 = [layout(dp=4), layout(dp=4, zero=1), layout(dp=4, zero=2), layout(dp=4, zero=3, micro_batch=1),
+                  layout(dp=2, tp=2), layout(dp=2, tp=2, sp=True), layout(dp=2, pp=2),
+                  layout(dp=2, pp=2, schedule="zb-h1"), layout(dp=2, cp=2)]
+NO_TP_4 = [layout(dp=2, pp=2), layout(dp=4, zero=3, micro_batch=1), layout(dp=2, cp=2)]
+MATRIX_4 = [("llama", cfg) for cfg in EVERY_LAYOUT_4] + [("qwen2", cfg) for cfg in EVERY_LAYOUT_4] + \
+    [("mistral", layout(dp=2, tp=2)), ("mistral", layout(dp=2, pp=2))] + \
+    [("gpt2", cfg) for cfg in NO_TP_4] + [("phi3", cfg) for cfg in NO_TP_4]
+MATRIX_8 = [(family, layout(dp=2, pp=2, tp=2)) for family in ("llama", "qwen2", "mistral")]
+
+
+def _run(matrix: list[tuple[str, dict]]) -> list:
+    runs = []
+    for family, cfg in matrix:
+        start = time.perf_counter()
+        run = run_layout(cfg, functools.partial(tiny_hf, family), corpus_windows(), STEPS,
+                         keep_state=dist.get_rank() == 0, model_parameters=hf_param_groups)
+        run.extra["seconds"] = time.perf_counter() - start
+        runs.append(run)
+    return runs
+
+
+def _check(per_rank: list[list], matrix: list[tuple[str, dict]]) -> list[str]:
+    refs, lines = {}, []
+    for i, (family, cfg) in enumerate(matrix):
+        run = per_rank[0][i]
+        if family not in refs:
+            refs[family] = reference_run(functools.partial(tiny_hf, family), reference_config(cfg, run),
+                                         corpus_windows(), STEPS, loss_of=hf_loss, param_groups=hf_param_groups)
+        summary = summarize(compare(run, refs[family]))
+        assert summary["passed"], (family, run.case, summary)
+        assert all(other[i].losses == run.losses for other in per_rank[1:]), (family, run.case)
+        lines.append(f"{family} {run.case}: loss {summary['loss_err']:.1e} param {summary['param_err']:.1e} "
+                     f"({run.extra['seconds']:.1f}s)")
+    return lines
+
+
+def test_every_layout_4_ranks(world4):
+    lines = _check(world4.run(_run, MATRIX_4), MATRIX_4)
+    print("\n".join(lines))
+    assert len(lines) == len(MATRIX_4)
+
+
+def test_dp2_pp2_tp2_8_ranks(world8):
+    lines = _check(world8.run(_run, MATRIX_8), MATRIX_8)
+    print("\n".join(lines))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "phi3"])
+def test_the_layered_view_computes_the_models_own_logits(family):
+    from paratrain.models import HFCausalLM
+
+    model = tiny_hf(family)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids).logits
+    view = HFCausalLM(model)
+    assert torch.equal(view(ids), expected)
+    assert [n for n, _ in view.named_parameters()] == [n for n, _ in model.named_parameters()]
+    out = view(input_ids=ids, labels=ids)  # transformers' form: labels shifted inside
+    assert torch.allclose(out.loss, model(input_ids=ids, labels=ids).loss, rtol=1e-6)
+
+
+def test_the_plan_comes_from_the_models_config():
+    from paratrain.model_spec import spec_for
+    from paratrain.models import HFCausalLM
+
+    view = HFCausalLM(tiny_hf("qwen2"))
+    plan = spec_for(view).tp_plan(view)
+    assert plan["model.layers.*.self_attn.k_proj"] == "colwise"  # from Qwen2's base_model_tp_plan
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert plan["lm_head"] == "colwise_vocab" and plan["loss_fn"] == "vocab_loss"
+    assert plan["model.layers.*.post_attention_layernorm"] == "sequence"
+
+
+@pytest.mark.parametrize("family, module", [("gpt2", "transformer.h.*.attn.c_attn"),
+                                            ("phi3", "model.layers.*.self_attn.qkv_proj")])
+def test_a_layer_that_cannot_be_split_is_refused_by_name(family, module):
+    from paratrain.model_spec import ModelSpecError, spec_for
+    from paratrain.models import HFCausalLM
+
+    view = HFCausalLM(tiny_hf(family))
+    with pytest.raises(ModelSpecError, match=module.replace("*", r"\*").replace(".", r"\.")) as err:
+        spec_for(view).tp_plan(view)
+    assert "tensor_parallel" in str(err.value)
+
+
+def test_padding_masks_and_short_sliding_windows_are_refused():
+    from paratrain.model_spec import ModelSpecError
+    from paratrain.models import HFCausalLM
+
+    view = HFCausalLM(tiny_hf("llama"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    view(ids, attention_mask=mask)  # all ones: no padding, accepted
+    mask[0, -2:] = 0
+    with pytest.raises(ModelSpecError, match="padding"):
+        view(ids, attention_mask=mask)
+    with pytest.raises(ModelSpecError, match="sliding_window = 4"):
+        HFCausalLM(tiny_hf("mistral", sliding_window=4))(ids)
