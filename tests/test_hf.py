@@ -122,3 +122,52 @@ def test_padding_masks_and_short_sliding_windows_are_refused():
         view(ids, attention_mask=mask)
     with pytest.raises(ModelSpecError, match="sliding_window = 4"):
         HFCausalLM(tiny_hf("mistral", sliding_window=4))(ids)
+
+
+# A DeepSpeed config as Hugging Face's DeepSpeed docs show it for ZeRO-3 and bf16 (numbers written in).
+HF_DOCS_ZERO3 = {
+    "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 2}},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": 1024, "stage3_prefetch_bucket_size": 922,
+                          "stage3_param_persistence_threshold": 320, "stage3_max_live_parameters": 1e9,
+                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 2000,
+    "train_micro_batch_size_per_gpu": 2, "wall_clock_breakdown": False,
+}
+
+
+def _deepspeed_script() -> list[float]:
+    """What a DeepSpeed user's script does with a transformers model, unchanged but for the import."""
+    import paratrain as deepspeed
+
+    model = tiny_hf("llama")
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=HF_DOCS_ZERO3)
+    batch = torch.stack([corpus_windows()[i][0] for i in range(2 * dist.get_rank(), 2 * dist.get_rank() + 2)])
+    losses = []
+    for _ in range(6):
+        outputs = engine(input_ids=batch, labels=batch)
+        engine.backward(outputs.loss)
+        engine.step()
+        losses.append(float(outputs.loss.detach()))
+    return losses
+
+
+def test_a_deepspeed_script_with_a_transformers_model_runs_unchanged(world2):
+    per_rank = world2.run(_deepspeed_script)
+    for losses in per_rank:
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_huggingface_auto_values_are_refused_with_the_number_to_write():
+    from paratrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config({**HF_DOCS_ZERO3, "train_micro_batch_size_per_gpu": "auto",
+                     "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                     "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
+    message = str(err.value)
+    assert "'train_micro_batch_size_per_gpu' = \"auto\": write the per-device batch size" in message
+    assert "'optimizer.params.lr' = \"auto\"" in message and "hidden_size * hidden_size" in message

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from paratrain.config.auto import refuse_auto_values
 from paratrain.config.errors import ConfigError
 from paratrain.config.params import check_optimizer_params, check_scheduler_params
 from paratrain.config.schema import Config
@@ -99,6 +100,7 @@ def load_config(source: Config | dict | str | os.PathLike | None) -> Config:
             raise ConfigError(f"config file '{path}' is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a JSON object (a dict), got {type(raw).__name__}")
+    refuse_auto_values(raw)
     _check_keys(raw, Config, "")
     # Disabled DeepSpeed-only sections passed the key check; they change nothing, so drop them.
     raw = {k: v for k, v in raw.items() if k in Config.model_fields}

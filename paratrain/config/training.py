@@ -111,6 +111,10 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
+    sub_group_size: int = Field(1_000_000_000, ge=1)
+    """DeepSpeed steps the optimizer over groups of this many elements to bound its temporaries; accepted for
+    compatibility (Hugging Face's ZeRO-3 example sets it): paratrain steps each shard's parameter group at once,
+    which gives the same update."""
     # paratrain's FSDP knobs: which modules become stage-3 units, and whether to free after forward.
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered parameters after its forward (regather for backward)."""
