@@ -54,13 +54,18 @@ def named_param_groups(model: nn.Module, model_parameters) -> list[dict] | None:
 
 
 def local_param_groups(groups: list[dict] | None, parallel, named_params: list) -> list[dict] | None:
-    """The named groups over the parameters the strategy holds here (`named_params`); a parameter another
+    """The named groups over the parameters the strategy holds here (`named_params`), each found by the
+    original tensor it is (a packed layer's parts all join their tensor's group); a parameter another
     pipeline stage keeps is left out."""
     if groups is None:
         return None
-    local = dict(named_params)
-    return [{**g, "params": [local[n] for n in map(parallel.local_name, g["params"]) if n in local]}
-            for g in groups]
+    group_of = {name: gi for gi, g in enumerate(groups) for name in g["params"]}
+    out = [{**g, "params": []} for g in groups]
+    for name, param in named_params:
+        original = parallel.origin(name, param).name
+        if original in group_of:
+            out[group_of[original]]["params"].append(param)
+    return out
 
 
 def make_scheduler(config: Config, optimizer, lr_scheduler):

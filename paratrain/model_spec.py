@@ -15,6 +15,7 @@
                     under context parallelism, selective checkpointing recomputes them
   pipeline_module   the model as a list of layers for the pipeline split
   sequence_length   the training sequence length, for the checks of context and sequence parallelism
+  after_split       adjust modules that derived sizes from the full model, after tensor parallelism split it
   check             refuse, by name, a layout the family cannot take (e.g. a tp that does not divide its heads)
   init_module       the family's own initialization after construction, one module at a time (deferred
                     initialization replays it on the meta device's modules, `paratrain.deferred`)
@@ -71,6 +72,11 @@ class ModelSpec:
 
     def attention_cores(self, model: nn.Module) -> list[nn.Module]:
         return [m for m in model.modules() if isinstance(m, CausalAttentionCore)]
+
+    def after_split(self, model: nn.Module, sizes: Mapping[str, int]) -> None:
+        """Called once tensor parallelism has split `model` (`sizes`: axis -> size): adjust what the family's
+        modules derived from the full sizes (transformers attention that cuts a packed projection by its
+        config's head counts). Default: nothing, as for modules that read their sizes off their inputs."""
 
     def pipeline_module(self, model: nn.Module, micro_batch: int) -> nn.Module:
         """A `paratrain.PipelineModule` (layers, loss, layer_names giving the model's own names)."""

@@ -48,6 +48,13 @@ class Origin:
         offsets[dim] += index * self.local_shape[dim]
         return replace(self, shape=tuple(shape), offsets=tuple(offsets))
 
+    def within(self, dim: int, offset: int, whole: int) -> Origin:
+        """This box (of a part) sits at `offset` along `dim` of a tensor `whole` long there (a packed one)."""
+        shape, offsets = list(self.shape), list(self.offsets)
+        shape[dim] = whole
+        offsets[dim] += offset
+        return replace(self, shape=tuple(shape), offsets=tuple(offsets))
+
     def replicated_over(self, axis: str) -> Origin:
         return replace(self, replicated=(*self.replicated, axis))
 

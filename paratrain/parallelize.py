@@ -176,6 +176,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
+        spec.after_split(model, {"tp": tp.size})
         steps.append(applied)
         streams["tp"] = applied.tracker
     module, split = model, None

@@ -3,6 +3,9 @@ out and read by whatever needs to know (the global gradient norm, checkpoints).
 
     Shard(dim, full)  the ranks of the axis hold equal slices of dimension `dim` (full size `full`; the last
                       slice may reach into padding, as an uneven vocabulary does)
+    Shard(dim, full, packed=(offset, whole))
+                      the same, of one part of a packed tensor: the part is rows [offset, offset + full) of
+                      dimension `dim` of a tensor `whole` long there (q of a fused qkv projection)
     Replicate()       every rank of the axis holds the same tensor
     Partition()       the ranks of the axis hold different parameters altogether (pipeline stages)
 
@@ -30,7 +33,13 @@ ATTRIBUTE = "_paratrain_placement"
 @dataclass(frozen=True)
 class Shard:
     dim: int
-    full: int  # the unsplit size of `dim`
+    full: int  # the unsplit size of `dim` (of the part, for a part of a packed tensor)
+    packed: tuple[int, int] | None = None  # (the part's offset in `dim`, the packed tensor's size there)
+
+    @property
+    def whole(self) -> int:
+        """The size of `dim` in the original tensor."""
+        return self.packed[1] if self.packed else self.full
 
 
 @dataclass(frozen=True)

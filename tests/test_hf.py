@@ -3,7 +3,8 @@ trained by paratrain, against the same model trained in one process by its own f
 
 The matrix of the issue: Llama (grouped-query attention, tp = num_key_value_heads) and Qwen2 (q/k/v biases)
 under DDP, ZeRO-1/2/3, dp2·tp2 with and without sequence parallelism, dp2·pp2 (1F1B and ZB-H1), dp2·cp2 and
-dp2·pp2·tp2; Mistral, GPT-2 (Conv1D, a learned position table) and Phi-3 (packed projections) where they run.
+dp2·pp2·tp2; Mistral, GPT-2 (transposed Conv1D layers, packed c_attn, a learned position table) and Phi-3
+(packed qkv_proj and gate_up_proj) in dp2·tp2 (with and without SP), pp2 and dp2·pp2·tp2, and more.
 One reference per family serves all of its layouts; each world runs all of its cases in one `World.run`.
 """
 
@@ -27,11 +28,12 @@ STEPS = 4
 EVERY_LAYOUT_4 = [layout(dp=4), layout(dp=4, zero=1), layout(dp=4, zero=2), layout(dp=4, zero=3, micro_batch=1),
                   layout(dp=2, tp=2), layout(dp=2, tp=2, sp=True), layout(dp=2, pp=2),
                   layout(dp=2, pp=2, schedule="zb-h1"), layout(dp=2, cp=2)]
-NO_TP_4 = [layout(dp=2, pp=2), layout(dp=4, zero=3, micro_batch=1), layout(dp=2, cp=2)]
+PACKED_4 = [layout(dp=2, tp=2), layout(dp=2, tp=2, sp=True), layout(dp=2, pp=2), layout(dp=4, zero=3, micro_batch=1),
+            layout(dp=2, cp=2)]
 MATRIX_4 = [("llama", cfg) for cfg in EVERY_LAYOUT_4] + [("qwen2", cfg) for cfg in EVERY_LAYOUT_4] + \
     [("mistral", layout(dp=2, tp=2)), ("mistral", layout(dp=2, pp=2))] + \
-    [("gpt2", cfg) for cfg in NO_TP_4] + [("phi3", cfg) for cfg in NO_TP_4]
-MATRIX_8 = [(family, layout(dp=2, pp=2, tp=2)) for family in ("llama", "qwen2", "mistral")]
+    [("gpt2", cfg) for cfg in PACKED_4] + [("phi3", cfg) for cfg in PACKED_4]
+MATRIX_8 = [(family, layout(dp=2, pp=2, tp=2)) for family in ("llama", "qwen2", "mistral", "gpt2", "phi3")]
 
 
 def _run(matrix: list[tuple[str, dict]]) -> list:
@@ -97,16 +99,29 @@ def test_the_plan_comes_from_the_models_config():
     assert plan["model.layers.*.post_attention_layernorm"] == "sequence"
 
 
-@pytest.mark.parametrize("family, module", [("gpt2", "transformer.h.*.attn.c_attn"),
-                                            ("phi3", "model.layers.*.self_attn.qkv_proj")])
-def test_a_layer_that_cannot_be_split_is_refused_by_name(family, module):
-    from paratrain.model_spec import ModelSpecError, spec_for
+@pytest.mark.parametrize("family, plan_entry", [("gpt2", "transformer.h.*.attn.c_attn': 'colwise:32,32,32"),
+                                                ("phi3", "model.layers.*.self_attn.qkv_proj': 'colwise:32,16,16")])
+def test_packed_projections_are_split_part_by_part(family, plan_entry):
+    from paratrain.model_spec import spec_for
     from paratrain.models import HFCausalLM
 
     view = HFCausalLM(tiny_hf(family))
-    with pytest.raises(ModelSpecError, match=module.replace("*", r"\*").replace(".", r"\.")) as err:
+    assert plan_entry in str(spec_for(view).tp_plan(view))  # q, k and v (GQA: smaller k, v) each split on its own
+
+
+def test_a_layer_no_rule_knows_is_refused_by_name_with_the_entry_to_write():
+    from torch import nn
+
+    from paratrain.model_spec import ModelSpecError, spec_for
+    from paratrain.models import HFCausalLM
+
+    model = tiny_hf("gpt2")
+    for block in model.transformer.h:
+        block.mlp.gate = nn.Linear(32, 32)  # a name no rule knows, in a model without an HF plan
+    view = HFCausalLM(model)
+    with pytest.raises(ModelSpecError, match=r"'transformer\.h\.\*\.mlp\.gate' \(Linear\)") as err:
         spec_for(view).tp_plan(view)
-    assert "tensor_parallel" in str(err.value)
+    assert '"transformer.h.*.mlp.gate": "colwise" | "rowwise" | "replicate"' in str(err.value)
 
 
 def test_padding_masks_and_short_sliding_windows_are_refused():

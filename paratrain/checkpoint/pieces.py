@@ -69,9 +69,9 @@ def placement_problem(pieces: list[HeldPiece], parallel) -> str | None:
     for piece in pieces:
         o = piece.origin
         for axis, kind in o.placement.axes:
-            if isinstance(kind, Shard) and (o.shape[kind.dim] != kind.full or axis in o.replicated):
+            if isinstance(kind, Shard) and (o.shape[kind.dim] != kind.whole or axis in o.replicated):
                 whole = f" held whole on every {axis} rank" if axis in o.replicated else ""
-                return (f"'{o.name}' is split over {axis} along dim {kind.dim} (full size {kind.full}), but undoing "
+                return (f"'{o.name}' is split over {axis} along dim {kind.dim} (full size {kind.whole}), but undoing "
                         f"the steps {[s.name for s in parallel.steps]} locates it as a box of a tensor of shape "
                         f"{list(o.shape)}{whole}; {parallel.explain(o.name)}")
     return None

@@ -22,7 +22,7 @@ write.
 
 from __future__ import annotations
 
-import fnmatch
+import copy
 
 from torch import nn
 
@@ -42,7 +42,11 @@ RULES = {
                 "gate_proj", "up_proj", "fc1", "fc_in", "w1", "w3", "c_fc"),
     "rowwise": ("o_proj", "out_proj", "o", "wo", "dense", "down_proj", "fc2", "fc_out", "w2", "c_proj"),
 }
-PACKED = ("qkv_proj", "gate_up_proj", "c_attn", "query_key_value", "Wqkv", "W_pack")
+# Packed projections laid out [q; k; v] (or [gate; up]) along their outputs: split part by part. Others
+# (GPT-NeoX's query_key_value interleaves heads) are refused by name.
+PACKED_QKV = ("qkv_proj", "c_attn", "W_pack")
+PACKED_HALVES = ("gate_up_proj",)
+PACKED_OTHER = ("query_key_value", "Wqkv")
 
 
 def _layer_prefix(model: HFCausalLM) -> str:
@@ -53,9 +57,14 @@ def _from_config(model: HFCausalLM) -> dict[str, str] | None:
     hf_plan = getattr(model.config, "base_model_tp_plan", None)
     if not hf_plan:
         return None
-    _check_packed(model, {f"{model.layout.base}.{p}": s for p, s in hf_plan.items()})
     out = {}
     for pattern, style in hf_plan.items():
+        packed = _packed_style(model, pattern)
+        if packed is not None:  # transformers gathers a packed output (and splits o_proj's input): we split parts
+            out[f"{model.layout.base}.{pattern}"] = packed
+            continue
+        if style == "rowwise_split_input":
+            style = "rowwise"  # its input comes from a packed layer split part by part, so it is already split
         if style not in HF_STYLES:
             raise ModelSpecError(f"{type(model.hf_model).__name__}'s base_model_tp_plan gives '{pattern}' the style "
                                  f"'{style}', which paratrain does not translate; write tensor_parallel.plan in the "
@@ -71,10 +80,10 @@ def _from_names(model: HFCausalLM) -> dict[str, str]:
         if not name or not _is_linear(module):
             continue
         last = name.rsplit(".", 1)[-1]
-        style = next((s for s, names in RULES.items() if last in names), None)
+        style = _packed_style(model, name) or next((s for s, names in RULES.items() if last in names), None)
         if style is None:
             write = f'"{prefix}.{name}": "colwise" | "rowwise" | "replicate"'
-            what = "a packed projection, which paratrain does not split yet" if last in PACKED else \
+            what = "a packed projection whose layout paratrain does not know" if last in PACKED_OTHER else \
                 "no rule knows its name"
             raise ModelSpecError(f"tensor parallelism on {type(model.hf_model).__name__}: '{prefix}.{name}' "
                                  f"({type(module).__name__}) is {what}; write tensor_parallel.plan in the config "
@@ -92,7 +101,7 @@ def _parents(plan: dict[str, str]) -> set[str]:
     out = set()
     for pattern, style in plan.items():
         parent = pattern.rsplit(".", 1)[0]
-        if style == "colwise" and not parent.endswith("*"):
+        if (style == "colwise" or style.startswith("colwise:")) and not parent.endswith("*"):
             out.add(parent)
     return out
 
@@ -102,7 +111,6 @@ def hf_tp_plan(model: HFCausalLM) -> dict[str, str]:
     cores and norms."""
     layers = _from_config(model) or _from_names(model)
     base, layout, prefix = model.layout.base, model.layout, _layer_prefix(model)
-    _check_packed(model, layers)
     plan = {f"{base}.{layout.embed}": "vocab" if layout.positions else "vocab_scatter"}
     if layout.positions and layout.dropout:  # GPT-2: the sum of both tables enters the sequence shard here
         plan[f"{base}.{layout.dropout}"] = "sequence_scatter"
@@ -119,14 +127,40 @@ def hf_tp_plan(model: HFCausalLM) -> dict[str, str]:
     return plan
 
 
-def _check_packed(model: HFCausalLM, plan: dict[str, str]) -> None:
-    for pattern in plan:
-        last = pattern.rsplit(".", 1)[-1]
-        if any(fnmatch.fnmatchcase(p, last) for p in PACKED):
-            raise ModelSpecError(f"tensor parallelism on {type(model.hf_model).__name__}: '{pattern}' is a packed "
-                                 f"projection, which paratrain does not split yet (each packed part must be split "
-                                 f"on its own); use tensor_parallel.size 1, or another layout (ZeRO, pipeline, "
-                                 f"context parallel)")
+def _packed_style(model: HFCausalLM, pattern: str) -> str | None:
+    """'colwise:q,k,v' for a packed q/k/v projection, 'colwise:f,f' for a packed gate/up one, else None."""
+    last = pattern.rsplit(".", 1)[-1]
+    if last in PACKED_HALVES:
+        ff = model.config.intermediate_size
+        return f"colwise:{ff},{ff}"
+    if last not in PACKED_QKV:
+        return None
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return f"colwise:{heads * head_dim},{kv * head_dim},{kv * head_dim}"
+
+
+def localize_attention(model: HFCausalLM, tp: int) -> None:
+    """After tensor parallelism: an attention module that cuts a packed projection's output by its config's
+    head counts (Phi-3) or by a split size (GPT-2) must use this rank's."""
+    for attn in attention_modules(model.layers):
+        packed = any(getattr(m, "parts", None) for m in attn.modules())  # a split packed layer inside
+        if tp == 1 or not packed or getattr(attn, "_paratrain_local_heads", False):
+            continue
+        if hasattr(attn, "split_size"):
+            attn.split_size //= tp
+        if getattr(attn, "config", None) is model.config:
+            local = copy.copy(model.config)
+            for field in ("num_attention_heads", "num_key_value_heads"):
+                if getattr(local, field, None):
+                    setattr(local, field, getattr(local, field) // tp)
+            attn.config = local
+        for field in ("num_key_value_heads", "num_heads"):
+            if isinstance(getattr(attn, field, None), int):
+                setattr(attn, field, getattr(attn, field) // tp)
+        attn._paratrain_local_heads = True
 
 
 def supports_sequence_parallel(model: HFCausalLM) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 from paratrain.config import ConfigError
 from paratrain.model_spec import ModelSpec, register_model_spec
 from paratrain.models.hf import HFCausalLM, _positions, as_causal_lm, attention_modules, is_transformers_model
-from paratrain.models.hf_plan import hf_tp_plan, supports_sequence_parallel
+from paratrain.models.hf_plan import hf_tp_plan, localize_attention, supports_sequence_parallel
 from paratrain.pipeline.module import PipelineModule
 
 
@@ -112,6 +112,9 @@ class HFSpec(ModelSpec):
 
     def tp_plan(self, model: HFCausalLM) -> dict[str, str]:
         return hf_tp_plan(model)
+
+    def after_split(self, model: HFCausalLM, sizes: Mapping[str, int]) -> None:
+        localize_attention(model, sizes.get("tp", 1))
 
     def blocks(self, model: HFCausalLM) -> list[nn.Module]:
         return list(model.layers)

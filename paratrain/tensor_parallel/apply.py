@@ -42,7 +42,7 @@ from paratrain.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from paratrain.tensor_parallel.loss import VocabParallelCrossEntropy
-from paratrain.tensor_parallel.plan import SHARDING, match, plan_for, resolve_plan
+from paratrain.tensor_parallel.plan import SHARDING, match, packed_parts, plan_for, resolve_plan
 from paratrain.tensor_parallel.random import RNGTracker
 
 SCATTER_TAG = "tp_scatter"  # a 'sequence_scatter' module's split of the sequence (all-gather in backward)
@@ -58,6 +58,7 @@ class AppliedPlan(Step):
     sequence_parallel: bool
     plan: dict[str, str] = field(default_factory=dict)
     tracker: RNGTracker | None = None  # per-tp-rank stream: checkpoints save it, recomputation replays it
+    packed: dict[str, str] = field(default_factory=dict)  # a packed layer's part parameter -> its original tensor
     name = "tensor parallel"
 
     def origin(self, local: Origin) -> Origin:
@@ -66,7 +67,10 @@ class AppliedPlan(Step):
         whole tensor, held identically by every tp rank."""
         kind = local.placement.get("tp")
         if isinstance(kind, Shard):
-            return local.split(kind.dim, kind.full, self.axis.rank)
+            found = local.split(kind.dim, kind.full, self.axis.rank)
+            if kind.packed:  # one part of a packed tensor: its box sits at the part's offset
+                found = found.within(kind.dim, kind.packed[0], kind.packed[1]).renamed(self.packed[local.name])
+            return found
         return local.replicated_over("tp")
 
     def explain(self, name: str) -> str:
@@ -173,6 +177,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
     tracker = RNGTracker(seed, axis.rank)
     applied = AppliedPlan(styles, axis, sp, plan=plan_for(model, plan), tracker=tracker)
     regions = [p for p, s in styles.items() if s == "region_input"]
+    packed = packed_parts(model, plan)
     head = None
     for path, style in styles.items():  # split layers first: the loss needs the head's vocabulary range
         if style not in SHARDING:
@@ -186,7 +191,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
             entered = any(path.startswith(r + ".") for r in regions)
             new = ColumnParallelLinear(old, axis, name=path, gather_output=style == "colwise_gather",
                                        enter_region=not entered, sequence_parallel=sp,
-                                       pad_output=style == "colwise_vocab")
+                                       pad_output=style == "colwise_vocab", parts=packed.get(path))
+            applied.packed.update({f"{path}.{attr}_{i}": f"{path}.{attr}" for i in range(len(packed.get(path, ())))
+                                   for attr in ("weight", "bias")})
             head = new if style == "colwise_vocab" else head
         _set_submodule(model, path, new)
     for path, style in styles.items():

@@ -69,29 +69,73 @@ def _check_width(x: torch.Tensor, expected: int, name: str, style: str, hint: st
                         f"the last dimension but got shape {tuple(x.shape)}: {hint}")
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's `Conv1D`: a linear layer whose weight is stored transposed, (in, out)."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor) \
+        and module.weight.dim() == 2
+
+
+def linear_features(module: nn.Module) -> tuple[int, int, bool]:
+    """(in_features, out_features, transposed) of an nn.Linear or a Conv1D."""
+    if is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1], True
+    return module.in_features, module.out_features, False
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with the output features split: (b, s, in) -> (b, s, out/tp), or gathered to out.
 
     `enter_region=False` when a parent already entered the region for several layers sharing one input
     (q, k, v), so the entry's communication happens once. `pad_output` pads uneven output sizes (a
-    vocabulary) with zero rows; the vocab-parallel loss masks the padded logits.
+    vocabulary) with zero rows; the vocab-parallel loss masks the padded logits. A Conv1D (weight stored
+    (in, out)) keeps its layout: its columns are split. `parts` splits a packed projection (q, k and v in one
+    weight, of these output sizes) part by part: each rank keeps its share of every part, as the parameters
+    `weight_0, weight_1, ...` (`bias_0, ...`), and outputs [q_r, k_r, v_r].
     """
 
-    def __init__(self, linear: nn.Linear, axis: Axis, *, name: str = "", gather_output: bool = False,
-                 enter_region: bool = True, sequence_parallel: bool = False, pad_output: bool = False):
+    def __init__(self, linear: nn.Module, axis: Axis, *, name: str = "", gather_output: bool = False,
+                 enter_region: bool = True, sequence_parallel: bool = False, pad_output: bool = False,
+                 parts: tuple[int, ...] | None = None):
         super().__init__()
         self.axis, self.name = axis, name
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.transposed = linear_features(linear)
         self.padded_out_features = padded_size(self.out_features, axis.size) if pad_output else self.out_features
-        if self.padded_out_features % axis.size:
-            raise PlanError(f"'{name}' (colwise) has out_features {self.out_features}, not divisible by the "
-                            f"tensor-parallel size {axis.size}; choose a tensor_parallel.size that divides it")
+        self.parts = tuple(parts) if parts else None
+        sizes = self.parts or (self.padded_out_features,)
+        if any(size % axis.size for size in sizes) or (self.parts and sum(sizes) != self.out_features):
+            raise PlanError(f"'{name}' (colwise) has output parts {list(sizes)} of {self.out_features} features, "
+                            f"which tensor-parallel size {axis.size} does not split evenly; choose a "
+                            f"tensor_parallel.size that divides each")
+        if self.parts and gather_output:
+            raise PlanError(f"'{name}': a packed colwise layer cannot gather its output (the parts would "
+                            f"interleave); consume it inside the region")
         self.gather_output, self.enter_region, self.sequence_parallel = gather_output, enter_region, sequence_parallel
-        self.weight = _sharded_param(_shard(linear.weight.detach(), 0, axis, self.padded_out_features),
-                                     linear.weight.requires_grad, 0, self.out_features)  # (out/tp, in)
-        self.bias = None if linear.bias is None else _sharded_param(
-            _shard(linear.bias.detach(), 0, axis, self.padded_out_features), linear.bias.requires_grad, 0,
-            self.out_features)
+        dim = 1 if self.transposed else 0  # the output dimension of the weight
+        if self.parts is None:
+            self.weight = _sharded_param(_shard(linear.weight.detach(), dim, axis, self.padded_out_features),
+                                         linear.weight.requires_grad, dim, self.out_features)  # (out/tp, in)
+            self.bias = None if linear.bias is None else _sharded_param(
+                _shard(linear.bias.detach(), 0, axis, self.padded_out_features), linear.bias.requires_grad, 0,
+                self.out_features)
+            return
+        offset = 0
+        for i, size in enumerate(self.parts):
+            for attr, tensor, d in (("weight", linear.weight, dim), ("bias", linear.bias, 0)):
+                if tensor is None:
+                    continue
+                param = nn.Parameter(_shard(tensor.detach().narrow(d, offset, size), d, axis, size),
+                                     requires_grad=tensor.requires_grad)
+                place(param, "tp", Shard(d, size, packed=(offset, self.out_features)))
+                self.register_parameter(f"{attr}_{i}", param)
+            offset += size
+
+    def local_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.parts is None:
+            return self.weight, self.bias
+        dim = 1 if self.transposed else 0
+        weight = torch.cat([getattr(self, f"weight_{i}") for i in range(len(self.parts))], dim)
+        biases = [getattr(self, f"bias_{i}", None) for i in range(len(self.parts))]
+        return weight, None if biases[0] is None else torch.cat(biases)
 
     @property
     def local_out_features(self) -> int:
@@ -108,7 +152,8 @@ class ColumnParallelLinear(nn.Module):
                 else copy_to_region(x, self.axis, ACTIVATION_TAG)  # (b, s, in)
         _check_width(x, self.in_features, self.name, "colwise", "its input must be the full (replicated) "
                      "features; a colwise layer cannot follow another colwise layer directly")
-        y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        weight, bias = self.local_weight_and_bias()
+        y = F.linear(x, weight.t() if self.transposed else weight, bias)  # (b, s, out/tp)
         if self.gather_output:
             y = gather_from_region(y, self.axis, -1, ACTIVATION_TAG)[..., :self.out_features]  # (b, s, out)
         return y
@@ -116,7 +161,8 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(local {self.local_out_features}), tp={self.axis.size}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}" + (f", parts={list(self.parts)}" if self.parts else "")
+                + (", transposed" if self.transposed else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -124,25 +170,27 @@ class RowParallelLinear(nn.Module):
 
     The sum is an all-reduce, or under sequence parallelism a reduce-scatter to (b, s/tp, out). The bias
     is replicated and added after the sum; under sequence parallelism each rank's bias gradient covers
-    only its tokens, so its gradient is summed over tp (`copy_to_region` on the parameter).
+    only its tokens, so its gradient is summed over tp (`copy_to_region` on the parameter). A Conv1D keeps its
+    (in, out) layout: its rows are split.
     """
 
-    def __init__(self, linear: nn.Linear, axis: Axis, *, name: str = "", sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Module, axis: Axis, *, name: str = "", sequence_parallel: bool = False):
         super().__init__()
         self.axis, self.name, self.sequence_parallel = axis, name, sequence_parallel
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.transposed = linear_features(linear)
         if self.in_features % axis.size:
             raise PlanError(f"'{name}' (rowwise) has in_features {self.in_features}, not divisible by the "
                             f"tensor-parallel size {axis.size}; choose a tensor_parallel.size that divides it")
-        self.weight = _sharded_param(_shard(linear.weight.detach(), 1, axis, self.in_features),
-                                     linear.weight.requires_grad, 1, self.in_features)  # (out, in/tp)
+        dim = 0 if self.transposed else 1  # the input dimension of the weight
+        self.weight = _sharded_param(_shard(linear.weight.detach(), dim, axis, self.in_features),
+                                     linear.weight.requires_grad, dim, self.in_features)  # (out, in/tp)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_width(x, self.in_features // self.axis.size, self.name, "rowwise", "its input must be split "
                      "over tp, i.e. come from colwise layers (mark the layers that feed it 'colwise')")
-        y = F.linear(x, self.weight)  # (b, s, out): this rank's partial sum
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)  # (b, s, out): this rank's partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.axis, SEQ_DIM, ACTIVATION_TAG)  # (b, s/tp, out)
         else:
@@ -153,7 +201,8 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.in_features // self.axis.size}), "
-                f"out_features={self.out_features}, tp={self.axis.size}, sequence_parallel={self.sequence_parallel}")
+                f"out_features={self.out_features}, tp={self.axis.size}, sequence_parallel={self.sequence_parallel}"
+                + (", transposed" if self.transposed else ""))
 
 
 class VocabParallelEmbedding(nn.Module):

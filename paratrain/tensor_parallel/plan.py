@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from paratrain.model_spec import plan_names, spec_for, spec_named
-from paratrain.tensor_parallel.layers import PlanError
+from paratrain.tensor_parallel.layers import PlanError, is_conv1d, linear_features
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,40 @@ def check_plan_syntax(plan, where: str = "tensor_parallel.plan") -> dict[str, st
         if not isinstance(pattern, str) or not pattern or not isinstance(style, str):
             raise PlanError(f"config key '{where}': entry {pattern!r}: {style!r} must map a module-path pattern "
                             f"to a style name")
-        if style not in STYLES:
+        base, parts = split_style(style, f"{where}.{pattern}")
+        if base not in STYLES:
             close = difflib.get_close_matches(style, list(STYLES), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise PlanError(f"config key '{where}.{pattern}' = {style!r} is not a style; {hint}styles: "
                             f"{', '.join(STYLES)}")
     return dict(plan)
+
+
+def split_style(style: str, where: str = "tensor_parallel.plan") -> tuple[str, tuple[int, ...] | None]:
+    """'colwise:256,128,128' -> ('colwise', (256, 128, 128)): a packed projection (q, k, v in one weight) whose
+    parts are split over tp each on its own; any other style -> (style, None)."""
+    base, _, sizes = style.partition(":")
+    if not sizes:
+        return style, None
+    try:
+        parts = tuple(int(v) for v in sizes.split(","))
+    except ValueError:
+        parts = ()
+    if base != "colwise" or not parts or min(parts) <= 0:
+        raise PlanError(f"config key '{where}' = {style!r}: only 'colwise' takes part sizes, written "
+                        f"'colwise:SIZE,SIZE,...' with positive integers (the output features of each packed part)")
+    return base, parts
+
+
+def packed_parts(model: nn.Module, plan: Mapping[str, str] | str | None) -> dict[str, tuple[int, ...]]:
+    """{module path: part sizes} of the plan's packed colwise layers."""
+    plan = plan_for(model, plan)
+    out = {}
+    for pattern, style in plan.items():
+        parts = split_style(style)[1]
+        if parts:
+            out.update({p: parts for p, _ in model.named_modules() if p and match(pattern, p)})
+    return out
 
 
 def _parent(path: str) -> str:
@@ -126,6 +154,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str | None, tp_size
     paths = [p for p in modules if p]
     assigned: dict[str, tuple[str, str]] = {}  # path -> (style, pattern)
     for pattern, style in plan.items():
+        style, parts = split_style(style)
         hits = [p for p in paths if match(pattern, p)]
         if not hits:
             close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.5)
@@ -139,24 +168,33 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str] | str | None, tp_size
                                 f"'{pattern}' ({style}); make the patterns match it once")
             assigned[p] = (style, pattern)
     out = {p: assigned[p][0] for p in paths if p in assigned}
-    _check_types_and_sizes(out, modules, tp_size)
+    _check_types_and_sizes(out, modules, tp_size, packed_parts(model, plan))
     _check_consistency(out, modules, sequence_parallel)
     return out
 
 
-def _check_types_and_sizes(plan: dict[str, str], modules: dict[str, nn.Module], tp: int) -> None:
+def _check_types_and_sizes(plan: dict[str, str], modules: dict[str, nn.Module], tp: int,
+                           packed: dict[str, tuple[int, ...]]) -> None:
     for path, style in plan.items():
         module, want = modules[path], STYLES[style].module_type
-        if want is not None and not isinstance(module, want):
+        if want is not None and not isinstance(module, want) and not (want is nn.Linear and is_conv1d(module)):
             raise PlanError(f"'{path}' is a {type(module).__name__}, but style '{style}' applies to "
                             f"{want.__name__} modules; give it a style for any module (e.g. 'sequence') or "
                             f"remove it from the plan")
-        if style in COLWISE and module.out_features % tp:
-            raise PlanError(f"'{path}' ({style}) splits out_features {module.out_features} over tensor_parallel."
-                            f"size {tp}, which does not divide it; choose a size that divides {module.out_features}")
-        if style == "rowwise" and module.in_features % tp:
-            raise PlanError(f"'{path}' (rowwise) splits in_features {module.in_features} over tensor_parallel."
-                            f"size {tp}, which does not divide it; choose a size that divides {module.in_features}")
+        if want is not nn.Linear:
+            continue
+        in_features, out_features, _ = linear_features(module)
+        parts = packed.get(path)
+        if parts and (sum(parts) != out_features or any(p % tp for p in parts)):
+            raise PlanError(f"'{path}' (colwise:{','.join(map(str, parts))}) packs parts of {list(parts)} features "
+                            f"into {out_features}: they must add up to it, and tensor_parallel.size {tp} must "
+                            f"divide each")
+        if style in COLWISE and out_features % tp:
+            raise PlanError(f"'{path}' ({style}) splits out_features {out_features} over tensor_parallel."
+                            f"size {tp}, which does not divide it; choose a size that divides {out_features}")
+        if style == "rowwise" and in_features % tp:
+            raise PlanError(f"'{path}' (rowwise) splits in_features {in_features} over tensor_parallel."
+                            f"size {tp}, which does not divide it; choose a size that divides {in_features}")
 
 
 def _check_consistency(plan: dict[str, str], modules: dict[str, nn.Module], sequence_parallel: bool) -> None:
@@ -201,11 +239,11 @@ def _check_unplanned_siblings(plan: dict[str, str], modules: dict[str, nn.Module
     """An unplanned Linear shaped like a colwise sibling (a forgotten `v` beside `q` and `k`) would produce
     all heads where its siblings produce this rank's share; name it instead of failing deep in attention."""
     for path in colwise:
-        shape = (modules[path].in_features, modules[path].out_features)
+        shape = linear_features(modules[path])[:2]
         for other, module in modules.items():
             if other in plan or _parent(other) != _parent(path) or not isinstance(module, nn.Linear):
                 continue
-            if (module.in_features, module.out_features) == shape:
+            if linear_features(module)[:2] == shape:
                 raise PlanError(f"'{other}' is a Linear shaped like its colwise sibling '{path}' but is not in the "
                                 f"plan, so its output would not be split like its sibling's; mark it 'colwise' too, "
                                 f"or 'replicate' if it is meant to stay whole")
