@@ -95,9 +95,11 @@ def export_safetensors(reader: CheckpointReader, out, hf: bool = False, dtype: t
     out.parent.mkdir(parents=True, exist_ok=True)
     if hf:
         # Checkpoints name their model family; older ones are of the built-in GPT, the only family they had.
-        family = reader.manifest.get("model", {}).get("family", "gpt")
+        model = reader.manifest.get("model", {})
+        family = model.get("family", "gpt")
         try:
-            state, config = spec_named(family).to_hugging_face(state, reader.manifest["config"], n_head=n_head)
+            state, config = spec_named(family).to_hugging_face(state, reader.manifest["config"], n_head=n_head,
+                                                               model_config=model.get("config"))
         except ModelSpecError as exc:
             raise CheckpointError(f"--hf: {exc}") from None
         atomic_write_text(out.parent / "config.json", json.dumps(config, indent=2) + "\n")
