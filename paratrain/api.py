@@ -78,6 +78,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if isinstance(model, (str, PurePath)):  # resolved before any process group: a bad path fails at once
         pretrained = pretrained_for(model)
         model = pretrained.model
+        if callable(model_parameters):  # the model is built here, so its param groups can only be a function of it
+            model_parameters = model_parameters(model)
     if mpu is not None:
         raise ConfigError("initialize(mpu=...) is Megatron's model-parallel unit, which paratrain does not use; "
                           "set tensor_parallel / pipeline sizes in the config instead")
@@ -118,7 +120,8 @@ def from_pretrained(path, config=None, **initialize_kwargs):
     """A saved model trained in the config's layout: `initialize(model=path, config=config, ...)`.
     `path`: a Hugging Face model directory (config.json + safetensors shards) or a Hub name its cache holds.
     The model is built on the meta device and each rank reads only its slices of the weights; a tokenizer
-    saved beside them is `engine.tokenizer`. Returns initialize()'s (engine, optimizer, loader, scheduler)."""
+    saved beside them is `engine.tokenizer`. `model_parameters` may be a function of the (transformers) model
+    returning its param groups. Returns initialize()'s (engine, optimizer, loader, scheduler)."""
     if "model" in initialize_kwargs:
         raise InvalidValueError("from_pretrained(path, ...) builds the model from path; do not pass model=")
     return initialize(model=path, config=config, **initialize_kwargs)

@@ -76,9 +76,6 @@ def _resolve(path: str) -> Path:
 
 
 def _check_weights(directory: Path) -> None:
-    if not (directory / CONFIG).is_file():
-        raise ModelSpecError(f"'{directory}' has no {CONFIG}: from_pretrained builds the model from its Hugging "
-                             f"Face config; pass a directory written by save_pretrained")
     if not any(directory.glob("*.safetensors")):
         pickled = sorted(p.name for p in directory.glob("*.bin"))
         found = f" (it has {', '.join(pickled)}: pickled weights, which paratrain does not unpickle)" if pickled else ""
@@ -123,7 +120,10 @@ def load_tokenizer(directory: Path):
 def load_pretrained(path: str) -> Pretrained:
     """`path` (a model directory or Hub name) as a meta model, its weights and its tokenizer."""
     directory = _resolve(path)
-    _check_weights(directory)
+    if not (directory / CONFIG).is_file():
+        raise ModelSpecError(f"'{directory}' has no {CONFIG}: from_pretrained builds the model from its Hugging "
+                             f"Face config; pass a directory written by save_pretrained")
     model = build_empty(directory)
+    _check_weights(directory)
     materialize_buffers(model)
     return Pretrained(model=model, weights=str(directory), tokenizer=load_tokenizer(directory))
