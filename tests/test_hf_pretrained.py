@@ -51,6 +51,16 @@ def _train(src: str, out: str, ckpt: str | None, cfg: dict) -> dict | None:
     before = float(engine.eval_batch(iter([_batch()]), num_micro_batches=1))
     for _ in range(STEPS):
         engine.train_batch()
+    refused = None
+    if ckpt is None:  # a directory of something else is never replaced
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "notes.txt").write_text("mine")
+        try:
+            engine.save_pretrained(out)
+        except paratrain.Error as exc:
+            refused = str(exc)
+        if engine.global_rank == 0:  # every rank is past the refusal (it was collective)
+            (Path(out) / "notes.txt").unlink()
     engine.save_pretrained(out, max_shard_size=SHARD)
     if ckpt is not None:
         engine.save_checkpoint(ckpt)
@@ -59,7 +69,7 @@ def _train(src: str, out: str, ckpt: str | None, cfg: dict) -> dict | None:
     engine.destroy()
     if engine.global_rank:
         return None
-    return {"loaded": loaded, "trained": trained, "before": before, "tokenizer": tokenizer}
+    return {"loaded": loaded, "trained": trained, "before": before, "tokenizer": tokenizer, "refused": refused}
 
 
 def _run_all(cases: list[tuple]) -> list[dict | None]:
@@ -125,6 +135,8 @@ def test_pretrained_round_trip_through_a_hybrid_layout(trained, name):
         assert torch.equal(trained_state[k], original[k]), k
     if name == "tied":
         assert back.lm_head.weight is back.model.embed_tokens.weight
+    if run["ckpt"] is None:
+        assert "holds no saved model" in run["refused"] and str(out) in run["refused"]
 
 
 def test_the_tokenizer_comes_in_and_goes_out(trained):

@@ -54,7 +54,7 @@ def materialize_buffers(hf: nn.Module) -> None:
 def _resolve(path: str) -> Path:
     """A local model directory for `path`: the directory itself, or a Hub name through huggingface_hub's cache
     (what transformers' own from_pretrained uses)."""
-    local = Path(path)
+    local = Path(path).expanduser()
     if local.is_dir():
         return local
     if local.exists():
