@@ -11,7 +11,7 @@ from paratrain import (  # paratrain.zero.estimate_memory; DeepSpeed's comm/zero
     pipeline,
     zero,
 )
-from paratrain.api import add_config_arguments, initialize, resolve_config, resolve_layout
+from paratrain.api import add_config_arguments, from_pretrained, initialize, resolve_config, resolve_layout
 from paratrain.checkpoint import CheckpointError
 from paratrain.comm import CommStats, build_mesh
 from paratrain.config import Config, ConfigError, load_config
@@ -43,6 +43,7 @@ __all__ = [
     "add_config_arguments",
     "build_mesh",
     "comm",
+    "from_pretrained",
     "init_distributed",
     "init_empty",
     "initialize",

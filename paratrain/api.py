@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import PurePath
 
 import torch.distributed as dist
 
@@ -14,6 +15,7 @@ from paratrain.distributed import init_distributed, uses_cuda
 from paratrain.engine import Engine
 from paratrain.errors import InvalidValueError
 from paratrain.mesh import ParallelDims
+from paratrain.model_spec import pretrained_for
 from paratrain.parallelize import check_supported
 
 log = logging.getLogger("paratrain")
@@ -68,15 +70,24 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                config_params=None, mesh=None, init_fn=None):
     """Build the engine. Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does.
     A model on the meta device (`paratrain.init_empty()`) is materialized shard by shard: with the values
-    eager construction gives, or `init_fn(module)` run module by module, or `checkpoint.load_weights`."""
+    eager construction gives, or `init_fn(module)` run module by module, or `checkpoint.load_weights`.
+    A path (str) as `model` is a saved model (a Hugging Face directory): `from_pretrained`."""
     if model is None:
         raise InvalidValueError("initialize() needs model=")
+    pretrained = None
+    if isinstance(model, (str, PurePath)):  # resolved before any process group: a bad path fails at once
+        pretrained = pretrained_for(model)
+        model = pretrained.model
+        if callable(model_parameters):  # the model is built here, so its param groups can only be a function of it
+            model_parameters = model_parameters(model)
     if mpu is not None:
         raise ConfigError("initialize(mpu=...) is Megatron's model-parallel unit, which paratrain does not use; "
                           "set tensor_parallel / pipeline sizes in the config instead")
     source = _config_source(args, config, config_params)
     # Validate everything that can be validated before touching any process group.
     cfg = load_config(source)
+    if pretrained is not None:
+        _load_pretrained_weights(cfg, pretrained.weights)
     init_distributed(timeout=cfg.comm.timeout_s)
     world = dist.get_world_size()
     cfg, dims = resolve_layout(cfg, world)
@@ -85,6 +96,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = Engine(model, cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler,
                     model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn,
                     init_fn=init_fn)
+    if pretrained is not None:
+        engine.tokenizer = pretrained.tokenizer
     if cfg.checkpoint.auto_resume:  # a restarted job continues from the newest complete checkpoint
         path, client_state = engine.load_checkpoint(cfg.checkpoint.dir)
         if path is not None:
@@ -92,3 +105,23 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             if engine.global_rank == 0:
                 log.info("auto_resume: continuing from %s (step %d)", path, engine.global_steps)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _load_pretrained_weights(cfg: Config, weights: str) -> None:
+    if cfg.checkpoint.load_weights and cfg.checkpoint.load_weights != weights:
+        raise ConfigError(f"model= is a saved model, whose weights ('{weights}') it loads, and "
+                          f"checkpoint.load_weights is also set ('{cfg.checkpoint.load_weights}'); remove "
+                          f"checkpoint.load_weights, or continue from a checkpoint with checkpoint.auto_resume / "
+                          f"engine.load_checkpoint")
+    cfg.checkpoint.load_weights = weights
+
+
+def from_pretrained(path, config=None, **initialize_kwargs):
+    """A saved model trained in the config's layout: `initialize(model=path, config=config, ...)`.
+    `path`: a Hugging Face model directory (config.json + safetensors shards) or a Hub name its cache holds.
+    The model is built on the meta device and each rank reads only its slices of the weights; a tokenizer
+    saved beside them is `engine.tokenizer`. `model_parameters` may be a function of the (transformers) model
+    returning its param groups. Returns initialize()'s (engine, optimizer, loader, scheduler)."""
+    if "model" in initialize_kwargs:
+        raise InvalidValueError("from_pretrained(path, ...) builds the model from path; do not pass model=")
+    return initialize(model=path, config=config, **initialize_kwargs)

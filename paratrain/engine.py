@@ -24,6 +24,7 @@ from torch import nn
 
 import paratrain.comm as comm
 from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
+from paratrain.checkpoint.pretrained import save_pretrained
 from paratrain.checkpoint.sources import open_weights
 from paratrain.checkpoint.weights import fill_model
 from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
@@ -44,7 +45,7 @@ from paratrain.mesh import Mesh
 from paratrain.model_spec import spec_for
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.parallelize import parallelize
-from paratrain.precision import make_loss_scaler
+from paratrain.precision import compute_dtype, make_loss_scaler
 from paratrain.train_state import RandomState, TrainState
 from paratrain.update import OptimizerUpdate
 
@@ -65,6 +66,8 @@ class Engine(DeepSpeedEngineAPI):
             mesh.guard.configure(timeout_s=config.comm.timeout_s, report_dir=config.comm.report_dir or ".")
         self.device = current_device()
         model = spec_for(model).adapt(model)  # e.g. a transformers model's layered view, same names
+        self.model_config = spec_for(model).model_config(model)  # e.g. its config.json: checkpoints keep it
+        self.tokenizer = None  # from_pretrained's, when the model directory has one; save_pretrained saves it
         template = template_of(model)  # a meta model's structure, before parallelize changes it
         groups = named_param_groups(model, model_parameters)  # by name: tensor parallelism replaces parameters
         self.parallel = parallelize(model, mesh, config, device=self.device)
@@ -263,7 +266,7 @@ class Engine(DeepSpeedEngineAPI):
                  "loss_scaler": self.loss_scaler} if states else {}
         return CheckpointTarget(self.parallel, self.optimizer, self.mesh, self.config,
                                 {k: v for k, v in named.items() if v is not None},
-                                {"random": self.random_state} if states else {})
+                                {"random": self.random_state} if states else {}, self.model_config)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
@@ -289,6 +292,15 @@ class Engine(DeepSpeedEngineAPI):
         reads its slices (collective). `name_map`: {weights' name: model name}, or a function (None: skip)."""
         source = open_weights(path, name_map)
         fill_model(self.parallel, self.mesh, source, strict=strict, names=source.names())
+
+    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", dtype=None) -> None:
+        """The model as a directory `from_pretrained` loads (transformers' too): config files, safetensors
+        shards of at most `max_shard_size` (+ index), the tokenizer; from any layout (collective: a tensor at
+        a time, rank 0 writes, atomic). `dtype` ("bf16", torch.bfloat16): cast floating tensors (default fp32)."""
+        save_pretrained(self.parallel, self.mesh, self.device, save_directory, self.model_config, self.tokenizer,
+                        max_shard_size, compute_dtype(dtype) if isinstance(dtype, str) else dtype)
+        if self.global_rank == 0:
+            log.info("saved pretrained model %s", save_directory)
 
     def _save_if_due(self) -> None:
         every = self.config.checkpoint.save_every

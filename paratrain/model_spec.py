@@ -20,6 +20,9 @@
   init_module       the family's own initialization after construction, one module at a time (deferred
                     initialization replays it on the meta device's modules, `paratrain.deferred`)
   to_hugging_face   its state under Hugging Face's names (checkpoint export --hf)
+  model_config      the model's own config as JSON data (a Hugging Face config.json): checkpoints store it
+  pretrained_files  the files beside the weights that engine.save_pretrained writes (config.json)
+  from_pretrained   a model (on the meta device) and its weights from a path: `initialize(model="dir")`
 Every method has a default that fits a plain PyTorch transformer, so a spec overrides only what differs. A new
 family is one file in `paratrain/models/` (or the user's code) that defines and registers its spec; the
 library core never imports a model.
@@ -28,6 +31,7 @@ library core never imports a model.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -103,6 +107,33 @@ class ModelSpec:
         the training config a checkpoint stored). The family's state-dict adapter, for `export --hf`."""
         raise ModelSpecError(f"the model family '{self.name}' has no Hugging Face conversion; export without --hf")
 
+    def model_config(self, model: nn.Module) -> dict | None:
+        """The model's own config as JSON data, what a loader rebuilds the architecture from (a Hugging Face
+        model's config.json); None when the family has none (its training config describes it)."""
+        return None
+
+    def pretrained_files(self, model_config: dict | None, dtype: str) -> dict[str, str]:
+        """The files (name -> text) that describe the model beside its weights in `engine.save_pretrained`
+        (a Hugging Face config.json); `dtype`: the floating dtype the weights are written in."""
+        raise ModelSpecError(f"engine.save_pretrained: the model family '{self.name}' has no saved-model format "
+                             f"(Hugging Face's); save a checkpoint (engine.save_checkpoint) and export it "
+                             f"(paratrain checkpoint export)")
+
+    def from_pretrained(self, path: str) -> Pretrained | None:
+        """The model saved at `path` (a directory, or a name this family resolves), built on the meta device,
+        and where its weights are; None when `path` is not this family's."""
+        return None
+
+
+@dataclass
+class Pretrained:
+    """What `initialize(model=path)` trains: `model` on the meta device, filled from `weights` (what
+    `checkpoint.load_weights` reads) shard by shard; `tokenizer` (or None) becomes `engine.tokenizer`."""
+
+    model: nn.Module
+    weights: str
+    tokenizer: object | None = None
+
 
 _REGISTRY: list[ModelSpec] = []
 DEFAULT_SPEC = ModelSpec()
@@ -130,6 +161,17 @@ def spec_named(name: str) -> ModelSpec:
         if spec.name == name:
             return spec
     raise ModelSpecError(f"no model spec named {name!r}; registered: {', '.join(registered_names()) or 'none'}")
+
+
+def pretrained_for(path) -> Pretrained:
+    """The model at `path`, from the newest registered spec that recognizes it."""
+    for spec in reversed(_REGISTRY):
+        found = spec.from_pretrained(str(path))
+        if found is not None:
+            return found
+    raise ModelSpecError(f"no model family recognizes {str(path)!r} as a saved model (registered: "
+                         f"{', '.join(registered_names()) or 'none'}); pass a Hugging Face model directory "
+                         f"(config.json + safetensors weights), or build the model yourself and pass it as model=")
 
 
 def registered_names() -> list[str]:

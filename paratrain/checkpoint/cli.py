@@ -2,6 +2,7 @@
 
     paratrain checkpoint inspect ckpts [--tag T] [--no-verify] [--tensors]
     paratrain checkpoint export ckpts --out model.safetensors [--hf [--n-head N]] [--dtype bf16]
+    paratrain checkpoint export ckpts --out hf-dir --hf                    # a transformers model's checkpoint
     paratrain checkpoint convert ckpts ckpts-single [--tag T] [--out-tag T2]
 """
 
@@ -27,9 +28,10 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     inspect.add_argument("--tensors", action="store_true", help="list every tensor with its shape and pieces")
     export = sub.add_parser("export", help="write the consolidated model as one safetensors file")
     source(export)
-    export.add_argument("--out", required=True, help="output .safetensors file")
+    export.add_argument("--out", required=True, help="output .safetensors file (--hf: or a model directory)")
     export.add_argument("--format", default="safetensors", choices=["safetensors"], help="output format")
-    export.add_argument("--hf", action="store_true", help="Hugging Face GPT-2 names (+ config.json beside it)")
+    export.add_argument("--hf", action="store_true", help="Hugging Face names and config.json beside the weights (GPT: "
+                        "GPT-2's; a transformers model: its own), loadable by from_pretrained")
     export.add_argument("--n-head", type=int, default=None, help="--hf: attention heads, if not in the config")
     export.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="cast floating tensors")
     convert = sub.add_parser("convert", help="rewrite as a single-rank checkpoint (every tensor whole)")

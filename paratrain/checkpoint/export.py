@@ -86,18 +86,22 @@ class CheckpointReader:
 def export_safetensors(reader: CheckpointReader, out, hf: bool = False, dtype: torch.dtype | None = None,
                        n_head: int | None = None) -> dict[str, torch.Tensor]:
     """Write the consolidated model to one safetensors file (`hf`: Hugging Face names, by the model family's
-    spec, with a config.json beside it). Floating tensors are cast to `dtype` if given. Returns what was
-    written."""
+    spec, with a config.json beside it; `out` a directory: out/model.safetensors). Floating tensors are cast
+    to `dtype` if given. Returns what was written."""
     state = reader.model_state()
     metadata = {"format": "pt", "source": str(reader.path),
                 "global_steps": str((reader.manifest["states"].get("train") or {}).get("global_steps"))}
     out = Path(out)
+    if hf and out.suffix != ".safetensors":  # a model directory, as from_pretrained loads it
+        out = out / "model.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
     if hf:
         # Checkpoints name their model family; older ones are of the built-in GPT, the only family they had.
-        family = reader.manifest.get("model", {}).get("family", "gpt")
+        model = reader.manifest.get("model", {})
+        family = model.get("family", "gpt")
         try:
-            state, config = spec_named(family).to_hugging_face(state, reader.manifest["config"], n_head=n_head)
+            state, config = spec_named(family).to_hugging_face(state, reader.manifest["config"], n_head=n_head,
+                                                               model_config=model.get("config"))
         except ModelSpecError as exc:
             raise CheckpointError(f"--hf: {exc}") from None
         atomic_write_text(out.parent / "config.json", json.dumps(config, indent=2) + "\n")

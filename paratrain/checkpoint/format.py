@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -74,39 +75,77 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class SafetensorsWriter:
+    """One safetensors file written tensor by tensor, in the order of `entries` ((key, shape, dtype): the header
+    needs no data), so a writer holds one tensor at a time; atomic (temp name, fsync, rename on `close`)."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 metadata: dict[str, str] | None = None):
+        header: dict = {}
+        offset = 0
+        for key, shape, dtype in entries:
+            if dtype not in DTYPES:
+                raise CheckpointError(f"tensor {key!r} has dtype {dtype}, which checkpoints do not store; "
+                                      f"supported: {', '.join(DTYPE_NAMES.values())}")
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        if metadata:
+            header["__metadata__"] = metadata
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.path, self.pending = path, [(k, tuple(shape), dtype) for k, shape, dtype in entries]
+        self.bytes = 8 + len(raw) + offset
+        self.digest = hashlib.sha256()
+        self.tmp = path.with_name(path.name + ".tmp")
+        self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed by close() or abort()
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            self._put(chunk)
+
+    def _put(self, data) -> None:
+        self.file.write(data)
+        self.digest.update(data)
+
+    def write(self, key: str, t: torch.Tensor) -> None:
+        """The next tensor of the header (its key, shape and dtype must be the next entry's)."""
+        want = self.pending.pop(0) if self.pending else None
+        if want != (key, tuple(t.shape), t.dtype):
+            self.abort()
+            raise CheckpointError(f"internal error, please report: writing {key!r} {list(t.shape)} {t.dtype} to "
+                                  f"'{self.path}' where the header expects {want}")
+        self._put(_raw_bytes(t))
+
+    def close(self) -> dict:
+        """Finish the file; returns {"bytes", "sha256"} of it, computed while writing."""
+        if self.pending:
+            self.abort()
+            raise CheckpointError(f"internal error, please report: '{self.path}' closed with {len(self.pending)} "
+                                  f"tensor(s) unwritten")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return {"bytes": self.bytes, "sha256": self.digest.hexdigest()}
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]],
                       metadata: dict[str, str] | None = None) -> dict:
     """Write `tensors` as one safetensors file, atomically (temp name, fsync, rename).
 
     Returns {"bytes", "sha256"} of the file, computed while writing.
     """
-    header: dict = {}
-    offset = 0
-    for key, t in tensors:
-        if t.dtype not in DTYPES:
-            raise CheckpointError(f"tensor {key!r} has dtype {t.dtype}, which checkpoints do not store; "
-                                  f"supported: {', '.join(DTYPE_NAMES.values())}")
-        size = t.numel() * t.element_size()
-        header[key] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    digest = hashlib.sha256()
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for chunk in (struct.pack("<Q", len(raw)), raw):
-            f.write(chunk)
-            digest.update(chunk)
-        for _, t in tensors:
-            data = _raw_bytes(t)
-            f.write(data)
-            digest.update(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return {"bytes": 8 + len(raw) + offset, "sha256": digest.hexdigest()}
+    writer = SafetensorsWriter(path, [(k, tuple(t.shape), t.dtype) for k, t in tensors], metadata)
+    try:
+        for key, t in tensors:
+            writer.write(key, t)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
 
 
 def sha256_file(path: Path) -> str:

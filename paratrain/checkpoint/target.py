@@ -40,3 +40,4 @@ class CheckpointTarget:
     config: Config  # recorded in the manifest; checkpoint.tag_validation and keep_last come from it
     states: dict[str, Stateful] = field(default_factory=dict)
     rank_states: dict[str, Stateful] = field(default_factory=dict)
+    model_config: dict | None = None  # the model's own config (`ModelSpec.model_config`): export rebuilds from it

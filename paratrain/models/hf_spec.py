@@ -9,15 +9,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from paratrain.config import ConfigError
-from paratrain.model_spec import ModelSpec, register_model_spec
+from paratrain.model_spec import ModelSpec, ModelSpecError, Pretrained, register_model_spec
 from paratrain.models.hf import HFCausalLM, _positions, as_causal_lm, attention_modules, is_transformers_model
 from paratrain.models.hf_plan import hf_tp_plan, localize_attention, supports_sequence_parallel
+from paratrain.models.hf_pretrained import load_pretrained, materialize_buffers
 from paratrain.pipeline.module import PipelineModule
 
 
@@ -108,7 +110,34 @@ class HFSpec(ModelSpec):
         return isinstance(model, HFCausalLM) or is_transformers_model(model)
 
     def adapt(self, model: nn.Module) -> nn.Module:
-        return model if isinstance(model, HFCausalLM) else as_causal_lm(model)
+        if isinstance(model, HFCausalLM):
+            return model
+        materialize_buffers(model)  # meta models: rotary inv_freq is in no weights file (hf_pretrained.py)
+        return as_causal_lm(model)
+
+    def from_pretrained(self, path: str) -> Pretrained:
+        return load_pretrained(path)
+
+    def model_config(self, model: HFCausalLM) -> dict:
+        config = json.loads(model.config.to_json_string(use_diff=False))
+        config["architectures"] = [type(model.hf_model).__name__]  # what AutoModelForCausalLM builds
+        return config
+
+    def pretrained_files(self, model_config: dict | None, dtype: str) -> dict[str, str]:
+        config = {**model_config, "dtype": dtype} if model_config else None
+        if config is None:
+            raise ModelSpecError("engine.save_pretrained: the model has no Hugging Face config")
+        return {"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
+
+    def to_hugging_face(self, state: dict[str, torch.Tensor], config: dict, model_config: dict | None = None,
+                        **options) -> tuple[dict[str, torch.Tensor], dict]:
+        """The names are already Hugging Face's (the view keeps them); the config.json is the one the checkpoint
+        stored."""
+        if model_config is None:
+            raise ModelSpecError("the checkpoint holds no Hugging Face config (saved before checkpoints stored "
+                                 "it); load it into an engine built from the model and call "
+                                 "engine.save_pretrained(dir)")
+        return dict(state), dict(model_config)
 
     def tp_plan(self, model: HFCausalLM) -> dict[str, str]:
         return hf_tp_plan(model)
