@@ -12,8 +12,8 @@ Cases, each in a fresh spawned world of 4 ranks (so every peak RSS is its own):
       `init_weights` on the shards, and the steps.
 Each rank reports its peak RSS (`ru_maxrss`) after init, after load and after the first steps, and the
 formula: the process's RSS before the model existed + the model state this layout holds at that point
-(`paratrain.zero.estimate_memory`'s params and grads of this rank's Ψ before the first step; with the
-optimizer states after it) + one full copy of the largest parameter (the module being initialized or read).
+(`paratrain.zero.estimate_memory`'s params of this rank's Ψ before the first step, and its grads where they
+exist before it, stages 0-1; with the grads and optimizer states after it) + one full copy of the largest parameter (the module being initialized or read).
 Every case runs the same AdamW (fused), seed, data and micro-batch. Nothing here asserts a number.
 """
 
@@ -73,7 +73,9 @@ def _formula(baseline: int, local_params: int, dp: int, stage: int, largest: int
     from paratrain.zero import estimate_memory
 
     state = estimate_memory(local_params, dp=dp, stage=stage)
-    held = state["params"] + state["grads"] + (state["optimizer_state"] if with_optimizer else 0)
+    # Stages 2-3 make their fp32 gradient shard at the first backward (stages 0-1 keep buckets from init on).
+    grads = state["grads"] if with_optimizer or stage <= 1 else 0
+    held = state["params"] + grads + (state["optimizer_state"] if with_optimizer else 0)
     return int(baseline + held + 4 * largest)
 
 
