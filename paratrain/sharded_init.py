@@ -150,9 +150,16 @@ class ShardedInit:
                 cached[index] = self._block(t, name, calls, index)
             return cached[index]
 
-        block(0 if t.dim() == 0 else regions[0].origin.offsets[0] // self.rows_per_block(t))  # written at all?
+        rows = self.rows_per_block(t)
+        block(first_block(regions[0], rows))  # written at all? (raises _NotWritten before any region is touched)
         for region in regions:
-            write_region(region, tuple(t.shape), self.rows_per_block(t), block)
+            write_region(region, tuple(t.shape), rows, block)
+
+
+def first_block(region: Region, rows: int) -> int:
+    """The first row block `region` reads (blocks of `rows` rows of the whole tensor)."""
+    box, off = region.origin.local_shape, region.origin.offsets
+    return 0 if not box else (off[0] + region.start // max(1, math.prod(box[1:]))) // rows
 
 
 def write_region(region: Region, shape: tuple[int, ...], rows: int, block: Callable[[int], torch.Tensor]) -> None:
@@ -161,6 +168,8 @@ def write_region(region: Region, shape: tuple[int, ...], rows: int, block: Calla
     dest = region.dest
     dest.zero_()
     box, off = region.origin.local_shape, region.origin.offsets
+    if region.end <= region.start:  # nothing of this tensor here (an empty tensor)
+        return
     if not box:  # a 0-d tensor
         dest.copy_(block(0).reshape(1))
         return
