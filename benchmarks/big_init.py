@@ -6,14 +6,16 @@ meta device, materialized shard by shard, loaded from a safetensors file and tra
 
 Cases, each in a fresh spawned world of 4 ranks (so every peak RSS is its own):
   paratrain ZeRO-3 (dp4), paratrain ZeRO-1 (dp2 x tp2): init (`paratrain.init_empty` + initialize), load
-      (`engine.load_weights` of the file), then STEPS training steps;
+      (`engine.load_weights` of the file), then STEPS training steps; ZeRO-3 (dp4) once more with
+      `meta_init: "sharded"` (each rank draws only its shard, not eager construction's values);
   DeepSpeed ZeRO-3: the model built under `deepspeed.zero.Init`, then `deepspeed.initialize` and the steps;
   torch FSDP2: the model built on the meta device, `fully_shard` per layer and root, `to_empty`, then
       `init_weights` on the shards, and the steps.
 Each rank reports its peak RSS (`ru_maxrss`) after init, after load and after the first steps, and the
 formula: the process's RSS before the model existed + the model state this layout holds at that point
-(`paratrain.zero.estimate_memory`'s params and grads of this rank's Ψ before the first step; with the
-optimizer states after it) + one full copy of the largest parameter (the module being initialized or read).
+(`paratrain.zero.estimate_memory`'s params of this rank's Ψ before the first step, and its grads where they
+exist before it, stages 0-1; with the grads and optimizer states after it) + one full copy of the largest
+parameter (the module being initialized or read).
 Every case runs the same AdamW (fused), seed, data and micro-batch. Nothing here asserts a number.
 """
 
@@ -73,7 +75,9 @@ def _formula(baseline: int, local_params: int, dp: int, stage: int, largest: int
     from paratrain.zero import estimate_memory
 
     state = estimate_memory(local_params, dp=dp, stage=stage)
-    held = state["params"] + state["grads"] + (state["optimizer_state"] if with_optimizer else 0)
+    # Stages 2-3 make their fp32 gradient shard at the first backward (stages 0-1 keep buckets from init on).
+    grads = state["grads"] if with_optimizer or stage <= 1 else 0
+    held = state["params"] + grads + (state["optimizer_state"] if with_optimizer else 0)
     return int(baseline + held + 4 * largest)
 
 
@@ -94,13 +98,14 @@ def _largest(model) -> int:
     return max(p.numel() for p in model.parameters())
 
 
-def paratrain_case(name: str, weights: str, tp: int, stage: int) -> dict:
+def paratrain_case(name: str, weights: str, tp: int, stage: int, meta_init: str = "replay") -> dict:
     import paratrain
 
     baseline = peak_rss_bytes()
     _reached("baseline")
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": paratrain_optimizer(),
-           "tensor_parallel": {"size": tp}, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+           "tensor_parallel": {"size": tp}, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+           "meta_init": meta_init}
     start = time.perf_counter()
     with paratrain.init_empty():
         model = _model(name)
@@ -119,7 +124,7 @@ def paratrain_case(name: str, weights: str, tp: int, stage: int) -> dict:
             "init_s": init_s, "load_s": load_s, "losses": losses, "local_params": local,
             "formula_init": _formula(baseline, local, dp, stage, largest, False),
             "formula_step": _formula(baseline, local, dp, stage, largest, True),
-            "optimizer": type(engine.optimizer).__name__}
+            "optimizer": type(engine.optimizer).__name__, "meta_init": meta_init}
 
 
 def deepspeed_case(name: str) -> dict:
@@ -181,6 +186,7 @@ def run(name: str, weights: Path, only: set[str] | None = None) -> dict:
     from paratrain.testing import World, WorldError
 
     cases = {"paratrain ZeRO-3 (dp4)": (paratrain_case, (name, str(weights), 1, 3)),
+             "paratrain ZeRO-3 (dp4), meta_init sharded": (paratrain_case, (name, str(weights), 1, 3, "sharded")),
              "paratrain ZeRO-1 (dp2 x tp2)": (paratrain_case, (name, str(weights), 2, 1)),
              "DeepSpeed ZeRO-3 (zero.Init)": (deepspeed_case, (name,)),
              "torch FSDP2 (meta init)": (fsdp2_case, (name,))}

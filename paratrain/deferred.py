@@ -40,15 +40,53 @@ def template_of(model: nn.Module) -> nn.Module | None:
     return copy.deepcopy(model) if has_meta_tensors(model) else None
 
 
-def _post_order(module: nn.Module, prefix: str = "", seen: set | None = None) -> Iterator[tuple[str, nn.Module]]:
+def post_order(module: nn.Module, prefix: str = "", seen: set | None = None) -> Iterator[tuple[str, nn.Module]]:
     """Children before their parent, in registration order: the order constructors finish."""
     seen = set() if seen is None else seen
     if id(module) in seen:
         return
     seen.add(id(module))
     for name, child in module.named_children():
-        yield from _post_order(child, f"{prefix}.{name}" if prefix else name, seen)
+        yield from post_order(child, f"{prefix}.{name}" if prefix else name, seen)
     yield prefix, module
+
+
+def tensor_names(template: nn.Module) -> dict[int, list[str]]:
+    """{id(tensor): every name it has} (tied tensors: several), parameters first, in registration order."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*template.named_parameters(remove_duplicate=False),
+                    *template.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return names
+
+
+def direct_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers `module` itself registered (not its children's)."""
+    return [t for store in (module._parameters, module._buffers) for t in store.values() if t is not None]
+
+
+def run_on_temporaries(module: nn.Module, call: Callable[[], None],
+                       temporary: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`call()` with each of the module's own tensors `t` replaced by `temporary(t)` (a real tensor); returns
+    (t, its value) for every tensor the call wrote: replaced it, or changed it in place (its version moved). A
+    tensor the call left alone keeps the value an earlier call gave it."""
+    slots = [(store, key, t) for store in (module._parameters, module._buffers) for key, t in store.items()
+             if t is not None]
+    if not slots:  # nothing to stand in for: the call is not made (it could only reach other modules' tensors)
+        return []
+    temps = []
+    for store, key, t in slots:
+        temp = temporary(t)
+        store[key] = nn.Parameter(temp, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else temp
+        temps.append((store[key], store[key]._version))
+    try:
+        with torch.no_grad():
+            call()
+        return [(t, store[key].detach()) for (store, key, t), (temp, version) in zip(slots, temps)
+                if store[key] is not temp or temp._version != version]
+    finally:
+        for store, key, t in slots:
+            store[key] = t
 
 
 class InitReplay:
@@ -61,10 +99,7 @@ class InitReplay:
         self.init_fn = init_fn
         first = next((t for t in model_tensors(template)), None)
         self.rng_state = rng_state if rng_state is not None else getattr(first, RNG_ATTRIBUTE, None)
-        self.names: dict[int, list[str]] = {}  # id(tensor) -> every name it has (tied tensors: several)
-        for name, t in [*template.named_parameters(remove_duplicate=False),
-                        *template.named_buffers(remove_duplicate=False)]:
-            self.names.setdefault(id(t), []).append(name)
+        self.names = tensor_names(template)  # id(tensor) -> every name it has (tied tensors: several)
         self.owner: dict[int, int] = {}  # id(tensor) -> id(the module that registered it first)
         for module in template.modules():
             for t in [*module._parameters.values(), *module._buffers.values()]:
@@ -80,10 +115,10 @@ class InitReplay:
             torch.set_rng_state(self.rng_state)
         written: set[str] = set()
         if self.init_fn is not None:
-            for _, module in _post_order(self.template):
+            for _, module in post_order(self.template):
                 self._run(module, lambda m=module: self.init_fn(m), regions, written, owned_only=False)
         else:
-            for _, module in _post_order(self.template):
+            for _, module in post_order(self.template):
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     self._run(module, reset, regions, written, owned_only=True)
@@ -96,28 +131,10 @@ class InitReplay:
              owned_only: bool) -> None:
         """`call()` with the module's own tensors as full-size CPU temporaries; their values then go to the
         regions of every name they have (`owned_only`: only tensors this module registered first)."""
-        slots = [(store, key, t) for store in (module._parameters, module._buffers) for key, t in store.items()
-                 if t is not None]
-        if not slots:
-            return
-        temps = []
-        for store, key, t in slots:
-            temp = torch.empty(t.shape, dtype=t.dtype)
-            store[key] = nn.Parameter(temp, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else temp
-            temps.append((store[key], store[key]._version))
-        try:
-            with torch.no_grad():
-                call()
-            # Written: replaced, or changed in place (its version moved); a tensor the call left alone keeps
-            # the value an earlier call gave it.
-            values = [(t, store[key]) for (store, key, t), (temp, version) in zip(slots, temps)
-                      if store[key] is not temp or temp._version != version]
-        finally:
-            for store, key, t in slots:
-                store[key] = t
+        values = run_on_temporaries(module, call, lambda t: torch.empty(t.shape, dtype=t.dtype))
         for original, value in values:
             if owned_only and self.owner.get(id(original)) != id(module):
                 continue
             for name in self.names.get(id(original), []):
-                write_regions(value.detach(), regions.get(name, []))
+                write_regions(value, regions.get(name, []))
                 written.add(name)

@@ -31,7 +31,7 @@ from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
 from paratrain.data.batch_check import BatchChecker
 from paratrain.data.nested import to_device
-from paratrain.deferred import InitReplay, template_of
+from paratrain.deferred import template_of
 from paratrain.distributed import current_device
 from paratrain.engine_setup import (
     local_param_groups,
@@ -46,6 +46,7 @@ from paratrain.model_spec import spec_for
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.parallelize import parallelize
 from paratrain.precision import compute_dtype, make_loss_scaler
+from paratrain.sharded_init import meta_init_source
 from paratrain.train_state import RandomState, TrainState
 from paratrain.update import OptimizerUpdate
 
@@ -81,8 +82,8 @@ class Engine(DeepSpeedEngineAPI):
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
         if config.checkpoint.load_weights:  # weights only; also what a meta model starts from
             self.load_weights(config.checkpoint.load_weights, config.checkpoint.load_weights_map)
-        elif template is not None:  # deferred init: the values eager construction would have given
-            fill_model(self.parallel, mesh, InitReplay(template, self.parallel.spec, init_fn))
+        elif template is not None:  # deferred init: eager construction's values, or sharded draws (meta_init)
+            fill_model(self.parallel, mesh, meta_init_source(config.meta_init, template, self.parallel.spec, init_fn))
         self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
         sampler = self.training_dataloader.sampler if self.training_dataloader is not None else None

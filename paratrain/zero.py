@@ -21,7 +21,9 @@ difference is the padding (< N elements per flat buffer). Transient buffers (buc
 unit, the fp32 gradient copy at stages 0-1 under mixed precision) are not model state and are not counted.
 With `free_grad_buckets` (stages 0-1, `zero_optimization.free_grad_buckets`) the gradient buckets exist only
 from a backward to the update, so between steps, where `memory_stats()` measures, the grads term is 0: pΨ less
-(4Ψ in fp32) during every forward.
+(4Ψ in fp32) during every forward. At stages 2-3 the fp32 gradient shard is made by the first backward's
+reduction and kept from then on: the grads term holds from the first step, and before any backward (at init)
+`memory_stats()` counts 0 grads.
 """
 
 from __future__ import annotations

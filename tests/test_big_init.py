@@ -17,7 +17,7 @@ def test_big_init_runs_and_reports_every_phase(tmp_path):
     result = big_init.main(["--model", "llama-tiny", "--weights", str(tmp_path / "w.safetensors"), "--only",
                             "paratrain", "--results", str(out)])
     assert json.loads(out.read_text())["model"] == "llama-tiny"
-    for case in ("paratrain ZeRO-3 (dp4)", "paratrain ZeRO-1 (dp2 x tp2)"):
+    for case in ("paratrain ZeRO-3 (dp4)", "paratrain ZeRO-3 (dp4), meta_init sharded", "paratrain ZeRO-1 (dp2 x tp2)"):
         ranks = result["cases"][case]
         assert len(ranks) == 4
         for r in ranks:

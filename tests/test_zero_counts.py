@@ -140,11 +140,12 @@ def _memory_cases() -> list[dict]:
     out = []
     for stage, precision, zero in MEMORY_CASES:
         engine, loader = _engine(stage, 1, precision, **zero)
+        at_init = engine.memory_stats()
         for _ in range(2):
             engine.train_batch(loader)
         sync = engine.grad_sync
         padded = sync.padded_numel() if hasattr(sync, "padded_numel") else _numel(engine.module)
-        out.append({"stats": engine.memory_stats(), "padded": padded})
+        out.append({"stats": engine.memory_stats(), "at_init": at_init, "padded": padded})
     return out
 
 
@@ -159,6 +160,11 @@ def test_model_state_bytes_match_the_formulas_and_estimate_memory(world, request
         want = estimate_memory(got["padded"], n, stage, offload, precision)
         for key in ("params", "grads", "optimizer_state", "total", "host", "device"):
             assert stats[key] == want[key], (stage, precision, zero, key, stats, want)
+        # Before the first backward: the same parameters, no optimizer state yet (Adam's is made by its first
+        # step), and at stages 2-3 no gradient shard either (the first reduction makes it, as FSDP2 does).
+        at_init = got["at_init"]
+        assert at_init["params"] == want["params"] and at_init["optimizer_state"] == 0, (stage, zero, at_init)
+        assert at_init["grads"] == (0 if stage >= 2 else want["grads"]), (stage, precision, zero, at_init, want)
         if precision == "fp32" and offload == "none":
             assert abs(stats["total"] - formula[stage]) <= 0.05 * formula[stage], (stage, stats, formula[stage])
             # and the raw-Ψ estimate is the formula itself

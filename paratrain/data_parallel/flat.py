@@ -150,6 +150,16 @@ class MasterShard:
     def grad(self, value: torch.Tensor | None) -> None:
         self.param.grad = value
 
+    def ensure_grad(self) -> torch.Tensor:
+        """The fp32 gradient, allocated (zeros) the first time a reduction or the update needs it.
+
+        Stages 2-3 keep this shard from the first backward on; allocating it there rather than at init keeps
+        4Ψ/N bytes out of the init peak (FSDP2 makes its gradients at the first backward too), and a step
+        without any backward still finds zeros, as it did when the shard was made at init."""
+        if self.param.grad is None:
+            self.param.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.param.device)
+        return self.param.grad
+
     def accumulate(self, reduced: torch.Tensor, first: bool) -> None:
         """Add a reduced gradient slice (any dtype/device) into the fp32 gradient."""
         if reduced is self.param.grad:

@@ -222,7 +222,7 @@ class FullyShardedDataParallel(GradSync):
         for unit in self._all_units():
             unit.reshard()  # whatever a prefetch gathered but no backward used
         for flat in self._flats():
-            flat.master.grad.div_(self.post_divide)
+            flat.master.ensure_grad().div_(self.post_divide)
 
     # ---- update -----------------------------------------------------------------------------------
     def _flats(self) -> list[FlatParam]:
@@ -279,7 +279,7 @@ class FullyShardedDataParallel(GradSync):
     def memory_stats(self) -> dict[str, int]:
         flats = self._flats()
         masters = [f.master.param for f in flats]
-        master_grads = [f.master.grad for f in flats]
+        master_grads = [f.master.grad for f in flats if f.master.grad is not None]  # none before the first backward
         states = optimizer_state_tensors(self.optimizer) if self.optimizer else []
         gathered = sum(f.full.untyped_storage().nbytes() for f in flats)
         params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + gathered

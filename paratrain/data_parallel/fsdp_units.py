@@ -92,7 +92,7 @@ class FlatParam:
             fp32 = self.layout.flatten([p.detach() for _, p in named], torch.float32, offload.device)
             shard = self.layout.shard_of(fp32)
             self.master = MasterShard(self.layout, shard, offload)
-        self.master.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.master.param.device)
+        # The fp32 gradient shard is made by the first reduction (MasterShard.ensure_grad), not here.
         # offload_optimizer keeps the master on the host: a compute-dtype copy of the shard stays on the
         # device as the all-gather input, unless offload_param sends that to the host too.
         self.device_shard = None

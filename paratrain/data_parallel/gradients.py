@@ -153,7 +153,7 @@ class StagedGradient:
         staging = self._staging()
         if pre_divide != 1.0:
             staging.div_(pre_divide)
-        grad = self.master.grad
+        grad = self.master.ensure_grad()
         direct = first and grad.dtype == self.dtype and grad.device == staging.device
         self.reduced = grad if direct else torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self.first = first

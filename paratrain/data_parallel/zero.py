@@ -227,8 +227,7 @@ class ZeroStage2(ZeroDataParallel):
         self.reduce_at_boundary = reduce_at_boundary
 
     def _gradient_operation(self) -> StagedReduceScatter:
-        for master in self.masters:
-            master.grad = torch.zeros(master.layout.shard_numel, dtype=torch.float32, device=master.param.device)
+        # The fp32 gradient shards are made by the first reduction (MasterShard.ensure_grad), not at init.
         return StagedReduceScatter(self.buckets, self.masters, self.axis, self.pre_divide,
                                    accumulate=self.reduce_at_boundary)
 
@@ -239,7 +238,7 @@ class ZeroStage2(ZeroDataParallel):
     def finish_gradients(self) -> None:
         self.reducer.finish()  # the last backward's reductions, if not collected yet
         for master in self.masters:
-            master.grad.div_(self.post_divide)
+            master.ensure_grad().div_(self.post_divide)
 
     def zero_grad(self) -> None:
         self.operation.new_window()  # the first reduction of the next window overwrites the shard
