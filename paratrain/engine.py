@@ -23,9 +23,6 @@ import torch
 from torch import nn
 
 import paratrain.comm as comm
-from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
-from paratrain.checkpoint.pretrained import save_pretrained
-from paratrain.checkpoint.sources import open_weights
 from paratrain.checkpoint.weights import fill_model
 from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
@@ -33,6 +30,7 @@ from paratrain.data.batch_check import BatchChecker
 from paratrain.data.nested import to_device
 from paratrain.deferred import template_of
 from paratrain.distributed import current_device
+from paratrain.engine_checkpoints import EngineCheckpoints
 from paratrain.engine_setup import (
     local_param_groups,
     make_loader,
@@ -45,7 +43,7 @@ from paratrain.mesh import Mesh
 from paratrain.model_spec import spec_for
 from paratrain.monitor import StepReporter, setup_logging
 from paratrain.parallelize import parallelize
-from paratrain.precision import compute_dtype, make_loss_scaler
+from paratrain.precision import make_loss_scaler
 from paratrain.sharded_init import meta_init_source
 from paratrain.train_state import RandomState, TrainState
 from paratrain.update import OptimizerUpdate
@@ -53,9 +51,10 @@ from paratrain.update import OptimizerUpdate
 log = logging.getLogger("paratrain")
 
 
-class Engine(DeepSpeedEngineAPI):
+class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
     """DeepSpeed's engine contract. Construction helpers live in `engine_setup.py`, the update in `update.py`,
-    the read-only accessors (DeepSpeed's and paratrain's introspection) in `compat/engine_api.py`."""
+    checkpoints and pretrained directories in `engine_checkpoints.py`, the read-only accessors (DeepSpeed's and
+    paratrain's introspection) in `compat/engine_api.py`."""
 
     def __init__(self, model: nn.Module, config: Config, mesh: Mesh, optimizer=None, lr_scheduler=None,
                  model_parameters=None, training_data=None, collate_fn=None, init_fn=None):
@@ -259,55 +258,6 @@ class Engine(DeepSpeedEngineAPI):
         comm.all_reduce(value, axis, tag="metrics")
         return value / axis.size
 
-    # ---- checkpoints (paratrain/checkpoint, docs/checkpoints.md) -------------------------------------
-    def checkpoint_target(self, states: bool = True, lr_scheduler: bool = True) -> CheckpointTarget:
-        """The model, optimizer and stateful objects a checkpoint saves or loads (without `states`: the model
-        and optimizer only)."""
-        named = {"train": self.train_state, "lr_scheduler": self.lr_scheduler if lr_scheduler else None,
-                 "loss_scaler": self.loss_scaler} if states else {}
-        return CheckpointTarget(self.parallel, self.optimizer, self.mesh, self.config,
-                                {k: v for k, v in named.items() if v is not None},
-                                {"random": self.random_state} if states else {}, self.model_config)
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
-        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N}."""
-        if self.train_state.window_micro_steps:
-            raise CheckpointError(f"save_checkpoint was called in the middle of a gradient-accumulation window "
-                                  f"(micro step {self.micro_steps}, {self.gradient_accumulation_steps()} per step): "
-                                  f"call it after the step that ends the window")
-        tag = tag if tag is not None else f"global_step{self.global_steps}"
-        save_checkpoint(self.checkpoint_target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        return True
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        """Load a checkpoint saved under any layout (collective); returns (path, client_state), (None, None)
-        when `load_dir` holds none. `tag` defaults to the one the `latest` file names."""
-        target = self.checkpoint_target(states=not load_module_only, lr_scheduler=load_lr_scheduler_states)
-        return load_checkpoint(target, load_dir, tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states and not load_module_only)
-
-    def load_weights(self, path, name_map=None, strict: bool = True) -> None:
-        """Model weights only, from safetensors (file, directory, HF sharded) or a paratrain checkpoint; each rank
-        reads its slices (collective). `name_map`: {weights' name: model name}, or a function (None: skip)."""
-        source = open_weights(path, name_map)
-        fill_model(self.parallel, self.mesh, source, strict=strict, names=source.names())
-
-    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", dtype=None) -> None:
-        """The model as a directory `from_pretrained` loads (transformers' too): config files, safetensors
-        shards of at most `max_shard_size` (+ index), the tokenizer; from any layout (collective: a tensor at
-        a time, rank 0 writes, atomic). `dtype` ("bf16", torch.bfloat16): cast floating tensors (default fp32)."""
-        save_pretrained(self.parallel, self.mesh, self.device, save_directory, self.model_config, self.tokenizer,
-                        max_shard_size, compute_dtype(dtype) if isinstance(dtype, str) else dtype)
-        if self.global_rank == 0:
-            log.info("saved pretrained model %s", save_directory)
-
-    def _save_if_due(self) -> None:
-        every = self.config.checkpoint.save_every
-        if every and self.global_steps % every == 0:
-            self.save_checkpoint(self.config.checkpoint.dir)
-
     # ---- changing the engine's state -----------------------------------------------------------
     def set_accumulation(self, steps: int) -> None:
         """Accumulate `steps` micro-batches per optimizer step from the next window on (between windows only:
@@ -323,7 +273,6 @@ class Engine(DeepSpeedEngineAPI):
         Collective: call on every rank once it has finished with this engine; afterwards it cannot train."""
         self.mesh.destroy()
         self.destroyed = True
-
 
 
 def _loss_of(output) -> torch.Tensor:

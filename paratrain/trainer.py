@@ -1,4 +1,5 @@
-"""The built-in job behind `paratrain train`: the GPT on the embedded corpus, in any configured layout.
+"""The built-in job behind `paratrain train`: a GPT or Llama preset, or a Hugging Face model directory, on the
+embedded corpus, in any configured layout.
 
 It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metrics.csv` (one row per step),
 `summary.json`, and with pipeline.stages > 1 `timeline.json` (the last step's actions per rank, for
@@ -18,10 +19,17 @@ import torch
 
 import paratrain.comm as comm
 from paratrain.api import initialize
-from paratrain.config import load_config
-from paratrain.data import DataParallelLoader, DataParallelSampler, TokenWindows, corpus_fingerprint, load_corpus
+from paratrain.config import ConfigError, load_config
+from paratrain.data import (
+    DataParallelLoader,
+    DataParallelSampler,
+    TokenWindows,
+    corpus_fingerprint,
+    corpus_text,
+)
 from paratrain.distributed import init_distributed
 from paratrain.models import build_model
+from paratrain.models.hf_pretrained import build_empty, load_tokenizer
 from paratrain.monitor import peak_rss_bytes
 
 
@@ -81,13 +89,16 @@ def _mib(n: int) -> str:
 
 
 def _start(cfg, run_dir: str | None):
-    """The GPT, the corpus and the engine (resumed when checkpoint.auto_resume finds a checkpoint)."""
+    """The model, the corpus and the engine (resumed when checkpoint.auto_resume finds a checkpoint)."""
     t = cfg.trainer
     torch.manual_seed(cfg.seed)
-    model = build_model(t.model, **t.model_overrides)
-    num_params = sum(p.numel() for p in model.parameters())  # before parallelizing: the model is split in place
-    train_tokens, val_tokens = load_corpus()
-    seq_len = model.config.seq_len
+    text = _text(t)
+    if (Path(t.model).expanduser() / "config.json").is_file():
+        model, (train_tokens, val_tokens), seq_len, num_params = _pretrained_job(t, text)
+    else:
+        model = build_model(t.model, **t.model_overrides)
+        num_params = sum(p.numel() for p in model.parameters())  # before parallelizing: split in place
+        (train_tokens, val_tokens), seq_len = _split(_bytes(text)), model.config.seq_len
     out = Path(run_dir or t.run_dir)
     if not cfg.comm.report_dir:  # hang reports land next to the metrics
         cfg.comm.report_dir = str(out)
@@ -96,6 +107,45 @@ def _start(cfg, run_dir: str | None):
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(engine.config.model_dump(mode="json"), indent=2))
     return engine, loader, TokenWindows(val_tokens, seq_len), out, {"params": num_params, "seq_len": seq_len}
+
+
+def _text(t) -> str:
+    if t.text is None:
+        return corpus_text()
+    path = Path(t.text).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"trainer.text = '{t.text}' is not a file; pass a UTF-8 text file, or leave it unset for "
+                          f"the embedded corpus")
+    return path.read_text(encoding="utf-8")
+
+
+def _bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def _split(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation): the last 10% validates, as load_corpus does."""
+    split = int(len(ids) * 0.9)
+    return ids[:split], ids[split:]
+
+
+def _pretrained_job(t, text: str):
+    """A Hugging Face model directory as trainer.model: its weights (`from_pretrained`), the corpus through its
+    tokenizer (bytes without one), sequences of model_overrides.seq_len tokens (default 128)."""
+    path = Path(t.model).expanduser()
+    extra = sorted(set(t.model_overrides) - {"seq_len"})
+    if extra:
+        raise ConfigError(f"trainer.model_overrides {extra}: a Hugging Face model directory takes only seq_len "
+                          f"(the training sequence length); change the model's config.json instead")
+    meta = build_empty(path)  # the parameter count, from config.json alone
+    tokenizer = load_tokenizer(path)
+    ids = torch.tensor(tokenizer(text)["input_ids"]) if tokenizer is not None else _bytes(text)
+    vocab = meta.config.vocab_size
+    if int(ids.max()) >= vocab:
+        raise ConfigError(f"trainer.model '{path}': the corpus has token ids up to {int(ids.max())} but the model's "
+                          f"vocab_size is {vocab}; without a tokenizer in the directory the corpus is bytes, which "
+                          f"needs vocab_size >= 256; add the model's tokenizer to the directory")
+    return str(path), _split(ids), int(t.model_overrides.get("seq_len", 128)), sum(p.numel() for p in meta.parameters())
 
 
 def _val_loader(engine, val_data) -> DataParallelLoader:
@@ -139,7 +189,8 @@ def _finish(engine, out: Path, steps: int, done: int) -> None:
         (out / "timeline.json").write_text(json.dumps(timeline))
 
 
-def train(config_source, run_dir: str | None = None, steps: int | None = None) -> dict:
+def train(config_source, run_dir: str | None = None, steps: int | None = None,
+          save_pretrained: str | None = None) -> dict:
     """Train the configured model (a GPT or Llama preset); returns the summary (also written to
     run_dir/summary.json on rank 0)."""
     cfg = load_config(config_source)
@@ -170,13 +221,16 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None) -
     redirect.close()
     metrics.close()
     _finish(engine, out, steps, done)
+    if save_pretrained:  # a directory transformers loads (collective)
+        engine.save_pretrained(save_pretrained)
     total = time.perf_counter() - start
     val_losses = [r["val_loss"] for r in rows if "val_loss" in r]
     summary = {"steps": steps, "first_loss": rows[0]["loss"] if rows else None,
                "last_loss": rows[-1]["loss"] if rows else None, "val_loss": val_losses[-1] if val_losses else None,
                "resumed_at": done, "tokens_per_s": (steps - done) * tokens_per_step / max(total, 1e-9),
                "wall_s": total, "world_size": engine.world_size, "layout": engine.mesh.dims.describe(),
-               "params": model["params"], "corpus": corpus_fingerprint(), "run_dir": str(out)}
+               "params": model["params"], "corpus": cfg.trainer.text or corpus_fingerprint(),
+               "run_dir": str(out)}
     if rank0:
         _report(summary, out)
     comm.barrier(engine.mesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective

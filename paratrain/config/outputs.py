@@ -80,11 +80,15 @@ class TrainerConfig(Section):
     """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
 
     model: str = "gpt-tiny"
-    """GPT or Llama preset (gpt-tiny, gpt-mini, gpt-small, gpt-125m, ..., llama-tiny, llama-mini, llama3-8b, ...);
-    `paratrain verify` also takes a user model as
-    'package.module:factory', built as factory(**model_overrides)."""
+    """GPT or Llama preset (gpt-tiny, gpt-mini, gpt-small, gpt-125m, ..., llama-tiny, llama-mini, llama3-8b, ...),
+    or a Hugging Face model directory (config.json + safetensors, loaded with from_pretrained); `paratrain verify`
+    also takes a user model as 'package.module:factory', built as factory(**model_overrides)."""
     model_overrides: dict[str, Any] = Field(default_factory=dict)
-    """GPTConfig fields to replace, e.g. {"n_layer": 8}."""
+    """GPTConfig / LlamaConfig fields to replace, e.g. {"n_layer": 8}; for a Hugging Face directory only
+    {"seq_len": N}, the training sequence length (default 128)."""
+    text: str | None = None
+    """A UTF-8 text file to train on instead of the embedded corpus (the last 10% is validation); tokenized by a
+    Hugging Face directory's tokenizer, else as bytes."""
     steps: int = Field(300, ge=1)
     """Optimizer steps to train."""
     eval_every: int = Field(100, ge=0)

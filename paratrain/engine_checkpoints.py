@@ -1,0 +1,66 @@
+"""The engine's checkpoints, weights and pretrained directories (paratrain/checkpoint, docs/checkpoints.md): what
+it hands the checkpoint code (a `CheckpointTarget` of stateful objects, never itself)."""
+
+from __future__ import annotations
+
+import logging
+
+from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
+from paratrain.checkpoint.pretrained import save_pretrained
+from paratrain.checkpoint.sources import open_weights
+from paratrain.checkpoint.weights import fill_model
+from paratrain.precision import compute_dtype
+
+log = logging.getLogger("paratrain")
+
+
+class EngineCheckpoints:
+    """Mixed into `Engine`: uses its parallel model, mesh, optimizer, config and stateful objects."""
+
+    def checkpoint_target(self, states: bool = True, lr_scheduler: bool = True) -> CheckpointTarget:
+        """The model, optimizer and stateful objects a checkpoint saves or loads (without `states`: the model
+        and optimizer only)."""
+        named = {"train": self.train_state, "lr_scheduler": self.lr_scheduler if lr_scheduler else None,
+                 "loss_scaler": self.loss_scaler} if states else {}
+        return CheckpointTarget(self.parallel, self.optimizer, self.mesh, self.config,
+                                {k: v for k, v in named.items() if v is not None},
+                                {"random": self.random_state} if states else {}, self.model_config)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N}."""
+        if self.train_state.window_micro_steps:
+            raise CheckpointError(f"save_checkpoint was called in the middle of a gradient-accumulation window "
+                                  f"(micro step {self.micro_steps}, {self.gradient_accumulation_steps()} per step): "
+                                  f"call it after the step that ends the window")
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        save_checkpoint(self.checkpoint_target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load a checkpoint saved under any layout (collective); returns (path, client_state), (None, None)
+        when `load_dir` holds none. `tag` defaults to the one the `latest` file names."""
+        target = self.checkpoint_target(states=not load_module_only, lr_scheduler=load_lr_scheduler_states)
+        return load_checkpoint(target, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states and not load_module_only)
+
+    def load_weights(self, path, name_map=None, strict: bool = True) -> None:
+        """Model weights only, from safetensors (file, directory, HF sharded) or a paratrain checkpoint; each rank
+        reads its slices (collective). `name_map`: {weights' name: model name}, or a function (None: skip)."""
+        source = open_weights(path, name_map)
+        fill_model(self.parallel, self.mesh, source, strict=strict, names=source.names())
+
+    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", dtype=None) -> None:
+        """The model as a directory `from_pretrained` loads (transformers' too): config files, safetensors
+        shards of at most `max_shard_size` (+ index), the tokenizer; from any layout (collective: a tensor at
+        a time, rank 0 writes, atomic). `dtype` ("bf16", torch.bfloat16): cast floating tensors (default fp32)."""
+        save_pretrained(self.parallel, self.mesh, self.device, save_directory, self.model_config, self.tokenizer,
+                        max_shard_size, compute_dtype(dtype) if isinstance(dtype, str) else dtype)
+        if self.global_rank == 0:
+            log.info("saved pretrained model %s", save_directory)
+
+    def _save_if_due(self) -> None:
+        every = self.config.checkpoint.save_every
+        if every and self.global_steps % every == 0:
+            self.save_checkpoint(self.config.checkpoint.dir)
