@@ -186,3 +186,37 @@ def test_huggingface_auto_values_are_refused_with_the_number_to_write():
     message = str(err.value)
     assert "'train_micro_batch_size_per_gpu' = \"auto\": write the per-device batch size" in message
     assert "'optimizer.params.lr' = \"auto\"" in message and "hidden_size * hidden_size" in message
+
+
+def _train_model_directory(directory: str, run_dir: str) -> dict:
+    from paratrain.trainer import train
+
+    return train({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+                  "tensor_parallel": {"size": 2, "sequence_parallel": True},
+                  "trainer": {"model": directory, "steps": 3, "eval_every": 3, "eval_batches": 1, "run_dir": run_dir,
+                              "progress_bar": False, "model_overrides": {"seq_len": 32}}})
+
+
+def test_paratrain_train_takes_a_model_directory(world2, tmp_path):
+    """The example's path: `trainer.model` = a save_pretrained directory, tp2 + SP, the corpus as bytes."""
+    model = tiny_hf("qwen2")
+    model.save_pretrained(tmp_path / "model")
+    summaries = world2.run(_train_model_directory, str(tmp_path / "model"), str(tmp_path / "run"))
+    summary = summaries[0]
+    assert summary["params"] == sum(p.numel() for p in model.parameters()) and summary["layout"] == "tp2"
+    assert summary["last_loss"] < summary["first_loss"] and summary["val_loss"] is not None
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_model_directory_takes_only_seq_len_as_override(tmp_path):
+    from paratrain.config import ConfigError
+    from paratrain.config.outputs import TrainerConfig
+    from paratrain.trainer import _pretrained_job
+
+    tiny_hf("llama").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"trainer.model_overrides \['n_layer'\]"):
+        _pretrained_job(TrainerConfig(model=str(tmp_path), model_overrides={"n_layer": 2}), "text")
+    small = tiny_hf("llama", vocab_size=64)
+    small.save_pretrained(tmp_path / "small")
+    with pytest.raises(ConfigError, match="vocab_size is 64"):
+        _pretrained_job(TrainerConfig(model=str(tmp_path / "small")), "bytes beyond 64: ~")
