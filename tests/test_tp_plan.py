@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import paratrain
@@ -128,6 +129,26 @@ def test_layers_keep_their_slice_and_pad_uneven_vocabularies():
     assert placement_of(row.bias).get("tp") is None  # replicated: the plan step records that, not the layer
     with pytest.raises(PlanError, match="out_features 10, not divisible by the tensor-parallel size 4"):
         ColumnParallelLinear(linear, _fake_axis(0, 4))
+
+
+def test_a_packed_layer_keeps_its_share_of_every_part():
+    torch.manual_seed(0)
+    linear = nn.Linear(6, 8)  # q (4 features), k (2), v (2) packed, as grouped-query attention packs them
+    for rank in range(2):
+        col = ColumnParallelLinear(linear, _fake_axis(rank, 2), parts=(4, 2, 2))
+        w = linear.weight.detach()
+        for i, (start, size) in enumerate([(0, 4), (4, 2), (6, 2)]):
+            local = size // 2
+            assert torch.equal(getattr(col, f"weight_{i}"), w[start + rank * local:start + (rank + 1) * local])
+            assert placement_of(getattr(col, f"weight_{i}")).get("tp") == Shard(0, size, packed=(start, 8))
+        x = torch.randn(3, 6)
+        keep = [r for start, size in [(0, 4), (4, 2), (6, 2)] for r in range(start + rank * size // 2,
+                                                                              start + (rank + 1) * size // 2)]
+        assert torch.allclose(F.linear(x, *col.local_weight_and_bias()), linear(x)[:, keep])
+    with pytest.raises(PlanError, match=r"output parts \[4, 3, 1\]"):
+        ColumnParallelLinear(linear, _fake_axis(0, 2), parts=(4, 3, 1))
+    with pytest.raises(PlanError, match="only 'colwise' takes part sizes"):
+        paratrain.tensor_parallel.plan.check_plan_syntax({"a.b": "rowwise:4,4"})
 
 
 def test_split_layers_name_themselves_when_fed_the_wrong_width():

@@ -101,11 +101,13 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features, self.transposed = linear_features(linear)
         self.padded_out_features = padded_size(self.out_features, axis.size) if pad_output else self.out_features
         self.parts = tuple(parts) if parts else None
-        sizes = self.parts or (self.padded_out_features,)
-        if any(size % axis.size for size in sizes) or (self.parts and sum(sizes) != self.out_features):
-            raise PlanError(f"'{name}' (colwise) has output parts {list(sizes)} of {self.out_features} features, "
-                            f"which tensor-parallel size {axis.size} does not split evenly; choose a "
-                            f"tensor_parallel.size that divides each")
+        if self.padded_out_features % axis.size:
+            raise PlanError(f"'{name}' (colwise) has out_features {self.out_features}, not divisible by the "
+                            f"tensor-parallel size {axis.size}; choose a tensor_parallel.size that divides it")
+        if self.parts and (any(size % axis.size for size in self.parts) or sum(self.parts) != self.out_features):
+            raise PlanError(f"'{name}' (colwise) has output parts {list(self.parts)} of {self.out_features} "
+                            f"features, which must add up to it and which tensor-parallel size {axis.size} must "
+                            f"divide each; choose a tensor_parallel.size that divides each")
         if self.parts and gather_output:
             raise PlanError(f"'{name}': a packed colwise layer cannot gather its output (the parts would "
                             f"interleave); consume it inside the region")
