@@ -32,7 +32,9 @@ PACKED_4 = [layout(dp=2, tp=2), layout(dp=2, tp=2, sp=True), layout(dp=2, pp=2),
             layout(dp=2, cp=2)]
 MATRIX_4 = [("llama", cfg) for cfg in EVERY_LAYOUT_4] + [("qwen2", cfg) for cfg in EVERY_LAYOUT_4] + \
     [("mistral", layout(dp=2, tp=2)), ("mistral", layout(dp=2, pp=2))] + \
-    [("gpt2", cfg) for cfg in PACKED_4] + [("phi3", cfg) for cfg in PACKED_4]
+    [("gpt2", cfg) for cfg in PACKED_4] + [("phi3", cfg) for cfg in PACKED_4] + \
+    [("llama", layout(dp=2, tp=2, ckpt="full")), ("qwen2", layout(dp=2, cp=2, ckpt="selective")),  # recompute:
+     ("phi3", layout(dp=2, pp=2, zero=1, ckpt="full"))]  # decoder layers (_no_split_modules), attention cores
 MATRIX_8 = [(family, layout(dp=2, pp=2, tp=2)) for family in ("llama", "qwen2", "mistral", "gpt2", "phi3")]
 
 
