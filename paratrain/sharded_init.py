@@ -38,6 +38,7 @@ from torch import nn
 from paratrain.checkpoint.weights import Region
 from paratrain.deferred import InitReplay, direct_tensors, post_order, run_on_temporaries, tensor_names
 from paratrain.empty_init import RNG_ATTRIBUTE, model_tensors
+from paratrain.errors import Error
 from paratrain.model_spec import ModelSpec
 
 BLOCK_NUMEL = 1 << 20  # elements per row block: the transient memory of one draw (4 MiB in fp32)
@@ -50,8 +51,9 @@ def meta_init_source(how: str, template: nn.Module, spec: ModelSpec, init_fn: Ca
     return (ShardedInit if how == "sharded" else InitReplay)(template, spec, init_fn)
 
 
-class _NotWritten(Exception):
-    """No call of a tensor's initialization wrote it (the fill reports its names as uninitialized)."""
+class _NotWritten(Error, LookupError):
+    """No call of a tensor's initialization wrote it (internal: caught here, and the fill reports its names as
+    uninitialized)."""
 
 
 class ShardedInit:
