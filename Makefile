@@ -17,11 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/paratrain train --config configs/demo.json --nproc-per-node 2
 
-# -rs: every skipped test prints its reason (CI also fails a skipped DeepSpeed comparison: .ci/run)
+# -rs: every skipped test prints its reason (CI also fails a skipped DeepSpeed comparison: .ci/run);
+# --durations: the slowest tests, to keep the suite inside its 25 minutes
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/pytest -rs
+	$(BIN)/pytest -rs --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
