@@ -31,7 +31,6 @@ TOP_LEVEL = {
                    "cpu under gloo)",
     "utils": "deepspeed.utils is not provided; the logger is logging.getLogger('paratrain'), full parameters "
              "come from engine.full_state_dict()",
-    "moe": "mixture of experts (expert parallelism) is not implemented in paratrain",
     "module_inject": "kernel injection is not implemented in paratrain",
     "replace_transformer_layer": "kernel injection is not implemented in paratrain",
     "revert_transformer_layer": "kernel injection is not implemented in paratrain",
