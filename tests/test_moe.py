@@ -365,3 +365,12 @@ def test_deepspeed_moe_refusals():
         StackedMLP(nn.Sequential(nn.Linear(4, 4), nn.Conv1d(4, 4, 1)), 2)
     with pytest.raises(Error, match="used_token"):
         deepspeed.moe.layer.MoE(4, linear, num_experts=2)(torch.randn(3, 4), used_token=torch.ones(3))
+
+
+def test_verify_refuses_moe_rather_than_reporting_a_false_difference():
+    from paratrain.config import load_config
+    from paratrain.testing.verify import small_instance
+
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "trainer": {"model": "deepseek-tiny"}})
+    with pytest.raises(ConfigError, match="'trainer.model' = 'deepseek-tiny' is a mixture-of-experts model"):
+        small_instance(config)
