@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import paratrain as deepspeed
-from paratrain.compat.names import COMM, ENGINE, PIPE, TOP_LEVEL, ZERO, DeepSpeedNotSupported
+from paratrain.compat.names import COMM, ENGINE, MOE, PIPE, TOP_LEVEL, ZERO, DeepSpeedNotSupported
 from paratrain.config import ConfigError, load_config, resolve_batch
 from tests.cases import REQUIRE_DEEPSPEED, import_deepspeed, skip_without_deepspeed
 from tests.test_cli import ROOT, _free_port, _paratrain  # noqa: I001
@@ -61,7 +61,8 @@ def test_deprecated_and_refused_precision_keys():
 
 
 @pytest.mark.parametrize("owner, table", [
-    (deepspeed, TOP_LEVEL), (deepspeed.zero, ZERO), (deepspeed.comm, COMM), (deepspeed.pipe, PIPE)])
+    (deepspeed, TOP_LEVEL), (deepspeed.zero, ZERO), (deepspeed.comm, COMM), (deepspeed.pipe, PIPE),
+    (deepspeed.moe, MOE)])
 def test_deepspeed_names_paratrain_lacks_raise_with_the_replacement(owner, table):
     for name, advice in table.items():
         with pytest.raises(DeepSpeedNotSupported, match=f"{name} is DeepSpeed API that paratrain does not support"):
@@ -82,7 +83,7 @@ def test_deepspeed_names_paratrain_has():
 
 def test_every_refused_name_is_documented():
     doc = (ROOT / "docs" / "deepspeed-compat.md").read_text()
-    missing = [n for table in (TOP_LEVEL, ENGINE, ZERO, PIPE) for n in table if f"`{n}`" not in doc]
+    missing = [n for table in (TOP_LEVEL, ENGINE, ZERO, PIPE, MOE) for n in table if f"`{n}`" not in doc]
     assert not missing, f"docs/deepspeed-compat.md does not list {missing}"
 
 

@@ -12,3 +12,10 @@ from paratrain.moe.router import Router, Routing, load_balancing_loss, router_z_
 __all__ = ["DispatchPlan", "GroupedSwiGLU", "MoELayer", "MoEOutput", "MoEStats", "Router", "Routing", "StackedMLP",
            "SwiGLU", "combine", "dispatch", "expert_capacity", "layer", "load_balancing_loss", "plan_dispatch",
            "router_z_loss"]
+
+
+def __getattr__(name: str):
+    """deepspeed.moe.<name> that paratrain does not provide: an error naming it and the replacement."""
+    from paratrain.compat.names import MOE, refuse
+
+    refuse(MOE, "paratrain.moe (as deepspeed.moe)", name)
