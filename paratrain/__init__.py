@@ -8,6 +8,7 @@ public API; DeepSpeed names paratrain does not implement raise an error that say
 from paratrain import (  # paratrain.zero.estimate_memory; DeepSpeed's comm/zero/pipe names
     comm,
     models,  # registers the built-in model families' specs (GPT): checkpoint export --hf needs them
+    moe,  # deepspeed.moe.layer.MoE
     pipeline,
     zero,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "initialize",
     "load_config",
     "models",
+    "moe",
     "pipe",
     "pipeline",
     "resolve_config",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import paratrain as deepspeed
-from paratrain.compat.names import COMM, ENGINE, PIPE, TOP_LEVEL, ZERO, DeepSpeedNotSupported
+from paratrain.compat.names import COMM, ENGINE, MOE, PIPE, TOP_LEVEL, ZERO, DeepSpeedNotSupported
 from paratrain.config import ConfigError, load_config, resolve_batch
 from tests.cases import REQUIRE_DEEPSPEED, import_deepspeed, skip_without_deepspeed
 from tests.test_cli import ROOT, _free_port, _paratrain  # noqa: I001
@@ -61,7 +61,8 @@ def test_deprecated_and_refused_precision_keys():
 
 
 @pytest.mark.parametrize("owner, table", [
-    (deepspeed, TOP_LEVEL), (deepspeed.zero, ZERO), (deepspeed.comm, COMM), (deepspeed.pipe, PIPE)])
+    (deepspeed, TOP_LEVEL), (deepspeed.zero, ZERO), (deepspeed.comm, COMM), (deepspeed.pipe, PIPE),
+    (deepspeed.moe, MOE)])
 def test_deepspeed_names_paratrain_lacks_raise_with_the_replacement(owner, table):
     for name, advice in table.items():
         with pytest.raises(DeepSpeedNotSupported, match=f"{name} is DeepSpeed API that paratrain does not support"):
@@ -82,7 +83,7 @@ def test_deepspeed_names_paratrain_has():
 
 def test_every_refused_name_is_documented():
     doc = (ROOT / "docs" / "deepspeed-compat.md").read_text()
-    missing = [n for table in (TOP_LEVEL, ENGINE, ZERO, PIPE) for n in table if f"`{n}`" not in doc]
+    missing = [n for table in (TOP_LEVEL, ENGINE, ZERO, PIPE, MOE) for n in table if f"`{n}`" not in doc]
     assert not missing, f"docs/deepspeed-compat.md does not list {missing}"
 
 
@@ -321,3 +322,23 @@ def test_a_comparison_that_cannot_run_skips_here_and_fails_where_ci_requires_it(
         skip_without_deepspeed("no compiler")
     with pytest.raises(pytest.fail.Exception, match="DeepSpeed is not installed"):
         import_deepspeed("deepspeed_that_is_not_installed")
+
+
+@pytest.mark.multiprocess
+def test_deepspeed_moe_layer_matches_deepspeeds(tmp_path):
+    """deepspeed.moe.layer.MoE against DeepSpeed's own, same weights and input (tests/scripts/ds_moe_parity.py):
+    top-1 and top-2, dropless and dropping (top-2), with the residual; output, l_aux, exp_counts, gradients."""
+    import_deepspeed()
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        skip_without_deepspeed("DeepSpeed's CPU backend compiles its shared-memory op at start-up: no C++ compiler")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MASTER_PORT": _free_port(),
+           "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "ds_moe_parity.py")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 5 and any(r["case"].get("capacity_factor") == 0.5 for r in results)
+    for r in results:
+        assert r["counts"][0] == r["counts"][1], r
+        for key in ("out", "l_aux", "x_grad", "gate_grad", "expert_grad"):
+            assert r[key] <= 1e-5, (key, r)

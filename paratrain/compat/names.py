@@ -31,7 +31,6 @@ TOP_LEVEL = {
                    "cpu under gloo)",
     "utils": "deepspeed.utils is not provided; the logger is logging.getLogger('paratrain'), full parameters "
              "come from engine.full_state_dict()",
-    "moe": "mixture of experts (expert parallelism) is not implemented in paratrain",
     "module_inject": "kernel injection is not implemented in paratrain",
     "replace_transformer_layer": "kernel injection is not implemented in paratrain",
     "revert_transformer_layer": "kernel injection is not implemented in paratrain",
@@ -103,6 +102,17 @@ PIPE = {
     "PipeDataParallelTopology": "the rank layout is paratrain.ParallelDims (pure rank math) and engine.mesh",
     "PipeModelDataParallelTopology": "the rank layout is paratrain.ParallelDims (pure rank math) and engine.mesh",
     "PipelineEngine": TOP_LEVEL["PipelineEngine"],
+}
+
+# deepspeed.moe.<name> (paratrain.moe has DeepSpeed's layer.MoE, ep_size 1; paratrain.moe.experts is paratrain's
+# own module of stacked experts, so DeepSpeed's deepspeed.moe.experts.Experts is a plain AttributeError)
+MOE = {
+    "utils": "with ep_size 1 every expert parameter is an ordinary data-parallel parameter: pass "
+             "model.parameters() to the optimizer instead of split_params_into_different_moe_groups_for_optimizer "
+             "(is_moe_param has nothing to tell apart)",
+    "sharded_moe": "DeepSpeed's gating internals are not mirrored; use deepspeed.moe.layer.MoE (its gate is "
+                   "moe.deepspeed_moe.gate)",
+    "mappings": "expert-parallel communication is not built (ep_size 1 only)",
 }
 
 # deepspeed.comm.<name> (paratrain.comm is paratrain's counted collectives: they take a mesh Axis)

@@ -9,8 +9,11 @@ from paratrain.models.gpt import GPT, gpt_config
 from paratrain.models.gpt import PRESETS as GPT_PRESETS
 from paratrain.models.llama import PRESETS as LLAMA_PRESETS
 from paratrain.models.llama import Llama, llama_config
+from paratrain.models.llama_moe import PRESETS as LLAMA_MOE_PRESETS
+from paratrain.models.llama_moe import LlamaMoE, llama_moe_config
 
-FAMILIES = {"gpt": (GPT_PRESETS, gpt_config, GPT), "llama": (LLAMA_PRESETS, llama_config, Llama)}
+FAMILIES = {"gpt": (GPT_PRESETS, gpt_config, GPT), "llama": (LLAMA_PRESETS, llama_config, Llama),
+            "llama-moe": (LLAMA_MOE_PRESETS, llama_moe_config, LlamaMoE)}
 
 
 def _family(preset: str):
@@ -22,12 +25,12 @@ def _family(preset: str):
 
 
 def preset_config(preset: str, **overrides):
-    """The config (GPTConfig or LlamaConfig) of a preset, with fields replaced."""
+    """The config (GPTConfig, LlamaConfig or LlamaMoEConfig) of a preset, with fields replaced."""
     config, _ = _family(preset)
     return config(preset, **overrides)
 
 
 def build_model(preset: str, **overrides) -> nn.Module:
-    """The model of a preset (GPT or Llama), with config fields replaced."""
+    """The model of a preset (GPT, Llama or LlamaMoE), with config fields replaced."""
     _, cls = _family(preset)
     return cls(preset, **overrides)

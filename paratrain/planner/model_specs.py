@@ -186,6 +186,7 @@ def _v_blocks(n_layer: int, pp: int) -> tuple[int, ...]:
 
 def spec_from_config(config: GPTConfig | LlamaConfig, name: str = "custom") -> ModelSpec:
     """A spec for an explicit config; `name` is the preset it is expressed against (or the family's tiny one)."""
+    _refuse_unplanned(config, name)
     tiny = "llama-tiny" if isinstance(config, LlamaConfig) else "gpt-tiny"
     base_name = name if name in PRESETS and type(PRESETS[name]) is type(config) else tiny
     base = asdict(PRESETS[base_name])
@@ -216,7 +217,15 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
         config = preset_config(name, **overrides)
     except ValueError as exc:
         raise PlannerError(f"--model {model!r}: {exc}") from None
+    _refuse_unplanned(config, name)
     return ModelSpec(name, config, overrides)
+
+
+def _refuse_unplanned(config, name: str) -> None:
+    # a LlamaMoEConfig is a LlamaConfig subclass: counted as a dense Llama its experts would vanish silently
+    if type(config) not in (GPTConfig, LlamaConfig):
+        raise PlannerError(f"--model {name!r} is a {type(config).__name__}: the planner costs dense GPT and "
+                           f"Llama models only (mixture-of-experts costs are not modelled yet)")
 
 
 def config_batch_size(model: str) -> int | None:

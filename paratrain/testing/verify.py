@@ -95,12 +95,18 @@ def small_instance(config: Config, seq_len: int | None = None) -> ModelRecipe:
         overrides = dict(t.model_overrides)
         return ModelRecipe(config.seed, factory=t.model, overrides=overrides,
                            seq_len=seq_len or overrides.get("seq_len", 16))
-    from paratrain.models import LlamaConfig, preset_config
+    from paratrain.models import LlamaConfig, LlamaMoEConfig, preset_config
 
     try:
         base = preset_config(t.model, **t.model_overrides)
     except ValueError as exc:
         raise ConfigError(f"config key 'trainer.model' = {t.model!r}: {exc}") from None
+    if isinstance(base, LlamaMoEConfig):
+        # each data-parallel rank balances its own micro-batch, so the router losses differ from one process's
+        # by design: verify's equality to one process does not hold for an MoE model
+        raise ConfigError(f"config key 'trainer.model' = {t.model!r} is a mixture-of-experts model: paratrain "
+                          f"verify checks equality with one process, which MoE's per-rank router losses do not "
+                          f"have; verify a dense preset (llama-tiny, gpt-tiny)")
     n_head = tp * math.ceil(4 / tp)
     seq = seq_len or _lcm(16, 2 * cp, cp * tp)
     shape = dict(vocab_size=256, n_layer=max(2, pp * config.pipeline.virtual_stages), n_head=n_head,

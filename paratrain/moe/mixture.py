@@ -1,0 +1,86 @@
+"""`MoELayer`: router -> dispatch -> grouped SwiGLU experts -> combine (+ an always-on shared expert).
+
+    moe = MoELayer(d_model=64, num_experts=8, d_ff=128, top_k=2, capacity_factor=None, shared_experts=1)
+    out = moe(x)                        # x (..., d): out.output (..., d), out.aux_loss, out.z_loss (scalars)
+    loss = task_loss + aux_coef * out.aux_loss + z_coef * out.z_loss
+    moe.last.counts, moe.last.dropped   # what the last forward routed: per-expert counts, dropped choices
+
+The layer returns its losses rather than adding them anywhere, so the model decides their coefficients (see
+`router.load_balancing_loss` and `router.router_z_loss` for the exact formulas). Single process only: every
+expert is local. Expert parallelism will split `experts` along dim 0 and put an all-to-all between
+`dispatch` and `combine` (`paratrain/moe/dispatch.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from paratrain.errors import InvalidValueError
+from paratrain.moe.dispatch import DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
+from paratrain.moe.experts import GroupedSwiGLU, SwiGLU
+from paratrain.moe.router import Router, load_balancing_loss, router_z_loss
+
+
+class MoEOutput(NamedTuple):
+    output: torch.Tensor  # the input's shape
+    aux_loss: torch.Tensor  # float32 scalar: load_balancing_loss of this forward's routing
+    z_loss: torch.Tensor  # float32 scalar: router_z_loss of this forward's logits
+
+
+@dataclass
+class MoEStats:
+    """What the last forward routed (detached, for metrics)."""
+
+    counts: torch.Tensor  # (E,) int64: choices routed to each expert, before capacity
+    dropped: int  # choices beyond their expert's capacity (0 when dropless)
+    dropped_tokens: int  # tokens all of whose choices were dropped
+    capacity: int  # rows per expert in the dispatch buffer
+    aux_loss: float
+    z_loss: float
+
+
+class MoELayer(nn.Module):
+    """A mixture of `num_experts` SwiGLU experts of width `d_ff`, each token sent to its `top_k` best.
+
+    `capacity_factor`: None routes dropless; a number caps each expert at ceil(k·T/E·factor) choices per
+    forward (T: the tokens of the forward), dropping the rest in token order. `shared_experts`: that many
+    always-on experts of width `shared_d_ff` (default `d_ff`), computed as one dense SwiGLU of width
+    shared_experts · shared_d_ff and added to the routed output (DeepSeek's shared experts)."""
+
+    def __init__(self, d_model: int, num_experts: int, d_ff: int, top_k: int = 2, *, score_func: str = "softmax",
+                 norm_topk_prob: bool = True, capacity_factor: float | None = None, shared_experts: int = 0,
+                 shared_d_ff: int = 0, router_bias: bool = False):
+        super().__init__()
+        if shared_experts < 0:
+            raise InvalidValueError(f"shared_experts = {shared_experts}: use 0 (none) or a positive count")
+        expert_capacity(1, top_k, num_experts, capacity_factor)  # refuses a bad factor at construction
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        self.capacity_factor = capacity_factor
+        self.gate = Router(d_model, num_experts, top_k, score_func, norm_topk_prob, bias=router_bias)
+        self.experts = GroupedSwiGLU(num_experts, d_model, d_ff)
+        width = shared_experts * (shared_d_ff or d_ff)
+        self.shared_experts = SwiGLU(d_model, width) if shared_experts else None
+        self.last: MoEStats | None = None
+
+    def plan(self, x: torch.Tensor) -> tuple[DispatchPlan, torch.Tensor, torch.Tensor]:
+        """Route x (T, d): the dispatch plan, the balancing loss and the z-loss."""
+        routing = self.gate(x)
+        capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+        plan = plan_dispatch(routing.experts, routing.weights, self.num_experts, capacity)
+        aux = load_balancing_loss(routing.probs, routing.experts, self.num_experts)
+        return plan, aux, router_z_loss(routing.logits)
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        shape = x.shape
+        flat = x.reshape(-1, self.d_model)  # (T, d)
+        plan, aux, z = self.plan(flat)
+        out = combine(self.experts(dispatch(flat, plan)), plan)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        self.last = MoEStats(counts=plan.counts.detach(), dropped=plan.dropped, dropped_tokens=plan.dropped_tokens,
+                             capacity=plan.capacity, aux_loss=float(aux.detach()), z_loss=float(z.detach()))
+        return MoEOutput(out.reshape(shape), aux, z)
