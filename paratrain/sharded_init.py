@@ -80,7 +80,9 @@ class ShardedInit:
     def fill(self, regions: dict[str, list[Region]]) -> list[str]:
         """Write every region; returns the names of tensors no initialization reached (to be refused)."""
         written: set[str] = set()
-        self.scratch = Scratch()
+        # Sized up front: grown while a block is still referenced, two buffers would exist at once.
+        self.scratch = Scratch(max((self._scratch_bytes(self.tensors[tid]) for tid, names in self.names.items()
+                                    if any(regions.get(n) for n in names)), default=0))
         with torch.random.fork_rng(devices=[]):
             for tid, names in self.names.items():
                 wanted = [(name, r) for name in names for r in regions.get(name, [])]
@@ -105,6 +107,11 @@ class ShardedInit:
         if callable(reset):
             calls.append((owner, reset))
         return calls + [(m, lambda n=n, m=m: self.spec.init_module(self.template, n, m)) for n, m in holders]
+
+    def _scratch_bytes(self, t: torch.Tensor) -> int:
+        """The most a block of `t` takes from the scratch: every call's module's temporaries (`_block`)."""
+        return sum(Scratch.nbytes(self._stand_in_shape(x), x.dtype) for m, _ in self._calls(t)
+                   for x in direct_tensors(m))
 
     def rows_per_block(self, t: torch.Tensor) -> int:
         """Rows of `t` per block: all of them for a buffer or a parameter of at most `block_numel` elements."""
