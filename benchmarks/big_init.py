@@ -11,8 +11,9 @@ Cases, each in a fresh spawned world of 4 ranks (so every peak RSS is its own):
   DeepSpeed ZeRO-3: the model built under `deepspeed.zero.Init`, then `deepspeed.initialize` and the steps;
   torch FSDP2: the model built on the meta device, `fully_shard` per layer and root, `to_empty`, then
       `init_weights` on the shards, and the steps.
-Each rank reports its peak RSS (`ru_maxrss`) after init, after load and after the first steps, and the
-formula: the process's RSS before the model existed + the model state this layout holds at that point
+Each rank reports its peak RSS (`ru_maxrss`) once the meta model is built, after init, after load and after
+the first steps, and the formula: the process's RSS before the model existed + the model state this layout
+holds at that point
 (`paratrain.zero.estimate_memory`'s params of this rank's Ψ before the first step, and its grads where they
 exist before it, stages 0-1; with the grads and optimizer states after it) + one full copy of the largest
 parameter (the module being initialized or read).
@@ -109,6 +110,7 @@ def paratrain_case(name: str, weights: str, tp: int, stage: int, meta_init: str 
     start = time.perf_counter()
     with paratrain.init_empty():
         model = _model(name)
+    built = peak_rss_bytes()  # the meta model exists: what the first meta-device construction costs, once
     largest = _largest(model)
     engine, *_ = paratrain.initialize(model=model, config=cfg)
     init_s, init_peak = time.perf_counter() - start, peak_rss_bytes()
@@ -120,7 +122,7 @@ def paratrain_case(name: str, weights: str, tp: int, stage: int, meta_init: str 
     load_s, load_peak = time.perf_counter() - start, peak_rss_bytes()
     batches = _batches(model.config.vocab_size, engine.get_data_parallel_rank())
     losses = [float(engine.train_batch(batches)) for _ in range(STEPS)]
-    return {"baseline": baseline, "init": init_peak, "load": load_peak, "step": peak_rss_bytes(),
+    return {"baseline": baseline, "built": built, "init": init_peak, "load": load_peak, "step": peak_rss_bytes(),
             "init_s": init_s, "load_s": load_s, "losses": losses, "local_params": local,
             "formula_init": _formula(baseline, local, dp, stage, largest, False),
             "formula_step": _formula(baseline, local, dp, stage, largest, True),
@@ -161,6 +163,7 @@ def fsdp2_case(name: str) -> dict:
     start = time.perf_counter()
     with torch.device("meta"):
         model = _model(name)
+    built = peak_rss_bytes()
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -179,7 +182,8 @@ def fsdp2_case(name: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return {"baseline": baseline, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s, "losses": losses}
+    return {"baseline": baseline, "built": built, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s,
+            "losses": losses}
 
 
 def run(name: str, weights: Path, only: set[str] | None = None) -> dict:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.weights import Region
-from paratrain.deferred import InitReplay, direct_tensors, post_order, run_on_temporaries, tensor_names
+from paratrain.deferred import InitReplay, Scratch, direct_tensors, post_order, run_on_temporaries, tensor_names
 from paratrain.empty_init import RNG_ATTRIBUTE, model_tensors
 from paratrain.errors import Error
 from paratrain.model_spec import ModelSpec
@@ -74,6 +74,7 @@ class ShardedInit:
         self.pre = list(template.named_modules())  # the order of the family's pass
         self.post = list(post_order(template))  # the order constructors finish
         self.direct = {id(m): {id(t) for t in direct_tensors(m)} for _, m in self.pre}
+        self.scratch = Scratch()  # one block's temporaries, reused block after block (see Scratch)
 
     def check(self, regions: dict[str, list[Region]]) -> None:
         """Nothing to check before filling: the template is the model itself."""
@@ -81,6 +82,9 @@ class ShardedInit:
     def fill(self, regions: dict[str, list[Region]]) -> list[str]:
         """Write every region; returns the names of tensors no initialization reached (to be refused)."""
         written: set[str] = set()
+        # Sized up front: grown while a block is still referenced, two buffers would exist at once.
+        self.scratch = Scratch(max((self._scratch_bytes(self.tensors[tid]) for tid, names in self.names.items()
+                                    if any(regions.get(n) for n in names)), default=0))
         with torch.random.fork_rng(devices=[]):
             for tid, names in self.names.items():
                 wanted = [(name, r) for name in names for r in regions.get(name, [])]
@@ -91,6 +95,7 @@ class ShardedInit:
                 except _NotWritten:
                     continue
                 written.update(name for name, _ in wanted)
+        self.scratch = Scratch()  # the buffer is freed with the fill
         return sorted(n for n in regions if n not in written)
 
     def _calls(self, t: torch.Tensor) -> list[Call]:
@@ -104,6 +109,11 @@ class ShardedInit:
         if callable(reset):
             calls.append((owner, reset))
         return calls + [(m, lambda n=n, m=m: self.spec.init_module(self.template, n, m)) for n, m in holders]
+
+    def _scratch_bytes(self, t: torch.Tensor) -> int:
+        """The most a block of `t` takes from the scratch: every call's module's temporaries (`_block`)."""
+        return sum(Scratch.nbytes(self._stand_in_shape(x), x.dtype) for m, _ in self._calls(t)
+                   for x in direct_tensors(m))
 
     def rows_per_block(self, t: torch.Tensor) -> int:
         """Rows of `t` per block: all of them for a buffer or a parameter of at most `block_numel` elements."""
@@ -122,12 +132,13 @@ class ShardedInit:
         rows = self.rows_per_block(t)
         shape = tuple(t.shape) if t.dim() == 0 else (min(rows, t.shape[0] - index * rows), *t.shape[1:])
         torch.manual_seed(self._seed(name, index))
+        self.scratch.reset()  # the block drawn before is written out and dropped (`_fill_tensor`)
         value = None
         for module, call in calls:
             def temporary(x: torch.Tensor, current: torch.Tensor | None = value) -> torch.Tensor:
                 if x is not t:
-                    return torch.empty(self._stand_in_shape(x), dtype=x.dtype)
-                return current if current is not None else torch.empty(shape, dtype=x.dtype)
+                    return self.scratch.take(self._stand_in_shape(x), x.dtype)
+                return current if current is not None else self.scratch.take(shape, x.dtype)
 
             for original, new in run_on_temporaries(module, call, temporary):
                 if original is t:
@@ -179,11 +190,15 @@ def write_region(region: Region, shape: tuple[int, ...], rows: int, block: Calla
     first, last = off[0] + region.start // row, min(off[0] - (-region.end // row), shape[0])  # original rows
     trail = tuple(slice(o, max(o, min(o + n, s))) for o, n, s in zip(off[1:], box[1:], shape[1:]))
     inner = tuple(slice(0, sl.stop - sl.start) for sl in trail)
+    whole_rows = tuple(box[1:]) == shape[1:] and not any(off[1:])  # a ZeRO shard, a split of dimension 0
     for k in range(first // rows, -(-last // rows)):
         lo = k * rows
         a, b = max(lo, first), min(lo + rows, last)
-        piece = torch.zeros((b - a, *box[1:]), dtype=dest.dtype)
-        piece[(slice(None), *inner)] = block(k)[(slice(a - lo, b - lo), *trail)]
+        if whole_rows:  # the block's rows are the piece: no buffer for it
+            piece = block(k)[a - lo:b - lo]
+        else:
+            piece = torch.zeros((b - a, *box[1:]), dtype=dest.dtype)
+            piece[(slice(None), *inner)] = block(k)[(slice(a - lo, b - lo), *trail)]
         p0 = (a - off[0]) * row  # where the piece starts in the box, flattened
         s, e = max(p0, region.start), min(p0 + piece.numel(), region.end)
-        dest[s - region.start:e - region.start].copy_(piece.view(-1)[s - p0:e - p0])
+        dest[s - region.start:e - region.start].copy_(piece.reshape(-1)[s - p0:e - p0])

@@ -91,7 +91,28 @@ def read_box_range(read, shape: tuple[int, ...], origin: Origin, start: int, end
 def write_regions(value: torch.Tensor, regions: list[Region]) -> None:
     """Write each region from `value`, the whole tensor."""
     for r in regions:
-        r.dest.copy_(read_box_range(value.__getitem__, tuple(value.shape), r.origin, r.start, r.end, r.dest.dtype))
+        view = rows_view(value, r.origin, r.start, r.end)
+        if view is not None:  # straight from the tensor: no buffer of the box's rows (62 MiB of a 350M Llama)
+            r.dest.copy_(view)
+        else:
+            r.dest.copy_(read_box_range(value.__getitem__, tuple(value.shape), r.origin, r.start, r.end,
+                                        r.dest.dtype))
+
+
+def rows_view(value: torch.Tensor, origin: Origin, start: int, end: int) -> torch.Tensor | None:
+    """Elements [start, end) of `origin`'s box as a view of `value` (the whole tensor, contiguous) when the box
+    is whole rows of it inside the tensor (a ZeRO shard, a split of the first dimension); else None (a box of
+    part of each row, or one reaching into padding, goes through `read_box_range`)."""
+    box, offsets, shape = origin.local_shape, origin.offsets, tuple(value.shape)
+    if not box or len(box) != len(shape) or tuple(box[1:]) != shape[1:] or any(offsets[1:]):
+        return None
+    row = math.prod(box[1:])
+    if row == 0 or not value.is_contiguous():
+        return None
+    first, last = start // row, -(-end // row)
+    if offsets[0] + last > shape[0]:
+        return None
+    return value[offsets[0] + first:offsets[0] + last].reshape(-1)[start - first * row:end - first * row]
 
 
 def fill_model(parallel, mesh: Mesh, source: Source, strict: bool = True, names: set[str] | None = None) -> None:
