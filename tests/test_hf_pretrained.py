@@ -18,10 +18,10 @@ from tests.test_hybrid import layout
 
 transformers = pytest.importorskip("transformers")
 
-# Grouped-query attention; q/k/v biases; GPT-2's Conv1D and packed c_attn, Phi-3's packed qkv_proj and
-# gate_up_proj (each rank reads its share of every packed part from the files). (Mistral, Llama's structure
-# under its own classes, would add ~20 s on two cores for nothing Llama does not cover.)
-FAMILIES = ("llama", "qwen2", "gpt2", "phi3")
+# Every family of tests/test_hf.py: grouped-query attention (Llama, Mistral); q/k/v biases (Qwen2); GPT-2's
+# Conv1D and packed c_attn, Phi-3's packed qkv_proj and gate_up_proj (each rank reads and writes its share of
+# every packed part).
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "phi3")
 SHARD = "20KB"  # the tiny models are ~100 KB: several shards and an index on both sides
 STEPS = 2
 
