@@ -16,7 +16,7 @@ How the strategies apply to it (its plan, blocks, attention cores, pipeline laye
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from torch import nn
 
 from paratrain.attention import CausalAttentionCore
 from paratrain.errors import Error, InvalidValueError
+from paratrain.models.presets import preset
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,7 @@ PRESETS: dict[str, GPTConfig] = {
 
 def gpt_config(name: str, **overrides) -> GPTConfig:
     """A preset by name, optionally with fields replaced (e.g. seq_len=32)."""
-    if name not in PRESETS:
-        raise InvalidValueError(f"unknown GPT preset {name!r}; choose one of {', '.join(PRESETS)}")
-    unknown = set(overrides) - set(asdict(PRESETS[name]))
-    if unknown:
-        raise InvalidValueError(f"unknown GPTConfig field(s) {sorted(unknown)}; fields are "
-                                f"{sorted(asdict(PRESETS[name]))}")
-    return replace(PRESETS[name], **overrides)
+    return preset(PRESETS, "GPT", "GPTConfig", name, overrides)
 
 
 class CausalSelfAttention(nn.Module):

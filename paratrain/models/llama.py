@@ -18,7 +18,7 @@ the family's model spec, `llama_spec.py`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from torch import nn
 from paratrain.attention import CausalAttentionCore
 from paratrain.errors import InvalidValueError
 from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
+from paratrain.models.presets import preset
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,7 @@ PRESETS: dict[str, LlamaConfig] = {
 
 def llama_config(name: str, **overrides) -> LlamaConfig:
     """A preset by name, optionally with fields replaced (e.g. n_layer=2)."""
-    if name not in PRESETS:
-        raise InvalidValueError(f"unknown Llama preset {name!r}; choose one of {', '.join(PRESETS)}")
-    unknown = set(overrides) - set(asdict(PRESETS[name]))
-    if unknown:
-        raise InvalidValueError(f"unknown LlamaConfig field(s) {sorted(unknown)}; fields are "
-                                f"{sorted(asdict(PRESETS[name]))}")
-    return replace(PRESETS[name], **overrides)
+    return preset(PRESETS, "Llama", "LlamaConfig", name, overrides)
 
 
 class RMSNorm(nn.Module):

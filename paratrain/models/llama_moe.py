@@ -16,7 +16,7 @@ The published-shape presets are for parameter counts (`num_params`, `active_para
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch import nn
 from paratrain.errors import InvalidValueError
 from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
 from paratrain.models.llama import LlamaAttention, LlamaConfig, LlamaMLP, RMSNorm, init_module
+from paratrain.models.presets import preset
 from paratrain.moe import GroupedSwiGLU, MoELayer, MoEOutput
 from paratrain.moe.router import SCORE_FUNCS
 
@@ -101,13 +102,7 @@ PRESETS: dict[str, LlamaMoEConfig] = {
 
 def llama_moe_config(name: str, **overrides) -> LlamaMoEConfig:
     """A preset by name, optionally with fields replaced (e.g. n_layer=2)."""
-    if name not in PRESETS:
-        raise InvalidValueError(f"unknown Llama MoE preset {name!r}; choose one of {', '.join(PRESETS)}")
-    unknown = set(overrides) - set(asdict(PRESETS[name]))
-    if unknown:
-        raise InvalidValueError(f"unknown LlamaMoEConfig field(s) {sorted(unknown)}; fields are "
-                                f"{sorted(asdict(PRESETS[name]))}")
-    return replace(PRESETS[name], **overrides)
+    return preset(PRESETS, "Llama MoE", "LlamaMoEConfig", name, overrides)
 
 
 class LlamaMoEDecoderLayer(nn.Module):
