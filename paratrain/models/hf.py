@@ -175,14 +175,15 @@ class HFCausalLM(nn.Module):
             h = getattr(base, layout.dropout)(h)
         return h
 
-    def run_layer(self, layer: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """One decoder layer, with the rotary embeddings of `position_ids` (b, s) if the model has them."""
-        extra = {}
+    def layer_kwargs(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """What every decoder layer takes besides the hidden states: no mask, no cache, and the rotary
+        embeddings of `position_ids` (b, s) if the model has them (computed once per forward, as transformers
+        does)."""
+        extra = {"attention_mask": None, "use_cache": False}
         if self.layout.rotary is not None:
             rotary = getattr(self.base, self.layout.rotary)
-            extra = {"position_embeddings": rotary(h, position_ids), "position_ids": position_ids}
-        out = layer(h, attention_mask=None, use_cache=False, **extra)
-        return out[0] if isinstance(out, tuple) else out
+            extra.update(position_embeddings=rotary(h, position_ids), position_ids=position_ids)
+        return extra
 
     def final(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(getattr(self.base, self.layout.norm)(h))  # (b, s, V)
@@ -201,8 +202,10 @@ class HFCausalLM(nn.Module):
         check_token_ids(input_ids, self.config.vocab_size, "token ids")
         position_ids = _positions(input_ids, position_ids)
         h = self.embed(input_ids, position_ids)
+        extra = self.layer_kwargs(h, position_ids)
         for layer in self.layers:
-            h = self.run_layer(layer, h, position_ids)
+            out = layer(h, **extra)
+            h = out[0] if isinstance(out, tuple) else out
         logits = self.final(h)
         if labels is not None:
             return _hf_output(logits, labels, self.loss_fn)

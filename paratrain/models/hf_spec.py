@@ -70,7 +70,7 @@ def _stage_hooks(model: HFCausalLM, layer: nn.Module) -> None:
             return None
         h, positions = args[0]
         module.__dict__.setdefault("_paratrain_positions", []).append(positions)
-        return (h,), {**kwargs, **_layer_kwargs(model, h, positions)}
+        return (h,), {**kwargs, **model.layer_kwargs(h, positions)}
 
     def after(module, args, output):
         stack = module.__dict__.get("_paratrain_positions")
@@ -82,14 +82,6 @@ def _stage_hooks(model: HFCausalLM, layer: nn.Module) -> None:
     layer.register_forward_pre_hook(before, with_kwargs=True)
     layer.register_forward_hook(after)
     layer._paratrain_staged = True
-
-
-def _layer_kwargs(model: HFCausalLM, h: torch.Tensor, positions: torch.Tensor) -> dict:
-    extra = {"attention_mask": None, "use_cache": False}
-    if model.layout.rotary is not None:
-        rotary = getattr(model.base, model.layout.rotary)
-        extra.update(position_embeddings=rotary(h, positions), position_ids=positions)
-    return extra
 
 
 def hf_pipeline_module(model: HFCausalLM, micro_batch: int = 1) -> PipelineModule:
