@@ -131,10 +131,14 @@ def _region_input_hook(path: str, axis: Axis, sequence_parallel: bool):
         return gather_from_sequence(x, axis, SEQ_DIM, ACTIVATION_TAG) if sequence_parallel \
             else copy_to_region(x, axis, ACTIVATION_TAG)
 
+    first_parameter: list[str | None] = []  # forward's first parameter name, looked up on the first keyword call
+
     def hook(module, args, kwargs):
         if args and isinstance(args[0], torch.Tensor):
             return (enter(args[0]), *args[1:]), kwargs
-        first = next(iter(inspect.signature(module.forward).parameters), None)
+        if not first_parameter:
+            first_parameter.append(next(iter(inspect.signature(module.forward).parameters), None))
+        first = first_parameter[0]
         if not args and isinstance(kwargs.get(first), torch.Tensor):
             return args, {**kwargs, first: enter(kwargs[first])}
         raise PlanError(f"'{path}' (region_input) must receive a tensor as its first argument (positional, or "
