@@ -47,6 +47,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     cp_ulysses: int = 1  # USP: ranks of a cp group that share a ring rank's tokens (Ulysses inside, ring across)
+    ep: int = 1  # expert parallelism, folded inside dp x cp (`expert_subgroups`)
     sizes: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +77,11 @@ class ParallelDims:
         object.__setattr__(self, "sizes", {a: getattr(self, a) for a in AXES})
         if not isinstance(self.cp_ulysses, int) or self.cp_ulysses < 1 or self.cp % self.cp_ulysses:
             raise MeshError(f"the Ulysses size {self.cp_ulysses!r} must be a positive divisor of cp ({self.cp})")
+        folded = self.dp * self.cp
+        if not isinstance(self.ep, int) or self.ep < 1 or folded % self.ep:
+            works = [d for d in range(1, folded + 1) if folded % d == 0]
+            raise MeshError(f"expert_parallel.size {self.ep!r} must divide dp x cp = {self.dp}x{self.cp} = {folded} "
+                            f"(the experts are split over ranks that see different tokens); use one of {works}")
 
     def cp_subgroups(self) -> dict[str, list[list[int]]]:
         """USP's two sub-axes of every cp group (cp index c = ring index · u + Ulysses index): "cp_ulysses"
@@ -89,6 +95,25 @@ class ParallelDims:
             out["cp_ulysses"] += [members[i * u:(i + 1) * u] for i in range(self.cp // u)]
             out["cp_ring"] += [members[j::u] for j in range(u)]
         return out
+
+    def expert_subgroups(self) -> dict[str, list[list[int]]]:
+        """Expert parallelism folded inside each dp x cp group (Megatron's "parallel folding"): with the
+        group's members in mesh order (index i), "ep" groups are runs of ep consecutive members (they split
+        the experts and exchange tokens), "edp" groups the members with the same i mod ep (they hold the same
+        experts: the expert-data-parallel group, over which expert gradients are reduced and ZeRO shards
+        them). Empty when ep is 1."""
+        if self.ep == 1:
+            return {}
+        out: dict[str, list[list[int]]] = {"ep": [], "edp": []}
+        for members in self.groups(("dp", "cp")):
+            out["ep"] += [members[i:i + self.ep] for i in range(0, len(members), self.ep)]
+            out["edp"] += [members[j::self.ep] for j in range(self.ep)]
+        return out
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same experts: dp x cp / ep."""
+        return self.dp * self.cp // self.ep
 
     # ---- what "data-parallel" counts ------------------------------------------------------------------
     @property
@@ -155,7 +180,8 @@ class ParallelDims:
         raise AssertionError("unreachable: every rank lies in exactly one group per axis set")
 
     def describe(self) -> str:
-        return " x ".join(f"{a}{self.sizes[a]}" for a in AXES if self.sizes[a] > 1) or "single process"
+        described = " x ".join(f"{a}{self.sizes[a]}" for a in AXES if self.sizes[a] > 1) or "single process"
+        return described + (f" (ep{self.ep} folded in dp x cp)" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -189,7 +215,8 @@ class Mesh:
     def __init__(self, dims: ParallelDims, rank: int, device_mesh, axes: dict[tuple[str, ...], Axis], stats,
                  guard=None, owned_groups: Sequence = (), sub_axes: dict[str, Axis] | None = None):
         self.owned_groups = list(owned_groups)  # the process groups build_mesh created for this rank
-        self.sub_axes = dict(sub_axes or {})  # USP's cp_ring and cp_ulysses (`ParallelDims.cp_subgroups`)
+        # USP's cp_ring and cp_ulysses (`ParallelDims.cp_subgroups`); ep and edp (`ParallelDims.expert_subgroups`)
+        self.sub_axes = dict(sub_axes or {})
         self.dims = dims
         self.rank = rank
         self.device_mesh = device_mesh
@@ -210,6 +237,12 @@ class Mesh:
 
     def size(self, axes: str | Sequence[str]) -> int:
         return self.dims.size(axes)
+
+    def expert_axes(self) -> tuple[Axis, Axis] | None:
+        """(ep, edp) when experts are split (expert_parallel.size > 1), else None."""
+        if "ep" not in self.sub_axes:
+            return None
+        return self.sub_axes["ep"], self.sub_axes["edp"]
 
     def local_rank(self, axis: str) -> int:
         return self.coords[axis]

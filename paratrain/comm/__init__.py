@@ -11,6 +11,7 @@ from torch.distributed import get_rank, get_world_size, is_initialized
 
 from paratrain.comm.autograd import (
     copy_to_region,
+    exchange_rows,
     gather_from_region,
     gather_from_sequence,
     reduce_from_region,
@@ -24,6 +25,7 @@ from paratrain.comm.collectives import (
     all_gather_object,
     all_reduce,
     all_to_all_into,
+    all_to_all_rows,
     barrier,
     broadcast,
     reduce_scatter_into,
@@ -44,10 +46,12 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_to_all_into",
+    "all_to_all_rows",
     "barrier",
     "broadcast",
     "build_mesh",
     "copy_to_region",
+    "exchange_rows",
     "get_local_rank",
     "get_rank",
     "get_world_size",

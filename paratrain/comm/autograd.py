@@ -13,6 +13,7 @@ unreduced input for reduce-scatter).
     scatter_to_region           keep own chunk (no comm)     all-gather along `dim`
     gather_from_sequence        all-gather along `dim`       reduce-scatter along `dim`
     reduce_scatter_to_sequence  reduce-scatter along `dim`   all-gather along `dim`
+    exchange_rows               uneven all-to-all of rows    the same all-to-all, counts swapped
 
 On a size-1 axis each op is the identity. A dimension split over the axis must divide by its size; the
 error is raised before any collective, identically on every rank (shapes agree across the axis).
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.comm.collectives import all_gather_into, all_reduce, reduce_scatter_into
+from paratrain.comm.collectives import all_gather_into, all_reduce, all_to_all_rows, reduce_scatter_into
 from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
 
@@ -169,3 +170,29 @@ def reduce_scatter_to_sequence(x: torch.Tensor, axis: Axis, dim: int = 1, tag: s
     dim = _normalize_dim(x, dim)
     _check_divisible(x, dim, axis, "reduce_scatter_to_sequence")
     return _ReduceScatterToSequence.apply(x, axis, dim, tag)
+
+
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_rows, recv_rows, axis, tag):
+        ctx.counts, ctx.axis, ctx.tag = (send_rows, recv_rows), axis, tag
+        x = x.contiguous()
+        out = x.new_empty(sum(recv_rows), *x.shape[1:])
+        all_to_all_rows(out, x, send_rows, recv_rows, axis, tag=tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_rows, recv_rows = ctx.counts
+        grad = grad.contiguous()
+        out = grad.new_empty(sum(send_rows), *grad.shape[1:])
+        all_to_all_rows(out, grad, recv_rows, send_rows, ctx.axis, tag=ctx.tag)
+        return out, None, None, None, None
+
+
+def exchange_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], axis: Axis,
+                  tag: str = "ep") -> torch.Tensor:
+    """Rows of `x` (dim 0) to the ranks of `axis`, send_rows[j] to rank j (in order); returns the rows received,
+    recv_rows[j] from rank j. Backward sends the gradients back the same way (expert parallelism's dispatch
+    and combine)."""
+    return _ExchangeRows.apply(x, list(send_rows), list(recv_rows), axis, tag)

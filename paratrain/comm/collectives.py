@@ -145,6 +145,26 @@ def all_to_all_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag:
                    elements=leaving)
 
 
+def all_to_all_rows(output: torch.Tensor, tensor: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int],
+                    axis: Axis, tag: str = "") -> Handle:
+    """Uneven all-to-all along dim 0: rows [sum(send_rows[:j]), +send_rows[j]) of `tensor` go to rank j, and
+    `output` receives recv_rows[j] rows from rank j, in rank order. A count may be 0 (the rank still joins).
+    Counted: the elements that leave this rank (every row but those it sends itself)."""
+    if axis.size == 1:
+        output.copy_(tensor)
+        return Handle()
+    if len(send_rows) != axis.size or len(recv_rows) != axis.size or sum(send_rows) != tensor.shape[0] \
+            or sum(recv_rows) != output.shape[0]:
+        raise InvalidValueError(f"all_to_all on {axis.name}: {axis.size} send and receive row counts must sum to "
+                                f"the rows of input {tuple(tensor.shape)} and output {tuple(output.shape)}; got "
+                                f"{list(send_rows)} and {list(recv_rows)}")
+    row = tensor[0].numel() if tensor.dim() > 1 else 1
+    leaving = (sum(send_rows) - send_rows[axis.rank]) * row
+    return _launch(axis, "all_to_all", tag, tensor,
+                   lambda a: dist.all_to_all_single(output, tensor, list(recv_rows), list(send_rows),
+                                                    group=axis.group, async_op=a), False, elements=leaving)
+
+
 def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = "", async_op: bool = False) -> Handle:
     """Broadcast from the rank with index `src` inside the axis."""
     if axis.size == 1:

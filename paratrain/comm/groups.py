@@ -54,12 +54,15 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=N
             owned.append(group)
         axes[combo] = Axis(name, tuple(members), members.index(rank), group, stats, guard, combo)
     sub_axes: dict[str, Axis] = {}
-    for name, all_groups in dims.cp_subgroups().items():  # USP: every rank creates every group, keeps its own
+    subgroups = [(name, groups, ("cp",)) for name, groups in dims.cp_subgroups().items()]  # USP
+    subgroups += [(name, groups, ("dp", "cp")) for name, groups in dims.expert_subgroups().items()]  # experts
+    for name, all_groups, spans in subgroups:  # every rank creates every group (collective), keeps its own
         for ranks in all_groups:
-            created = dist.new_group(ranks)
+            created = dist.new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
-                owned.append(created)
-                sub_axes[name] = Axis(name, tuple(ranks), ranks.index(rank), created, stats, guard, ("cp",))
+                if created is not None:
+                    owned.append(created)
+                sub_axes[name] = Axis(name, tuple(ranks), ranks.index(rank), created, stats, guard, spans)
     world = tuple(range(dims.world_size))
     axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats, guard, AXES)
     # A dim spanning the whole world is the default group itself: that one belongs to init_distributed.

@@ -96,6 +96,14 @@ class ContextParallelConfig(Section):
         return self.ulysses_size if self.method == "usp" else 1
 
 
+class ExpertParallelConfig(Section):
+    """Mixture-of-experts layers' experts split over ep ranks, folded inside dp x cp (docs/strategies.md)."""
+
+    size: int = Field(1, ge=1)
+    """Ranks that split each MoE layer's experts (a divisor of dp x cp and of the number of experts); tokens
+    reach their experts by all-to-all. Ranks holding the same experts reduce (and ZeRO-shard) them."""
+
+
 class ActivationCheckpointingConfig(Section):
     """Recompute activations in backward instead of keeping them (in every layout; see docs/strategies.md)."""
 

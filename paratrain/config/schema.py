@@ -21,6 +21,7 @@ from paratrain.config.parallel import (
     ActivationCheckpointingConfig,
     ContextParallelConfig,
     DataParallelConfig,
+    ExpertParallelConfig,
     PipelineConfig,
     TensorParallelConfig,
 )
@@ -84,6 +85,7 @@ class Config(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
@@ -116,7 +118,7 @@ class Config(Section):
         """The layout on `world_size` ranks (raises MeshError, naming the sizes, when they do not fit)."""
         return ParallelDims(world_size, dp=self.dp_size(world_size), pp=self.pipeline.stages,
                             cp=self.context_parallel.size, tp=self.tensor_parallel.size,
-                            cp_ulysses=self.context_parallel.cp_ulysses)
+                            cp_ulysses=self.context_parallel.cp_ulysses, ep=self.expert_parallel.size)
 
     @property
     def precision(self) -> Literal["fp32", "bf16", "fp16"]:
