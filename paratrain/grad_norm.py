@@ -44,10 +44,20 @@ def local_grad_sq(pieces: Iterable[GradPiece], model_axes: dict[str, int], devic
 
 def global_grad_norm(pieces: Iterable[GradPiece], mesh: Mesh, data_parallel: Axis, shards_gradients: bool,
                      device: torch.device) -> float:
-    """The L2 norm of the full gradient (collective over the world; the same number on every rank)."""
+    """The L2 norm of the full gradient (collective over the world; the same number on every rank).
+
+    With experts split over ep (folded in the data-parallel axis) the data-parallel axis is summed over too,
+    as two axes: "ep", whose ranks hold different experts (and the same dense parameters), and "edp", whose
+    ranks hold the same experts; a replicating strategy's pieces then weigh 1 / (ranks holding them), a
+    sharding one's 1 (each element lives on one rank of the ep x edp grid)."""
     axes = model_parallel_axes(mesh, data_parallel)
-    local = local_grad_sq(pieces, {a: mesh.size(a) for a in axes}, device)
-    if shards_gradients:
+    sizes = {a: mesh.size(a) for a in axes}
+    experts = mesh.expert_axes()
+    if experts is not None and not shards_gradients:
+        ep, edp = experts
+        sizes.update({"ep": ep.size, "edp": edp.size})
+    local = local_grad_sq(pieces, sizes, device)
+    if shards_gradients or experts is not None:
         all_reduce(local, data_parallel, tag="grad_norm")
     if axes:
         all_reduce(local, mesh.axis(axes), tag="grad_norm")

@@ -4,10 +4,11 @@ Order (each step sees the result of the previous one; each is a function of the 
 and a few scalars):
   0. layer names (a PipelineModule's `layer_names`: the names its checkpoints use)
   1. tensor parallel plan (swap/shard modules over the tp axis)
+  1b. expert parallel (each MoE layer keeps its ep rank's experts)
   2. pipeline split (keep this rank's stages over the pp axis)
   3. context parallel (ring attention over the cp axis)
   4. activation checkpointing
-  5. data parallel: DDP or a ZeRO stage over the dp x cp axis
+  5. data parallel: DDP or a ZeRO stage over the dp x cp axis (experts: over the expert-data-parallel one)
   6. the pipeline runner (pipeline.stages > 1), built last with everything it drives
 What a step needs to know about the model (its plan, blocks, attention cores, pipeline layers) comes from
 the model's spec (`paratrain.model_spec`), never from its class. Every step that changes the model is kept
@@ -34,6 +35,7 @@ from paratrain.data_parallel.flat import OffloadPolicy, allocate_local
 from paratrain.data_parallel.fsdp import FullyShardedDataParallel
 from paratrain.data_parallel.fsdp_units import config_wrap_policy
 from paratrain.data_parallel.zero import ZERO_STAGES
+from paratrain.expert_parallel import check_expert_parallel, expert_parallelize
 from paratrain.mesh import Axis, Mesh
 from paratrain.model_spec import DEFAULT_SPEC, ModelSpec, spec_for
 from paratrain.origin import Origin, Renamed, Step
@@ -129,8 +131,10 @@ def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None
     cp, tp = config.context_parallel.size, config.tensor_parallel
     seq_len = spec.sequence_length(model)
     spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp,
-                       "sp": int(tp.sequence_parallel and tp.size > 1)})
+                       "sp": int(tp.sequence_parallel and tp.size > 1), "ep": config.expert_parallel.size})
     check_context_parallel(model, cp)
+    if config.expert_parallel.size > 1:
+        check_expert_parallel(model, config.expert_parallel.size)
     cpc = config.context_parallel
     heads = getattr(getattr(model, "config", None), "n_head", None)
     if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:
@@ -179,6 +183,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         spec.after_split(model, {"tp": tp.size})
         steps.append(applied)
         streams["tp"] = applied.tracker
+    if mesh.expert_axes() is not None:  # 1b. before the pipeline split, which keeps whatever the stage holds
+        steps.append(expert_parallelize(model, mesh))
     module, split = model, None
     pp = config.pipeline
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
@@ -203,8 +209,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     device = device or torch.device("cpu")
     if deferred:  # ZeRO-3 allocates its parameters' shards itself; the others hold this rank's whole tensors
         allocate_local(module, device, parameters=config.zero_optimization.stage < 3)
+    experts = mesh.expert_axes()
     grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model),  # 5.
-                               sync_initial_state=not deferred)
+                               sync_initial_state=not deferred, expert_axis=experts[1] if experts else None)
     autocast = autocast_context(config.torch_autocast.enabled, device)
     runner = None
     if split is not None:  # 6. the runner drives the stage, the strategy and the split of micro-batches
@@ -224,10 +231,11 @@ def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh
 
 
 def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
-                   blocks: list[nn.Module], sync_initial_state: bool = True) -> GradSync:
+                   blocks: list[nn.Module], sync_initial_state: bool = True,
+                   expert_axis: Axis | None = None) -> GradSync:
     """Step 5: DDP (stage 0, any precision), ZeRO-1/2 over flat buckets, or FSDP, over
-    `axis` (dp x cp: every rank of it saw different tokens). ZeRO-3's units are the spec's blocks unless the
-    config names other modules."""
+    `axis` (dp x cp: every rank of it saw different tokens); parameters split over ep (experts) over
+    `expert_axis` (edp) instead. ZeRO-3's units are the spec's blocks unless the config names other modules."""
     dp, zero = config.data_parallel, config.zero_optimization
     predivide = axis.size if config.prescale_gradients else config.gradient_predivide_factor
     if zero.stage == 0:
@@ -235,7 +243,7 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
             model, axis, precision=config.precision, bucket_cap_mb=dp.bucket_cap_mb,
             allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
             broadcast_buffers=dp.broadcast_buffers, free_grad_buckets=zero.free_grad_buckets,
-            sync_initial_state=sync_initial_state)
+            sync_initial_state=sync_initial_state, expert_axis=expert_axis)
     offload = OffloadPolicy(device, offload_optimizer=zero.offload_optimizer.device == "cpu",
                             offload_param=zero.offload_param.device == "cpu",
                             pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
@@ -247,7 +255,8 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
                                        offload=offload, allow_unused_parameters=dp.allow_unused_parameters,
                                        predivide_factor=predivide,
                                        overlap_param_gather=zero.overlap_param_gather is not False,  # unset: on
-                                       sync_initial_state=sync_initial_state, **stage_option)
+                                       sync_initial_state=sync_initial_state, expert_axis=expert_axis,
+                                       **stage_option)
     units = {id(b) for b in blocks}
     policy = config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names) \
         if zero.wrap_module_classes or zero.wrap_module_names else (lambda name, module: id(module) in units)
@@ -256,4 +265,4 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
         reshard_after_forward=zero.reshard_after_forward,
         persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
         allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
-        reduce_at_boundary=zero.reduce_at_boundary, sync_initial_state=sync_initial_state)
+        reduce_at_boundary=zero.reduce_at_boundary, sync_initial_state=sync_initial_state, expert_axis=expert_axis)

@@ -40,6 +40,7 @@ class HeldPiece:
     over_dp: bool  # every rank of the data-parallel axis holds the same piece
     master: torch.Tensor | None = None  # the optimizer's tensor these elements are part of (None: a buffer)
     offset: int = 0  # where they start in the flattened master (its optimizer states are cut alike)
+    dp_axis: object = None  # the data-parallel axis it is replicated over, if over_dp (None: the strategy's)
 
 
 def model_pieces(parallel) -> list[HeldPiece]:
@@ -53,7 +54,7 @@ def model_pieces(parallel) -> list[HeldPiece]:
             origin = parallel.origin(seg.name, local[seg.name])
             data = flat[seg.offset:seg.offset + seg.end - seg.start]
             out.append(HeldPiece(f"model/{origin.name}", origin, seg.start, seg.end, data, sync.masters_replicated,
-                                 master, seg.offset))
+                                 master, seg.offset, sync.axis_of(local[seg.name])))
     trainable = {id(p) for p in local.values()}
     for name, t in parallel.module.state_dict(keep_vars=True).items():
         if id(t) in trainable:
@@ -140,7 +141,7 @@ def agree_on_pieces(pieces: list[HeldPiece], parallel, mesh: Mesh) -> tuple[list
     """Every rank's piece descriptions and tied aliases (collective over the world), checked on every rank;
     a problem found on any rank raises the same error on every rank (no rank is left waiting)."""
     dp_axis = parallel.grad_sync.axis
-    mine = [describe(p, owns(p.origin, p.over_dp, mesh, dp_axis), mesh.rank) for p in pieces]
+    mine = [describe(p, owns(p.origin, p.over_dp, mesh, p.dp_axis or dp_axis), mesh.rank) for p in pieces]
     local = placement_problem(pieces, parallel)
     gathered = all_gather_object((mine, tied_aliases(parallel), local), mesh.axis(AXES), tag="checkpoint")
     everyone = [d for part, _, _ in gathered for d in part]

@@ -8,6 +8,7 @@ axis' `CommGuard`, bounds every wait with `comm.timeout_s` and reports a hang.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -158,7 +159,7 @@ def all_to_all_rows(output: torch.Tensor, tensor: torch.Tensor, send_rows: Seque
         raise InvalidValueError(f"all_to_all on {axis.name}: {axis.size} send and receive row counts must sum to "
                                 f"the rows of input {tuple(tensor.shape)} and output {tuple(output.shape)}; got "
                                 f"{list(send_rows)} and {list(recv_rows)}")
-    row = tensor[0].numel() if tensor.dim() > 1 else 1
+    row = math.prod(tensor.shape[1:])  # elements per row (the tensor may have no rows)
     leaving = (sum(send_rows) - send_rows[axis.rank]) * row
     return _launch(axis, "all_to_all", tag, tensor,
                    lambda a: dist.all_to_all_single(output, tensor, list(recv_rows), list(send_rows),

@@ -21,7 +21,7 @@ from torch import nn
 import paratrain.comm as comm
 from paratrain.errors import Error
 from paratrain.mesh import Axis
-from paratrain.placement import Placement
+from paratrain.placement import Placement, placement_of
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
@@ -37,16 +37,23 @@ class UnusedParametersError(Error, RuntimeError):
                    f"allow_unused_parameters to true")
 
 
-def broadcast_module_state(module: nn.Module, axis: Axis, src: int = 0, buffers: bool = True) -> None:
-    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype."""
+def is_expert(param: torch.Tensor) -> bool:
+    """Split over the ep axis (an MoE layer's stacked experts): reduced over the expert-data-parallel axis."""
+    return placement_of(param).get("ep") is not None
+
+
+def broadcast_module_state(module: nn.Module, axis: Axis, src: int = 0, buffers: bool = True,
+                           expert_axis: Axis | None = None) -> None:
+    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype (experts:
+    over `expert_axis`, the ranks that hold the same experts)."""
     tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    by_dtype: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+        by_dtype.setdefault((t.dtype, expert_axis is not None and is_expert(t)), []).append(t)
     with torch.no_grad():
-        for group in by_dtype.values():
+        for (_, expert), group in sorted(by_dtype.items(), key=lambda item: (str(item[0][0]), item[0][1])):
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            comm.broadcast(flat, axis, src=src, tag="init")
+            comm.broadcast(flat, expert_axis if expert else axis, src=src, tag="init")
             offset = 0
             for t in group:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -113,13 +120,20 @@ class MasterSegment:
 class GradSync(ABC):
     """A data-parallel strategy: owns gradient reduction, optimizer placement and the update."""
 
-    def __init__(self, module: nn.Module, axis: Axis):
+    def __init__(self, module: nn.Module, axis: Axis, expert_axis: Axis | None = None):
         self.module = module
         # Gradients are averaged over this axis: every rank of it saw different data (the engine passes dp x
         # cp: context-parallel ranks saw other tokens of the same samples). The strategy knows no other axis.
         self.axis = axis
+        # Parameters split over ep (experts) are summed over this one instead (edp: the ranks holding the same
+        # experts), and still divided by the size of `axis` (`paratrain.expert_parallel` says why).
+        self.expert_axis = expert_axis
         self.optimizer: torch.optim.Optimizer | None = None
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def axis_of(self, param: torch.Tensor) -> Axis:
+        """The axis `param`'s gradient is reduced (and, under ZeRO, sharded) over."""
+        return self.expert_axis if self.expert_axis is not None and is_expert(param) else self.axis
 
     # ---- lifecycle -------------------------------------------------------------------------------
     @abstractmethod

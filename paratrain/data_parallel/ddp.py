@@ -138,8 +138,9 @@ class MasterCopies:
 class DistributedDataParallel(GradSync):
     def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", bucket_cap_mb: float = 25.0,
                  allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
-                 broadcast_buffers: bool = True, free_grad_buckets: bool = False, sync_initial_state: bool = True):
-        super().__init__(module, axis)
+                 broadcast_buffers: bool = True, free_grad_buckets: bool = False, sync_initial_state: bool = True,
+                 expert_axis: Axis | None = None):
+        super().__init__(module, axis, expert_axis)
         self.free_grad_buckets = free_grad_buckets
         self.dtype = compute_dtype(precision)
         self.mixed = precision != "fp32"
@@ -148,7 +149,7 @@ class DistributedDataParallel(GradSync):
         self.pre_divide = predivide_factor
         self.post_divide = axis.size / predivide_factor
         if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
-            broadcast_module_state(module, axis, buffers=broadcast_buffers)
+            broadcast_module_state(module, axis, buffers=broadcast_buffers, expert_axis=expert_axis)
         self.buckets: list[GradBucket] = []
 
     # ---- buckets (built with the optimizer, like every strategy's state) -------------------------
@@ -156,9 +157,9 @@ class DistributedDataParallel(GradSync):
         def size_of(p: nn.Parameter) -> int:  # bytes in the dtype its gradient will have
             return p.numel() * (self.dtype.itemsize if self.mixed else p.element_size())
 
-        plans = plan_buckets(list(reversed(self.named_params)), self.bucket_cap_bytes, size_of)
+        plans = plan_buckets(list(reversed(self.named_params)), self.bucket_cap_bytes, size_of, self.axis_of)
         self.buckets = [GradBucket(i, FlatLayout(named, 1, 0), self.dtype if self.mixed else named[0][1].dtype,
-                                   named[0][1].device) for i, named in enumerate(plans)]
+                                   named[0][1].device, self.axis_of(named[0][1])) for i, named in enumerate(plans)]
         if self.mixed:  # cast the model before its gradient buckets (of the compute dtype) are attached
             self.masters = MasterCopies(self.buckets, self.named_params, self.dtype)
             cast_untracked(self.module, self.dtype, {p for _, p in self.named_params})

@@ -60,8 +60,8 @@ class FullyShardedDataParallel(GradSync):
                  wrap_policy: WrapPolicy | None = None, reshard_after_forward: bool = True,
                  persistence_threshold: int = 100_000, prefetch_depth: int = 1,
                  allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
-                 reduce_at_boundary: bool = False, sync_initial_state: bool = True):
-        super().__init__(module, axis)
+                 reduce_at_boundary: bool = False, sync_initial_state: bool = True, expert_axis: Axis | None = None):
+        super().__init__(module, axis, expert_axis)
         self.reduce_at_boundary = reduce_at_boundary
         self.pre_divide = predivide_factor
         self.post_divide = self.axis.size / predivide_factor
@@ -73,7 +73,7 @@ class FullyShardedDataParallel(GradSync):
         self.prefetch_depth = prefetch_depth
         self.allow_unused = allow_unused_parameters
         if sync_initial_state:  # False: meta parameters, filled shard by shard later (deferred init)
-            broadcast_module_state(module, self.axis)
+            broadcast_module_state(module, self.axis, expert_axis=expert_axis)
         self.root: Unit | None = None
         self.units: list[Unit] = []  # non-root units, in module order
         self.persistent: Unit | None = None
@@ -88,7 +88,7 @@ class FullyShardedDataParallel(GradSync):
     # ---- sharding (needs the param groups, so it happens with the optimizer) ---------------------
     def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
         self.root, self.units, self.persistent, groups = build_units(
-            self.module, self.wrap_policy, self.persistence_threshold, param_groups, self.axis, self.dtype,
+            self.module, self.wrap_policy, self.persistence_threshold, param_groups, self.axis_of, self.dtype,
             self.offload, self.reshard_after_forward)
         for unit in self._all_units():
             for flat in unit.flats:
@@ -111,21 +111,21 @@ class FullyShardedDataParallel(GradSync):
     # ---- forward ----------------------------------------------------------------------------------
     def _prefetch(self, units: list[Unit]) -> None:
         for unit in units[:self.prefetch_depth]:
-            unit.gather(self.axis)
+            unit.gather()
 
     def _root_pre_forward(self) -> None:
         self._recording = []
         for unit in (self.persistent, self.root):
             if unit is not None:
-                unit.wait(self.axis)
+                unit.wait()
         self._prefetch(self._order)
 
     def _pre_forward(self, unit: Unit) -> None:
         if in_backward():  # activation recomputation: gather, but it is not a step of the forward order
-            unit.wait(self.axis)
+            unit.wait()
             return
         self._recording.append(unit)
-        unit.wait(self.axis)
+        unit.wait()
         if unit in self._order:
             i = self._order.index(unit)
             self._prefetch(self._order[i + 1:])
@@ -154,7 +154,7 @@ class FullyShardedDataParallel(GradSync):
 
     # ---- backward ---------------------------------------------------------------------------------
     def _pre_backward(self, unit: Unit) -> None:
-        unit.wait(self.axis)
+        unit.wait()
         if unit in self._order:
             i = self._order.index(unit)
             self._prefetch(self._order[:i][::-1])
@@ -173,7 +173,7 @@ class FullyShardedDataParallel(GradSync):
         # to finish; collecting it now frees its full-size gradient buffer, so at most two units' gradients
         # exist at once instead of the whole model's (FSDP2 bounds its reduce-scatter inputs the same way).
         self._collect_launched()
-        unit.reduce_handles = [f.reduce(self.axis, self._first_in_window, self.pre_divide) for f in unit.flats]
+        unit.reduce_handles = [f.reduce(self._first_in_window, self.pre_divide) for f in unit.flats]
         unit.reduce_launched = True
         self._launched.append(unit)
 
@@ -294,7 +294,7 @@ class FullyShardedDataParallel(GradSync):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         gathered: dict[int, torch.Tensor] = {}
         for flat in self._flats():
-            gathered.update(flat.layout.views_by_param(gather_master(flat.layout, flat.master, self.axis,
+            gathered.update(flat.layout.views_by_param(gather_master(flat.layout, flat.master, flat.axis,
                                                                      self.offload.device)))
         return state_with_gathered(self.module, gathered)
 

@@ -78,6 +78,7 @@ class FlatParam:
     """
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, dtype: torch.dtype, offload: OffloadPolicy):
+        self.axis = axis  # gathered and reduce-scattered over it (experts: the expert-data-parallel axis)
         self.layout = FlatLayout(named, axis.size, axis.rank)
         self.dtype = dtype
         self.offload = offload
@@ -113,7 +114,7 @@ class FlatParam:
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
 
-    def gather(self, axis: Axis) -> comm.Handle:
+    def gather(self) -> comm.Handle:
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.layout.padded * self.full.element_size())
@@ -124,7 +125,7 @@ class FlatParam:
             source = master
         else:
             source = master.to(self.full.device, self.dtype)  # cast, or copy from the host (offload_param)
-        handle = comm.all_gather_into(self.full, source, axis, tag="param", async_op=True)
+        handle = comm.all_gather_into(self.full, source, self.axis, tag="param", async_op=True)
         handle.source = source  # keep a transient input alive until the gather is done
         return handle
 
@@ -132,9 +133,9 @@ class FlatParam:
         self.grads.add(index, grad, accumulate)
         self.ready.add(index)
 
-    def reduce(self, axis: Axis, first: bool, pre_divide: float = 1.0) -> comm.Handle:
+    def reduce(self, first: bool, pre_divide: float = 1.0) -> comm.Handle:
         """Reduce-scatter this backward's gradients (missing ones count as zero) toward the fp32 shard."""
-        return self.grads.reduce(axis, first, pre_divide)
+        return self.grads.reduce(self.axis, first, pre_divide)
 
     def collect(self) -> None:
         self.grads.collect()
@@ -164,13 +165,13 @@ class Unit:
     def complete(self) -> bool:
         return all(f.complete for f in self.flats)
 
-    def gather(self, axis: Axis) -> None:
+    def gather(self) -> None:
         """Start the all-gather (no-op if gathered or already in flight)."""
         if not self.gathered and not self.handles:
-            self.handles = [f.gather(axis) for f in self.flats]
+            self.handles = [f.gather() for f in self.flats]
 
-    def wait(self, axis: Axis) -> None:
-        self.gather(axis)
+    def wait(self) -> None:
+        self.gather()
         for h in self.handles:
             h.wait()
         self.handles = []
@@ -191,9 +192,11 @@ class Unit:
 
 
 def build_units(root: nn.Module, policy: WrapPolicy, persistence_threshold: int, param_groups: list | None,
-                axis: Axis, dtype: torch.dtype, offload: OffloadPolicy, reshard_after_forward: bool):
+                axis_of: Callable[[nn.Parameter], Axis], dtype: torch.dtype, offload: OffloadPolicy,
+                reshard_after_forward: bool):
     """The root unit, the other units (module order), the persistent unit (or None), and the optimizer's
-    groups: (options, masters) per engine param group, in the engine's group order."""
+    groups: (options, masters) per engine param group, in the engine's group order. A unit has one flat
+    buffer per param group and reduction axis (`axis_of`: experts are sharded over their own axis)."""
     owned, persistent = assign_params(root, policy, persistence_threshold)
     modules = dict(root.named_modules())
     by_group: dict[int, tuple[dict, list[MasterShard]]] = {}
@@ -201,9 +204,14 @@ def build_units(root: nn.Module, policy: WrapPolicy, persistence_threshold: int,
     def make_unit(name: str, named: list, keep: bool = False) -> Unit:
         flats = []
         for gi, (options, part) in enumerate(split_param_groups(named, restrict_param_groups(param_groups, named))):
-            flat = FlatParam(part, axis, dtype, offload)
-            flats.append(flat)
-            by_group.setdefault(group_index(param_groups, part, gi), (options, []))[1].append(flat.master)
+            by_axis: dict[int, tuple[Axis, list]] = {}
+            for name_param in part:
+                axis = axis_of(name_param[1])
+                by_axis.setdefault(id(axis), (axis, []))[1].append(name_param)
+            for axis, same in by_axis.values():
+                flat = FlatParam(same, axis, dtype, offload)
+                flats.append(flat)
+                by_group.setdefault(group_index(param_groups, part, gi), (options, []))[1].append(flat.master)
         return Unit(name, modules[name], flats, reshard_after_forward and bool(name), keep)
 
     root_unit = make_unit("", owned[""])

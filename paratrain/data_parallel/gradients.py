@@ -106,15 +106,15 @@ class AllReduce(FullGradients):
     """Stage 0: each bucket all-reduced in place; every rank holds the whole summed gradient."""
 
     def _reduce(self, bucket: GradBucket, buffer: torch.Tensor) -> comm.Handle:
-        return comm.all_reduce(buffer, self.axis, tag="grad", async_op=True)
+        return comm.all_reduce(buffer, bucket.axis or self.axis, tag="grad", async_op=True)
 
 
 class ReduceScatterInPlace(FullGradients):
     """Stage 1: each bucket reduce-scattered in place; this rank's slice of it then holds its summed gradient."""
 
     def _reduce(self, bucket: GradBucket, buffer: torch.Tensor) -> comm.Handle:
-        return comm.reduce_scatter_into(bucket.layout.shard_of(buffer), buffer, self.axis, tag="grad",
-                                        async_op=True)
+        return comm.reduce_scatter_into(bucket.layout.shard_of(buffer), buffer, bucket.axis or self.axis,
+                                        tag="grad", async_op=True)
 
 
 class StagedGradient:
@@ -192,7 +192,8 @@ class StagedReduceScatter(BucketOperation):
         # at once instead of the whole model's.
         if self._in_flight is not None:
             self.complete(self._in_flight)
-        bucket.handle = self.staged[bucket.index].reduce(self.axis, self.first_in_window, self.pre_divide)
+        bucket.handle = self.staged[bucket.index].reduce(bucket.axis or self.axis, self.first_in_window,
+                                                         self.pre_divide)
         self._in_flight = bucket
 
     def complete(self, bucket: GradBucket) -> None:

@@ -56,8 +56,8 @@ class ParamGather:
         """All-gather every bucket (each rank has written its slice into it); wait at once unless overlapped."""
         for bucket in reversed(self.buckets):  # forward order
             full = self.params_full[bucket.index]
-            self.pending[bucket.index] = comm.all_gather_into(full, bucket.layout.shard_of(full), self.axis,
-                                                              tag="param", async_op=True)
+            self.pending[bucket.index] = comm.all_gather_into(full, bucket.layout.shard_of(full),
+                                                              bucket.axis or self.axis, tag="param", async_op=True)
         if not self.overlap:
             self.wait()
 

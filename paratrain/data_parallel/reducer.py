@@ -30,6 +30,7 @@ from torch import nn
 import paratrain.comm as comm
 from paratrain.data_parallel.base import UnusedParametersError, weak_hook
 from paratrain.data_parallel.flat import FlatLayout
+from paratrain.mesh import Axis
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -38,8 +39,10 @@ class GradBucket:
     """Parameters whose gradients one collective reduces, laid end to end (`layout`, padded to a multiple of
     its number of shards); gradients of the bucket have `dtype` and live on `device`."""
 
-    def __init__(self, index: int, layout: FlatLayout, dtype: torch.dtype, device: torch.device):
+    def __init__(self, index: int, layout: FlatLayout, dtype: torch.dtype, device: torch.device,
+                 axis: Axis | None = None):
         self.index = index
+        self.axis = axis  # where its collectives run (None: the strategy's axis)
         self.layout = layout
         self.dtype = dtype
         self.device = device
@@ -139,14 +142,18 @@ class BucketReducer:
         return True
 
 
-def plan_buckets(named: NamedParams, cap: int, size_of: Callable[[nn.Parameter], int]) -> list[NamedParams]:
+def plan_buckets(named: NamedParams, cap: int, size_of: Callable[[nn.Parameter], int],
+                 axis_of: Callable[[nn.Parameter], object] | None = None) -> list[NamedParams]:
     """`named` (already in bucket order) cut into consecutive runs of at most `cap` (measured by `size_of`),
-    and wherever the dtype changes; a parameter larger than `cap` gets a bucket of its own."""
+    and wherever the dtype or the reduction axis (`axis_of`) changes; a parameter larger than `cap` gets a
+    bucket of its own."""
+    axis_of = axis_of or (lambda p: None)
     buckets: list[NamedParams] = []
     current: NamedParams = []
     size = 0
     for name, p in named:
-        if current and (size + size_of(p) > cap or p.dtype != current[0][1].dtype):
+        if current and (size + size_of(p) > cap or p.dtype != current[0][1].dtype
+                        or axis_of(p) is not axis_of(current[0][1])):
             buckets.append(current)
             current, size = [], 0
         current.append((name, p))

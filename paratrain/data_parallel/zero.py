@@ -60,8 +60,9 @@ class ZeroDataParallel(GradSync):
 
     def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", bucket_numel: int = 500_000_000,
                  offload: OffloadPolicy | None = None, allow_unused_parameters: bool = False,
-                 predivide_factor: float = 1.0, overlap_param_gather: bool = True, sync_initial_state: bool = True):
-        super().__init__(module, axis)
+                 predivide_factor: float = 1.0, overlap_param_gather: bool = True, sync_initial_state: bool = True,
+                 expert_axis: Axis | None = None):
+        super().__init__(module, axis, expert_axis)
         self.overlap_param_gather = overlap_param_gather
         self.dtype = compute_dtype(precision)
         self.bucket_numel = bucket_numel
@@ -70,7 +71,7 @@ class ZeroDataParallel(GradSync):
         self.pre_divide = predivide_factor
         self.post_divide = self.axis.size / predivide_factor
         if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
-            broadcast_module_state(module, self.axis)
+            broadcast_module_state(module, self.axis, expert_axis=expert_axis)
         self.buckets: list[GradBucket] = []
         self.params_full: list[torch.Tensor] = []  # (padded,) compute dtype: the model's parameters are views
         self.masters: list[MasterShard] = []
@@ -80,7 +81,7 @@ class ZeroDataParallel(GradSync):
         groups = []
         for options, named in split_param_groups(self.named_params, param_groups):
             first = len(self.buckets)
-            for chunk in plan_buckets(list(reversed(named)), self.bucket_numel, lambda p: p.numel()):
+            for chunk in plan_buckets(list(reversed(named)), self.bucket_numel, lambda p: p.numel(), self.axis_of):
                 self._add_bucket(chunk)
             groups.append((options, self.masters[first:]))
         cast_untracked(self.module, self.dtype, {p for _, p in self.named_params})
@@ -92,7 +93,8 @@ class ZeroDataParallel(GradSync):
 
     def _add_bucket(self, named: NamedParams) -> None:
         device = self.offload.device
-        layout = FlatLayout(named, self.axis.size, self.axis.rank)
+        axis = self.axis_of(named[0][1])
+        layout = FlatLayout(named, axis.size, axis.rank)
         fp32 = layout.flatten([p.detach() for _, p in named], torch.float32, device)
         params_full = fp32 if self.dtype == torch.float32 else fp32.to(self.dtype)
         alias = self.dtype == torch.float32 and not self.offload.offload_optimizer
@@ -100,7 +102,7 @@ class ZeroDataParallel(GradSync):
                              alias=layout.shard_of(params_full) if alias else None)
         for slot, view in zip(layout.slots, layout.views(params_full)):
             slot.param.data = view
-        self.buckets.append(GradBucket(len(self.buckets), layout, self.dtype, device))
+        self.buckets.append(GradBucket(len(self.buckets), layout, self.dtype, device, axis))
         self.params_full.append(params_full)
         self.masters.append(master)
 
@@ -152,7 +154,7 @@ class ZeroDataParallel(GradSync):
 
     @property
     def masters_replicated(self) -> bool:
-        return self.axis.size == 1
+        return all(b.axis.size == 1 for b in self.buckets) if self.buckets else self.axis.size == 1
 
     def masters_loaded(self) -> None:
         self.zero_grad()
@@ -182,7 +184,7 @@ class ZeroDataParallel(GradSync):
         for bucket, params_full, master in zip(self.buckets, self.params_full, self.masters):
             layout = bucket.layout
             # aliased: the bucket already holds the gathered fp32 masters
-            full = params_full if master.aliased else gather_master(layout, master, self.axis, self.offload.device)
+            full = params_full if master.aliased else gather_master(layout, master, bucket.axis, self.offload.device)
             gathered.update(layout.views_by_param(full))
         return state_with_gathered(self.module, gathered)
 

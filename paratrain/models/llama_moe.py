@@ -6,6 +6,10 @@
     loss = model(idx, targets)           # cross-entropy + aux_loss_coef · aux + z_loss_coef · z
     logits = model(idx)
 
+Routing is decided per group of `router_group_size` consecutive tokens of a sequence (default: the whole
+sequence): each group has its own expert capacity and its own balancing loss (GShard's groups), so every
+layout that keeps groups whole on one rank (data, pipeline, expert parallelism; context and sequence
+parallelism when the group divides each rank's chunk) routes exactly as one process does.
 `aux` and `z` are the means over the MoE blocks of each block's `load_balancing_loss` and `router_z_loss`
 (`paratrain/moe/router.py` has the formulas), so a coefficient does not grow with depth; `model.last_losses`
 keeps the last forward's values. Names follow Hugging Face's Mixtral/DeepSeek layout where it has one
@@ -39,6 +43,7 @@ class LlamaMoEConfig(LlamaConfig):
     score_func: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
     norm_topk_prob: bool = True
     capacity_factor: float | None = None  # None: dropless
+    router_group_size: int = 0  # tokens per routing group (capacity and balancing loss per group); 0: seq_len
     aux_loss_coef: float = 0.01  # Switch Transformer's α
     z_loss_coef: float = 0.0  # ST-MoE uses 1e-3
 
@@ -51,8 +56,16 @@ class LlamaMoEConfig(LlamaConfig):
         if not 0 <= self.n_dense_layers <= self.n_layer:
             raise InvalidValueError(f"n_dense_layers ({self.n_dense_layers}) must be in [0, n_layer = "
                                     f"{self.n_layer}]")
+        if self.router_group_size < 0 or self.seq_len % self.group_size:
+            raise InvalidValueError(f"router_group_size ({self.router_group_size}) must divide seq_len "
+                                    f"({self.seq_len}); 0 means one group per sequence")
         if self.score_func not in SCORE_FUNCS:
             raise InvalidValueError(f"score_func = {self.score_func!r}: use one of {SCORE_FUNCS}")
+
+    @property
+    def group_size(self) -> int:
+        """Tokens per routing group: router_group_size, or the whole sequence."""
+        return self.router_group_size or self.seq_len
 
     def _attention_params(self) -> int:
         d, hd = self.d_model, self.head_dim
@@ -114,7 +127,7 @@ class LlamaMoEDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg) if dense else MoELayer(
             cfg.d_model, cfg.num_experts, cfg.d_expert, cfg.top_k, score_func=cfg.score_func,
             norm_topk_prob=cfg.norm_topk_prob, capacity_factor=cfg.capacity_factor,
-            shared_experts=cfg.shared_experts, shared_d_ff=cfg.d_expert)
+            shared_experts=cfg.shared_experts, shared_d_ff=cfg.d_expert, group_size=cfg.group_size)
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         # (aux, z) of the last forward: the model reads them after calling the block, so the block's

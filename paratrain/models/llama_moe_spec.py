@@ -1,5 +1,7 @@
-"""The MoE Llama's model spec: the Llama's blocks and attention cores (same module names), its
-initialization, and refusals, by config key, of the layouts whose MoE side is not built yet."""
+"""The MoE Llama's model spec: the Llama's blocks and attention cores (same module names), its tensor-parallel
+plan (the Llama's attention; dense blocks' MLPs split as the Llama's; MoE blocks whole on every tp rank, on
+s/tp tokens under sequence parallelism, so their gradients are summed over tp), its initialization, and the
+checks that keep every layout's routing equal to one process's."""
 
 from __future__ import annotations
 
@@ -10,7 +12,18 @@ from torch import nn
 from paratrain.config import ConfigError
 from paratrain.model_spec import ModelSpecError, register_model_spec
 from paratrain.models.llama_moe import LlamaMoE, init_moe_module
-from paratrain.models.llama_spec import LlamaSpec
+from paratrain.models.llama_spec import LLAMA_PLAN, LlamaSpec
+
+
+def llama_moe_plan(model: LlamaMoE) -> dict[str, str]:
+    plan = {k: v for k, v in LLAMA_PLAN.items() if not k.startswith("model.layers.*.mlp")}
+    for i in range(model.config.n_layer):
+        if i < model.config.n_dense_layers:
+            plan.update({k.replace("*", str(i)): v for k, v in LLAMA_PLAN.items()
+                         if k.startswith("model.layers.*.mlp")})
+        else:  # routed on this rank's tokens; under sequence parallelism, s/tp of them
+            plan[f"model.layers.{i}.mlp"] = "sequence"
+    return plan
 
 
 @register_model_spec
@@ -22,8 +35,8 @@ class LlamaMoESpec(LlamaSpec):
     def matches(self, model: nn.Module) -> bool:
         return isinstance(model, LlamaMoE)
 
-    def tp_plan(self, model: nn.Module) -> None:
-        return None  # no plan: check() refuses tensor parallelism before a plan would be asked for
+    def tp_plan(self, model: nn.Module) -> dict[str, str]:
+        return llama_moe_plan(model)
 
     def pipeline_module(self, model: LlamaMoE, micro_batch: int):
         raise ModelSpecError("pipeline.stages > 1 with a Llama MoE model: the router losses each block adds to "
@@ -33,16 +46,24 @@ class LlamaMoESpec(LlamaSpec):
         init_moe_module(name, module)
 
     def check(self, model: LlamaMoE, sizes: Mapping[str, int]) -> None:
-        # Each refusal is a part not built yet, not a limit of the model: tensor parallelism has no plan for
-        # stacked experts, a pipeline would lose the router losses, and context parallelism would route and
-        # balance each rank's chunk of a sample on its own (other losses and capacities than one process).
-        if sizes.get("tp", 1) > 1:
-            raise ConfigError(f"tensor_parallel.size = {sizes['tp']} with a Llama MoE model: tensor parallelism "
-                              f"of the experts is not built yet; use tensor_parallel.size 1 (data parallelism "
-                              f"or ZeRO scale it)")
+        super().check(model, sizes)
         if sizes.get("pp", 1) > 1:
             raise ConfigError(f"pipeline.stages = {sizes['pp']} with a Llama MoE model: the router losses do not "
                               f"travel between pipeline stages yet; use pipeline.stages 1")
-        if sizes.get("cp", 1) > 1:
-            raise ConfigError(f"context_parallel.size = {sizes['cp']} with a Llama MoE model: each rank would "
-                              f"route and balance only its chunk of every sample; use context_parallel.size 1")
+        check_routing_groups(model.config, sizes)
+
+
+def check_routing_groups(cfg, sizes: Mapping[str, int]) -> None:
+    """Each rank must hold whole routing groups, or it would cap and balance part of a group on its own (other
+    drops and losses than one process): the group must divide each rank's chunks of a sequence."""
+    cp, tp, sp = sizes.get("cp", 1), sizes.get("tp", 1), sizes.get("sp", 0)
+    pieces = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+    chunk = cfg.seq_len // pieces
+    if cfg.seq_len % pieces == 0 and chunk % cfg.group_size == 0:
+        return
+    layout = " x ".join(part for part in (f"context_parallel.size {cp} (2 chunks per rank)" if cp > 1 else "",
+                                          f"sequence parallelism over {tp}" if sp else "") if part)
+    works = [g for g in range(1, chunk + 1) if chunk % g == 0] if chunk else []
+    raise ConfigError(f"router_group_size {cfg.group_size} of the Llama MoE does not divide the {chunk} tokens of "
+                      f"each rank's chunk of a sequence under {layout}: each rank must route whole groups; set "
+                      f"router_group_size to one of {works} (or a sequence length that splits evenly)")

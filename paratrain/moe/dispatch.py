@@ -28,7 +28,7 @@ class DispatchPlan:
     """Where each kept (token, choice) goes: row `slot` (= e·C + position) of the (E·C, d) buffer."""
 
     num_experts: int
-    capacity: int  # C: rows per expert in the buffer
+    capacity: int  # C: rows per expert in the buffer (all groups' capacity rows)
     num_tokens: int
     token: torch.Tensor  # (A,) int64: the token of each kept choice
     choice: torch.Tensor  # (A,) int64: its flat index t·k + j in the routing's (T, k)
@@ -37,6 +37,7 @@ class DispatchPlan:
     counts: torch.Tensor  # (E,) int64: choices routed to each expert, before dropping
     dropped: int  # choices beyond their expert's capacity
     dropped_tokens: int  # tokens all of whose choices were dropped (only the residual carries them)
+    expert: torch.Tensor | None = None  # (A,) int64: the expert of each kept choice (non-decreasing)
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float | None,
@@ -51,31 +52,45 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 
 def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None,
-                  order: torch.Tensor | None = None) -> DispatchPlan:
+                  order: torch.Tensor | None = None, group_size: int | None = None) -> DispatchPlan:
     """The plan for `experts`/`weights` (T, k). `order`: a permutation of the T·k flat choices (index t·k + j)
-    giving their priority for the capacity (default: token order, a token's choices best first)."""
+    giving their priority for the capacity (default: token order, a token's choices best first).
+    `group_size`: the capacity holds per run of that many consecutive tokens (GShard's groups: each group
+    fills its own C rows of every expert), so what is dropped depends on a group's tokens only; None: one
+    group of all T tokens. The kept choices come out sorted by expert (then group, then priority)."""
     tokens, k = experts.shape
+    group_size = tokens if group_size is None or capacity is None else group_size
+    if tokens % group_size:
+        raise InvalidValueError(f"router group size {group_size} does not divide the {tokens} tokens of this "
+                                f"forward; use a group size that divides each rank's tokens per sequence")
+    groups = tokens // group_size
+    device = experts.device
     flat_expert = experts.reshape(-1)
-    flat_token = torch.arange(tokens, device=experts.device).repeat_interleave(k)
-    flat_weight, flat_choice = weights.reshape(-1), torch.arange(tokens * k, device=experts.device)
+    flat_token = torch.arange(tokens, device=device).repeat_interleave(k)
+    flat_weight, flat_choice = weights.reshape(-1), torch.arange(tokens * k, device=device)
     if order is not None:
         flat_expert, flat_token, flat_weight, flat_choice = (t[order] for t in (flat_expert, flat_token, flat_weight,
                                                                                  flat_choice))
     counts = torch.bincount(flat_expert, minlength=num_experts)
-    # a stable sort by expert keeps each expert's choices in priority order: position = rank within its expert
-    by_expert = torch.argsort(flat_expert, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(by_expert.numel(), device=experts.device) - starts[flat_expert[by_expert]]
-    cap = max(int(counts.max()), 1) if capacity is None else capacity
+    # one bucket per (expert, group); a stable sort keeps each bucket's choices in priority order, so a
+    # choice's position is its rank within its bucket
+    bucket = flat_expert * groups + torch.div(flat_token, group_size, rounding_mode="floor")
+    sizes = torch.bincount(bucket, minlength=num_experts * groups)
+    by_bucket = torch.argsort(bucket, stable=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    position = torch.arange(by_bucket.numel(), device=device) - starts[bucket[by_bucket]]
+    cap = max(int(sizes.max()), 1) if capacity is None else capacity
     keep = position < cap
-    kept = by_expert[keep]
+    kept = by_bucket[keep]
     token = flat_token[kept]
-    carried = torch.zeros(tokens, dtype=torch.bool, device=experts.device)
+    carried = torch.zeros(tokens, dtype=torch.bool, device=device)
     carried[token] = True
-    return DispatchPlan(num_experts=num_experts, capacity=cap, num_tokens=tokens, token=token,
-                        choice=flat_choice[kept], slot=flat_expert[kept] * cap + position[keep],
-                        weight=flat_weight[kept], counts=counts, dropped=int((~keep).sum()),
-                        dropped_tokens=int((~carried).sum()))
+    # row in the (E, groups·C, d) buffer: expert e's rows are its groups' C rows one after the other
+    slot = bucket[kept] * cap + position[keep]
+    return DispatchPlan(num_experts=num_experts, capacity=cap * groups, num_tokens=tokens, token=token,
+                        choice=flat_choice[kept], slot=slot, weight=flat_weight[kept], counts=counts,
+                        dropped=int((~keep).sum()), dropped_tokens=int((~carried).sum()),
+                        expert=flat_expert[kept])
 
 
 def dispatch(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:

@@ -60,7 +60,8 @@ class Router(nn.Module):
         return Routing(experts=experts, weights=top, probs=probs, logits=logits)
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                        group_size: int | None = None) -> torch.Tensor:
     """Switch / GShard's auxiliary loss: E · Σ_e f_e · P_e, where, over T tokens with k choices each,
 
         f_e = (1 / (T·k)) · #{(t, j) : experts[t, j] = e}    the fraction of the T·k routed choices that went
@@ -69,11 +70,18 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts:
         P_e = (1 / T) · Σ_t probs[t, e]                        the mean router probability of e
 
     Perfectly balanced routing gives 1 for every k (f_e = P_e = 1/E). Hugging Face's Mixtral loss divides by
-    T, not T·k, so it is k times this one. `probs` (T, E), `experts` (T, k) int64; returns a float32 scalar."""
+    T, not T·k, so it is k times this one. `group_size`: computed per run of that many consecutive tokens and
+    averaged over the runs (GShard's per-group loss), so each group's value depends on its tokens only and a
+    layout that splits the tokens between ranks computes the same mean; None: one group of all T tokens.
+    `probs` (T, E), `experts` (T, k) int64; returns a float32 scalar."""
     tokens, k = experts.shape
-    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
-    fraction = counts / (tokens * k)
-    return num_experts * (fraction * probs.mean(0)).sum()
+    group_size = tokens if group_size is None else group_size
+    groups = tokens // group_size
+    bucket = torch.div(torch.arange(tokens * k, device=experts.device), group_size * k, rounding_mode="floor")
+    counts = torch.bincount(bucket * num_experts + experts.reshape(-1), minlength=groups * num_experts)
+    fraction = counts.view(groups, num_experts).to(probs.dtype) / (group_size * k)
+    mean_probs = probs.view(groups, group_size, num_experts).mean(1)
+    return num_experts * (fraction * mean_probs).sum(-1).mean()
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:

@@ -209,6 +209,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
         elif style == "in_region":
             _wrap_forward(module, functools.partial(_forked, tracker))
         elif style == "sequence" and sp:
+            if hasattr(module, "split_tokens_over"):  # a module whose outputs include means over its tokens
+                module.split_tokens_over(axis)
             for sub in module.modules():
                 names = [n for n, p in sub.named_parameters(recurse=False) if p.requires_grad]
                 if names:
