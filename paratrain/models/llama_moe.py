@@ -133,17 +133,22 @@ class LlamaMoEDecoderLayer(nn.Module):
         # (aux, z) of the last forward: the model reads them after calling the block, so the block's
         # signature stays the Llama's (what the spec's blocks, checkpointing and ZeRO-3 units expect)
         self.losses: tuple[torch.Tensor, torch.Tensor] | None = None
+        n_moe = cfg.n_layer - cfg.n_dense_layers
+        # in a pipeline the block adds its weighted router losses to the running sum the stages pass on
+        self.loss_weights = (cfg.aux_loss_coef / max(n_moe, 1), cfg.z_loss_coef / max(n_moe, 1))
 
     def forward(self, x, position_ids: torch.Tensor | None = None):
         staged = isinstance(x, tuple)
-        h, position_ids = x if staged else (x, position_ids)
+        h, position_ids, *router = x if staged else (x, position_ids)
         h = h + self.self_attn(self.input_layernorm(h), position_ids)
         out = self.mlp(self.post_attention_layernorm(h))
         if isinstance(out, MoEOutput):
             self.losses = (out.aux_loss, out.z_loss)
+            if router:  # (h, positions, router loss so far): a pipeline stage
+                router = [router[0] + self.loss_weights[0] * out.aux_loss + self.loss_weights[1] * out.z_loss]
             out = out.output
         h = h + out
-        return (h, position_ids) if staged else h
+        return (h, position_ids, *router) if staged else h
 
 
 class LlamaMoEModel(nn.Module):

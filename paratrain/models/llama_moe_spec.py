@@ -7,12 +7,49 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from paratrain.config import ConfigError
-from paratrain.model_spec import ModelSpecError, register_model_spec
+from paratrain.model_spec import register_model_spec
 from paratrain.models.llama_moe import LlamaMoE, init_moe_module
-from paratrain.models.llama_spec import LLAMA_PLAN, LlamaSpec
+from paratrain.models.llama_spec import LLAMA_PLAN, LlamaEmbedStage, LlamaFinalStage, LlamaSpec
+from paratrain.pipeline.module import PipelineModule
+
+
+class MoEEmbedStage(LlamaEmbedStage):
+    """The first stage: (h, position_ids, the router losses so far: 0), so each MoE block adds its own."""
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None):
+        h, position_ids = super().forward(idx, position_ids)
+        return h, position_ids, h.new_zeros((), dtype=torch.float32)
+
+
+class MoEFinalStage(LlamaFinalStage):
+    def forward(self, x):
+        h, positions, router = x
+        return super().forward((h, positions)), router
+
+
+class RouterLossAdded(nn.Module):
+    """The pipeline's loss: the model's token loss of the logits plus the router losses the stages summed,
+    which is the loss the unsplit model returns."""
+
+    def __init__(self, token_loss: nn.Module):
+        super().__init__()
+        self.token_loss = token_loss
+
+    def forward(self, output, targets: torch.Tensor) -> torch.Tensor:
+        logits, router = output
+        return self.token_loss(logits, targets) + router
+
+
+def llama_moe_pipeline_module(model: LlamaMoE, micro_batch: int = 1) -> PipelineModule:
+    cfg, inner = model.config, model.model
+    layers = [MoEEmbedStage(inner.embed_tokens), *inner.layers, MoEFinalStage(inner.norm, model.lm_head)]
+    names = ["model", *(f"model.layers.{i}" for i in range(len(inner.layers))), ""]
+    example = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    return PipelineModule(layers, loss_fn=RouterLossAdded(model.loss_fn), layer_names=names, example_input=example)
 
 
 def llama_moe_plan(model: LlamaMoE) -> dict[str, str]:
@@ -38,18 +75,14 @@ class LlamaMoESpec(LlamaSpec):
     def tp_plan(self, model: nn.Module) -> dict[str, str]:
         return llama_moe_plan(model)
 
-    def pipeline_module(self, model: LlamaMoE, micro_batch: int):
-        raise ModelSpecError("pipeline.stages > 1 with a Llama MoE model: the router losses each block adds to "
-                             "the loss do not travel between pipeline stages yet; use pipeline.stages 1")
+    def pipeline_module(self, model: LlamaMoE, micro_batch: int) -> PipelineModule:
+        return llama_moe_pipeline_module(model, micro_batch)
 
     def init_module(self, model: LlamaMoE, name: str, module: nn.Module) -> None:
         init_moe_module(name, module)
 
     def check(self, model: LlamaMoE, sizes: Mapping[str, int]) -> None:
         super().check(model, sizes)
-        if sizes.get("pp", 1) > 1:
-            raise ConfigError(f"pipeline.stages = {sizes['pp']} with a Llama MoE model: the router losses do not "
-                              f"travel between pipeline stages yet; use pipeline.stages 1")
         check_routing_groups(model.config, sizes)
 
 
