@@ -23,6 +23,7 @@ from paratrain.errors import InvalidValueError
 from paratrain.moe.dispatch import DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
 from paratrain.moe.experts import GroupedSwiGLU, SwiGLU
 from paratrain.moe.router import Router, load_balancing_loss, router_z_loss
+from paratrain.moe.stats import StepTotals, record_forward
 
 
 class MoEOutput(NamedTuple):
@@ -65,6 +66,7 @@ class MoELayer(nn.Module):
         width = shared_experts * (shared_d_ff or d_ff)
         self.shared_experts = SwiGLU(d_model, width) if shared_experts else None
         self.last: MoEStats | None = None
+        self.step_totals: StepTotals | None = None  # this step's training forwards (stats.take_routing resets)
 
     def plan(self, x: torch.Tensor) -> tuple[DispatchPlan, torch.Tensor, torch.Tensor]:
         """Route x (T, d): the dispatch plan, the balancing loss and the z-loss."""
@@ -81,6 +83,7 @@ class MoELayer(nn.Module):
         out = combine(self.experts(dispatch(flat, plan)), plan)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
+        record_forward(self, plan.counts, plan.dropped, aux, z)
         self.last = MoEStats(counts=plan.counts.detach(), dropped=plan.dropped, dropped_tokens=plan.dropped_tokens,
                              capacity=plan.capacity, aux_loss=float(aux.detach()), z_loss=float(z.detach()))
         return MoEOutput(out.reshape(shape), aux, z)
