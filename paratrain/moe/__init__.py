@@ -1,7 +1,8 @@
 """Mixture of experts, single process: the router and its losses (`router.py`), dispatch / combine
 (`dispatch.py`), experts as stacked parameters computed by batched matmuls (`experts.py`), the layer
 (`mixture.py`), its per-step routing metrics (`stats.py`), and DeepSpeed's `deepspeed.moe.layer.MoE`
-(`layer.py`). A building block below the strategies, like `paratrain.attention`; the expert-parallel axis is not built yet (docs/moe.md)."""
+(`layer.py`). A building block below the strategies, like `paratrain.attention`; the expert-parallel axis is
+not built yet (docs/moe.md)."""
 
 from paratrain.moe import layer
 from paratrain.moe.dispatch import DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
