@@ -95,7 +95,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         self._grad_norm: float | None = None
         self._times: dict[str, float] = defaultdict(float)
         self._step_applied = False
-        self._reporter = StepReporter(config, mesh.rank)
+        self._reporter = StepReporter(config, mesh.rank, self.module, mesh.axis(("dp", "cp")))  # (+ MoE routing)
         self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled)
         self._check_train_batch = BatchChecker(config.batch_check, "training")
         self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")

@@ -5,11 +5,17 @@ DeepSpeed's config keys drive it: `steps_per_print` (a log line every N optimize
 output_path, job_name}` and `csv_monitor {enabled, output_path, job_name}` (one event per optimizer step:
 Train/Samples/train_loss, lr, grad_norm, loss_scale, with wall_clock_breakdown the elapsed_time_ms_* of the
 step; the x-axis is the number of samples trained, as DeepSpeed's). Only global rank 0 writes.
+
+A model with `paratrain.moe.MoELayer`s adds its routing of each optimizer step (`paratrain/moe/stats.py`,
+summed over the data x context-parallel ranks): `moe_dropped_fraction`, `moe_aux_loss`, `moe_z_loss`,
+`moe_load_max` / `moe_load_min` (an expert's tokens / the mean) as events and in the log line, and every
+layer's tokens per expert as one JSON line per step in the CSV monitor's `moe_tokens.jsonl`.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import resource
 import sys
@@ -17,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from paratrain.moe.stats import RoutingStep, collect_routing, moe_layers
 
 log = logging.getLogger("paratrain")
 
@@ -59,6 +67,7 @@ class _Csv:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self._files: dict[str, tuple] = {}
+        self._routing = None  # moe_tokens.jsonl, opened at the first MoE step
 
     def write(self, events: list[tuple[str, float, int]]) -> None:
         for name, value, step in events:
@@ -76,9 +85,20 @@ class _Csv:
             writer.writerow([step, value])
             handle.flush()
 
+    def write_routing(self, step: int, samples: int, routing: RoutingStep) -> None:
+        """One line per optimizer step: {step, samples, tokens: {layer: per-expert}, dropped: {layer: n}}."""
+        if self._routing is None:  # appended to, like the CSV files
+            self._routing = (self.directory / "moe_tokens.jsonl").open("a")
+        row = routing.row()
+        self._routing.write(json.dumps({"step": step, "samples": samples, "tokens": row["moe_tokens"],
+                                        "dropped": row["moe_dropped"]}) + "\n")
+        self._routing.flush()
+
     def close(self) -> None:
         for handle, _ in self._files.values():
             handle.close()
+        if self._routing is not None:
+            self._routing.close()
 
 
 class Monitor:
@@ -108,6 +128,12 @@ class Monitor:
         for backend in self.backends:
             backend.write(events)
 
+    def write_routing(self, step: int, samples: int, routing: RoutingStep) -> None:
+        """Every MoE layer's tokens per expert (the CSV monitor's moe_tokens.jsonl)."""
+        for backend in self.backends:
+            if hasattr(backend, "write_routing"):
+                backend.write_routing(step, samples, routing)
+
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
@@ -121,10 +147,16 @@ class StepReporter:
     `train_loss` is the mean loss of this rank's micro-batches of the step (rank 0 writes; averaging over
     ranks would cost a collective per step). The engine hands in its losses; nothing is recorded unless a
     monitor is enabled.
+
+    With MoE layers in `module`, every optimizer step also collects their routing over `axis` (dp x cp): one
+    small all_reduce (tag "metrics") and one host copy per step, on every rank; `routing` keeps the last
+    step's. Without MoE layers nothing is collected.
     """
 
-    def __init__(self, config, rank: int):
+    def __init__(self, config, rank: int, module: torch.nn.Module | None = None, axis=None):
         self.rank0 = rank == 0
+        self._moe = (module, axis) if module is not None and moe_layers(module) else None
+        self.routing: RoutingStep | None = None
         self.monitor = Monitor(config.tensorboard, config.csv_monitor, rank)
         self.every = config.steps_per_print
         self.breakdown = config.wall_clock_breakdown
@@ -141,8 +173,12 @@ class StepReporter:
 
     def after_step(self, engine) -> None:
         times = engine.timings()
+        if self._moe is not None:  # a collective: every rank, every optimizer step
+            self.routing = collect_routing(*self._moe)
         if self.monitor.enabled:
             self.monitor.write_events(self._events(engine, times))
+            if self.routing is not None:
+                self.monitor.write_routing(engine.global_steps, engine.global_samples, self.routing)
         self._step_times = times
         self._steps_since_print += 1
         if self.rank0 and engine.global_steps % self.every == 0:
@@ -162,6 +198,8 @@ class StepReporter:
         if self.breakdown:
             for phase, seconds in _delta(times, self._step_times).items():
                 events.append((f"Train/Samples/elapsed_time_ms_{phase}", seconds * 1000.0, x))
+        if self.routing is not None:
+            events += [(f"Train/Samples/{name}", value, x) for name, value in self.routing.scalars().items()]
         return events
 
     def _line(self, engine, times: dict[str, float]) -> str:
@@ -171,6 +209,10 @@ class StepReporter:
         line = (f"step={engine.global_steps}, skipped={engine.skipped_steps}, lr={engine.get_lr()}, "
                 f"mom={engine.get_mom()}, loss_scale={engine.loss_scale():g}, "
                 f"grad_norm={'n/a' if norm is None else f'{norm:.4g}'}, samples/s={rate:.1f}")
+        if self.routing is not None:
+            r = self.routing
+            line += (f", moe: dropped={r.dropped_fraction:.2%}, aux_loss={r.aux_loss:.4g}, z_loss={r.z_loss:.4g}, "
+                     f"load max/min={r.load_max:.2f}/{r.load_min:.2f}")
         if self.breakdown:
             parts = " | ".join(f"{k}: {v * 1000.0 / n:.2f}" for k, v in _delta(times, self._print_times).items())
             line += f"\ntime (ms, mean per step over the last {n}) | {parts}"

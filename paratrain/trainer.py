@@ -1,7 +1,8 @@
 """The built-in job behind `paratrain train`: a GPT or Llama preset, or a Hugging Face model directory, on the
 embedded corpus, in any configured layout.
 
-It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metrics.csv` (one row per step),
+It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metrics.csv` (one row per step; an
+MoE model's rows add the moe_* scalars and, in metrics.jsonl, `moe_tokens` {layer: tokens per expert}),
 `summary.json`, and with pipeline.stages > 1 `timeline.json` (the last step's actions per rank, for
 `paratrain report`). Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
 """
@@ -166,6 +167,9 @@ def _step(engine, loader, val_data, step: int, steps: int, tokens_per_step: int)
     row = {"step": step, "loss": loss, "lr": engine.get_lr()[0], "grad_norm": engine.get_global_grad_norm(),
            "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, "state_bytes": memory["total"],
            "comm_bytes": sum(c["bytes"] for ops in stats.values() for c in ops.values()), "comm": stats}
+    routing = engine.moe_routing()  # MoE models: the step's routing, all dp x cp ranks (paratrain/moe/stats.py)
+    if routing is not None:
+        row.update(routing.row())
     if t.eval_every and (step % t.eval_every == 0 or step == steps):
         row["val_loss"] = float(engine.eval_batch(_val_loader(engine, val_data), num_micro_batches=t.eval_batches))
         engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's

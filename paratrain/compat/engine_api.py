@@ -214,6 +214,11 @@ class DeepSpeedEngineAPI:
         """Bytes of model state this rank holds: params, grads, optimizer_state, total."""
         return self.grad_sync.memory_stats()
 
+    def moe_routing(self):
+        """The last optimizer step's MoE routing (`paratrain.moe.RoutingStep`: per layer, tokens per expert over
+        all dp x cp ranks, dropped choices, mean losses); None for a model without `MoELayer`s."""
+        return self._reporter.routing
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The complete, unsharded state dict under the original names, on every rank (collective)."""
         return gather_full_state(self.parallel, self.mesh, self.device)

@@ -1,17 +1,19 @@
 """Mixture of experts, single process: the router and its losses (`router.py`), dispatch / combine
 (`dispatch.py`), experts as stacked parameters computed by batched matmuls (`experts.py`), the layer
-(`mixture.py`), and DeepSpeed's `deepspeed.moe.layer.MoE` (`layer.py`). A building block below the strategies,
-like `paratrain.attention`; the expert-parallel axis is not built yet (docs/moe.md)."""
+(`mixture.py`), its per-step routing metrics (`stats.py`), and DeepSpeed's `deepspeed.moe.layer.MoE`
+(`layer.py`). A building block below the strategies, like `paratrain.attention`; the expert-parallel axis is
+not built yet (docs/moe.md)."""
 
 from paratrain.moe import layer
 from paratrain.moe.dispatch import DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
 from paratrain.moe.experts import GroupedSwiGLU, StackedMLP, SwiGLU
 from paratrain.moe.mixture import MoELayer, MoEOutput, MoEStats
 from paratrain.moe.router import Router, Routing, load_balancing_loss, router_z_loss
+from paratrain.moe.stats import LayerRouting, RoutingStep, collect_routing, reduce_routing, take_routing
 
-__all__ = ["DispatchPlan", "GroupedSwiGLU", "MoELayer", "MoEOutput", "MoEStats", "Router", "Routing", "StackedMLP",
-           "SwiGLU", "combine", "dispatch", "expert_capacity", "layer", "load_balancing_loss", "plan_dispatch",
-           "router_z_loss"]
+__all__ = ["DispatchPlan", "GroupedSwiGLU", "LayerRouting", "MoELayer", "MoEOutput", "MoEStats", "Router", "Routing",
+           "RoutingStep", "StackedMLP", "SwiGLU", "collect_routing", "combine", "dispatch", "expert_capacity", "layer",
+           "load_balancing_loss", "plan_dispatch", "reduce_routing", "router_z_loss", "take_routing"]
 
 
 def __getattr__(name: str):

@@ -26,6 +26,7 @@ from paratrain.moe.dispatch import DispatchPlan, combine, dispatch, expert_capac
 from paratrain.moe.exchange import ExpertGroup, combine_rows, expert_parallel_rows
 from paratrain.moe.experts import GroupedSwiGLU, SwiGLU
 from paratrain.moe.router import Router, load_balancing_loss, router_z_loss
+from paratrain.moe.stats import StepTotals, record_forward
 
 
 class MoEOutput(NamedTuple):
@@ -76,6 +77,7 @@ class MoELayer(nn.Module):
         width = shared_experts * (shared_d_ff or d_ff)
         self.shared_experts = SwiGLU(d_model, width) if shared_experts else None
         self.last: MoEStats | None = None
+        self.step_totals: StepTotals | None = None  # this step's training forwards (stats.take_routing resets)
 
     def split_tokens_over(self, axis: Axis) -> None:
         """Sequence parallelism runs this layer on the s/tp tokens of each rank: the balancing and z losses,
@@ -126,6 +128,7 @@ class MoELayer(nn.Module):
             sent, received = exchange.leaving(self.expert_parallel.axis.rank)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
+        record_forward(self, plan.counts, plan.dropped, aux, z)
         self.last = MoEStats(counts=plan.counts.detach(), dropped=plan.dropped, dropped_tokens=plan.dropped_tokens,
                              capacity=plan.capacity, aux_loss=float(aux.detach()), z_loss=float(z.detach()),
                              rows_sent=sent, rows_received=received)

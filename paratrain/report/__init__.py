@@ -1,8 +1,8 @@
 """`paratrain report RUN_DIR`: turn a run directory into pictures and tables.
 
 Each part looks for its own input in the run directory and reports what it wrote: the metrics
-(`metrics.jsonl` -> `loss.png`, `throughput.png`, `memory.png`, `comm.png` + `summary.md`) and the pipeline
-timeline (`timeline.json` -> `timeline.png` + `bubbles.md`).
+(`metrics.jsonl` -> `loss.png`, `throughput.png`, `memory.png`, `comm.png`, for an MoE model
+`moe_tokens.png`, + `summary.md`) and the pipeline timeline (`timeline.json` -> `timeline.png` + `bubbles.md`).
 """
 
 from __future__ import annotations

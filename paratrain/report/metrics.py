@@ -2,7 +2,8 @@
 
 metrics.jsonl (written by `paratrain train` on rank 0) has one row per optimizer step: loss, lr, grad norm,
 step time, tokens/s, model-state bytes, comm bytes and counts per axis/op, sometimes val_loss, and every
-`steps_per_print` steps every rank's model-state bytes and peak RSS. summary.json adds the layout.
+`steps_per_print` steps every rank's model-state bytes and peak RSS; an MoE model's rows add `moe_tokens`
+({layer: tokens per expert}), `moe_dropped` and the moe_* scalars. summary.json adds the layout.
 """
 
 from __future__ import annotations
@@ -74,12 +75,40 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path]) -> str:
     if per_axis:
         parts = ", ".join(f"{axis} {_bytes(statistics.median(v))}" for axis, v in sorted(per_axis.items()))
         lines.append(f"- communication per step on rank 0 (median): {parts}")
+    moe = moe_summary(rows)
+    if moe:
+        lines.append(moe)
     lines += ["", "Pictures: " + ", ".join(p.name for p in pictures)]
     return "\n".join(lines)
 
 
+def moe_summary(rows: list[dict]) -> str | None:
+    """The MoE line: the most and least loaded expert over the run (its tokens / its layer's mean) and the
+    fraction of routed choices dropped by capacity; None without MoE rows."""
+    from paratrain.report.plots import moe_layers
+
+    rows = [r for r in rows if r.get("moe_tokens")]
+    layers = moe_layers(rows)
+    if not layers:
+        return None
+    loads, routed, dropped = [], 0, 0
+    for name in layers:
+        counts = [row["moe_tokens"][name] for row in rows if name in row["moe_tokens"]]
+        totals = [sum(column) for column in zip(*counts)]
+        mean = sum(totals) / len(totals)
+        routed += sum(totals)
+        dropped += sum(row.get("moe_dropped", {}).get(name, 0) for row in rows)
+        loads += [(count / mean if mean else 1.0, expert, name) for expert, count in enumerate(totals)]
+    (high, e_high, l_high), (low, e_low, l_low) = max(loads), min(loads)
+    experts = {len(row["moe_tokens"][name]) for row in rows for name in row["moe_tokens"]}
+    return (f"- MoE routing ({len(layers)} layers x {'/'.join(map(str, sorted(experts)))} experts, {len(rows)} steps): "
+            f"most loaded expert {e_high} of {l_high} ({high:.2f}x its layer's mean), least loaded expert {e_low} "
+            f"of {l_low} ({low:.2f}x); {dropped / routed if routed else 0.0:.2%} of the routed choices dropped")
+
+
 def metrics_report(run_dir: Path) -> str | None:
-    """metrics.jsonl -> loss.png, throughput.png, memory.png, comm.png and summary.md; None without metrics."""
+    """metrics.jsonl -> loss.png, throughput.png, memory.png, comm.png (moe_tokens.png for an MoE model) and
+    summary.md; None without metrics."""
     source = run_dir / "metrics.jsonl"
     if not source.is_file():
         return None
@@ -99,6 +128,9 @@ def metrics_report(run_dir: Path) -> str | None:
     comm_png = plots.plot_comm(rows, run_dir / "comm.png")
     if comm_png is not None:
         pictures.append(comm_png)
+    moe_png = plots.plot_moe_tokens(rows, run_dir / "moe_tokens.png")
+    if moe_png is not None:
+        pictures.append(moe_png)
     text = summarize(rows, summary, pictures)
     (run_dir / "summary.md").write_text(text + "\n")
     return text

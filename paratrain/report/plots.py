@@ -1,4 +1,5 @@
-"""The pictures of a run's per-step metrics: loss, throughput, per-rank memory, communication per axis.
+"""The pictures of a run's per-step metrics: loss, throughput, per-rank memory, communication per axis, and for
+an MoE model the tokens per expert.
 
 Each function takes the rows of `metrics.jsonl` (one dict per optimizer step, see paratrain/trainer.py) and
 writes one PNG. matplotlib is optional (`pip install paratrain[plot]`); it is imported here only.
@@ -105,3 +106,45 @@ def plot_comm(rows: list[dict], path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(title="axis", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
+
+
+def moe_layers(rows: list[dict]) -> list[str]:
+    """The MoE layers of the metrics rows (`moe_tokens`: {layer: tokens per expert}), in their order."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row.get("moe_tokens", {})))
+    return list(names)
+
+
+def plot_moe_tokens(rows: list[dict], path: Path) -> Path | None:
+    """One heat map per MoE layer, stacked: experts down, optimizer steps across, colour = the expert's share
+    of the layer's routed choices at that step (1 / E is a balanced routing). None without MoE rows."""
+    rows = [r for r in rows if r.get("moe_tokens")]
+    layers = moe_layers(rows)
+    if not layers:
+        return None
+    plt = _pyplot()
+    heights = [len(next(r["moe_tokens"][name] for r in rows if name in r["moe_tokens"])) for name in layers]
+    fig, axes = plt.subplots(len(layers), 1, figsize=(7, min(2.0 + sum(0.22 * h + 0.5 for h in heights), 60.0)),
+                             sharex=True, squeeze=False, height_ratios=heights)
+    steps = [r["step"] for r in rows]
+    image = None
+    for ax, name, experts in zip(axes[:, 0], layers, heights):
+        share = [[float("nan")] * len(rows) for _ in range(experts)]
+        for j, row in enumerate(rows):
+            counts = row["moe_tokens"].get(name)
+            total = sum(counts) if counts else 0
+            for e in range(experts if total else 0):
+                share[e][j] = counts[e] / total
+        image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0,
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, experts - 0.5, -0.5))
+        ax.set_ylabel(f"{name}\nexpert", fontsize=8)
+        if experts <= 16:
+            ax.set_yticks(range(experts))
+    axes[-1, 0].set_xlabel("optimizer step")
+    axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
+    axes[0, 0].set_title("Tokens per expert (share of the layer's routed choices, all ranks)")
+    fig.colorbar(image, ax=axes[:, 0].tolist(), label="share of tokens", fraction=0.05)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
