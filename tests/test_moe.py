@@ -256,17 +256,19 @@ def test_moe_config_refusals():
         LlamaMoEConfig(score_func="relu")
 
 
-@pytest.mark.parametrize("sizes, key", [({"tp": 2}, "tensor_parallel.size = 2"), ({"pp": 2}, "pipeline.stages = 2"),
-                                        ({"cp": 2}, "context_parallel.size = 2")])
-def test_the_spec_refuses_layouts_not_built_yet(sizes, key):
-    model = LlamaMoE("mixtral-tiny")
+def test_the_spec_refuses_layouts_that_would_split_a_routing_group():
+    model = LlamaMoE("mixtral-tiny", router_group_size=4)  # seq_len 16
     spec = spec_for(model)
     assert spec.name == "llama-moe"
-    spec.check(model, {"dp": 2, "tp": 1, "pp": 1, "cp": 1})  # data parallelism is fine
-    with pytest.raises(ConfigError, match=key):
-        spec.check(model, {"dp": 1, "tp": 1, "pp": 1, "cp": 1, **sizes})
-    with pytest.raises(ModelSpecError, match="pipeline.stages"):
-        spec.pipeline_module(model, 1)
+    for fine in ({"cp": 2}, {"tp": 2, "sp": 1}, {"pp": 2, "ep": 2}):  # chunks of 4 and 8 tokens hold whole groups
+        spec.check(model, {"dp": 1, "tp": 1, "pp": 1, "cp": 1, **fine})
+    with pytest.raises(ConfigError, match=r"router_group_size 4 .* one of \[1, 2\]"):
+        spec.check(model, {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "sp": 1})
+    with pytest.raises(ConfigError, match="router_group_size 16"):  # the default: a whole sequence
+        spec.check(LlamaMoE("mixtral-tiny"), {"cp": 2})
+    with pytest.raises(ConfigError, match="n_kv_head"):
+        spec.check(model, {"tp": 4})
+    assert spec.pipeline_module(model, 1) is not None
 
 
 def test_the_planner_refuses_moe_rather_than_costing_a_dense_llama():
@@ -357,7 +359,7 @@ def test_deepspeed_moe_residual_and_eval_capacity():
 def test_deepspeed_moe_refusals():
     assert isinstance(deepspeed.moe.layer.MoE, type)  # no longer refused by name
     linear = nn.Linear(4, 4)
-    with pytest.raises(Error, match="expert parallelism is not built"):
+    with pytest.raises(Error, match="expert parallelism of DeepSpeed's layer is not built"):
         deepspeed.moe.layer.MoE(4, linear, num_experts=4, ep_size=2)
     with pytest.raises(Error, match="k=3"):
         deepspeed.moe.layer.MoE(4, linear, num_experts=4, k=3)

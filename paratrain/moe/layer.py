@@ -1,6 +1,6 @@
 """DeepSpeed's `deepspeed.moe.layer.MoE`, for `import paratrain as deepspeed`: same arguments, same
 (output, l_aux, exp_counts), DeepSpeed's top-1 / top-2 gating (GShard), computed with paratrain's dispatch,
-batched experts and combine. Single process (ep_size 1) only.
+batched experts and combine, with ep_size 1 (paratrain's expert parallelism splits `paratrain.moe.MoELayer`).
 
 What DeepSpeed's gating does, and so this one (written from DeepSpeed's documentation and code, not copied):
   logits = x W_g in float32 (`noisy_gate_policy="Jitter"`: x times U(1-0.01, 1+0.01) noise while training);
@@ -107,9 +107,10 @@ class MOELayer(nn.Module):
 
 def _refuse_unbuilt(ep_size: int, num_experts: int, k: int, enable_expert_tensor_parallelism: bool) -> None:
     if ep_size != 1:
-        raise InvalidValueError(f"deepspeed.moe.layer.MoE(ep_size={ep_size}): expert parallelism is not built in "
-                                f"paratrain yet; use ep_size=1 (every expert on every rank, data parallelism "
-                                f"averages their gradients like any other parameter)")
+        raise InvalidValueError(f"deepspeed.moe.layer.MoE(ep_size={ep_size}): expert parallelism of DeepSpeed's "
+                                f"layer is not built in paratrain; use ep_size=1 (every expert on every rank, data "
+                                f"parallelism averages their gradients like any other parameter), or build the "
+                                f"experts with paratrain.moe.MoELayer and set expert_parallel.size in the config")
     if k not in (1, 2):
         raise InvalidValueError(f"deepspeed.moe.layer.MoE(k={k}): paratrain implements DeepSpeed's top-1 and "
                                 f"top-2 gating; use k=1 or k=2, or paratrain.moe.MoELayer(top_k={k})")
