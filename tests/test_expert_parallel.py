@@ -165,3 +165,21 @@ def test_expert_state_per_rank_and_checkpoint_across_ep(world2, tmp_path):
         assert r["expert_numel"] == r["expert_bucket_numel"] == expert_params // 2, (r, total_experts)
         assert r["edp"] == 1 and r["optimizer_state"] == 8 * r["shards"]
         assert r["same"]  # ep2 ZeRO-1 -> ep1 ZeRO-3: the checkpoint holds the experts whole
+
+
+def _meta_model():
+    with torch.device("meta"):
+        return moe_model()
+
+
+def _deferred() -> object:
+    return run_layout(ep_config(2, 2, zero=3), _meta_model, corpus_windows(), 3, keep_state=dist.get_rank() == 0)
+
+
+def test_a_meta_built_moe_materializes_its_experts_per_ep_rank(world2):
+    """Built on the meta device, each rank allocates only its experts (and ZeRO-3 shards) and fills them with
+    eager's values: training then matches the eagerly built reference."""
+    run = world2.run(_deferred)[0]
+    ref = reference_run(moe_model, reference_config(ep_config(2, 2, zero=3), run), corpus_windows(), 3)
+    summary = summarize(compare(run, ref))
+    assert summary["passed"], summary
