@@ -183,3 +183,31 @@ def test_a_meta_built_moe_materializes_its_experts_per_ep_rank(world2):
     ref = reference_run(moe_model, reference_config(ep_config(2, 2, zero=3), run), corpus_windows(), 3)
     summary = summarize(compare(run, ref))
     assert summary["passed"], summary
+
+
+def _skipped_exchange(report_dir: str) -> dict:
+    from paratrain.api import initialize
+    from paratrain.comm import CollectiveTimeout
+
+    cfg = ep_config(2, 2, micro_batch=4)
+    cfg["comm"] = {"timeout_s": 2.0, "report_dir": report_dir}
+    engine, *_ = initialize(model=moe_model(), config=cfg, training_data=corpus_windows())
+    engine.train_batch()
+    if dist.get_rank() == 1:
+        return {"skipped": True}
+    try:
+        engine.train_batch()  # rank 1 never joins: rank 0 waits in the first layer's count exchange
+    except CollectiveTimeout as exc:
+        return {"message": str(exc), "waiting_in": exc.report["waiting_in"]}
+    return {"completed": True}
+
+
+def test_the_hang_guard_names_the_all_to_all_a_rank_skipped(world2, tmp_path):
+    try:
+        results = world2.run(_skipped_exchange, str(tmp_path))
+    finally:
+        world2.restart()  # rank 0's all-to-all never completed
+    assert results[1] == {"skipped": True}
+    waiting = results[0]["waiting_in"]
+    assert (waiting["axis"], waiting["op"], waiting["tag"]) == ("ep", "all_to_all", "ep_counts"), results[0]
+    assert "all_to_all" in results[0]["message"] and "[ep_counts]" in results[0]["message"]

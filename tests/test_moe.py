@@ -15,7 +15,7 @@ import paratrain as deepspeed
 from paratrain.activation_checkpointing import checkpoint_activations
 from paratrain.config import ConfigError
 from paratrain.errors import Error
-from paratrain.model_spec import ModelSpecError, spec_for
+from paratrain.model_spec import spec_for
 from paratrain.models import LlamaMoE, LlamaMoEConfig, build_model, llama_moe_config
 from paratrain.moe import (
     MoELayer,
