@@ -152,7 +152,9 @@ class ModelSpec:
 
     def moe_block_params(self, tp: int = 1) -> int:
         """The dense part of one MoE block on a tp rank: attention (/tp), two RMSNorms, the router (d x E) and
-        the shared experts (whole on every tp rank)."""
+        the shared experts (whole on every tp rank). 0 for a dense model."""
+        if not self.moe:
+            return 0
         cfg, h = self.config, self.d_model
         attention = (2 * h * self.n_head * cfg.head_dim + 2 * h * self.n_kv_head * cfg.head_dim) // tp
         return attention + 2 * h + h * self.num_experts + cfg.shared_experts * 3 * h * cfg.d_expert
@@ -164,6 +166,8 @@ class ModelSpec:
     def moe_mlp_params(self) -> int:
         """The part of an MoE block a token uses that runs whole on every tp rank (paratrain's MoE TP plan):
         the router, the shared experts and top_k routed experts."""
+        if not self.moe:
+            return 0
         cfg, h = self.config, self.d_model
         return h * self.num_experts + (cfg.shared_experts + self.top_k) * 3 * h * cfg.d_expert
 
@@ -294,7 +298,7 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
     else:
         path = Path(model)
         if not path.is_file():
-            raise PlannerError(f"--model {model!r} is neither a GPT, Llama or Llama MoE preset "
+            raise PlannerError(f"--model {model!r} is neither a GPT preset nor a Llama or Llama MoE preset "
                                f"({', '.join(PRESETS)}) nor a config file")
         try:
             raw = json.loads(path.read_text())
