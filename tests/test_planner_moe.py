@@ -15,8 +15,14 @@ from paratrain.planner.comm import predict_comm
 from paratrain.planner.enumerate import enumerate_layouts, invalid_reason
 from paratrain.planner.hardware import collective_seconds
 from paratrain.planner.memory import expert_state_bytes, model_state_bytes, rank_params
-from paratrain.planner.model_specs import dense_blocks, moe_blocks, spec_from_config
-from paratrain.planner.moe import all_to_all_elements, expert_groups_span_nodes, rank_expert_params
+from paratrain.planner.model_specs import spec_from_config
+from paratrain.planner.moe import (
+    all_to_all_elements,
+    dense_blocks,
+    expert_groups_span_nodes,
+    moe_blocks,
+    rank_expert_params,
+)
 
 MIXTRAL = model_spec("mixtral-8x7b")
 H, D_EXPERT, LAYERS, SEQ = 4096, 14336, 32, 4096

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import ceil_div, rank_params
-from paratrain.planner.model_specs import ModelSpec, dense_blocks, moe_blocks, rank_blocks
-from paratrain.planner.moe import all_to_all_elements, count_elements, rank_expert_params
+from paratrain.planner.model_specs import ModelSpec, rank_blocks
+from paratrain.planner.moe import all_to_all_elements, count_elements, dense_blocks, moe_blocks, rank_expert_params
 
 DP_CP = ("dp", "cp")
 PP_TP = ("pp", "tp")

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.planner.layout import Layout
-from paratrain.planner.model_specs import ModelSpec, dense_blocks, moe_blocks
-from paratrain.planner.moe import moe_mlp_activations, rank_expert_params
+from paratrain.planner.model_specs import ModelSpec
+from paratrain.planner.moe import dense_blocks, moe_blocks, moe_mlp_activations, rank_expert_params
 from paratrain.zero import estimate_memory as estimate_model_states
 
 

@@ -253,26 +253,6 @@ def rank_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
     return _v_blocks(spec.n_layer, layout.pp)[rank]
 
 
-def dense_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
-    """Blocks of a pp rank with a dense MLP: all of them for a dense model; for an MoE model those of the first
-    n_dense_layers blocks it holds. Exact for the loop placement with one chunk per rank; under interleaving
-    and the V schedules the dense blocks are counted from rank 0 on (its first chunk holds the first blocks)."""
-    if not spec.moe:
-        return rank_blocks(spec, layout, rank)
-    n_dense = spec.n_dense_layers
-    if layout.schedule not in V_SCHEDULES and layout.virtual_stages == 1:
-        sizes = stage_layers(spec.n_layer, layout.pp)
-        start = sum(sizes[:rank])
-        return max(0, min(n_dense, start + sizes[rank]) - start)
-    before = sum(rank_blocks(spec, layout, r) for r in range(rank))
-    return max(0, min(n_dense - before, rank_blocks(spec, layout, rank)))
-
-
-def moe_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
-    """Blocks of a pp rank with an MoE MLP."""
-    return rank_blocks(spec, layout, rank) - dense_blocks(spec, layout, rank)
-
-
 @functools.lru_cache(maxsize=256)
 def _v_blocks(n_layer: int, pp: int) -> tuple[int, ...]:
     bounds = balanced_boundaries([1.0] * (n_layer + 2), 2 * pp)

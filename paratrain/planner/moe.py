@@ -23,8 +23,28 @@ from __future__ import annotations
 import functools
 
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import Layout
-from paratrain.planner.model_specs import ModelSpec, moe_blocks
+from paratrain.planner.layout import V_SCHEDULES, Layout
+from paratrain.planner.model_specs import ModelSpec, rank_blocks, stage_layers
+
+
+def dense_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
+    """Blocks of a pp rank with a dense MLP: all of them for a dense model; for an MoE model those of the first
+    n_dense_layers blocks it holds. Exact for the loop placement with one chunk per rank; under interleaving
+    and the V schedules the dense blocks are counted from rank 0 on (its first chunk holds the first blocks)."""
+    if not spec.moe:
+        return rank_blocks(spec, layout, rank)
+    n_dense = spec.n_dense_layers
+    if layout.schedule not in V_SCHEDULES and layout.virtual_stages == 1:
+        sizes = stage_layers(spec.n_layer, layout.pp)
+        start = sum(sizes[:rank])
+        return max(0, min(n_dense, start + sizes[rank]) - start)
+    before = sum(rank_blocks(spec, layout, r) for r in range(rank))
+    return max(0, min(n_dense - before, rank_blocks(spec, layout, rank)))
+
+
+def moe_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
+    """Blocks of a pp rank with an MoE MLP."""
+    return rank_blocks(spec, layout, rank) - dense_blocks(spec, layout, rank)
 
 
 def rank_expert_params(spec: ModelSpec, layout: Layout, stage: int) -> int:

@@ -31,8 +31,8 @@ from paratrain.planner.comm import Transfer, rank_transfers
 from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import ceil_div, rank_params
-from paratrain.planner.model_specs import ModelSpec, dense_blocks, moe_blocks, rank_blocks
-from paratrain.planner.moe import expert_bandwidth, rank_expert_params
+from paratrain.planner.model_specs import ModelSpec, rank_blocks
+from paratrain.planner.moe import dense_blocks, expert_bandwidth, moe_blocks, rank_expert_params
 
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW reads p, g, m, v and writes p, m, v (fp32 or 16-bit + fp32 master)
 
