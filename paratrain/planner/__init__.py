@@ -13,7 +13,7 @@ from paratrain.planner.comm import Transfer, predict_comm, rank_transfers
 from paratrain.planner.enumerate import Evaluation, PlanResult, SearchSpace, enumerate_layouts, evaluate, plan
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.memory import MemoryEstimate, estimate_memory, model_state_bytes
+from paratrain.planner.memory import MemoryEstimate, estimate_memory, expert_state_bytes, model_state_bytes
 from paratrain.planner.model_specs import ModelSpec, PlannerError, model_spec, spec_from_config
 from paratrain.planner.report import layout_config
 from paratrain.planner.step_time import TimeEstimate, estimate_time
@@ -32,6 +32,7 @@ __all__ = [
     "enumerate_layouts",
     "estimate_memory",
     "estimate_time",
+    "expert_state_bytes",
     "evaluate",
     "layout_config",
     "model_spec",

@@ -27,7 +27,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="a GPT or Llama preset (gpt-7b, llama3-70b, ...) or a paratrain JSON config naming one")
+                        help="a GPT, Llama or Llama MoE preset (gpt-7b, llama3-70b, mixtral-8x7b, ...) or a "
+                             "paratrain JSON config naming one")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (processes)")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
@@ -49,6 +50,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedules", type=_names, default=SCHEDULES, help="pipeline schedules to consider")
     parser.add_argument("--recompute", type=_names, default=RECOMPUTE, help="none,selective,full")
     parser.add_argument("--cp-methods", type=_names, default=CP_METHODS, help="sequence methods: ring,ulysses,usp")
+    parser.add_argument("--ep", type=_ints, default=None,
+                        help="expert-parallel sizes to consider for an MoE model, e.g. 1,8 (default: every divisor "
+                             "of dp x cp and of the number of experts)")
     parser.add_argument("--unfused-attention", action="store_true",
                         help="attention keeps its s^2 scores (no flash attention): Korthikanti's 5as/h term")
     parser.add_argument("--max-micro-batch", type=int, default=16)
@@ -76,13 +80,15 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
     bad = [s for s in args.schedules if s not in SCHEDULES] + [r for r in args.recompute if r not in RECOMPUTE] + \
         [m for m in args.cp_methods if m not in CP_METHODS]
+    if args.ep is not None and (not args.ep or min(args.ep) < 1):
+        raise PlannerError(f"--ep {','.join(map(str, args.ep))}: expert-parallel sizes must be >= 1, e.g. 1,2,8")
     if bad or not set(args.zero) <= {0, 1, 2, 3}:
         raise PlannerError(f"unknown choice(s) {bad or list(args.zero)}: --schedules takes {','.join(SCHEDULES)}, "
                         f"--recompute {','.join(RECOMPUTE)}, --cp-methods {','.join(CP_METHODS)}, --zero stages 0-3")
     return SearchSpace(precision=args.precision, zero_stages=args.zero, schedules=args.schedules,
                        recompute=args.recompute, offload_optimizer=(False, True) if args.offload else (False,),
                        max_micro_batch=args.max_micro_batch, flash_attention=not args.unfused_attention,
-                       cp_methods=args.cp_methods)
+                       cp_methods=args.cp_methods, expert_parallel=args.ep)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -110,11 +116,13 @@ def as_json(result, top: int, hw: Hardware, config: dict | None) -> dict:
     rows = []
     for e in result.ranked[:top]:
         m, t = e.memory, e.time
-        rows.append({"layout": e.layout.describe(), "step_s": t.total, "tokens_per_s": t.tokens_per_s,
+        rows.append({"layout": e.layout.describe(), "ep": e.layout.ep, "step_s": t.total,
+                     "tokens_per_s": t.tokens_per_s,
                      "mfu": t.mfu(hw.peak_flops),
                      "memory": {"total": m.total, "params": m.params, "grads": m.grads,
                                 "optimizer_state": m.optimizer_state, "activations": m.activations,
-                                "transient": m.transient, "host": m.host, "stage": m.stage},
+                                "transient": m.transient, "host": m.host, "stage": m.stage,
+                                "experts": m.experts},
                      "time": {"compute": t.compute, "bubble": t.bubble, "comm": t.comm, "optimizer": t.optimizer,
                               "offload": t.offload}})
     return {"considered": result.considered, "fit": len(result.ranked), "ranked": rows, "config": config}

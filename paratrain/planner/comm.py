@@ -30,6 +30,12 @@ ZeRO's flat shards; m = micro-batches per step; b s h = one micro-batch's activa
                and four backward, each moving (u - 1)/u of the local tensor (`ulysses_elements`); the forward
                ones again under recompute. USP: ring over cp / u ranks and Ulysses over u, on the sub-axes
                cp_ring and cp_ulysses
+  EP           per MoE block per micro-batch: the routed token rows to their experts' ranks and back, forward
+               and backward, (ep - 1)/ep of the T k rows leaving the rank each time (`moe.all_to_all_elements`),
+               and the forward's int64 per-expert counts, as all-to-alls on the ep sub-axis of dp x cp
+  experts      the routed experts' gradients reduced (and ZeRO-sharded / gathered) over the edp sub-axis
+               (dp x cp / ep ranks holding the same experts) with the formulas above; DDP/ZeRO over dp x cp
+               covers the other (dense) parameters only
 Bookkeeping scalars are listed too (the global mean loss of `train_batch`, the grad-norm sums), so a
 prediction can equal a measurement exactly.
 """
@@ -42,6 +48,7 @@ from dataclasses import dataclass
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import ceil_div, rank_params
 from paratrain.planner.model_specs import ModelSpec, rank_blocks
+from paratrain.planner.moe import all_to_all_elements, count_elements, dense_blocks, moe_blocks, rank_expert_params
 
 DP_CP = ("dp", "cp")
 PP_TP = ("pp", "tp")
@@ -56,8 +63,8 @@ class Transfer:
     elements: int  # payload elements per optimizer step (all calls together)
     element_size: int
     calls: int  # collectives per step (a bucketed reduction counts as one)
-    kind: str  # what the time model overlaps it with: dp_grad, dp_param, zero3_param, tp, pp, cp, scalar
-    group: tuple[str, int] | None = None  # a sub-axis of `axes` (USP's cp_ring, cp_ulysses): its name and size
+    kind: str  # what the time model overlaps it with: dp_grad, dp_param, zero3_param, tp, pp, cp, ep, scalar
+    group: tuple[str, int] | None = None  # a sub-axis of `axes` (cp_ring, cp_ulysses, ep, edp): name and size
 
     @property
     def bytes(self) -> int:
@@ -69,31 +76,53 @@ def zero3_units(spec: ModelSpec, layout: Layout, stage: int) -> list[tuple[int, 
     backward) and the root with the embedding / final norm and head its stage holds (once)."""
     root = (spec.embed_params(layout.tp) if stage == 0 else 0) + \
         (spec.head_params(layout.tp) if stage == layout.head_rank else 0)
-    blocks = rank_blocks(spec, layout, stage)
-    return [(spec.layer_params(layout.tp), 2)] * blocks + ([(root, 1)] if root else [])
+    moe = moe_blocks(spec, layout, stage)
+    blocks = [(spec.layer_params(layout.tp), 2)] * dense_blocks(spec, layout, stage) + \
+        [(spec.moe_block_params(layout.tp) + (spec.expert_block_params() if layout.ep == 1 else 0), 2)] * moe
+    return blocks + ([(root, 1)] if root else [])
 
 
-def data_parallel_transfers(layout: Layout, params: int, units: list[tuple[int, int]] | None = None
-                            ) -> list[Transfer]:
-    n, m, size = layout.shard_group, layout.grad_accum, layout.param_bytes
-    if n == 1:
+def data_parallel_transfers(layout: Layout, params: int, units: list[tuple[int, int]] | None = None,
+                            group: tuple[str, int] | None = None) -> list[Transfer]:
+    """Gradient reductions (and ZeRO's gathers) of `params` over dp x cp, or over the sub-axis `group` of it
+    (the routed experts over edp)."""
+    n, m, size = group[1] if group else layout.shard_group, layout.grad_accum, layout.param_bytes
+    if n == 1 or params == 0:
         return []
     if layout.zero_stage == 0:
-        return [Transfer(DP_CP, "all_reduce", params, size, 1, "dp_grad")]
+        return [Transfer(DP_CP, "all_reduce", params, size, 1, "dp_grad", group)]
     padded = ceil_div(params, n) * n
     if layout.zero_stage == 1:
-        return [Transfer(DP_CP, "reduce_scatter", padded, size, 1, "dp_grad"),
-                Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param")]
+        return [Transfer(DP_CP, "reduce_scatter", padded, size, 1, "dp_grad", group),
+                Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param", group)]
     if layout.zero_stage == 2:
         m = 1 if layout.partial_backwards else m  # then once per step (Layout.partial_backwards)
-        return [Transfer(DP_CP, "reduce_scatter", m * padded, size, m, "dp_grad"),
-                Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param")]
+        return [Transfer(DP_CP, "reduce_scatter", m * padded, size, m, "dp_grad", group),
+                Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param", group)]
     units = units if units is not None else [(params, 2)]
     gathered = sum(ceil_div(p, n) * n * times for p, times in units)
     reduced = sum(ceil_div(p, n) * n for p, _ in units)
     gathers = sum(times for _, times in units)
-    return [Transfer(DP_CP, "all_gather", m * gathered, size, m * gathers, "zero3_param"),
-            Transfer(DP_CP, "reduce_scatter", m * reduced, size, m * len(units), "dp_grad")]
+    return [Transfer(DP_CP, "all_gather", m * gathered, size, m * gathers, "zero3_param", group),
+            Transfer(DP_CP, "reduce_scatter", m * reduced, size, m * len(units), "dp_grad", group)]
+
+
+def expert_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+    """The ep all-to-alls (token rows, and the forward's per-expert counts) and the routed experts' gradient
+    reduction over edp (under ZeRO-3 one unit per MoE block: E/ep experts, gathered forward and backward)."""
+    if not spec.moe:
+        return []
+    blocks, m = moe_blocks(spec, layout, stage), layout.grad_accum
+    forwards = 2 if layout.recompute == "full" else 1
+    ep = ("ep", layout.ep)
+    out = [Transfer(DP_CP, "all_to_all", all_to_all_elements(spec, layout, stage), layout.activation_bytes,
+                    2 * (forwards + 1) * m * blocks, "ep", ep),
+           Transfer(DP_CP, "all_to_all", count_elements(spec, layout, stage), 8, forwards * m * blocks, "ep", ep)]
+    if layout.ep == 1:  # no edp sub-axis: the experts are reduced with the dense parameters over dp x cp
+        return out
+    units = [(spec.expert_block_params(layout.ep), 2)] * blocks if layout.zero_stage == 3 else None
+    return out + data_parallel_transfers(layout, rank_expert_params(spec, layout, stage), units,
+                                         ("edp", layout.expert_shard_group))
 
 
 def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
@@ -199,10 +228,13 @@ def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Tran
     """Everything a rank of pipeline stage `stage` communicates in one optimizer step (`train_batch`)."""
     sizes = layout.sizes
     units = zero3_units(spec, layout, stage) if layout.zero_stage == 3 else None
-    transfers = (data_parallel_transfers(layout, rank_params(spec, layout, stage), units)
+    dense = rank_params(spec, layout, stage) + (rank_expert_params(spec, layout, stage) if layout.ep == 1 else 0)
+    transfers = (data_parallel_transfers(layout, dense, units)
                  + tensor_parallel_transfers(spec, layout, stage) + pipeline_transfers(spec, layout, stage)
-                 + context_parallel_transfers(spec, layout, stage) + scalar_transfers(layout))
-    return [t for t in transfers if axis_name(sizes, t.axes) is not None and t.elements > 0]
+                 + context_parallel_transfers(spec, layout, stage) + expert_parallel_transfers(spec, layout, stage)
+                 + scalar_transfers(layout))
+    return [t for t in transfers if axis_name(sizes, t.axes) is not None and t.elements > 0
+            and (t.group is None or t.group[1] > 1)]
 
 
 def by_axis(transfers: list[Transfer], sizes: dict[str, int]) -> dict[str, dict[str, dict[str, int]]]:

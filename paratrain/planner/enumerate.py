@@ -8,6 +8,7 @@ A layout is valid when (`invalid_reason` says which rule fails otherwise):
   the V schedules run two chunks per rank (2 pp <= layers); DualPipeV needs m >= 2 pp
   ZeRO-3 is not combined with pipeline parallelism (every micro-batch would re-gather every stage)
   optimizer offload needs ZeRO >= 1
+  ep > 1 only for an MoE model, dividing dp * cp (it is folded inside) and the number of experts
 Variants that cannot differ are enumerated once: ZeRO stages when dp * cp = 1, sequence parallelism when
 tp = 1, selective recompute when attention is fused (flash attention keeps no s^2 scores to drop).
 """
@@ -37,6 +38,7 @@ class SearchSpace:
     max_micro_batch: int = 16
     flash_attention: bool = True
     cp_methods: tuple[str, ...] = CP_METHODS
+    expert_parallel: tuple[int, ...] | None = None  # ep sizes to consider (MoE models); None: every valid one
 
 
 def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str | None:
@@ -56,6 +58,10 @@ def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str |
         (layout.virtual_stages == 1 or layout.schedule in ("interleaved", *V_SCHEDULES),
          "virtual stages need 'interleaved', 'zb-v' or 'dualpipev'"),
         (layout.cp > 1 or layout.cp_method == "ring", "a context-parallel method needs cp > 1"),
+        (layout.ep == 1 or spec.moe, f"ep={layout.ep} needs a mixture-of-experts model"),
+        (layout.shard_group % layout.ep == 0, f"ep={layout.ep} does not divide dp x cp = {layout.shard_group}"),
+        (not spec.moe or spec.num_experts % layout.ep == 0,
+         f"ep={layout.ep} does not divide the {spec.num_experts} experts"),
     ]
     if layout.schedule in V_SCHEDULES:
         checks += [
@@ -103,17 +109,27 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, global_batch: int, gpus_per_no
         methods = [("ring", 1)] if cp == 1 else \
             [(meth, u) for meth in space.cp_methods
              for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
+        eps = expert_sizes(spec, dp * cp, space)
         for mb in divisors(per_rank):
             if mb > space.max_micro_batch:
                 continue
-            for (schedule, v), (method, u), zero, offload, sp, recompute in itertools.product(
-                    schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes):
+            for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
+                    schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
                 layout = Layout(dp=dp, micro_batch=mb, grad_accum=per_rank // mb, tp=tp, pp=pp, cp=cp,
                                 zero_stage=zero, offload_optimizer=offload, schedule=schedule, virtual_stages=v,
                                 recompute=recompute, sequence_parallel=sp, precision=space.precision,
-                                cp_method=method, ulysses_size=u)
+                                cp_method=method, ulysses_size=u, ep=ep)
                 if invalid_reason(spec, layout, gpus_per_node) is None:
                     yield layout
+
+
+def expert_sizes(spec: ModelSpec, folded: int, space: SearchSpace) -> list[int]:
+    """The ep sizes to try for a dp x cp of `folded` ranks: 1 for a dense model; for an MoE model the common
+    divisors of dp x cp and the number of experts (those of `space.expert_parallel` among them)."""
+    if not spec.moe:
+        return [1]
+    sizes = [d for d in divisors(folded) if spec.num_experts % d == 0]
+    return [d for d in sizes if space.expert_parallel is None or d in space.expert_parallel]
 
 
 @dataclass(frozen=True)
@@ -133,7 +149,7 @@ def complexity(layout: Layout) -> int:
     """How many mechanisms a layout switches on: among equally fast layouts the simplest ranks first."""
     return (sum(n > 1 for n in (layout.tp, layout.pp, layout.cp)) + (layout.zero_stage > 0)
             + (layout.recompute != "none") + layout.sequence_parallel + layout.offload_optimizer
-            + (layout.virtual_stages > 1))
+            + (layout.virtual_stages > 1) + (layout.ep > 1))
 
 
 def rank_key(e: Evaluation) -> tuple:

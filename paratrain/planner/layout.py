@@ -39,6 +39,7 @@ class Layout:
     precision: Precision = "bf16"
     cp_method: CpMethod = "ring"
     ulysses_size: int = 1  # usp: the all-to-all degree inside cp (ring attention runs over cp / ulysses_size)
+    ep: int = 1  # expert parallelism, folded inside dp x cp (`paratrain.mesh.ParallelDims.expert_subgroups`)
 
     @property
     def world(self) -> int:
@@ -85,6 +86,12 @@ class Layout:
         """Ranks ZeRO shards over and gradients are averaged over: dp x cp (cp ranks see other tokens)."""
         return self.dp * self.cp
 
+    @property
+    def expert_shard_group(self) -> int:
+        """The expert-data-parallel group (edp): ranks holding the same experts, dp x cp / ep. Expert gradients
+        are reduced over it and ZeRO shards expert states over it."""
+        return self.dp * self.cp // self.ep
+
     # ---- byte sizes -------------------------------------------------------------------------------
     @property
     def param_bytes(self) -> int:
@@ -97,6 +104,7 @@ class Layout:
 
     def describe(self) -> str:
         mesh = " ".join(f"{a}{self.sizes[a]}" for a in AXES)
+        mesh += f" ep{self.ep}" if self.ep > 1 else ""
         parts = [mesh, f"zero{self.zero_stage}" + ("+offload" if self.offload_optimizer else "")]
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))

@@ -11,6 +11,10 @@ piece has (after tensor/pipeline sharding), N = the ZeRO shard group (dp x cp), 
 Shards are padded to a multiple of N (a flat buffer split into N equal pieces). Each kind counts its bytes
 wherever they live; under optimizer offload `host` says how many of them are in host memory.
 
+Mixture of experts: the routed experts' states are counted apart (`expert_state_bytes`), with the same
+formulas for Psi_e = E/ep experts of each MoE block the rank holds and N_e = edp = dp x cp / ep (the ranks
+holding the same experts); the totals add both. See paratrain/planner/moe.py.
+
 Activations of one transformer layer for one micro-batch: see `layer_activations`; the classic result
 s*b*h*(34 + 5*a*s/h) bytes is the case 16-bit, dropout, non-fused attention, d_ff = 4h.
 """
@@ -20,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.planner.layout import Layout
-from paratrain.planner.model_specs import ModelSpec, rank_blocks
+from paratrain.planner.model_specs import ModelSpec
+from paratrain.planner.moe import dense_blocks, moe_blocks, moe_mlp_activations, rank_expert_params
 from paratrain.zero import estimate_memory as estimate_model_states
 
 
@@ -64,9 +69,11 @@ def model_state_bytes(params: int, shard_group: int, stage: int, precision: str 
 
 
 def rank_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
-    """Parameters held by a rank of pipeline stage `stage` (one tensor-parallel shard)."""
-    layers = rank_blocks(spec, layout, stage)
-    total = layers * spec.layer_params(layout.tp)
+    """Parameters held by a rank of pipeline stage `stage` (one tensor-parallel shard), without the routed
+    experts of an MoE model (`moe.rank_expert_params`, reduced and sharded over edp instead of dp x cp)."""
+    total = dense_blocks(spec, layout, stage) * spec.layer_params(layout.tp)
+    if spec.moe:
+        total += moe_blocks(spec, layout, stage) * spec.moe_block_params(layout.tp)
     if stage == 0:
         total += spec.embed_params(layout.tp)
     if stage == layout.head_rank:
@@ -74,9 +81,19 @@ def rank_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
     return total
 
 
+def expert_state_bytes(spec: ModelSpec, layout: Layout, stage: int) -> ModelStates:
+    """Model-state bytes of the routed experts on a rank of `stage`: `model_state_bytes` of
+    Psi_e = n_moe_blocks(stage) * E/ep * 3 d_model d_expert over the edp group (dp x cp / ep) — e.g. ZeRO-1,
+    bf16: 4 Psi_e + 12 Psi_e / edp. Compare with the expert part of `engine.memory_stats()`. All 0 for a
+    dense model or a stage without MoE blocks."""
+    return model_state_bytes(rank_expert_params(spec, layout, stage), layout.expert_shard_group,
+                             layout.zero_stage, layout.precision, layout.offload_optimizer)
+
+
 # ---- activations ------------------------------------------------------------------------------------
 def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = None,
-                      flash_attention: bool = True, regather_sequence: bool = False) -> dict[str, float]:
+                      flash_attention: bool = True, regather_sequence: bool = False,
+                      moe: bool = False) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward, for one micro-batch on one rank, by component.
 
     In elements of the activation dtype (e bytes), per micro-batch of b sequences of s/cp local tokens:
@@ -97,6 +114,7 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
     s b h (10 + 24/t + 5 a s/(h t)), and s b h (34 + 5 a s / h)/t with sequence parallelism and
     `regather_sequence` — Megatron keeps the sequence shard of a column-parallel layer's input and all-gathers
     it again in backward; paratrain keeps the gathered input, 2 s b h (1 - 1/t) more per layer.
+    An MoE block (`moe`) keeps `moe.moe_mlp_activations` in place of the MLP's 2 s b f (/tp) share.
     """
     recompute = layout.recompute if recompute is None else recompute
     e = layout.activation_bytes
@@ -110,10 +128,12 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
         return {"inputs": e * sbh / sp}
     out = {
         "inputs": e * (2 * sbh / sp + 2 * sbh / (sp if regather_sequence else 1)),
-        "tensor_parallel": e * (4 * sbh + spec.mlp_intermediates * s_local * b * f) / t,
+        "tensor_parallel": e * (4 * sbh + (0 if moe else spec.mlp_intermediates * s_local * b * f)) / t,
         "masks": (2 * sbh / sp) if dropout else 0.0,
         "norm_stats": 16 * s_local * b / sp,
     }
+    if moe:
+        out["moe_mlp"] = moe_mlp_activations(spec, layout)
     if recompute != "selective":
         if layout.ring_degree > 1:
             out["attention_core"] = 4 * a * s_local * b / t + (3 * (4 - e) + 4) * sbh / t
@@ -174,10 +194,12 @@ def in_flight(layout: Layout, stage: int) -> float:
 
 def activation_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention: bool = True) -> float:
     """Activation bytes a rank of `stage` holds at its peak."""
-    layers = rank_blocks(spec, layout, stage)
-    per_layer = sum(layer_activations(spec, layout, flash_attention=flash_attention).values())
     flights = in_flight(layout, stage)
-    total = flights * layers * per_layer
+    total = 0.0
+    for blocks, moe in ((dense_blocks(spec, layout, stage), False), (moe_blocks(spec, layout, stage), True)):
+        if blocks:
+            total += flights * blocks * sum(layer_activations(spec, layout, flash_attention=flash_attention,
+                                                              moe=moe).values())
     if stage == 0:
         total += flights * embed_activations(spec, layout)
     if stage == layout.head_rank:
@@ -189,7 +211,8 @@ def zero3_gathered_bytes(spec: ModelSpec, layout: Layout, prefetch: int = 1) -> 
     """ZeRO-3's working set: the gathered 16-bit (or fp32) parameters of the unit in use and of `prefetch`
     units fetched ahead, plus one unit's full gradient before its reduce-scatter. A unit is a block (or the
     embedding, or the head), the granularity paratrain's stage 3 wraps."""
-    unit = max(spec.layer_params(layout.tp), spec.embed_params(layout.tp), spec.head_params(layout.tp))
+    unit = max(spec.layer_params(layout.tp), spec.embed_params(layout.tp), spec.head_params(layout.tp),
+               spec.moe_block_params(layout.tp) + spec.expert_block_params(layout.ep) if spec.moe else 0)
     return (prefetch + 2) * unit * layout.param_bytes
 
 
@@ -203,9 +226,10 @@ def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention
     - the last stage: the logits and their gradient during the loss (fp32 for the gradient)."""
     out = 0.0
     if layout.zero_stage == 2 and layout.partial_backwards:
-        out += rank_params(spec, layout, stage) * layout.param_bytes
+        out += (rank_params(spec, layout, stage) + rank_expert_params(spec, layout, stage)) * layout.param_bytes
     if layout.recompute == "full":
-        out += sum(layer_activations(spec, layout, recompute="none", flash_attention=flash_attention).values())
+        out += max(sum(layer_activations(spec, layout, recompute="none", flash_attention=flash_attention,
+                                         moe=moe).values()) for moe in {False, spec.moe})
     if layout.zero_stage == 3:
         out += zero3_gathered_bytes(spec, layout, prefetch)
     if stage == layout.head_rank:
@@ -227,6 +251,7 @@ class MemoryEstimate:
     transient: float
     host: float
     stage: int
+    experts: float = 0.0  # of params + grads + optimizer_state: the routed experts' (`expert_state_bytes`)
 
     @property
     def states(self) -> float:
@@ -244,9 +269,12 @@ def estimate_memory(spec: ModelSpec, layout: Layout, flash_attention: bool = Tru
     for stage in sorted({0, layout.head_rank, layout.pp - 1}):
         states = model_state_bytes(rank_params(spec, layout, stage), layout.shard_group, layout.zero_stage,
                                    layout.precision, layout.offload_optimizer)
-        est = MemoryEstimate(states.params, states.grads, states.optimizer_state,
+        experts = expert_state_bytes(spec, layout, stage)
+        est = MemoryEstimate(states.params + experts.params, states.grads + experts.grads,
+                             states.optimizer_state + experts.optimizer_state,
                              activation_bytes(spec, layout, stage, flash_attention),
-                             transient_bytes(spec, layout, stage, flash_attention), states.host, stage)
+                             transient_bytes(spec, layout, stage, flash_attention), states.host + experts.host,
+                             stage, experts.total)
         if worst is None or est.total > worst.total:
             worst = est
     return worst

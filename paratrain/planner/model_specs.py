@@ -15,6 +15,12 @@ A Llama (`LlamaConfig`) is counted by its own shapes: q and o of n_head heads, k
 a three-matrix SwiGLU MLP, RMSNorm weights only, no biases, no position table, the head tied or not. Its
 activation memory is the GPT formula with the SwiGLU's four (s, b, d_ff) intermediates in place of the GELU
 MLP's two; unlike the GPT's, it is not calibrated against measured runs.
+
+A Llama MoE (`LlamaMoEConfig`) counts its total and active parameters with the config's own `num_params()` /
+`active_params()`; FLOPs use the active ones (`LlamaMoEConfig.flops_per_token`). Its first n_dense_layers
+blocks are Llama blocks; every other block splits into a dense part (attention split over tp as the Llama's,
+norms, the router and the shared experts, the latter two whole on every tp rank: paratrain's MoE TP plan) and
+its routed experts (`expert_block_params`, split over ep, never over tp). See docs/planner.md, "MoE".
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from paratrain.models.gpt import PRESETS as GPT_PRESETS
 from paratrain.models.gpt import GPTConfig
 from paratrain.models.llama import PRESETS as LLAMA_PRESETS
 from paratrain.models.llama import LlamaConfig
+from paratrain.models.llama_moe import PRESETS as LLAMA_MOE_PRESETS
+from paratrain.models.llama_moe import LlamaMoEConfig
 from paratrain.models.registry import preset_config
 from paratrain.pipeline.partition import balanced_boundaries
 from paratrain.planner.layout import V_SCHEDULES, Layout
 
-PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
+PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS, **LLAMA_MOE_PRESETS}
 
 # Which parameters tensor parallelism splits (fnmatch patterns over GPT parameter names).
 TP_PLAN: dict[str, str] = {
@@ -58,7 +66,7 @@ class ModelSpec:
     """A GPT's or Llama's dimensions and parameter counts, and how to name it in a paratrain config."""
 
     name: str  # preset the config's trainer.model names
-    config: GPTConfig | LlamaConfig
+    config: GPTConfig | LlamaConfig | LlamaMoEConfig
     overrides: dict = field(default_factory=dict)  # trainer.model_overrides relative to the preset
 
     # ---- dimensions (the letters of Korthikanti et al.: s, h, a, L, V) ----------------------------
@@ -91,6 +99,10 @@ class ModelSpec:
         return isinstance(self.config, LlamaConfig)
 
     @property
+    def moe(self) -> bool:
+        return isinstance(self.config, LlamaMoEConfig)
+
+    @property
     def n_kv_head(self) -> int:
         return self.config.n_kv_head if self.llama else self.n_head
 
@@ -109,8 +121,59 @@ class ModelSpec:
     def params(self) -> int:
         return self.config.num_params()
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (`LlamaMoEConfig.active_params`); all of them for a dense model."""
+        return self.config.active_params() if self.moe else self.params
+
+    # ---- mixture of experts (all 0 / dense for a GPT or Llama) --------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts if self.moe else 0
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k if self.moe else 0
+
+    @property
+    def n_dense_layers(self) -> int:
+        return self.config.n_dense_layers if self.moe else self.n_layer
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layer - self.n_dense_layers
+
+    def expert_block_params(self, ep: int = 1) -> int:
+        """Routed-expert parameters of one MoE block held by one ep rank: E/ep SwiGLU experts of width
+        d_expert (stacked gate, up, down: 3 d d_expert each), whole on every tp rank."""
+        if not self.moe:
+            return 0
+        return self.num_experts // ep * 3 * self.d_model * self.config.d_expert
+
+    def moe_block_params(self, tp: int = 1) -> int:
+        """The dense part of one MoE block on a tp rank: attention (/tp), two RMSNorms, the router (d x E) and
+        the shared experts (whole on every tp rank). 0 for a dense model."""
+        if not self.moe:
+            return 0
+        cfg, h = self.config, self.d_model
+        attention = (2 * h * self.n_head * cfg.head_dim + 2 * h * self.n_kv_head * cfg.head_dim) // tp
+        return attention + 2 * h + h * self.num_experts + cfg.shared_experts * 3 * h * cfg.d_expert
+
+    def active_moe_block_params(self) -> int:
+        """Parameters of one MoE block a token uses: its dense part and top_k routed experts."""
+        return self.moe_block_params() + self.top_k * 3 * self.d_model * self.config.d_expert
+
+    def moe_mlp_params(self) -> int:
+        """The part of an MoE block a token uses that runs whole on every tp rank (paratrain's MoE TP plan):
+        the router, the shared experts and top_k routed experts."""
+        if not self.moe:
+            return 0
+        cfg, h = self.config, self.d_model
+        return h * self.num_experts + (cfg.shared_experts + self.top_k) * 3 * h * cfg.d_expert
+
     def layer_params(self, tp: int = 1) -> int:
-        """Parameters of one transformer block held by one tensor-parallel rank."""
+        """Parameters of one transformer block held by one tensor-parallel rank (a dense block of an MoE
+        model: see `moe_block_params` and `expert_block_params` for its MoE blocks)."""
         if self.llama:
             h, f, hd = self.d_model, self.d_ff, self.config.head_dim
             return (2 * h * self.n_head * hd + 2 * h * self.n_kv_head * hd + 3 * h * f) // tp + 2 * h
@@ -139,6 +202,9 @@ class ModelSpec:
 
     def largest_module_params(self) -> int:
         """Parameters of the largest single module (DeepSpeed's `largest_layer_params`)."""
+        if self.moe:  # a stacked (E, out, in) expert tensor is one module's parameter
+            return max(self.vocab_size * self.d_model, self.d_model * self.d_ff,
+                       self.num_experts * self.d_model * self.config.d_expert)
         if self.llama:
             return max(self.vocab_size * self.d_model, self.d_model * self.d_ff)
         h, f, v, b = self.d_model, self.d_ff, self.vocab_size, int(self.config.bias)
@@ -155,11 +221,21 @@ class ModelSpec:
         return 12 * self.d_model * self.seq_len
 
     def describe(self) -> str:
-        count = f"{self.params / 1e9:.2f}B" if self.params >= 1e9 else f"{self.params / 1e6:.2f}M"
+        count = f"{format_count(self.params)} parameters" + \
+            (f" ({format_count(self.active_params)} active)" if self.moe else "")
         kv = f" ({self.n_kv_head} k/v)" if self.llama else ""
-        return (f"{self.name}{'*' if self.overrides else ''}: {count} parameters, "
+        moe = ""
+        if self.moe:
+            shared = self.config.shared_experts
+            moe = (f", {self.n_moe_layers} MoE blocks of {self.num_experts} experts top-{self.top_k} d_expert "
+                   f"{self.config.d_expert}" + (f" +{shared} shared" if shared else ""))
+        return (f"{self.name}{'*' if self.overrides else ''}: {count}, "
                 f"{self.n_layer} layers, d_model {self.d_model}, {self.n_head} heads{kv}, d_ff {self.d_ff}, "
-                f"seq {self.seq_len}, vocab {self.vocab_size}")
+                f"seq {self.seq_len}, vocab {self.vocab_size}{moe}")
+
+
+def format_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def stage_layers(n_layer: int, stages: int) -> list[int]:
@@ -184,10 +260,10 @@ def _v_blocks(n_layer: int, pp: int) -> tuple[int, ...]:
     return tuple(per_chunk[r] + per_chunk[2 * pp - 1 - r] for r in range(pp))
 
 
-def spec_from_config(config: GPTConfig | LlamaConfig, name: str = "custom") -> ModelSpec:
+def spec_from_config(config: GPTConfig | LlamaConfig | LlamaMoEConfig, name: str = "custom") -> ModelSpec:
     """A spec for an explicit config; `name` is the preset it is expressed against (or the family's tiny one)."""
     _refuse_unplanned(config, name)
-    tiny = "llama-tiny" if isinstance(config, LlamaConfig) else "gpt-tiny"
+    tiny = {LlamaMoEConfig: "mixtral-tiny", LlamaConfig: "llama-tiny"}.get(type(config), "gpt-tiny")
     base_name = name if name in PRESETS and type(PRESETS[name]) is type(config) else tiny
     base = asdict(PRESETS[base_name])
     overrides = {k: v for k, v in asdict(config).items() if base[k] != v}
@@ -202,8 +278,8 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
     else:
         path = Path(model)
         if not path.is_file():
-            raise PlannerError(f"--model {model!r} is neither a GPT preset nor a Llama preset ({', '.join(PRESETS)}) "
-                               f"nor a config file")
+            raise PlannerError(f"--model {model!r} is neither a GPT preset nor a Llama or Llama MoE preset "
+                               f"({', '.join(PRESETS)}) nor a config file")
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -222,10 +298,10 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
 
 
 def _refuse_unplanned(config, name: str) -> None:
-    # a LlamaMoEConfig is a LlamaConfig subclass: counted as a dense Llama its experts would vanish silently
-    if type(config) not in (GPTConfig, LlamaConfig):
-        raise PlannerError(f"--model {name!r} is a {type(config).__name__}: the planner costs dense GPT and "
-                           f"Llama models only (mixture-of-experts costs are not modelled yet)")
+    # exact types: a subclass (a LlamaMoEConfig is a LlamaConfig) counted as its parent would lose parameters
+    if type(config) not in (GPTConfig, LlamaConfig, LlamaMoEConfig):
+        raise PlannerError(f"--model {name!r} is a {type(config).__name__}: the planner costs GPT, Llama and "
+                           f"Llama MoE models only")
 
 
 def config_batch_size(model: str) -> int | None:

@@ -16,7 +16,7 @@ from paratrain.planner.units import format_bytes, format_seconds
 DEFAULT_OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
 LAYOUT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
                "zero_optimization", "data_parallel", "tensor_parallel", "pipeline", "context_parallel",
-               "activation_checkpointing")
+               "activation_checkpointing", "expert_parallel")
 
 
 def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> dict:
@@ -53,6 +53,8 @@ def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> 
         cfg["context_parallel"]["method"] = layout.cp_method
         if layout.cp_method == "usp":
             cfg["context_parallel"]["ulysses_size"] = layout.ulysses_size
+    if layout.ep > 1:
+        cfg["expert_parallel"] = {"size": layout.ep}
     cfg["activation_checkpointing"] = {"enabled": layout.recompute != "none"}
     if layout.recompute != "none":
         cfg["activation_checkpointing"]["granularity"] = layout.recompute
@@ -84,12 +86,14 @@ def memory_unit(evals: list[Evaluation]) -> tuple[str, float]:
 def memory_table(evals: list[Evaluation]) -> str:
     unit, size = memory_unit(evals)
     rows = []
+    moe = any(e.memory.experts for e in evals)  # a column of the routed experts' share of the model states
     for i, e in enumerate(evals):
         m = e.memory
-        amounts = (m.total, m.params, m.grads, m.optimizer_state, m.activations, m.transient, m.host)
+        amounts = (m.total, m.params, m.grads, m.optimizer_state, *((m.experts,) if moe else ()), m.activations,
+                   m.transient, m.host)
         rows.append([str(i + 1), e.layout.describe(), *(f"{x / size:.1f}" for x in amounts), str(m.stage)])
-    return _table(["#", "layout", f"{unit}/rank", "params", "grads", "optim", "activ", "transient", "host", "stage"],
-                  rows)
+    return _table(["#", "layout", f"{unit}/rank", "params", "grads", "optim", *(["experts"] if moe else []),
+                   "activ", "transient", "host", "stage"], rows)
 
 
 def time_table(evals: list[Evaluation], hw: Hardware) -> str:

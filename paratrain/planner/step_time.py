@@ -4,7 +4,10 @@
             FLOPs / (peak * mfu), FLOPs = tokens * (6 * stage parameters + 12 h s per layer) / (tp cp)
             (+ one more forward of the layers under full recompute, of attention under selective),
             plus the tensor-parallel collectives (on the critical path), whatever ring-attention
-            traffic the attention compute does not hide, and Ulysses' all-to-alls (on the path)
+            traffic the attention compute does not hide, and Ulysses' all-to-alls (on the path).
+            MoE: a block's matmul FLOPs are those of its active parameters (top_k routed experts); the MoE
+            MLP runs whole on every tp rank (tp times over without sequence parallelism); the ep
+            all-to-alls (dispatch and combine) are on the critical path, on the ep groups' wires
   pipeline  (m + bubble) * t_mb, bubble = p - 1 (GPipe, 1F1B), (p - 1)/v (interleaved),
             (p - 1)/3 (ZB-H1, Qi et al. 2024: F, B and W each a third of t_mb and only F + B - W idle),
             (p - 1)/6 (ZB-V: the same p - 1 slots, of chunks half a stage), (p - 1)/3 (DualPipeV, DeepSeek's
@@ -12,7 +15,8 @@
             plus 2 (m v + p - 1) point-to-point messages on the critical path
   data par. gradient reductions overlap the backward of the micro-batch that produces them (the last
             one for DDP/ZeRO-1, each for ZeRO-2/3); ZeRO-1/2's parameter all-gather after the step is
-            exposed; ZeRO-3's gathers overlap the forward/backward they feed (prefetch)
+            exposed; ZeRO-3's gathers overlap the forward/backward they feed (prefetch); the routed
+            experts' reductions run over edp with the same overlap rules
   optimizer AdamW is memory-bound: 28 bytes read+written per updated parameter at memory bandwidth
             (on the host, plus gradients down and parameters up over PCIe, when offloaded)
 Collective times are the ring alpha-beta model of `hardware.collective_seconds`.
@@ -28,6 +32,7 @@ from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seco
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import ceil_div, rank_params
 from paratrain.planner.model_specs import ModelSpec, rank_blocks
+from paratrain.planner.moe import dense_blocks, expert_bandwidth, moe_blocks, rank_expert_params
 
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW reads p, g, m, v and writes p, m, v (fp32 or 16-bit + fp32 master)
 
@@ -69,16 +74,14 @@ def bubble_factor(layout: Layout) -> float:
 def stage_flops_per_token(spec: ModelSpec, layout: Layout, stage: int, recompute: str | None = None) -> float:
     """Training FLOPs per token of the whole (unsharded) stage, forward + backward (+ recomputation)."""
     recompute = layout.recompute if recompute is None else recompute
-    layers = rank_blocks(spec, layout, stage)
-    layer_matmul = 6 * spec.layer_params()
     attention = spec.attention_flops_per_token_per_layer()
-    if recompute == "full":
-        per_layer = layer_matmul * 4 / 3 + attention * 4 / 3
-    elif recompute == "selective":
-        per_layer = layer_matmul + attention * 4 / 3
-    else:
-        per_layer = layer_matmul + attention
-    total = layers * per_layer
+    matmul = 4 / 3 if recompute == "full" else 1.0  # full recompute: one more forward of every matmul
+    attention *= 4 / 3 if recompute in ("full", "selective") else 1.0
+    total = dense_blocks(spec, layout, stage) * (6 * spec.layer_params() * matmul + attention)
+    if spec.moe:  # the MoE MLP is whole on every tp rank: each repeats it on all tokens without SP
+        repeat = 1 if layout.sequence_parallel else layout.tp
+        per_block = 6 * (spec.active_moe_block_params() + (repeat - 1) * spec.moe_mlp_params()) * matmul
+        total += moe_blocks(spec, layout, stage) * (per_block + attention)
     if stage == 0:
         total += 6 * spec.embed_params()
     if stage == layout.head_rank:
@@ -90,9 +93,17 @@ def _seconds(t: Transfer, layout: Layout, hw: Hardware, shape: tuple[int, ...]) 
     group = 1
     for a in t.axes:
         group *= layout.sizes[a]
-    if t.group is not None:  # a sub-axis (USP): its own ranks, on the wires of its parent axis
+    bandwidth = axis_bandwidth(hw, shape, t.axes)
+    if t.group is not None:  # a sub-axis (USP's, ep, edp): its own ranks, on the wires of its parent axis
         group = t.group[1]
-    return collective_seconds(t.op, t.bytes, group, axis_bandwidth(hw, shape, t.axes), hw.latency, t.calls)
+        if t.group[0] in ("ep", "edp"):  # expert groups: NVLink only when each stays in a node
+            bandwidth = expert_bandwidth(hw, layout, t.group[0])
+    return collective_seconds(t.op, t.bytes, group, bandwidth, hw.latency, t.calls)
+
+
+def _key(t: Transfer, layout: Layout) -> str | None:
+    """The axis name the exposed time is reported under: the sub-axis's (ep, edp) or the mesh group's."""
+    return t.group[0] if t.group and t.group[0] in ("ep", "edp") else axis_name(layout.sizes, t.axes)
 
 
 def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate:
@@ -118,12 +129,15 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
     tp_mb = sum(seconds[id(t)] for t in by_kind["tp"]) / m
     cp_mb = max(0.0, sum(seconds[id(t)] for t in by_kind["cp"] if t.op == "send") / m - hw.overlap * attention_mb)
     cp_mb += sum(seconds[id(t)] for t in by_kind["cp"] if t.op == "all_to_all") / m  # Ulysses: on the path
-    t_mb = compute_mb + tp_mb + cp_mb
+    ep_mb = sum(seconds[id(t)] for t in by_kind["ep"]) / m  # dispatch and combine: on the critical path
+    t_mb = compute_mb + tp_mb + cp_mb + ep_mb
     bubble = bubble_factor(layout) * t_mb
     for t in by_kind["tp"]:  # the bubble (in units of t_mb) already holds the idle share of these
         exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
     if by_kind["cp"]:
         exposed["cp"] += m * cp_mb
+    if by_kind["ep"]:
+        exposed["ep"] += m * ep_mb
 
     if p > 1:  # one message per forward and backward slot on the critical path
         message = next(t for t in by_kind["pp"] if t.op == "send")
@@ -149,22 +163,24 @@ def _add_data_parallel_exposure(exposed: dict[str, float], by_kind: dict[str, li
     backward_mb, forward_mb = compute_mb * 2 / 3, compute_mb / 3
     for t in by_kind["dp_grad"]:  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
         each = seconds[id(t)] / t.calls
-        exposed[axis_name(layout.sizes, t.axes)] += t.calls * max(0.0, each - hw.overlap * backward_mb)
+        exposed[_key(t, layout)] += t.calls * max(0.0, each - hw.overlap * backward_mb)
     for t in by_kind["dp_param"]:
-        exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
+        exposed[_key(t, layout)] += seconds[id(t)]
     for t in by_kind["zero3_param"]:  # about half the gathered bytes feed forwards, half feed backwards
         each = seconds[id(t)] / (2 * m)
         hidden = max(0.0, each - hw.overlap * forward_mb) + max(0.0, each - hw.overlap * backward_mb)
-        exposed[axis_name(layout.sizes, t.axes)] += m * hidden
+        exposed[_key(t, layout)] += m * hidden
     for t in by_kind["scalar"]:
-        exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
+        exposed[_key(t, layout)] += seconds[id(t)]
 
 
 def _update_seconds(spec: ModelSpec, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
     """(optimizer, offload) seconds of one update of this rank's parameters (its shard under ZeRO)."""
-    updated = rank_params(spec, layout, stage)
+    updated, experts = rank_params(spec, layout, stage), rank_expert_params(spec, layout, stage)
     if layout.zero_stage >= 1:
-        updated = ceil_div(updated, layout.shard_group)
+        updated = ceil_div(updated, layout.shard_group) + ceil_div(experts, layout.expert_shard_group)
+    else:
+        updated += experts
     optimizer = offload = 0.0
     if layout.offload_optimizer:
         optimizer = OPTIMIZER_BYTES_PER_PARAM * updated / hw.host_memory_bandwidth
