@@ -144,6 +144,8 @@ def _memory_and_checkpoint(directory: str) -> dict:
     expert_numel = sum(p.numel() for _, p in sync.named_params if is_expert(p))
     shards = sum(b.layout.shard_numel for b in sync.buckets)
     expert_buckets = [b for b in sync.buckets if b.axis is sync.expert_axis]
+    # what the experts hold under stage 1: full fp32 parameters and gradients, Adam moments of the edp shard
+    expert_bytes = sum(8 * b.layout.padded + 8 * b.layout.shard_numel for b in expert_buckets)
     engine.save_checkpoint(directory, tag="ep2")
     saved = engine.full_state_dict()
     other, *_ = initialize(model=moe_model(), config=ep_config(1, 2, zero=3), training_data=corpus_windows())
@@ -151,7 +153,7 @@ def _memory_and_checkpoint(directory: str) -> dict:
     loaded = other.full_state_dict()
     return {"optimizer_state": engine.memory_stats()["optimizer_state"], "shards": shards,
             "expert_numel": expert_numel, "expert_bucket_numel": sum(b.layout.numel for b in expert_buckets),
-            "edp": sync.expert_axis.size,
+            "edp": sync.expert_axis.size, "expert_bytes": expert_bytes,
             "same": all(torch.equal(v, loaded[k]) for k, v in saved.items()) and saved.keys() == loaded.keys()}
 
 
@@ -165,6 +167,13 @@ def test_expert_state_per_rank_and_checkpoint_across_ep(world2, tmp_path):
         assert r["expert_numel"] == r["expert_bucket_numel"] == expert_params // 2, (r, total_experts)
         assert r["edp"] == 1 and r["optimizer_state"] == 8 * r["shards"]
         assert r["same"]  # ep2 ZeRO-1 -> ep1 ZeRO-3: the checkpoint holds the experts whole
+    from paratrain.planner import model_spec
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.memory import expert_state_bytes
+
+    planned = expert_state_bytes(model_spec("mixtral-tiny"), Layout(dp=2, micro_batch=2, grad_accum=2, ep=2,
+                                                                    zero_stage=1, precision="fp32"), 0)
+    assert planned.params + planned.grads + planned.optimizer_state == per_rank[0]["expert_bytes"]
 
 
 def _meta_model():
