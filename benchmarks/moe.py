@@ -283,25 +283,36 @@ def _ep_bytes(comm: dict | None) -> str:
     return ", ".join(parts) or "—"
 
 
+def _repeat_medians(runs: list) -> str:
+    """Each repeat's median step (slowest rank), to show this shared machine's spread."""
+    return ", ".join(f"{statistics.median(max(s) for s in zip(*(rk['step_times'] for rk in ranks))) * 1e3:.0f}"
+                     for ranks in runs)
+
+
 def table(result: dict) -> str:
     lines = [f"{result['repeats']} interleaved repeats x {result['steps']} measured steps after "
              f"{result['warmup']} warm-up; {result['tokens_per_step']} tokens per step (global), 2 ranks. "
              f"Model: {result['model']}.", "",
              "| case | median step (ms) | tokens/s | peak RSS / rank, worst (MiB) | paratrain ep2 tokens/s ratio "
-             "| paratrain ep2 RSS ratio | first / last loss | ep all-to-all KiB/step/rank |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
+             "| paratrain ep2 RSS ratio | first / last loss | ep all-to-all KiB/step/rank | per-repeat medians (ms) |",
+             "|---|---:|---:|---:|---:|---:|---|---|---|"]
     ours = result["summary"][OURS]
     for case, row in result["summary"].items():
         if "tokens_per_s" not in row:
-            lines.append(f"| {case} | error | — | — | — | — | — | — |")
+            lines.append(f"| {case} | error | — | — | — | — | — | — | — |")
             continue
         vs = ours.get("vs", {}).get(case)
         ratio = f"{vs['tokens_per_s_ratio']:.3f}" if vs else "—"
         rss = f"{vs['peak_rss_ratio']:.3f}" if vs else "—"
         lines.append(f"| {case} | {row['median_step_s'] * 1e3:.1f} | {row['tokens_per_s']:.0f} | "
                      f"{row['peak_rss_mib']:.0f} | {ratio} | {rss} | {row['first_loss']:.4f} / "
-                     f"{row['last_loss']:.4f} | {_ep_bytes(row.get('comm_bytes_per_step'))} |")
-    lines += ["", "Ratios are paratrain ep2 / the row's case (tokens/s: > 1 is faster; RSS: < 1 is smaller)."]
+                     f"{row['last_loss']:.4f} | {_ep_bytes(row.get('comm_bytes_per_step'))} | "
+                     f"{_repeat_medians(result['raw'][case])} |")
+    lines += ["", "Ratios are paratrain ep2 / the row's case (tokens/s: > 1 is faster; RSS: < 1 is smaller). "
+                  "tokens/s is the global tokens of a step over the median over repeats of each repeat's median "
+                  "step (a step's time is its slowest rank's). The all-to-all bytes are rank 0's, summed over "
+                  "forward and backward, from `engine.comm_stats(by_tag=True)`; DeepSpeed exposes no such count. "
+                  "This machine is shared and noisy: compare the per-repeat medians before reading a ratio."]
     for case, error in result["errors"].items():
         lines += ["", f"{case} did not run: `{error.strip().splitlines()[-1][:600]}`"]
     lines += ["", "Differences that remain between the cases:", ""] + [f"- {d}" for d in result["differences"]]
