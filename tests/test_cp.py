@@ -21,7 +21,7 @@ from paratrain.context_parallel import (
 )
 from paratrain.testing import rel_diff
 from paratrain.testing.parity import layout_parity
-from tests.cases import TINY, adamw_config, corpus_windows, tiny_gpt
+from tests.cases import STABLE_EPS, TINY, adamw_config, corpus_windows, tiny_gpt
 
 STEPS = 5
 
@@ -112,6 +112,7 @@ def test_ring_attention_cp4_equals_dense_with_counted_exchanges(world4):
 def _parity(cp: int, tp: int = 1, sp: bool = False, accumulation: int = 1) -> dict:
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation,
                        context_parallel={"size": cp}, tensor_parallel={"size": tp, "sequence_parallel": sp})
+    cfg["optimizer"]["params"]["eps"] = STABLE_EPS
     data = corpus_windows()
     x, y = (torch.stack(t) for t in zip(data[0], data[1]))
 

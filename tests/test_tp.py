@@ -15,7 +15,7 @@ from paratrain.models import GPT
 from paratrain.placement import Shard, placement_of
 from paratrain.testing import rel_diff
 from paratrain.testing.parity import layout_parity
-from tests.cases import TINY, adamw_config, corpus_windows, tiny_gpt
+from tests.cases import STABLE_EPS, TINY, adamw_config, corpus_windows, tiny_gpt
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -135,6 +135,7 @@ def _parity(model: str, tp: int, sp: bool, accumulation: int = 1, stage: int = 0
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation,
                        tensor_parallel={"size": tp, "sequence_parallel": sp, "plan": plan},
                        zero_optimization={"stage": stage})
+    cfg["optimizer"]["params"]["eps"] = STABLE_EPS
     dense_params = dict(make().named_parameters())
 
     def shards(engine) -> dict:
