@@ -101,10 +101,14 @@ def dispatch(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
 
 
 def combine(expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """(E, C, d) -> (T, d): Σ over each token's kept choices of weight · its expert's row. The weighted sum is
-    accumulated in the weights' dtype (float32), as bf16 sums of k rows would lose precision, then cast back."""
-    d = expert_out.shape[-1]
-    rows = expert_out.reshape(-1, d).index_select(0, plan.slot)
+    """(E, C, d) -> (T, d): Σ over each token's kept choices of weight · its expert's row."""
+    return combine_rows(expert_out.reshape(-1, expert_out.shape[-1]).index_select(0, plan.slot), plan)
+
+
+def combine_rows(rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """(A, d) expert outputs of the kept choices (in the plan's order) -> (T, d): Σ weight · row per token. The
+    weighted sum is accumulated in the weights' dtype (float32), as bf16 sums of k rows would lose precision,
+    then cast back."""
     weighted = rows.to(plan.weight.dtype) * plan.weight.unsqueeze(-1)
-    out = weighted.new_zeros(plan.num_tokens, d).index_add(0, plan.token, weighted)
-    return out.to(expert_out.dtype)
+    out = weighted.new_zeros(plan.num_tokens, rows.shape[-1]).index_add(0, plan.token, weighted)
+    return out.to(rows.dtype)

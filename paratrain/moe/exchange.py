@@ -101,10 +101,3 @@ def expert_parallel_rows(x: torch.Tensor, plan: DispatchPlan, experts: nn.Module
     out_rows = out.reshape(group.local * widest, -1).index_select(0, slot)
     back = exchange_rows(out_rows, exchange.recv_rows, exchange.send_rows, group.axis, tag="ep_combine")
     return back, exchange
-
-
-def combine_rows(rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """(A, d) expert outputs of the kept choices -> (T, d): Σ weight · row per token (float32 sum, as combine)."""
-    weighted = rows.to(plan.weight.dtype) * plan.weight.unsqueeze(-1)
-    out = weighted.new_zeros(plan.num_tokens, rows.shape[-1]).index_add(0, plan.token, weighted)
-    return out.to(rows.dtype)

@@ -22,8 +22,8 @@ from torch import nn
 from paratrain.comm import reduce_from_region
 from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
-from paratrain.moe.dispatch import DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
-from paratrain.moe.exchange import ExpertGroup, combine_rows, expert_parallel_rows
+from paratrain.moe.dispatch import DispatchPlan, combine, combine_rows, dispatch, expert_capacity, plan_dispatch
+from paratrain.moe.exchange import ExpertGroup, expert_parallel_rows
 from paratrain.moe.experts import GroupedSwiGLU, SwiGLU
 from paratrain.moe.router import Router, load_balancing_loss, router_z_loss
 from paratrain.moe.stats import StepTotals, record_forward
