@@ -1,6 +1,6 @@
 """Expert parallelism: each mixture-of-experts layer keeps E/ep of its experts, over the ep sub-axis of dp x cp.
 
-    split = expert_parallelize(module, mesh)   # every MoELayer: experts [r·E/ep, (r+1)·E/ep) on ep rank r
+    split = expert_parallelize(model, spec.expert_layers(model), mesh)  # experts [r·E/ep, (r+1)·E/ep) on ep rank r
 
 The ep axis is folded inside dp x cp (`ParallelDims.expert_subgroups`): the ranks of an ep group see
 different tokens and hold different experts, so a layer sends each token's rows to the rank of its expert and
@@ -19,22 +19,17 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.mesh import Mesh
-from paratrain.moe import MoELayer
-from paratrain.moe.exchange import ExpertGroup
+from paratrain.moe.exchange import ExpertGroup, ExpertLayer
 from paratrain.origin import Origin, Step
 from paratrain.placement import Shard, place
 
 
-def moe_layers(module: nn.Module) -> list[tuple[str, MoELayer]]:
-    return [(name, m) for name, m in module.named_modules() if isinstance(m, MoELayer)]
-
-
-def check_expert_parallel(model: nn.Module, ep: int) -> None:
-    """Refuse, before anything changes, a model whose MoE layers the ep size cannot split."""
-    layers = moe_layers(model)
+def check_expert_parallel(layers: list[tuple[str, ExpertLayer]], ep: int) -> None:
+    """Refuse, before anything changes, a model whose MoE layers (`ModelSpec.expert_layers`) ep cannot split."""
     if not layers:
-        raise ConfigError(f"expert_parallel.size = {ep}: the model has no paratrain.moe.MoELayer to split; set "
-                          f"expert_parallel.size to 1, or build the model's experts with MoELayer")
+        raise ConfigError(f"expert_parallel.size = {ep}: the model has no mixture-of-experts layer to split "
+                          f"(paratrain.moe.MoELayer, deepspeed.moe.layer.MoE, or a Hugging Face MoE block); set "
+                          f"expert_parallel.size to 1, or build the model's experts with one of those")
     for name, layer in layers:
         if layer.num_experts % ep:
             works = [d for d in range(1, layer.num_experts + 1) if layer.num_experts % d == 0]
@@ -47,8 +42,8 @@ class ExpertSplit(Step):
 
     name = "expert parallel"
 
-    def __init__(self, group_axis, layers: list[str], experts: int):
-        self.axis, self.layers, self.experts = group_axis, layers, experts
+    def __init__(self, group_axis, layers: dict[str, str], experts: int):
+        self.axis, self.layers, self.experts = group_axis, layers, experts  # layers: split tensor -> its layer
 
     def origin(self, found: Origin) -> Origin:
         kind = found.placement.get("ep")
@@ -57,30 +52,31 @@ class ExpertSplit(Step):
         return found
 
     def explain(self, name: str) -> str | None:
-        path = name.rpartition(".")[0]
-        if any(path.startswith(layer + ".") for layer in self.layers):
-            return f"expert parallelism keeps experts of layer '{path.rpartition('.')[0]}' on this ep rank only"
-        return None
+        layer = self.layers.get(name)
+        return None if layer is None else f"expert parallelism keeps experts of layer '{layer}' on this ep rank only"
 
     def note(self) -> str:
-        return (f"expert parallel over {self.axis.size} ranks: {len(self.layers)} MoE layers, "
+        return (f"expert parallel over {self.axis.size} ranks: {len(set(self.layers.values()))} MoE layers, "
                 f"{self.experts // self.axis.size} of {self.experts} experts each per rank")
 
 
-def expert_parallelize(module: nn.Module, mesh: Mesh) -> ExpertSplit:
-    """Keep this ep rank's experts of every MoE layer of `module` (in place; meta tensors stay meta)."""
+def expert_parallelize(model: nn.Module, layers: list[tuple[str, ExpertLayer]], mesh: Mesh) -> ExpertSplit:
+    """Keep this ep rank's experts of every MoE layer of `model` (`ModelSpec.expert_layers`; in place, meta
+    tensors stay meta) and tell each layer which it keeps."""
     ep, _ = mesh.expert_axes()
-    layers = moe_layers(module)
-    for _, layer in layers:
+    module_names = {id(m): name for name, m in model.named_modules()}
+    split: dict[str, str] = {}
+    for layer_name, layer in layers:
         group = ExpertGroup(ep, layer.num_experts)
         lo, hi = group.first, group.first + group.local
-        for pname, p in list(layer.experts.named_parameters(recurse=False)):
+        for owner, pname in layer.stacked:
+            p = getattr(owner, pname)
             local = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
             for attribute, value in vars(p).items():  # records earlier steps left (tp placements)
                 setattr(local, attribute, value)
             place(local, "ep", Shard(0, layer.num_experts))
-            setattr(layer.experts, pname, local)
-        layer.experts.num_experts = group.local
-        layer.expert_parallel = group
+            setattr(owner, pname, local)
+            split[f"{module_names[id(owner)]}.{pname}".lstrip(".")] = layer_name
+        layer.assign(group)
     total = layers[0][1].num_experts if layers else 0
-    return ExpertSplit(ep, [name for name, _ in layers], total)
+    return ExpertSplit(ep, split, total)

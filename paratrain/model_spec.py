@@ -38,6 +38,7 @@ from torch import nn
 
 from paratrain.attention import CausalAttentionCore
 from paratrain.errors import Error, InvalidTypeError
+from paratrain.moe.exchange import ExpertLayer, expert_layers_of
 
 
 class ModelSpecError(Error, ValueError):
@@ -76,6 +77,12 @@ class ModelSpec:
 
     def attention_cores(self, model: nn.Module) -> list[nn.Module]:
         return [m for m in model.modules() if isinstance(m, CausalAttentionCore)]
+
+    def expert_layers(self, model: nn.Module) -> list[tuple[str, ExpertLayer]]:
+        """(name, ExpertLayer) of every mixture-of-experts layer expert parallelism splits: by default the
+        modules that describe themselves (`expert_layer()`: paratrain's MoELayer, DeepSpeed's MoE). A family
+        whose MoE blocks cannot (Hugging Face's) describes them here."""
+        return expert_layers_of(model)
 
     def after_split(self, model: nn.Module, sizes: Mapping[str, int]) -> None:
         """Called once tensor parallelism has split `model` (`sizes`: axis -> size): adjust what the family's

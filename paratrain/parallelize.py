@@ -134,7 +134,7 @@ def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None
                        "sp": int(tp.sequence_parallel and tp.size > 1), "ep": config.expert_parallel.size})
     check_context_parallel(model, cp)
     if config.expert_parallel.size > 1:
-        check_expert_parallel(model, config.expert_parallel.size)
+        check_expert_parallel(spec.expert_layers(model), config.expert_parallel.size)
     cpc = config.context_parallel
     heads = getattr(getattr(model, "config", None), "n_head", None)
     if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:
@@ -184,7 +184,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         steps.append(applied)
         streams["tp"] = applied.tracker
     if mesh.expert_axes() is not None:  # 1b. before the pipeline split, which keeps whatever the stage holds
-        steps.append(expert_parallelize(model, mesh))
+        steps.append(expert_parallelize(model, spec.expert_layers(model), mesh))
     module, split = model, None
     pp = config.pipeline
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed

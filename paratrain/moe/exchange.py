@@ -21,7 +21,8 @@ reduction: nothing waits for a rank that had nothing to do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -46,6 +47,25 @@ class ExpertGroup:
     @property
     def first(self) -> int:
         return self.axis.rank * self.local
+
+
+@dataclass
+class ExpertLayer:
+    """What expert parallelism needs of one mixture-of-experts layer, whatever its family: how many experts it
+    has, where its stacked expert parameters are (each (E, ...) along dim 0, as `(owner module, attribute)`),
+    and what to tell the layer once this rank keeps experts [group.first, group.first + group.local) only
+    (`assign(group)`: it then routes through `expert_parallel_rows`). paratrain's `MoELayer`, DeepSpeed's
+    `deepspeed.moe.layer.MoE` and Hugging Face MoE blocks each describe themselves with one."""
+
+    num_experts: int
+    stacked: list[tuple[nn.Module, str]] = field(default_factory=list)
+    assign: Callable[[ExpertGroup], None] = lambda group: None
+
+
+def expert_layers_of(module: nn.Module) -> list[tuple[str, ExpertLayer]]:
+    """(name, ExpertLayer) of every module of `module` that describes itself (`expert_layer()`), in order."""
+    return [(name, m.expert_layer()) for name, m in module.named_modules()
+            if callable(getattr(m, "expert_layer", None))]
 
 
 @dataclass

@@ -6,9 +6,9 @@
     moe.last.counts, moe.last.dropped   # what the last forward routed: per-expert counts, dropped choices
 
 The layer returns its losses rather than adding them anywhere, so the model decides their coefficients (see
-`router.load_balancing_loss` and `router.router_z_loss` for the exact formulas). Single process only: every
-expert is local. Expert parallelism will split `experts` along dim 0 and put an all-to-all between
-`dispatch` and `combine` (`paratrain/moe/dispatch.py`).
+`router.load_balancing_loss` and `router.router_z_loss` for the exact formulas). Expert parallelism
+(`paratrain.expert_parallel`, through `expert_layer()`) keeps a slice of `experts` along dim 0 and puts the
+all-to-alls of `paratrain/moe/exchange.py` between `dispatch` and `combine`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from paratrain.comm import reduce_from_region
 from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
 from paratrain.moe.dispatch import DispatchPlan, combine, combine_rows, dispatch, expert_capacity, plan_dispatch
-from paratrain.moe.exchange import ExpertGroup, expert_parallel_rows
+from paratrain.moe.exchange import ExpertGroup, ExpertLayer, expert_parallel_rows
 from paratrain.moe.experts import GroupedSwiGLU, SwiGLU
 from paratrain.moe.router import Router, load_balancing_loss, router_z_loss
 from paratrain.moe.stats import StepTotals, record_forward
@@ -78,6 +78,15 @@ class MoELayer(nn.Module):
         self.shared_experts = SwiGLU(d_model, width) if shared_experts else None
         self.last: MoEStats | None = None
         self.step_totals: StepTotals | None = None  # this step's training forwards (stats.take_routing resets)
+
+    def expert_layer(self) -> ExpertLayer:
+        """For expert parallelism: the three stacked (E, ...) projections of `experts`."""
+        return ExpertLayer(self.num_experts, [(self.experts, name) for name in ("gate_proj", "up_proj", "down_proj")],
+                           self._keep_experts)
+
+    def _keep_experts(self, group: ExpertGroup) -> None:
+        self.experts.num_experts = group.local
+        self.expert_parallel = group
 
     def split_tokens_over(self, axis: Axis) -> None:
         """Sequence parallelism runs this layer on the s/tp tokens of each rank: the balancing and z losses,
