@@ -175,6 +175,56 @@ def test_expert_state_per_rank_and_checkpoint_across_ep(world2, tmp_path):
     assert planned.params + planned.grads + planned.optimizer_state == per_rank[0]["expert_bytes"]
 
 
+def _sharded_expert_state() -> dict:
+    """dp4 with ep2 (edp = 2) under ZeRO-1 and ZeRO-3: the expert shards each rank holds, and its state."""
+    from paratrain.api import initialize
+    from paratrain.data_parallel.base import is_expert
+
+    out = {}
+    for stage in (1, 3):
+        engine, *_ = initialize(model=moe_model(), config=ep_config(2, 4, zero=stage, micro_batch=1),
+                                training_data=corpus_windows())
+        engine.train_batch()
+        sync = engine.parallel.grad_sync
+        pieces = sync.buckets if stage == 1 else sync._flats()  # ZeRO-1: grad buckets; ZeRO-3: flat units
+        experts = [p for p in pieces if p.axis is sync.expert_axis]
+        stats = engine.memory_stats()
+        out[stage] = {"edp": sync.expert_axis.size, "optimizer_state": stats["optimizer_state"],
+                      "expert_numel": sum(p.numel() for p in engine.module.parameters() if is_expert(p)),
+                      "expert_layout_numel": sum(p.layout.numel for p in experts),
+                      "expert_shards": [(p.layout.padded, p.layout.shard_numel) for p in experts],
+                      "all_shards": sum(p.layout.shard_numel for p in pieces)}
+        if stage == 3:
+            out[stage]["params"] = stats["params"] - stats["gathered_params"]
+            out[stage]["grads"] = stats["grads"]
+    return out
+
+
+def test_expert_state_is_sharded_over_the_expert_data_parallel_group(world4):
+    from paratrain.planner import model_spec
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.memory import expert_state_bytes
+
+    expert_params = sum(p.numel() for n, p in moe_model().named_parameters() if ".experts." in n)
+    for r in world4.run(_sharded_expert_state):
+        for stage, got in r.items():
+            # experts / ep = 2 on each rank, each piece's state over edp = 4 / 2 = 2 ranks
+            assert got["edp"] == 2 and got["expert_numel"] == got["expert_layout_numel"] == expert_params // 2
+            assert all(shard * 2 == padded for padded, shard in got["expert_shards"]), got
+            # Adam's two fp32 moments of exactly the shards: dense ones over dp = 4, expert ones over edp = 2
+            assert got["optimizer_state"] == 8 * got["all_shards"], (stage, got)
+            shards = sum(shard for _, shard in got["expert_shards"])
+            if stage == 1:  # full fp32 expert parameters and gradients, moments of the edp shard
+                held = sum(8 * padded + 8 * shard for padded, shard in got["expert_shards"])
+            else:  # parameters, gradients and moments all of the edp shard
+                held = 16 * shards
+                assert got["params"] == got["grads"] == 4 * got["all_shards"], got
+            planned = expert_state_bytes(model_spec("mixtral-tiny"), Layout(dp=4, micro_batch=1, grad_accum=2,
+                                                                            ep=2, zero_stage=stage,
+                                                                            precision="fp32"), 0)
+            assert planned.params + planned.grads + planned.optimizer_state == held, (stage, planned, held)
+
+
 def _meta_model():
     with torch.device("meta"):
         return moe_model()
