@@ -28,7 +28,7 @@ from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
 from paratrain.data.batch_check import BatchChecker
 from paratrain.data.nested import to_device
-from paratrain.deferred import template_of
+from paratrain.deferred import return_freed_heap, template_of
 from paratrain.distributed import current_device
 from paratrain.engine_checkpoints import EngineCheckpoints
 from paratrain.engine_setup import (
@@ -79,6 +79,8 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
                                                         local_param_groups(groups, self.parallel,
                                                                            self.grad_sync.named_params))
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
+        if template is not None:  # the local state is allocated, not yet written: trim before the writes peak
+            return_freed_heap()
         if config.checkpoint.load_weights:  # weights only; also what a meta model starts from
             self.load_weights(config.checkpoint.load_weights, config.checkpoint.load_weights_map)
         elif template is not None:  # deferred init: eager construction's values, or sharded draws (meta_init)

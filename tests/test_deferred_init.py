@@ -41,9 +41,12 @@ def _config(tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0, precision: str
 def _meta(family: str, how: str):
     def build():
         torch.manual_seed(1)
-        if how == "init_empty":
+        if how.startswith("init_empty"):
             with paratrain.init_empty():
-                return FAMILIES[family]()
+                model = FAMILIES[family]()
+            if how == "init_empty, then other draws":  # the recorded state counts, not the one at initialize
+                torch.rand(1000)
+            return model
         if how == "zero.Init":
             with paratrain.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
                 return FAMILIES[family]()
@@ -93,7 +96,7 @@ def test_meta_model_in_dp2_tp2_pp2(world8):
     _run(world8, "llama", "init_empty", ["dp2 x pp2 x tp2"])
 
 
-@pytest.mark.parametrize("how", ["torch.device", "zero.Init"])
+@pytest.mark.parametrize("how", ["torch.device", "zero.Init", "init_empty, then other draws"])
 def test_bare_meta_device_and_deepspeeds_name_give_the_same_values(world2, how):
     for row in world2.run(_eager_and_meta, dict(zero=3), "gpt", how, 2):
         assert row["same"], row["bad"]
@@ -164,3 +167,27 @@ def test_zero_init_refuses_what_it_cannot_honour():
         paratrain.zero.Init(remote_device="nvme")
     with paratrain.zero.Init(enabled=False):
         assert not nn.Linear(2, 2).weight.is_meta
+
+
+def test_the_template_is_the_meta_models_structure_with_tensors_of_its_own():
+    """`template_of` copies the module tree and the tensors, shares the rest (configs, hook dicts), and points
+    a plain attribute naming a registered tensor at the copy, as a deep copy would."""
+    from paratrain.deferred import template_of
+    from paratrain.empty_init import RNG_ATTRIBUTE
+
+    with paratrain.init_empty():
+        model = tiny_llama()
+    model.head_alias = model.lm_head.weight  # a plain attribute naming a registered tensor
+    template = template_of(model)
+    assert [n for n, _ in template.named_modules()] == [n for n, _ in model.named_modules()]
+    ours, theirs = dict(template.named_parameters()), dict(model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert t is not theirs[name] and t.is_meta
+        assert (t.shape, t.dtype) == (theirs[name].shape, theirs[name].dtype)
+        assert getattr(t, RNG_ATTRIBUTE) is getattr(theirs[name], RNG_ATTRIBUTE)  # construction's random state
+    assert template.head_alias is template.lm_head.weight
+    assert template.config is model.config
+    kept = template.lm_head.weight
+    model.lm_head.weight = nn.Parameter(torch.zeros(1))  # what a strategy does to the model leaves it alone
+    assert template.lm_head.weight is kept and kept.shape != (1,)
