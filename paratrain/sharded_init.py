@@ -41,7 +41,7 @@ from paratrain.empty_init import RNG_ATTRIBUTE, model_tensors
 from paratrain.errors import Error
 from paratrain.model_spec import ModelSpec
 
-BLOCK_NUMEL = 1 << 20  # elements per row block: the transient memory of one draw (4 MiB in fp32)
+BLOCK_NUMEL = 1 << 16  # elements per row block: the transient memory of one draw (256 KiB in fp32)
 
 Call = tuple[nn.Module, Callable[[], None]]
 

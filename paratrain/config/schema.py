@@ -78,7 +78,7 @@ class Config(Section):
     """How initialize() fills a model built on the meta device (`paratrain.init_empty()`) when no load_weights is
     given: "replay" gives every tensor, bit for bit, the value eager construction with the same seed gives
     (every rank replays the model's initialization on full-size temporaries of one module at a time);
-    "sharded" draws each rank's part only, in row blocks of at most 1M elements, with the same distribution
+    "sharded" draws each rank's part only, in row blocks of at most 64Ki elements, with the same distribution
     but not eager's values (FSDP2-like; the same values in any layout; docs/big-models.md). No effect on a
     model with real tensors."""
     data_parallel: DataParallelConfig = Field(default_factory=DataParallelConfig)
