@@ -16,6 +16,7 @@ from paratrain.engine import Engine
 from paratrain.errors import InvalidValueError
 from paratrain.mesh import ParallelDims
 from paratrain.model_spec import pretrained_for
+from paratrain.moe.layer import expert_parallel_size_of
 from paratrain.parallelize import check_supported
 
 log = logging.getLogger("paratrain")
@@ -86,6 +87,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     source = _config_source(args, config, config_params)
     # Validate everything that can be validated before touching any process group.
     cfg = load_config(source)
+    # DeepSpeed's MoE layers carry their ep_size; it is the config's expert_parallel.size (checked: pure, so
+    # every rank refuses a disagreement the same way before any process group exists)
+    cfg.expert_parallel.size = expert_parallel_size_of(model, cfg.expert_parallel.size)
     if pretrained is not None:
         _load_pretrained_weights(cfg, pretrained.weights)
     init_distributed(timeout=cfg.comm.timeout_s)

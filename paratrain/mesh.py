@@ -80,8 +80,9 @@ class ParallelDims:
         folded = self.dp * self.cp
         if not isinstance(self.ep, int) or self.ep < 1 or folded % self.ep:
             works = [d for d in range(1, folded + 1) if folded % d == 0]
-            raise MeshError(f"expert_parallel.size {self.ep!r} must divide dp x cp = {self.dp}x{self.cp} = {folded} "
-                            f"(the experts are split over ranks that see different tokens); use one of {works}")
+            raise MeshError(f"expert_parallel.size {self.ep!r} (deepspeed.moe.layer.MoE's ep_size sets it) must "
+                            f"divide dp x cp = {self.dp}x{self.cp} = {folded} (the experts are split over ranks "
+                            f"that see different tokens); use one of {works}")
 
     def cp_subgroups(self) -> dict[str, list[list[int]]]:
         """USP's two sub-axes of every cp group (cp index c = ring index · u + Ulysses index): "cp_ulysses"

@@ -38,6 +38,7 @@ from paratrain.data_parallel.zero import ZERO_STAGES
 from paratrain.expert_parallel import check_expert_parallel, expert_parallelize
 from paratrain.mesh import Axis, Mesh
 from paratrain.model_spec import DEFAULT_SPEC, ModelSpec, spec_for
+from paratrain.moe.layer import expert_parallel_size_of
 from paratrain.origin import Origin, Renamed, Step
 from paratrain.pipeline.module import PipelineModule
 from paratrain.pipeline.runtime import PipelineRunner
@@ -125,6 +126,18 @@ def check_supported(config: Config) -> None:
                               "with the optimizer; also set zero_optimization.offload_optimizer.device to \"cpu\"")
 
 
+def _check_experts(model: nn.Module, config: Config, spec: ModelSpec) -> None:
+    """The expert-parallel size against the model's MoE layers (DeepSpeed's carry their own ep_size)."""
+    ep = config.expert_parallel.size
+    layers_ep = expert_parallel_size_of(model, ep)  # refuses layers that disagree with each other or the config
+    if layers_ep != ep:  # an engine built without initialize(), which adopts the layers' size
+        raise ConfigError(f"config key 'expert_parallel.size' = {ep} but the model's deepspeed.moe.layer.MoE "
+                          f"layers have ep_size={layers_ep}: set expert_parallel.size to {layers_ep}, or build "
+                          f"the engine with paratrain.initialize (it takes the layers' ep_size)")
+    if ep > 1:
+        check_expert_parallel(spec.expert_layers(model), ep)
+
+
 def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None) -> None:
     """Checks that need the model, before anything changes or communicates."""
     spec = spec or spec_for(model)
@@ -133,8 +146,7 @@ def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None
     spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp,
                        "sp": int(tp.sequence_parallel and tp.size > 1), "ep": config.expert_parallel.size})
     check_context_parallel(model, cp)
-    if config.expert_parallel.size > 1:
-        check_expert_parallel(spec.expert_layers(model), config.expert_parallel.size)
+    _check_experts(model, config, spec)
     cpc = config.context_parallel
     heads = getattr(getattr(model, "config", None), "n_head", None)
     if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:

@@ -352,8 +352,8 @@ def test_deepspeed_moe_residual_and_eval_capacity():
 def test_deepspeed_moe_refusals():
     assert isinstance(deepspeed.moe.layer.MoE, type)  # no longer refused by name
     linear = nn.Linear(4, 4)
-    with pytest.raises(Error, match="expert parallelism of DeepSpeed's layer is not built"):
-        deepspeed.moe.layer.MoE(4, linear, num_experts=4, ep_size=2)
+    with pytest.raises(Error, match=r"ep_size=3\): ep_size must divide num_experts"):  # ep_size 2 works
+        deepspeed.moe.layer.MoE(4, linear, num_experts=4, ep_size=3)
     with pytest.raises(Error, match="k=3"):
         deepspeed.moe.layer.MoE(4, linear, num_experts=4, k=3)
     with pytest.raises(Error, match="layer 1 is Conv1d"):

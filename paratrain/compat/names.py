@@ -104,15 +104,14 @@ PIPE = {
     "PipelineEngine": TOP_LEVEL["PipelineEngine"],
 }
 
-# deepspeed.moe.<name> (paratrain.moe has DeepSpeed's layer.MoE, ep_size 1; paratrain.moe.experts is paratrain's
-# own module of stacked experts, so DeepSpeed's deepspeed.moe.experts.Experts is a plain AttributeError)
+# deepspeed.moe.<name> (paratrain.moe has DeepSpeed's layer.MoE, ep_size included, and utils' param groups;
+# paratrain.moe.experts is paratrain's own module of stacked experts, so DeepSpeed's deepspeed.moe.experts.Experts
+# is a plain AttributeError)
 MOE = {
-    "utils": "with ep_size 1 every expert parameter is an ordinary data-parallel parameter: pass "
-             "model.parameters() to the optimizer instead of split_params_into_different_moe_groups_for_optimizer "
-             "(is_moe_param has nothing to tell apart)",
     "sharded_moe": "DeepSpeed's gating internals are not mirrored; use deepspeed.moe.layer.MoE (its gate is "
                    "moe.deepspeed_moe.gate)",
-    "mappings": "expert-parallel communication is not built (ep_size 1 only)",
+    "mappings": "DeepSpeed's token gather/drop for expert tensor parallelism is not built (experts are not split "
+                "over tp); the expert-parallel all-to-alls are inside deepspeed.moe.layer.MoE",
 }
 
 # deepspeed.comm.<name> (paratrain.comm is paratrain's counted collectives: they take a mesh Axis)

@@ -1,10 +1,11 @@
 """Mixture of experts, single process: the router and its losses (`router.py`), dispatch / combine
 (`dispatch.py`), experts as stacked parameters computed by batched matmuls (`experts.py`), the layer
 (`mixture.py`), its per-step routing metrics (`stats.py`), and DeepSpeed's `deepspeed.moe.layer.MoE`
-(`layer.py`). A building block below the strategies, like `paratrain.attention`; the expert-parallel axis is
-not built yet (docs/moe.md)."""
+(`layer.py`, with `deepspeed.moe.utils`' param groups in `utils.py`). A building block below the strategies,
+like `paratrain.attention`; `exchange.py` holds the expert-parallel all-to-alls that `paratrain.expert_parallel`
+sets up (docs/moe.md)."""
 
-from paratrain.moe import layer
+from paratrain.moe import layer, utils
 from paratrain.moe.dispatch import DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
 from paratrain.moe.experts import GroupedSwiGLU, StackedMLP, SwiGLU
 from paratrain.moe.mixture import MoELayer, MoEOutput, MoEStats
@@ -13,7 +14,7 @@ from paratrain.moe.stats import LayerRouting, RoutingStep, collect_routing, redu
 
 __all__ = ["DispatchPlan", "GroupedSwiGLU", "LayerRouting", "MoELayer", "MoEOutput", "MoEStats", "Router", "Routing",
            "RoutingStep", "StackedMLP", "SwiGLU", "collect_routing", "combine", "dispatch", "expert_capacity", "layer",
-           "load_balancing_loss", "plan_dispatch", "reduce_routing", "router_z_loss", "take_routing"]
+           "load_balancing_loss", "plan_dispatch", "reduce_routing", "router_z_loss", "take_routing", "utils"]
 
 
 def __getattr__(name: str):
