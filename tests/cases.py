@@ -95,7 +95,10 @@ HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                # and a shared expert behind a sigmoid gate, top-k weights not renormalised (norm_topk_prob False)
                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**TINY_MOE, "num_experts": 4,
                                                                        "moe_intermediate_size": 32,
-                                                                       "shared_expert_intermediate_size": 64})}
+                                                                       "shared_expert_intermediate_size": 64}),
+               # q/k norms per head, no shared expert
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**TINY_MOE, "num_experts": 4,
+                                                                       "moe_intermediate_size": 32})}
 
 
 def tiny_hf(family: str = "llama", seed: int = 1, **overrides):

@@ -1,5 +1,6 @@
-"""Hugging Face mixture-of-experts models (Mixtral; Qwen2-MoE with its gated shared expert) in every layout,
-expert parallelism included, against the transformers model trained in one process by its own eager forward.
+"""Hugging Face mixture-of-experts models (Mixtral; Qwen2-MoE with its gated shared expert; Qwen3-MoE) in
+every layout, expert parallelism included, against the transformers model trained in one process by its own
+eager forward.
 
 paratrain routes the experts modules through its own dropless dispatch and batched matmuls (`hf_moe.py`);
 the first tests hold that implementation to transformers' eager loop directly, forward and gradients. The
@@ -26,7 +27,7 @@ from tests.test_hybrid import layout
 transformers = pytest.importorskip("transformers")
 
 STEPS = 4
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def with_ep(ep: int, **parts) -> dict:
@@ -43,7 +44,8 @@ MIXTRAL_4 = [with_ep(1, dp=4), with_ep(1, dp=4, zero=1), with_ep(1, dp=4, zero=3
              with_ep(2, dp=2, pp=2)]
 QWEN_4 = [with_ep(1, dp=2, tp=2, sp=True), with_ep(2, dp=4), with_ep(2, dp=2, tp=2, sp=True),
           with_ep(2, dp=2, pp=2)]
-MATRIX_4 = [("mixtral", cfg) for cfg in MIXTRAL_4] + [("qwen2_moe", cfg) for cfg in QWEN_4]
+MATRIX_4 = [("mixtral", cfg) for cfg in MIXTRAL_4] + [("qwen2_moe", cfg) for cfg in QWEN_4] + \
+    [("qwen3_moe", with_ep(2, dp=2, pp=2))]  # q/k norms per head, no shared expert (its tp plan: not yet)
 
 
 def _loss_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
