@@ -142,7 +142,9 @@ def test_every_layout_with_expert_parallelism_4_ranks(world4):
     print("\n".join(lines))
 
 
-def _train_and_save(out: str) -> dict | None:
+def _train_save_and_load(out: str) -> tuple | None:
+    """ep2 ZeRO-3: two steps, save_pretrained; then the directory back in at ep4 (each rank reads its expert)."""
+    import paratrain
     from paratrain.api import initialize
 
     model = tiny_hf("mixtral")
@@ -153,11 +155,17 @@ def _train_and_save(out: str) -> dict | None:
     engine.save_pretrained(out)
     state = engine.full_state_dict()
     engine.destroy()
-    return state if dist.get_rank() == 0 else None
+    engine, *_ = paratrain.from_pretrained(out, config=with_ep(4, dp=4), training_data=corpus_windows())
+    local = engine.module.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape[0]
+    loaded = engine.full_state_dict()
+    engine.destroy()
+    return (state, loaded, local) if dist.get_rank() == 0 else None
 
 
 def test_save_pretrained_of_an_ep2_run_loads_into_transformers(world4, tmp_path):
-    state = world4.run(_train_and_save, str(tmp_path))[0]
+    state, reloaded, local = world4.run(_train_save_and_load, str(tmp_path))[0]
+    assert local == 1 and set(reloaded) == set(state)  # in again at ep4: one expert per rank, the same tensors
+    assert all(torch.equal(reloaded[k], state[k]) for k in state)
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 128, 32)  # all E experts, HF's names
     config = json.loads((tmp_path / "config.json").read_text())
     assert "paratrain" not in json.dumps(config)  # neither the experts nor the attention registry key
