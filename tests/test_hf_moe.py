@@ -77,19 +77,26 @@ def test_the_view_routes_experts_only_for_models_that_have_them():
     assert HFCausalLM(tiny_hf("llama")).config._experts_implementation != "paratrain"
 
 
-def test_moe_blocks_stay_whole_in_the_tp_plan_and_dense_layers_keep_theirs():
+@pytest.mark.parametrize("source", ["config", "names"])
+@pytest.mark.parametrize("dense", [0, 1])
+def test_moe_blocks_stay_whole_in_the_tp_plan_and_dense_layers_keep_theirs(source, dense):
+    """Qwen2-MoE with one dense layer (`mlp_only_layers`), the plan from its config or from the name rules."""
     from paratrain.model_spec import spec_for
     from paratrain.models import HFCausalLM
     from paratrain.tensor_parallel.plan import resolve_plan
 
-    view = HFCausalLM(tiny_hf("qwen2_moe", mlp_only_layers=[0]))  # layer 0 dense, layer 1 a MoE block
+    view = HFCausalLM(tiny_hf("qwen2_moe", mlp_only_layers=[dense]))
+    if source == "names":
+        view.config.base_model_tp_plan = None
+    moe = 1 - dense
     plan = spec_for(view).tp_plan(view)
-    assert plan["model.layers.1.mlp"] == "sequence" and "model.layers.0.mlp" not in plan.values()
-    assert plan["model.layers.0.mlp.gate_proj"] == "colwise" and plan["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert plan[f"model.layers.{moe}.mlp"] == "sequence"
+    assert plan[f"model.layers.{dense}.mlp.gate_proj"] == "colwise"
+    assert plan[f"model.layers.{dense}.mlp.down_proj"] == "rowwise"
     assert not any("experts" in k or "layers.*.mlp" in k for k in plan), plan  # the config's expert entries
     resolved = resolve_plan(view, None, 2, True)
-    assert resolved["model.layers.1.mlp"] == "sequence" and resolved["model.layers.0.mlp"] == "region_input"
-    assert not any(k.startswith("model.layers.1.mlp.") for k in resolved)  # router, experts, shared expert whole
+    assert resolved[f"model.layers.{dense}.mlp"] == "region_input"
+    assert not any(k.startswith(f"model.layers.{moe}.mlp.") for k in resolved)  # router, experts, shared expert
 
 
 @pytest.mark.parametrize("setting, value", [("output_router_logits", True), ("router_jitter_noise", 0.1)])

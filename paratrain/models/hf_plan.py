@@ -83,11 +83,13 @@ def _from_config(model: HFCausalLM) -> dict[str, str] | None:
 
 
 def _from_names(model: HFCausalLM) -> dict[str, str]:
-    layer, prefix = model.layers[0], _layer_prefix(model)
+    """Every decoder layer's linear layers outside MoE blocks (a dense layer after MoE ones has its own)."""
+    prefix = _layer_prefix(model)
     out = {}
-    blocks = moe_blocks(layer)
-    for name, module in layer.named_modules():
-        if not name or not _is_linear(module) or any(name.startswith(f"{b}.") for b in blocks):
+    found = [(n, m) for layer in model.layers for n, m in layer.named_modules()
+             if not any(n.startswith(f"{b}.") for b in moe_blocks(layer))]
+    for name, module in found:
+        if not name or not _is_linear(module) or f"{prefix}.{name}" in out:
             continue
         last = name.rsplit(".", 1)[-1]
         style = _packed_style(model, name) or next((s for s, names in RULES.items() if last in names), None)
