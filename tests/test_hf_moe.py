@@ -41,7 +41,7 @@ def with_ep(ep: int, **parts) -> dict:
 MIXTRAL_4 = [with_ep(1, dp=4), with_ep(1, dp=4, zero=1), with_ep(1, dp=4, zero=3, micro_batch=1),
              with_ep(1, dp=2, tp=2), with_ep(1, dp=2, tp=2, sp=True), with_ep(1, dp=2, pp=2), with_ep(1, dp=2, cp=2),
              with_ep(2, dp=4), with_ep(4, dp=4), with_ep(2, dp=4, zero=3, micro_batch=1), with_ep(2, dp=2, tp=2),
-             with_ep(2, dp=2, pp=2)]
+             with_ep(2, dp=2, pp=2), with_ep(2, dp=2, cp=2, ckpt="full")]  # recomputation redoes the all-to-alls
 QWEN_4 = [with_ep(1, dp=2, tp=2, sp=True), with_ep(2, dp=4), with_ep(2, dp=2, tp=2, sp=True),
           with_ep(2, dp=2, pp=2)]
 MATRIX_4 = [("mixtral", cfg) for cfg in MIXTRAL_4] + [("qwen2_moe", cfg) for cfg in QWEN_4] + \

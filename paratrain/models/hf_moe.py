@@ -116,8 +116,9 @@ def hf_expert_layers(model: nn.Module) -> list[tuple[str, ExpertLayer]]:
 
 
 def moe_blocks(layer: nn.Module) -> list[str]:
-    """Names (under a decoder layer) of its MoE blocks: the modules whose child is an experts module."""
-    return [name.rpartition(".")[0] for name, m in layer.named_modules() if name and is_hf_experts(m)]
+    """Names (under a decoder layer) of its MoE blocks: the modules whose child is an experts module (or the
+    experts module itself, when the layer holds it directly)."""
+    return [name.rpartition(".")[0] or name for name, m in layer.named_modules() if name and is_hf_experts(m)]
 
 
 def check_moe_config(model: nn.Module, kind: str) -> None:
