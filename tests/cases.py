@@ -77,6 +77,7 @@ def import_deepspeed(module: str = "deepspeed"):
 # Tiny transformers causal LMs (random weights; no hub here): grouped-query attention with tp = n_kv_heads.
 TINY_HF = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+TINY_MOE = dict(num_experts_per_tok=2, experts_implementation="eager", attn_implementation="eager")
 HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
                "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
@@ -86,7 +87,18 @@ HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                                                           "bos_token_id": 0, "eos_token_id": 0}),
                # Phi-3: packed qkv_proj and gate_up_proj
                "phi3": ("Phi3Config", "Phi3ForCausalLM", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 0,
-                                                          "bos_token_id": 0, "eos_token_id": 0})}
+                                                          "bos_token_id": 0, "eos_token_id": 0}),
+               # Mixture of experts: 4 experts, top-2, in every layer; the reference runs transformers' own eager
+               # experts loop and attention (the engine's view routes them through paratrain's)
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**TINY_MOE, "num_local_experts": 4,
+                                                                  "sliding_window": None}),
+               # and a shared expert behind a sigmoid gate, top-k weights not renormalised (norm_topk_prob False)
+               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**TINY_MOE, "num_experts": 4,
+                                                                       "moe_intermediate_size": 32,
+                                                                       "shared_expert_intermediate_size": 64}),
+               # q/k norms per head, no shared expert
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**TINY_MOE, "num_experts": 4,
+                                                                       "moe_intermediate_size": 32})}
 
 
 def tiny_hf(family: str = "llama", seed: int = 1, **overrides):

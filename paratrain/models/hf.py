@@ -17,7 +17,8 @@ vocab-parallel cross-entropy, and ring attention replaces the attention kernel. 
 attention through a registry (`AttentionInterface`); the view registers `"paratrain"` there, which calls a
 `CausalAttentionCore` attached to each attention module as `core` (no parameters, so no name changes). That core
 is what context parallelism and selective checkpointing replace, exactly as in the built-in families. The
-masks are causal and unpadded, so no mask tensor is built; a padding `attention_mask` is refused.
+masks are causal and unpadded, so no mask tensor is built; a padding `attention_mask` is refused. Experts
+modules of MoE blocks go through transformers' experts registry the same way (`hf_moe.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from paratrain.attention import CausalAttentionCore
 from paratrain.model_spec import ModelSpecError
 from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
+from paratrain.models.hf_moe import install_experts
 
 ATTENTION_NAME = "paratrain"  # the key in transformers' attention registry
 ATTENTION_CHILDREN = ("self_attn", "attn", "attention", "self_attention")
@@ -150,6 +152,7 @@ class HFCausalLM(nn.Module):
         self.config = hf_model.config
         object.__setattr__(self, "hf_model", hf_model)  # not a child: its parameters are already ours
         _register_attention(hf_model)
+        install_experts(hf_model)  # MoE blocks' experts: paratrain's dispatch and all-to-alls (hf_moe.py)
         for attn in attention_modules(self.layers):
             if not isinstance(getattr(attn, "core", None), nn.Module):
                 attn.core = CausalAttentionCore(float(getattr(attn, "attention_dropout", 0.0) or 0.0))

@@ -18,6 +18,12 @@ under sequence parallelism.
 A model without a plan gets one from the names of its decoder layer's linear layers (`RULES`: q/k/v/o,
 gate/up/down, fc1/fc2, ...). A linear layer that fits no rule is refused by name, with the config entry to
 write.
+
+Mixture-of-experts blocks (Mixtral's and Qwen-MoE's `mlp`: router, experts, shared expert and its gate) stay
+whole on every tp rank, as in paratrain's own MoE Llama: the plan marks each block 'sequence', so under
+sequence parallelism it routes this rank's s/tp tokens and its gradients are summed over tp. The config's
+entries inside those blocks (`packed_colwise` experts, `moe_tp_experts`, a dense MLP's `mlp.gate_proj` that
+only dense layers have) are dropped for the MoE layers and kept, per layer, for the dense ones.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from torch import nn
 
 from paratrain.model_spec import ModelSpecError
 from paratrain.models.hf import HFCausalLM, attention_modules
+from paratrain.models.hf_moe import moe_blocks
+from paratrain.tensor_parallel.plan import match
 
 HF_STYLES = {
     "colwise": "colwise", "local_colwise": "colwise",
@@ -58,7 +66,8 @@ def _from_config(model: HFCausalLM) -> dict[str, str] | None:
     if not hf_plan:
         return None
     out = {}
-    for pattern, style in hf_plan.items():
+    for pattern, style in _outside_moe_blocks(model, {f"{model.layout.base}.{p}": s for p, s in hf_plan.items()}):
+        pattern = pattern.removeprefix(f"{model.layout.base}.")
         packed = _packed_style(model, pattern)
         if packed is not None:  # transformers gathers a packed output (and splits o_proj's input): we split parts
             out[f"{model.layout.base}.{pattern}"] = packed
@@ -74,10 +83,13 @@ def _from_config(model: HFCausalLM) -> dict[str, str] | None:
 
 
 def _from_names(model: HFCausalLM) -> dict[str, str]:
-    layer, prefix = model.layers[0], _layer_prefix(model)
+    """Every decoder layer's linear layers outside MoE blocks (a dense layer after MoE ones has its own)."""
+    prefix = _layer_prefix(model)
     out = {}
-    for name, module in layer.named_modules():
-        if not name or not _is_linear(module):
+    found = [(n, m) for layer in model.layers for n, m in layer.named_modules()
+             if not any(n.startswith(f"{b}.") for b in moe_blocks(layer))]
+    for name, module in found:
+        if not name or not _is_linear(module) or f"{prefix}.{name}" in out:
             continue
         last = name.rsplit(".", 1)[-1]
         style = _packed_style(model, name) or next((s for s, names in RULES.items() if last in names), None)
@@ -90,6 +102,34 @@ def _from_names(model: HFCausalLM) -> dict[str, str]:
                                  f"with {write} for it (and every other layer), or use tensor_parallel.size 1")
         out[f"{prefix}.{name}"] = style
     return out
+
+
+def _outside_moe_blocks(model: HFCausalLM, plan: dict[str, str]) -> list[tuple[str, str]]:
+    """`plan`'s entries with the MoE blocks taken out: a decoder-layer pattern that reaches into a layer's MoE
+    block is kept only for the layers where it names a module outside one (concrete per-layer patterns)."""
+    prefix = _layer_prefix(model)
+    per_layer = [(i, moe_blocks(layer), [n for n, _ in layer.named_modules() if n])
+                 for i, layer in enumerate(model.layers)]
+    if not any(blocks for _, blocks, _ in per_layer):
+        return list(plan.items())
+    out = []
+    for pattern, style in plan.items():
+        rest = pattern[len(prefix) + 1:] if pattern.startswith(f"{prefix}.") else None
+        if rest is None:
+            out.append((pattern, style))
+            continue
+        kept = [i for i, blocks, names in per_layer if _outside(rest, blocks, names)]
+        if len(kept) == len(per_layer):
+            out.append((pattern, style))
+        else:
+            out += [(f"{model.layout.base}.{model.layout.layers}.{i}.{rest}", style) for i in kept]
+    return out
+
+
+def _outside(pattern: str, blocks: list[str], names: list[str]) -> bool:
+    """Whether `pattern` names modules of a decoder layer (`names`), none of them in or at its MoE `blocks`."""
+    hits = [n for n in names if match(pattern, n)]
+    return bool(hits) and not any(n == b or n.startswith(f"{b}.") for n in hits for b in blocks)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -109,7 +149,7 @@ def _parents(plan: dict[str, str]) -> set[str]:
 def hf_tp_plan(model: HFCausalLM) -> dict[str, str]:
     """The full paratrain plan: the model's own (translated) or the name rules', plus vocabulary, regions,
     cores and norms."""
-    layers = _from_config(model) or _from_names(model)
+    layers = _from_config(model) or dict(_outside_moe_blocks(model, _from_names(model)))
     base, layout, prefix = model.layout.base, model.layout, _layer_prefix(model)
     plan = {f"{base}.{layout.embed}": "vocab" if layout.positions else "vocab_scatter"}
     if layout.positions and layout.dropout:  # GPT-2: the sum of both tables enters the sequence shard here
@@ -122,6 +162,8 @@ def hf_tp_plan(model: HFCausalLM) -> dict[str, str]:
         if "norm" in type(child).__name__.lower() or name.startswith(("ln", "norm")):
             plan[f"{prefix}.{name}"] = "sequence"
     plan[f"{base}.{layout.norm}"] = "sequence"
+    for i, layer in enumerate(model.layers):  # MoE blocks: whole, on s/tp tokens under SP (the module's note)
+        plan.update({f"{base}.{layout.layers}.{i}.{block}": "sequence" for block in moe_blocks(layer)})
     plan[layout.head] = "colwise_vocab"
     plan["loss_fn"] = "vocab_loss"
     return plan

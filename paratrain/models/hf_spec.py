@@ -3,6 +3,7 @@
     tp_plan          the config's `base_model_tp_plan`, translated (`hf_plan.py`), or name rules
     blocks           the decoder layers (the classes in `_no_split_modules`): ZeRO-3 units, checkpointed blocks
     attention_cores  the `core` each attention module got (`hf.py`): ring attention replaces it
+    expert_layers    each MoE block's experts module, its stacked gate_up_proj and down_proj (`hf_moe.py`)
     pipeline_module  embeddings -> decoder layers -> final norm + head; each stage passes (hidden, positions)
                      and every layer recomputes its rotary embeddings from the positions
 """
@@ -18,8 +19,10 @@ from torch import nn
 from paratrain.config import ConfigError
 from paratrain.model_spec import ModelSpec, ModelSpecError, Pretrained, register_model_spec
 from paratrain.models.hf import HFCausalLM, _positions, as_causal_lm, attention_modules, is_transformers_model
+from paratrain.models.hf_moe import check_moe_config, hf_expert_layers
 from paratrain.models.hf_plan import hf_tp_plan, localize_attention, supports_sequence_parallel
 from paratrain.models.hf_pretrained import load_pretrained, materialize_buffers
+from paratrain.moe.exchange import ExpertLayer
 from paratrain.pipeline.module import PipelineModule
 
 
@@ -143,6 +146,9 @@ class HFSpec(ModelSpec):
     def attention_cores(self, model: HFCausalLM) -> list[nn.Module]:
         return [attn.core for attn in attention_modules(model.layers)]
 
+    def expert_layers(self, model: HFCausalLM) -> list[tuple[str, ExpertLayer]]:
+        return hf_expert_layers(model)
+
     def pipeline_module(self, model: HFCausalLM, micro_batch: int) -> PipelineModule:
         return hf_pipeline_module(model, micro_batch)
 
@@ -154,6 +160,7 @@ class HFSpec(ModelSpec):
 
     def check(self, model: HFCausalLM, sizes: Mapping[str, int]) -> None:
         cfg, tp, kind = model.config, sizes.get("tp", 1), type(model.hf_model).__name__
+        check_moe_config(model, kind)
         heads = getattr(cfg, "num_attention_heads", None)
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         if tp > 1 and heads and (heads % tp or kv % tp):
