@@ -1,4 +1,4 @@
-"""Mixture of experts, single process: the router and its losses (`router.py`), dispatch / combine
+"""Mixture of experts: the router and its losses (`router.py`), dispatch / combine
 (`dispatch.py`), experts as stacked parameters computed by batched matmuls (`experts.py`), the layer
 (`mixture.py`), its per-step routing metrics (`stats.py`), and DeepSpeed's `deepspeed.moe.layer.MoE`
 (`layer.py`, with `deepspeed.moe.utils`' param groups in `utils.py`). A building block below the strategies,
