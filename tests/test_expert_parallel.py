@@ -37,12 +37,14 @@ def moe_model(variant: str = "dropless", starve: bool = False, **overrides):
 
 
 def ep_config(ep: int, dp: int, tp: int = 1, cp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
-              micro_batch: int = 2, ckpt: bool = False) -> dict:
+              micro_batch: int = 2, ckpt: bool = False, schedule: str = "1f1b") -> dict:
     """`dp` counts the ranks that draw different samples (ep is folded inside dp x cp)."""
     cfg = adamw_config(train_micro_batch_size_per_gpu=micro_batch,
                        gradient_accumulation_steps=GLOBAL_BATCH // (micro_batch * dp),
                        expert_parallel={"size": ep}, tensor_parallel={"size": tp, "sequence_parallel": sp},
-                       context_parallel={"size": cp}, pipeline={"stages": pp, "partition": "uniform"},
+                       context_parallel={"size": cp},
+                       pipeline={"stages": pp, "partition": "uniform", "schedule": schedule,
+                                 "virtual_stages": 2 if schedule in ("interleaved", "zb-v", "dualpipev") else 1},
                        zero_optimization={"stage": zero, "stage3_param_persistence_threshold": 0})
     cfg["optimizer"]["params"]["eps"] = STABLE_EPS
     if ckpt:
@@ -79,7 +81,8 @@ def _check(per_rank: list[list], configs: list[dict], variant: str) -> list[str]
 MATRIX_2 = [ep_config(2, 2), ep_config(2, 2, zero=1), ep_config(2, 2, zero=2), ep_config(2, 2, zero=3),
             ep_config(2, 1, cp=2)]
 MATRIX_4 = [ep_config(4, 4), ep_config(2, 4), ep_config(2, 2, tp=2), ep_config(2, 2, tp=2, sp=True),
-            ep_config(2, 2, pp=2), ep_config(2, 2, cp=2, zero=3, ckpt=True)]
+            ep_config(2, 2, pp=2), ep_config(2, 2, cp=2, zero=3, ckpt=True)] + \
+    [ep_config(2, 2, pp=2, micro_batch=1, schedule=s) for s in ("gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")]
 MATRIX_8 = [ep_config(2, 4, pp=2, zero=1), ep_config(4, 2, cp=2, tp=2, zero=2)]
 
 
