@@ -25,12 +25,21 @@ RNG_ATTRIBUTE = "_paratrain_init_rng"  # on every tensor registered under init_e
 @contextmanager
 def init_empty():
     """Build modules on the meta device, remembering the random state construction starts from (on each
-    tensor registered inside), so `initialize` can give them the values eager construction would have."""
-    state = torch.get_rng_state()
+    tensor registered inside), so `initialize` can give them the values eager construction would have.
+
+    The state is read when a tensor is registered, not when the context opens: a model whose constructor (or
+    the code before it, inside the context) seeds the generator starts from that seed, as it would eagerly.
+    Meta construction draws nothing from the CPU generator, so one model's tensors all see the same state;
+    they share one recorded tensor (5 KiB each would be 1 MiB for a 200-parameter model)."""
+    last: list[torch.Tensor] = []
 
     def tag(module, name, tensor):
-        if tensor is not None:
-            setattr(tensor, RNG_ATTRIBUTE, state)
+        if tensor is None:
+            return
+        state = torch.get_rng_state()
+        if not last or not torch.equal(state, last[0]):
+            last[:] = [state]
+        setattr(tensor, RNG_ATTRIBUTE, last[0])
 
     hooks = [register_module_parameter_registration_hook(tag), register_module_buffer_registration_hook(tag)]
     try:
