@@ -86,8 +86,8 @@ def _from_names(model: HFCausalLM) -> dict[str, str]:
     """Every decoder layer's linear layers outside MoE blocks (a dense layer after MoE ones has its own)."""
     prefix = _layer_prefix(model)
     out = {}
-    found = [(n, m) for layer in model.layers for n, m in layer.named_modules()
-             if not any(n.startswith(f"{b}.") for b in moe_blocks(layer))]
+    found = [(n, m) for layer in model.layers for blocks in [moe_blocks(layer)] for n, m in layer.named_modules()
+             if not any(n.startswith(f"{b}.") for b in blocks)]  # each layer's blocks found once
     for name, module in found:
         if not name or not _is_linear(module) or f"{prefix}.{name}" in out:
             continue
