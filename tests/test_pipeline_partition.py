@@ -39,17 +39,44 @@ def unbalanced_model() -> PipelineModule:
                           example_input=torch.randint(0, 20_000, (64,)))
 
 
-def test_parameters_and_balanced_give_different_sensible_splits():
-    torch.set_num_threads(1)
+def test_parameters_and_balanced_give_different_sensible_splits(monkeypatch):
+    """The choice from given layer times (injected: a measured time depends on how busy the machine is, so no
+    test asserts on one); the measurement itself is the next test."""
+    import paratrain.pipeline.split as split
+
     model = unbalanced_model()
     counts = parameter_counts(model.specs)
     assert counts == [640_000, 1056, 1056, 1056, 1056, 264]
+    monkeypatch.setattr(split, "profile_layer_costs", lambda layers, example: [0.1, 1.0, 1.0, 1.0, 1.0, 0.05])
     by_params, _ = choose_boundaries(model, "parameters", 2)
     by_time, _ = choose_boundaries(model, "balanced", 2)
     assert by_params == [0, 1, 6]  # the embedding alone holds 99% of the parameters
     assert by_time == [0, 3, 6]  # embedding + 2 heavy layers | 2 heavy layers + head: equal time
+    monkeypatch.setattr(split, "profile_layer_costs", lambda layers, example: [3.0, 1.0, 1.0, 1.0, 1.0, 0.05])
+    assert choose_boundaries(model, "balanced", 2)[0] == [0, 2, 6]  # a slow embedding moves the cut
     assert choose_boundaries(model, "uniform", 2)[0] == [0, 3, 6]
     assert choose_boundaries(model, [0, 2, 6], 2) == ([0, 2, 6], "manual")
+
+
+def test_the_profile_times_every_layer_forward_and_backward_once_per_repeat():
+    from paratrain.pipeline.partition import profile_layer_costs
+
+    calls = []
+
+    class Counted(nn.Linear):
+        def forward(self, x):
+            calls.append(self)
+            return super().forward(x)
+
+    layers = [Counted(4, 4), Counted(4, 4), Counted(4, 2)]
+    backwards = []
+    for layer in layers:
+        layer.register_full_backward_hook(lambda module, *_: backwards.append(module))
+    costs = profile_layer_costs(layers, torch.randn(3, 4), repeats=3)
+    assert len(costs) == 3 and all(c > 0 and c == c for c in costs)  # one positive, finite time per layer
+    assert [calls.count(layer) for layer in layers] == [4, 4, 4]  # one warm-up + 3 timed runs each
+    assert [backwards.count(layer) for layer in layers] == [4, 4, 4]  # and a backward with each
+    assert all(p.grad is None for layer in layers for p in layer.parameters())  # left as it found them
 
 
 def test_balanced_boundaries_minimize_the_heaviest_stage_then_even_out():
