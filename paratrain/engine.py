@@ -26,7 +26,9 @@ import paratrain.comm as comm
 from paratrain.checkpoint.weights import fill_model
 from paratrain.compat.engine_api import DeepSpeedEngineAPI, check_eval_arguments
 from paratrain.config import Config
+from paratrain.data.agreement import FIRST_STEPS, check_same_batches
 from paratrain.data.batch_check import BatchChecker
+from paratrain.data.micro_batch import MicroBatch, as_micro_batch, split_loss
 from paratrain.data.nested import to_device
 from paratrain.deferred import return_freed_heap, template_of
 from paratrain.distributed import current_device
@@ -45,6 +47,7 @@ from paratrain.monitor import StepReporter, setup_logging
 from paratrain.parallelize import parallelize
 from paratrain.precision import make_loss_scaler
 from paratrain.sharded_init import meta_init_source
+from paratrain.token_loss import LossWindow
 from paratrain.train_state import RandomState, TrainState
 from paratrain.update import OptimizerUpdate
 
@@ -95,6 +98,11 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         self.loss_scaler = make_loss_scaler(config)  # fp16 only
         self._update = OptimizerUpdate(self.grad_sync, mesh, self.device, self.loss_scaler, config.nonfinite_loss)
         self._grad_norm: float | None = None
+        # "token" reduction: each window's losses and target counts, divided by the global count at the boundary
+        self._window = LossWindow(mesh.axis(("dp", "cp")), self.device)
+        self._token_loss = config.loss.reduction == "token" and self.parallel.spec.loss_is_token_mean(self.module)
+        self._last_batch: MicroBatch | None = None  # the token micro-batch of the last forward, for its count
+        self._window_loss: torch.Tensor | None = None  # the last window's global token mean
         self._times: dict[str, float] = defaultdict(float)
         self._step_applied = False
         self._reporter = StepReporter(config, mesh.rank, self.module, mesh.axis(("dp", "cp")))  # (+ MoE routing)
@@ -125,9 +133,21 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
                            f"build a new engine with paratrain.initialize")
         start = time.perf_counter()
         try:
-            yield
+            with self._together():
+                yield
         finally:
             self._times[name] += time.perf_counter() - start
+
+    @contextmanager
+    def _together(self):
+        """An error raised here on one rank is published for the others, which stop at their next wait instead
+        of at the communication timeout (`comm/guard.py`)."""
+        try:
+            yield
+        except Exception as exc:
+            if self.mesh.guard is not None:
+                self.mesh.guard.publish_failure(exc)
+            raise
 
     def _not_in_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
@@ -136,24 +156,56 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
                            f"engine.eval_batch(data_iter) (DeepSpeed's PipelineEngine does the same)")
 
     def forward(self, *inputs, **kwargs):
+        """Token data (ids with targets, transformers' `labels`, `attention_mask`, packing) is brought to the
+        normal form (`paratrain.data.micro_batch`), split for context parallelism, and given to the model by its
+        spec; anything else goes to the model as it is."""
         self._not_in_pipeline("forward()")
+        batch = as_micro_batch(inputs, kwargs)
+        self._last_batch = None
         with self._timed("forward"), self._autocast():
-            return self.module(*inputs, **kwargs)
+            self._check_agreement([batch if batch is not None else (inputs, kwargs)])
+            if batch is None:
+                self.parallel.check_unsplit(inputs, kwargs)
+                return self.module(*inputs, **kwargs)
+            batch = self.parallel.prepare_batch(batch)
+            self._last_batch = batch
+            return self.parallel.spec.call(self.module, batch)
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
-        if loss.dim() != 0:
-            raise InvalidValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
-                                    f"(e.g. loss.mean()) first")
+    def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """`loss`: the forward's scalar loss, or a model's `(sum, count)`. Under the "token" reduction a loss
+        paratrain knows to be a mean over target tokens is backpropagated as their sum (`token_loss.py`)."""
         self._not_in_pipeline("backward()")
-        self._reporter.record_loss(loss)
-        scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        scaled = self._weighted(loss, scale_wrt_gas)
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         self.grad_sync.prepare_backward(sync=self.is_gradient_accumulation_boundary())
         with self._timed("backward"):
             scaled.backward(retain_graph=retain_graph)
+
+    def _weighted(self, loss, scale_wrt_gas: bool) -> torch.Tensor:
+        """The micro-batch's loss as backward differentiates it, recorded in the window."""
+        batch, self._last_batch = self._last_batch, None
+        parts = split_loss(loss)
+        if parts is None and loss.dim() != 0:
+            raise InvalidValueError(f"engine.backward expects a scalar loss (or a (sum, count) pair), got shape "
+                                    f"{tuple(loss.shape)}; reduce it (e.g. loss.mean()) first")
+        window, gas = self._window, self.gradient_accumulation_steps()
+        if parts is None and not (self._token_loss and batch is not None and batch.targets is not None):
+            window.add_mean()
+            self._reporter.record_loss(loss)
+            return loss / gas if scale_wrt_gas else loss
+        if parts is not None:  # the model's own (sum, count)
+            total, count = parts
+            window.set_unit(batch.targets.numel() if batch is not None and batch.targets is not None
+                            else int(count), gas)
+            window.add(total, count)
+            return total * window.unit
+        count = batch.valid_tokens()
+        window.set_unit(batch.targets.numel(), gas)
+        window.add(loss.detach() * count, count)
+        return loss * window.weight(count)
 
     def step(self) -> None:
         """Called after every backward; updates the model only at the accumulation boundary."""
@@ -172,13 +224,18 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             self._reporter.after_step(self)
             self._save_if_due()
 
-    def _optimizer_update(self) -> None:
+    def _optimizer_update(self, grad_scale: float = 1.0) -> None:
         """Update once (the same branch on every rank: the norm is the same number everywhere); a skipped
-        step still counts (DeepSpeed's behaviour on an fp16 overflow)."""
+        step still counts (DeepSpeed's behaviour on an fp16 overflow). `grad_scale`: the token-weighted
+        loss's division by the global count (`token_loss.py`)."""
         with self._timed("comm_wait"):
             self.grad_sync.finish_gradients()
+        if self._window.token_weighted:  # the one count exchange of the step (token_loss.py)
+            self._window_loss, grad_scale = self._window.finish()
+            self._reporter.record_loss(self._window_loss)
+        self._window.reset()
         state = self.train_state
-        update = self._update(self.lr_scheduler, self.gradient_clipping(), state.global_steps + 1)
+        update = self._update(self.lr_scheduler, self.gradient_clipping(), state.global_steps + 1, grad_scale)
         self._grad_norm = update.norm
         self._step_applied = update.skipped is None
         state.global_steps += 1
@@ -196,10 +253,14 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             out = self(*batch)
         else:
             out = self(batch)
-        return _loss_of(out)
+        return out if split_loss(out) is not None else _loss_of(out)
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Run one global batch (every micro-batch of this rank), step, and return the global mean loss."""
+        with self._together():
+            return self._train_batch(data_iter)
+
+    def _train_batch(self, data_iter=None) -> torch.Tensor:
         if data_iter is None:
             if self.training_dataloader is None:
                 raise InvalidValueError("train_batch() needs data_iter= or training_data= passed to initialize()")
@@ -207,11 +268,15 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         if self.pipeline is not None:
             return self._train_pipeline(data_iter)
         total = torch.zeros((), dtype=torch.float32, device=self.device)  # no host sync per micro-batch
+        self._window_loss = None
         for _ in range(self.gradient_accumulation_steps()):
             loss = self._run_micro_batch(next(data_iter))
             self.backward(loss)
             self.step()
-            total += loss.detach().float()
+            if self._window_loss is None:
+                total += loss.detach().float()
+        if self._window_loss is not None:  # token-weighted: the step's all-reduce already gave the global mean
+            return self._window_loss
         return self._mean_over_dp(total / self.gradient_accumulation_steps())
 
     @torch.no_grad()
@@ -221,35 +286,90 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         """Mean loss over `num_micro_batches` (default: gradient_accumulation_steps) without updating.
         DeepSpeed's PipelineEngine signature; only its defaults are supported (the loss, averaged)."""
         check_eval_arguments(return_logits, compute_loss, reduce_output, bcast_loss)
+        with self._together():
+            return self._eval_batch(data_iter, num_micro_batches)
+
+    def _eval_batch(self, data_iter, num_micro_batches: int | None) -> torch.Tensor:
         was_training = self.module.training
         self.module.eval()
         count = num_micro_batches or self.gradient_accumulation_steps()
         if self.pipeline is not None:
-            batches = [self._checked(next(data_iter), self._check_eval_batch) for _ in range(count)]
-            mean = self.pipeline.eval_step(batches)
+            batches = [self._pipeline_batch(next(data_iter), self._check_eval_batch) for _ in range(count)]
+            losses = self.pipeline.eval_step(batches)
+            if losses.token_weighted:
+                sums = torch.stack([losses.total, losses.weight]).to(self.device)
+                comm.all_reduce(sums, self.mesh.axis(("dp", "cp")), tag="metrics")
+                self.module.train(was_training)
+                return (sums[0] / sums[1].clamp(min=1)).float()
+            mean = losses.mean.to(self.device)
         else:
-            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, weight)
+            weighted = False
             for _ in range(count):
-                total += self._run_micro_batch(next(data_iter)).float()
-            mean = total / count
+                part, token = self._eval_weighted(self._run_micro_batch(next(data_iter)))
+                sums += part
+                weighted |= token
+            if weighted:  # a mean over every rank's target tokens
+                comm.all_reduce(sums, self.mesh.axis(("dp", "cp")), tag="metrics")
+                self.module.train(was_training)
+                return (sums[0] / sums[1].clamp(min=1)).float()
+            mean = (sums[0] / count).float()
         self.module.train(was_training)
         return self._mean_over_dp(mean)
+
+    def _check_agreement(self, batches: list) -> None:
+        """The peers of this replica hold the same micro-batches (`data/agreement.py`): first steps, or always."""
+        mode = self.config.batch_agreement
+        if mode == "every_step" or (mode == "first_steps" and self.train_state.global_steps < FIRST_STEPS):
+            check_same_batches(batches, self.mesh, self.train_state.global_steps + 1, self.device)
+
+    def _eval_weighted(self, loss) -> tuple[torch.Tensor, bool]:
+        """(loss sum, weight) of one evaluation micro-batch, and whether it is token-weighted (weight: its target
+        count) rather than a mean (weight 1)."""
+        batch, self._last_batch = self._last_batch, None
+        parts = split_loss(loss)
+        if parts is not None:
+            return torch.stack([parts[0].double(), parts[1].double()]), True
+        if self._token_loss and batch is not None and batch.targets is not None:
+            count = batch.valid_tokens().double()
+            return torch.stack([loss.double() * count, count]), True
+        return torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=loss.device)]), False
 
     def _train_pipeline(self, data_iter) -> torch.Tensor:
         """Every rank of a dp replica draws the same micro-batches; the first stage uses the inputs, the last
         the targets. The runner accumulates the step's gradients; the update is the engine's as always."""
         count = self.gradient_accumulation_steps()
-        batches = [self._checked(next(data_iter), self._check_train_batch) for _ in range(count)]
+        batches = [self._pipeline_batch(next(data_iter), self._check_train_batch) for _ in range(count)]
+        self._check_agreement(batches)
+        unit = self._window.set_unit(_target_positions(batches[0]), count)
         with self._timed("pipeline"):
-            mean = self.pipeline.train_step(batches)
+            losses = self.pipeline.train_step(batches, unit)
+        grad_scale = 1.0
+        if losses.token_weighted:  # every pp rank holds the step's sums: one count exchange over dp x cp
+            self._window.add(losses.total, losses.weight)
+            mean, grad_scale = self._window.finish()
+        else:
+            mean = self._mean_over_dp(losses.mean.to(self.device))
+        self._window.reset()
         self._reporter.record_loss(mean)
         with self._timed("step"):
-            self._optimizer_update()
+            self._optimizer_update(grad_scale)
         self.train_state.micro_steps += count
         self.train_state.global_samples += self.train_micro_batch_size_per_gpu() * self.mesh.size("dp") * count
         self._reporter.after_step(self)
         self._save_if_due()
-        return self._mean_over_dp(mean)
+        return mean
+
+    def _pipeline_batch(self, batch, check: BatchChecker):
+        """A pipeline micro-batch: token data in its normal form (transformers' dicts too), else the pair."""
+        batch = self._checked(batch, check)
+        token = as_micro_batch((), batch) if isinstance(batch, dict) else \
+            as_micro_batch(tuple(batch), {}) if isinstance(batch, (tuple, list)) else None
+        if token is None and isinstance(batch, dict):
+            raise InvalidValueError(f"a pipeline micro-batch dict must be token data (input_ids with labels or "
+                                    f"targets, optionally attention_mask, position_ids, cu_seq_lens_q), got keys "
+                                    f"{sorted(batch)}")
+        return batch if token is None else token
 
     def _checked(self, batch, check: BatchChecker):
         check(batch)
@@ -275,6 +395,13 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         Collective: call on every rank once it has finished with this engine; afterwards it cannot train."""
         self.mesh.destroy()
         self.destroyed = True
+
+
+def _target_positions(batch) -> int:
+    """How many target positions a micro-batch has (for the backprop unit): b · s of its targets."""
+    targets = batch.targets if isinstance(batch, MicroBatch) else batch[1] if isinstance(batch, (tuple, list)) \
+        else None
+    return targets.numel() if isinstance(targets, torch.Tensor) else 1
 
 
 def _loss_of(output) -> torch.Tensor:

@@ -23,6 +23,10 @@
   model_config      the model's own config as JSON data (a Hugging Face config.json): checkpoints store it
   pretrained_files  the files beside the weights that engine.save_pretrained writes (config.json)
   from_pretrained   a model (on the meta device) and its weights from a path: `initialize(model="dir")`
+  call              run the model on a token micro-batch (`paratrain.data.micro_batch.MicroBatch`): which of
+                    its arguments get the ids, targets, positions and documents
+  loss_is_token_mean  whether the loss the model returns is the mean over the batch's targets (then the
+                    "token" loss reduction weights it by their count)
 Every method has a default that fits a plain PyTorch transformer, so a spec overrides only what differs. A new
 family is one file in `paratrain/models/` (or the user's code) that defines and registers its spec; the
 library core never imports a model.
@@ -30,6 +34,7 @@ library core never imports a model.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +42,7 @@ import torch
 from torch import nn
 
 from paratrain.attention import CausalAttentionCore
+from paratrain.data.micro_batch import MicroBatch
 from paratrain.errors import Error, InvalidTypeError
 from paratrain.moe.exchange import ExpertLayer, expert_layers_of
 
@@ -130,6 +136,53 @@ class ModelSpec:
         """The model saved at `path` (a directory, or a name this family resolves), built on the meta device,
         and where its weights are; None when `path` is not this family's."""
         return None
+
+    def loss_is_token_mean(self, model: nn.Module) -> bool:
+        """Whether `model(ids, targets)` returns the mean loss over the targets that are not -100 (the built-in
+        families and Hugging Face models do): then the "token" reduction weights each micro-batch by its count.
+        Default False: a model's own loss is averaged as DeepSpeed averages it."""
+        return False
+
+    def call(self, model: nn.Module, batch: MicroBatch):
+        """Run `model` on a token micro-batch. Default, by the forward's parameters: the ids first, the targets
+        second (or as `targets=`), `position_ids=` and `documents=` when the batch has them; transformers'
+        unshifted `labels=` go to a forward that takes `labels` (it shifts them itself)."""
+        params = forward_parameters(model)
+        args, kwargs = [batch.input_ids], {}
+        if batch.labels_form and "labels" in params and "targets" not in params:
+            if batch.labels is None:
+                raise ModelSpecError(f"{type(model).__name__}.forward takes transformers' `labels` and shifts them "
+                                     f"itself, which cannot run on a split sequence (context parallelism); give "
+                                     f"the model a `targets` argument (already shifted) or a model spec")
+            kwargs["labels"] = batch.labels
+        elif batch.targets is not None:
+            if "targets" in params:
+                kwargs["targets"] = batch.targets
+            else:
+                args.append(batch.targets)
+        for name, value, why in (("position_ids", batch.position_ids, "the positions of left-padded or packed "
+                                  "tokens, or of this rank's share of the sequence"),
+                                 ("documents", batch.documents, "which document each token belongs to, so "
+                                  "attention stays inside packed documents and off padding")):
+            if value is None:
+                continue
+            if name not in params:
+                raise ModelSpecError(f"{type(model).__name__}.forward has no `{name}` parameter, and this micro-batch "
+                                     f"needs one: {why}. Accept it (see paratrain.models.GPT), feed rows without "
+                                     f"padding or packing, or register a model spec whose call() handles it")
+            kwargs[name] = value
+        return model(*args, **kwargs)
+
+
+_FORWARD_PARAMETERS: dict[type, frozenset[str]] = {}
+
+
+def forward_parameters(model: nn.Module) -> frozenset[str]:
+    """The parameter names of `model.forward`, per class (a class's forward keeps its signature)."""
+    cls = type(model)
+    if cls not in _FORWARD_PARAMETERS:
+        _FORWARD_PARAMETERS[cls] = frozenset(inspect.signature(cls.forward).parameters) - {"self"}
+    return _FORWARD_PARAMETERS[cls]
 
 
 @dataclass

@@ -28,7 +28,9 @@ from torch import nn
 from paratrain.activation_checkpointing import checkpoint_activations
 from paratrain.config import Config, ConfigError
 from paratrain.context_parallel import check_context_parallel, context_parallelize, context_parallelize_stages
+from paratrain.context_parallel.apply import AppliedContextParallel
 from paratrain.context_parallel.ulysses import check_heads
+from paratrain.data.micro_batch import MicroBatch
 from paratrain.data_parallel.base import GradSync
 from paratrain.data_parallel.ddp import DistributedDataParallel
 from paratrain.data_parallel.flat import OffloadPolicy, allocate_local
@@ -66,6 +68,16 @@ class ParallelModel:
     autocast: Callable = contextlib.nullcontext
     spec: ModelSpec = DEFAULT_SPEC  # the model family's (checkpoints record its name)
     deferred: bool = False  # built on the meta device: allocated, not yet filled (the engine fills it)
+    context: AppliedContextParallel | None = None  # cp > 1: which tokens of each micro-batch this rank keeps
+
+    def prepare_batch(self, batch: MicroBatch) -> MicroBatch:
+        """A token micro-batch as this rank runs it: its share of the sequence under context parallelism."""
+        return batch if self.context is None else self.context.split_micro_batch(batch)
+
+    def check_unsplit(self, args: tuple, kwargs: dict) -> None:
+        """Refuse, under context parallelism, a forward call that is not token data (nothing to split)."""
+        if self.context is not None:
+            self.context.refuse_unsplit(args, kwargs)
 
     @property
     def notes(self) -> list[str]:
@@ -229,14 +241,16 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     if split is not None:  # 6. the runner drives the stage, the strategy and the split of micro-batches
         runner = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
                                 pp.virtual_stages, split.pipe.loss_fn, device, grad_sync,
-                                prepare_batch=ring.split_batch if ring is not None else None, autocast=autocast)
-    return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred)
+                                prepare_batch=ring.split_micro_batch if ring is not None else None, autocast=autocast,
+                                token_loss=config.loss.reduction == "token" and spec.loss_is_token_mean(model),
+                                takes_documents=split.pipe.takes_documents())
+    return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred, ring)
 
 
 def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module],
                       method: str):
-    if split is None:
-        return context_parallelize(module, mesh, cores, method)
+    if split is None:  # the engine splits each micro-batch (ParallelModel.prepare_batch)
+        return context_parallelize(module, mesh, cores, method, split_inputs=False)
     # No stage calls the model's forward: the runner splits each micro-batch instead.
     first = split.pipe.layer(0) if 0 in split.module.stages else None
     return context_parallelize_stages(module, mesh, cores, first, method)

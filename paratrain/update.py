@@ -40,11 +40,14 @@ class OptimizerUpdate:
         self.loss_scaler = loss_scaler
         self.nonfinite_loss = nonfinite_loss
 
-    def __call__(self, lr_scheduler, max_norm: float, step: int) -> Update:
-        """Update once (collective). `step` is the number this step will have, for the error message."""
+    def __call__(self, lr_scheduler, max_norm: float, step: int, grad_scale: float = 1.0) -> Update:
+        """Update once (collective). `step` is the number this step will have, for the error message;
+        `grad_scale` multiplies the averaged gradients first (the token-weighted loss's division by the global
+        count, `paratrain.token_loss`), in the same pass as the unscaling and clipping."""
         sync = self.grad_sync
         norm = global_grad_norm(sync.grad_pieces(), self.mesh, sync.axis, sync.shards_gradients, self.device)
-        factor = 1.0
+        norm *= grad_scale
+        factor = grad_scale
         if self.loss_scaler is not None:
             # A non-finite norm means some gradient on some rank overflowed: every rank skips the same step.
             scale = self.loss_scaler.scale

@@ -68,12 +68,15 @@ def test_ddp_sends_one_all_reduce_of_psi_per_step(world2, bucket_cap_mb):
     assert (n_buckets == 1) == (bucket_cap_mb == 25.0)
     for i, stats in enumerate(per_micro):
         boundary = i % 2 == 1
-        if not boundary:
-            assert stats == {}, f"micro-step {i} communicated: {stats}"
+        if not boundary:  # the first agrees once on the token loss's backprop unit (one number), then nothing
+            unit = {"dp": {"all_reduce": {"loss_unit": {"calls": 1, "elements": 1, "bytes": 8}}}}
+            assert stats == (unit if i == 0 else {}), f"micro-step {i} communicated: {stats}"
             continue
         grad = stats["dp"]["all_reduce"]["grad"]
         assert grad == {"calls": n_buckets, "elements": psi, "bytes": 4 * psi}
-        assert set(stats["dp"]["all_reduce"]) == {"grad"}
+        # and the token-weighted loss's sum and target count (paratrain.token_loss): two fp64 numbers
+        assert stats["dp"]["all_reduce"]["loss"] == {"calls": 1, "elements": 2, "bytes": 16}
+        assert set(stats["dp"]["all_reduce"]) == {"grad", "loss"}
 
 
 def _bad_config():
@@ -157,13 +160,19 @@ def _no_sync_and_manual_accumulation():
     x, y = next(loader)
     with engine.no_sync():
         engine.backward(engine(x, y))
+    first = engine.comm_stats(reset=True, by_tag=True)
+    with engine.no_sync():
+        engine.backward(engine(x, y))
     inside = engine.comm_stats(reset=True)
     grads_after_no_sync = [p.grad.clone() for p in engine.module.parameters()]
-    return inside, [float(g.norm()) for g in grads_after_no_sync]
+    return first, inside, [float(g.norm()) for g in grads_after_no_sync]
 
 
 def test_no_sync_communicates_nothing(world2):
-    (inside_a, norms_a), (inside_b, norms_b) = world2.run(_no_sync_and_manual_accumulation)
+    (first_a, inside_a, norms_a), (first_b, inside_b, norms_b) = world2.run(_no_sync_and_manual_accumulation)
+    # The engine's first token-weighted backward agrees once on its backprop unit (paratrain.token_loss): one
+    # number; after that nothing at all.
+    assert first_a == first_b == {"dp": {"all_reduce": {"loss_unit": {"calls": 1, "elements": 1, "bytes": 8}}}}
     assert inside_a == {} and inside_b == {}
     assert norms_a != norms_b  # each rank kept its own, unreduced gradient
 

@@ -101,21 +101,22 @@ def test_a_skipped_collective_is_reported_by_every_waiting_rank(world4, tmp_path
     assert not (tmp_path / "engine" / "hang_report_rank3.json").exists()
     for rank, r in enumerate(results[:3]):
         assert r["configured"] == GUARD_TIMEOUT_S  # the config's comm.timeout_s reached the comm layer
-        # The engine's second step: the ranks wait in the third all-reduce on dp (1: step 1's gradients,
-        # 2: step 1's loss for train_batch, 3: step 2's gradients), one bucket of every parameter.
+        # The engine's second step: the ranks wait in the fourth all-reduce on dp (1: the token loss's backprop
+        # unit, once per engine; 2: step 1's gradients, 3: step 1's loss sum and target count, 4: step 2's
+        # gradients), one bucket of every parameter.
         engine = r["engine"]
         report = engine["report"]
         assert report["waiting_in"] | {"seconds_in_flight": 0} == {
-            "axis": "dp", "op": "all_reduce", "call": 3, "tag": "grad", "shapes": [(r["params"],)],
+            "axis": "dp", "op": "all_reduce", "call": 4, "tag": "grad", "shapes": [(r["params"],)],
             "dtypes": ["float32"], "ranks": (0, 1, 2, 3), "timed": True, "seconds_in_flight": 0}
         assert report["rank"] == rank and report["reason"].startswith("waited 2.0 s (comm.timeout_s = 2)")
         assert GUARD_TIMEOUT_S <= report["waiting_in"]["seconds_in_flight"] < GUARD_TIMEOUT_S + 1.0
         assert engine["elapsed"] < GUARD_TIMEOUT_S + 5.0  # the step (forward, backward) and the wait
-        assert report["calls_made"] == {"dp/all_reduce": 3, "dp/broadcast": 1}
-        assert "all_reduce #3 on axis 'dp' (ranks 0, 1, 2, 3) [grad]" in engine["message"]
+        assert report["calls_made"] == {"dp/all_reduce": 4, "dp/broadcast": 1}
+        assert "all_reduce #4 on axis 'dp' (ranks 0, 1, 2, 3) [grad]" in engine["message"]
         assert engine["message"] in engine["stderr"]  # printed, with the report, on the rank's stderr
         written = json.loads((tmp_path / "engine" / f"hang_report_rank{rank}.json").read_text())
-        assert written["waiting_in"]["call"] == 3 and written["reason"] == report["reason"]
+        assert written["waiting_in"]["call"] == 4 and written["reason"] == report["reason"]
         # gloo's timeout first: still a report naming the collective, with the backend's reason.
         first = r["backend_first"]["report"]
         assert first["waiting_in"]["op"] == "all_reduce" and first["waiting_in"]["call"] == 1

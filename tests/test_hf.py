@@ -134,21 +134,6 @@ def test_a_layer_no_rule_knows_is_refused_by_name_with_the_entry_to_write():
     assert '"transformer.h.*.mlp.gate": "colwise" | "rowwise" | "replicate"' in str(err.value)
 
 
-def test_padding_masks_and_short_sliding_windows_are_refused():
-    from paratrain.model_spec import ModelSpecError
-    from paratrain.models import HFCausalLM
-
-    view = HFCausalLM(tiny_hf("llama"))
-    ids = torch.zeros(2, 8, dtype=torch.long)
-    mask = torch.ones(2, 8, dtype=torch.long)
-    view(ids, attention_mask=mask)  # all ones: no padding, accepted
-    mask[0, -2:] = 0
-    with pytest.raises(ModelSpecError, match="padding"):
-        view(ids, attention_mask=mask)
-    with pytest.raises(ModelSpecError, match="sliding_window = 4"):
-        HFCausalLM(tiny_hf("mistral", sliding_window=4))(ids)
-
-
 # A DeepSpeed config as Hugging Face's DeepSpeed docs show it for ZeRO-3 and bf16 (numbers written in).
 HF_DOCS_ZERO3 = {
     "bf16": {"enabled": True},

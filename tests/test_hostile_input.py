@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -292,5 +293,6 @@ def test_malformed_samples_and_token_ids_outside_the_vocabulary(world2):
         "micro-batch it was an int64 tensor of shape (1, 16)" + tail]
     vocab, = set(world2.run(_bad_data, "vocab"))  # under tp2 the vocabulary is split: no rank would notice
     assert vocab.startswith("TokenIdError: GPT token ids must lie in [0, 256) (vocab_size = 256), got values in [")
-    assert vocab.endswith("]: the data does not match the model's vocabulary; fix the dataset/tokenizer or build "
+    assert re.search(r"\] \(first at row \d+, position \d+ of the micro-batch: \d+\): the data does not match", vocab)
+    assert vocab.endswith("the data does not match the model's vocabulary; fix the dataset/tokenizer or build "
                           "the GPT with a larger vocab_size [global_steps=3]")

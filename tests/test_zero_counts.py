@@ -84,7 +84,7 @@ def test_collectives_per_step_match_the_zero_formulas(world, request):
     def check(name, all_gather, reduce_scatter, calls_ag, calls_rs, element_size=4):
         counts = result[name]["counts"]
         assert set(counts) == {("all_gather", "param"), ("reduce_scatter", "grad"), ("all_reduce", "grad_norm"),
-                               ("all_reduce", "metrics")}, (name, counts)
+                               ("all_reduce", "loss")}, (name, counts)
         assert counts[("all_gather", "param")] == {"calls": calls_ag, "elements": all_gather,
                                                    "bytes": element_size * all_gather}, name
         assert counts[("reduce_scatter", "grad")] == {"calls": calls_rs, "elements": reduce_scatter,

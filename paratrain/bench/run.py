@@ -2,8 +2,9 @@
 
 On every rank: build the GPT from one seed, train `warmup + steps` optimizer steps on the embedded corpus,
 and measure what this rank holds (`engine.memory_stats()`, exact), what it communicates per optimizer
-step on each axis (`engine.comm_stats()`, exact, the loss-reporting "metrics" tag left out), the step time
-(each step started together after a barrier) and the process's peak RSS.
+step on each axis (`engine.comm_stats()`, exact, the step's bookkeeping scalars left out:
+`comm.stats.BOOKKEEPING_TAGS`), the step time (each step started together after a barrier) and the process's
+peak RSS.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.bench.cases import GLOBAL_BATCH, MODELS, Case
+from paratrain.comm.stats import BOOKKEEPING_TAGS
 
 
 def _model(model: str):
@@ -56,7 +58,7 @@ def engine_case(case: Case, model: str, steps: int, warmup: int) -> dict:
     comm: dict[str, dict[str, float]] = {}
     for axis, ops in engine.comm_stats(by_tag=True).items():
         for op, tags in ops.items():
-            moved = sum(c["bytes"] for tag, c in tags.items() if tag != "metrics")
+            moved = sum(c["bytes"] for tag, c in tags.items() if tag not in BOOKKEEPING_TAGS)
             if moved:
                 comm.setdefault(axis, {})[op] = moved / steps
     return {"state": engine.memory_stats()["total"], "comm": comm, "step_s": statistics.median(times),

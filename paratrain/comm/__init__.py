@@ -32,11 +32,12 @@ from paratrain.comm.collectives import (
     send_recv,
 )
 from paratrain.comm.groups import build_mesh
-from paratrain.comm.guard import CollectiveTimeout, CommGuard
+from paratrain.comm.guard import CollectiveTimeout, CommGuard, PeerFailed
 from paratrain.comm.stats import CommStats, OpCount
 
 __all__ = [
     "CollectiveTimeout",
+    "PeerFailed",
     "CommGuard",
     "CommStats",
     "Handle",

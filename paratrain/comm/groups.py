@@ -67,4 +67,20 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=N
     axes[AXES] = Axis("world", world, rank, dist.group.WORLD if dims.world_size > 1 else None, stats, guard, AXES)
     # A dim spanning the whole world is the default group itself: that one belongs to init_distributed.
     unique = [g for g in {id(g): g for g in owned}.values() if g is not dist.GroupMember.WORLD]
+    if dims.world_size > 1:
+        _attach_failure_store(guard, dims.world_size)
     return Mesh(dims, rank, device_mesh, axes, stats, guard, owned_groups=unique, sub_axes=sub_axes)
+
+
+def _attach_failure_store(guard: CommGuard, world_size: int) -> None:
+    """Give the guard a failure key of its own in the default group's store (see `guard.py`). Every rank adds 1
+    to a counter once its groups exist; group creation is collective, so the adds of one mesh all land before
+    any add of the next, and `(count - 1) // world_size` numbers the meshes alike on every rank."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        store = distributed_c10d._get_default_store()
+        count = store.add("paratrain/meshes", 1)
+    except Exception:  # noqa: BLE001 - without a store, errors still surface through the timeout
+        return
+    guard.attach_store(store, f"paratrain/failed/{(count - 1) // world_size}")

@@ -20,6 +20,13 @@ A timed `Work.wait` on a CUDA (NCCL) collective blocks the host until the GPU fi
 serialize every tensor-parallel collective with the host. On NCCL the guard records calls but waits
 untimed; NCCL's watchdog enforces the same timeout (`init_process_group(timeout=comm.timeout_s)`).
 
+[Note: one rank's error, every rank's error]
+A rank that raises inside a step (bad data on one rank, say) never reaches the next collective, and its peers
+would wait there for the whole timeout. The engine publishes such an error in the process group's key-value
+store (`publish_failure`); a timed wait that has not completed after `FIRST_WAIT_S` looks there every
+`POLL_S` and raises `PeerFailed`, naming the rank and its error, so every rank stops within about a second.
+The fast path (a collective that completes at once) never touches the store.
+
 [Note: stopping]
 After a timeout the backend still holds the unfinished operation, and tearing the process group down
 blocks until the peers leave. `paratrain.distributed` therefore ends the process at once (after the
@@ -48,6 +55,14 @@ class CollectiveTimeout(Error, RuntimeError):
     def __init__(self, message: str, report: dict):
         super().__init__(message)
         self.report = report
+
+
+class PeerFailed(CollectiveTimeout):
+    """Another rank raised an error inside the step this rank is waiting in (see the note above)."""
+
+
+FIRST_WAIT_S = 1.0  # a collective's first wait before the guard looks for a failed peer
+POLL_S = 0.5  # then, how often it looks
 
 
 @dataclass
@@ -85,6 +100,32 @@ class CommGuard:
         self._calls: dict[tuple[str, str], int] = {}
         self._in_flight: dict[int, CallRecord] = {}
         self._ids = itertools.count()
+        self._store = None  # the process group's key-value store, where a failing rank leaves its error
+        self._failure_key: str | None = None
+
+    def attach_store(self, store, key: str) -> None:
+        """Where ranks publish an error raised inside a step: `key` in `store` (one key per mesh)."""
+        self._store, self._failure_key = store, key
+
+    def publish_failure(self, exc: BaseException) -> None:
+        """Tell the other ranks that this rank raised `exc` inside a step (the first failure is kept)."""
+        if self._store is None or isinstance(exc, CollectiveTimeout):
+            return
+        try:
+            if not self._store.check([self._failure_key]):
+                self._store.set(self._failure_key, f"rank {self.rank}: {type(exc).__name__}: {exc}"[:4000])
+        except Exception:  # noqa: BLE001 - the store is a courtesy: the error itself is raised anyway
+            pass
+
+    def peer_failure(self) -> str | None:
+        if self._store is None:
+            return None
+        try:
+            if self._store.check([self._failure_key]):
+                return self._store.get(self._failure_key).decode()
+        except Exception:  # noqa: BLE001
+            return None
+        return None
 
     def configure(self, timeout_s: float | None = None, report_dir: str | os.PathLike | None = None) -> None:
         """Set the timeout and the report directory (the engine does this from the config's `comm` section)."""
@@ -118,13 +159,36 @@ class CommGuard:
         record = self._in_flight.get(key)
         try:
             if record is not None and record.timed:
-                if work.wait(timeout=timedelta(seconds=self.timeout_s)) is False:
-                    raise TimeoutError("Work.wait returned False")
+                self._timed_wait(work, record)
             else:
                 work.wait()
+        except PeerFailed:
+            self.end(key)
+            raise
         except Exception as exc:  # the timeout above, or the backend's own (gloo: RuntimeError/DistBackendError)
             raise self.fail(key, exc) from exc
         self.end(key)
+
+    def _timed_wait(self, work, record: CallRecord) -> None:
+        """Wait at most the timeout, looking for a failed peer between slices (see the note above)."""
+        deadline = time.monotonic() + self.timeout_s
+        slice_s = min(FIRST_WAIT_S, self.timeout_s)
+        while True:
+            try:
+                if work.wait(timeout=timedelta(seconds=slice_s)) is False:
+                    raise TimeoutError("Work.wait returned False")
+                return
+            except Exception as exc:
+                timed_out = isinstance(exc, TimeoutError) or "Operation timed out" in str(exc)
+                if not timed_out or time.monotonic() >= deadline:
+                    raise
+            failed = self.peer_failure()
+            if failed is not None:
+                message = (f"paratrain: rank {self.rank} stopped in {record.describe()} because {failed} "
+                           f"(raised inside the step; this rank was waiting for it)")
+                print(message, file=sys.stderr, flush=True)
+                raise PeerFailed(message, {"rank": self.rank, "peer": failed, "waiting_in": record.describe()})
+            slice_s = max(min(POLL_S, deadline - time.monotonic()), 0.001)
 
     def run(self, fn, key: int):
         """Run a blocking call the backend bounds with its own timeout (e.g. all_gather_object)."""

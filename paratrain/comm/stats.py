@@ -10,6 +10,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+# The scalars a step exchanges about itself rather than about the model: its loss and target count, the token
+# loss's backprop unit, logged metrics, the peers' batch fingerprints. Benchmarks that compare a strategy's
+# traffic with its formula leave them out; the planner predicts them too.
+BOOKKEEPING_TAGS = frozenset({"metrics", "loss", "loss_unit", "batch_check"})
+
 
 @dataclass
 class OpCount:

@@ -29,6 +29,7 @@ from paratrain.config.section import Section
 from paratrain.config.training import (
     BF16Config,
     FP16Config,
+    LossConfig,
     OptimizerConfig,
     SchedulerConfig,
     TorchAutocastConfig,
@@ -62,6 +63,12 @@ class Config(Section):
     batch_check: Literal["shape", "dtype", "off"] = "shape"
     """train_batch/eval_batch compare every micro-batch with the first: structure, dtypes and shapes ("shape"),
     structure, dtypes and dimensions only ("dtype", for variable sequence lengths), or nothing ("off")."""
+    batch_agreement: Literal["first_steps", "every_step", "off"] = "first_steps"
+    """The ranks of one data-parallel replica (its tensor-, context- and pipeline-parallel peers) must be fed the
+    same micro-batches; they compare a fingerprint of them (one all-gather of two numbers per rank per
+    micro-batch) during the first optimizer step, on every step (a debug mode), or never, and all raise the same
+    error naming the ranks."""
+    loss: LossConfig = Field(default_factory=LossConfig)
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)

@@ -85,6 +85,19 @@ class TorchAutocastConfig(Section):
         return value
 
 
+class LossConfig(Section):
+    """How the losses of one optimizer step's micro-batches and ranks add up (docs/real-data.md)."""
+
+    reduction: Literal["token", "micro_batch"] = "token"
+    """"token": the sum of every target token's loss over the global batch divided by the number of target
+    tokens (labels not -100), whatever the layout: one process's mean over the whole global batch (Megatron's
+    per-token loss; transformers' Trainer with average_tokens_across_devices). "micro_batch": the mean of each
+    micro-batch's mean over accumulation steps and data x context-parallel ranks (DeepSpeed's engine, and
+    paratrain before 0.2). "token" applies where paratrain knows the loss is a mean over target tokens (its
+    own families, Hugging Face models, a PipelineModule loss_fn that returns (sum, count)); a model's own loss
+    is averaged as "micro_batch" (DeepSpeed-compatible), unless its forward returns (sum, count)."""
+
+
 class OffloadConfig(Section):
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = False

@@ -5,20 +5,23 @@ attention, Ulysses' all-to-all, or both: USP) and the split of its inputs.
     loss = model(idx, targets)                   # idx, targets: the full (b, s) batch, the same on every cp rank
 
 [Note: where the sequence is split]
-A forward pre-hook on the model splits the token ids, the targets and the position ids (`arange(s)`
-unless the caller passes its own) into this rank's two mirrored chunks (`sharding.py`) before anything
-runs, so the data pipeline, the engine and the data-parallel sampler are unchanged: every cp rank of a
-data-parallel group receives the same micro-batch and keeps its share of the tokens. Everything after
-the attention cores is token-wise, so only the cores need to see the other ranks' tokens.
+Every cp rank of a data-parallel group receives the same micro-batch (the data pipeline, the engine and the
+data-parallel sampler are unchanged) and keeps its share of the tokens: `split_micro_batch` cuts the token
+ids, the targets (already shifted: transformers' labels are shifted before any split) and the positions
+(`arange(s)` unless the batch has its own) into this rank's chunks (`sharding.py`). The document ids stay
+whole: each attention core knows which tokens it holds and cuts its masks from them. The engine applies it
+to each token micro-batch, the pipeline runner to each of a step's; `context_parallelize(...,
+split_inputs=True)` also splits the inputs of a direct call to the model, for use without the engine.
+Everything after the attention cores is token-wise, so only the cores see the other ranks' tokens.
 
 [Note: the loss and the gradients]
-Each cp rank's loss is the mean over its s/cp tokens. Every rank has the same number of tokens, so the
-mean of the cp ranks' means is the mean over the whole sequence: the data-parallel strategy's average over
-dp × cp gives the single-process gradient, and `train_batch`'s mean over dp × cp the single-process loss.
-(Targets marked ignore_index would break the equal counts; the built-in data has none.) Parameters are
-replicated over cp and receive identical averaged gradients, so they stay identical on every cp rank.
-Without targets the model returns the logits of this rank's tokens in local order; `merge_sequence`
-puts gathered pieces back in sequence order.
+Each cp rank's loss is the mean over the targets in its chunks, and the chunks hold different numbers of
+them (a masked prompt, padding, the last position of a row). The engine's token reduction weights each
+rank's mean by its count and divides by the global count (`paratrain.token_loss`), so the gradient and the
+loss are the single-process ones over the whole sequence. Parameters are replicated over cp and receive
+identical averaged gradients, so they stay identical on every cp rank. Without targets the model returns
+the logits of this rank's tokens in local order; `merge_sequence` puts gathered pieces back in sequence
+order.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from paratrain.config import ConfigError
 from paratrain.context_parallel.ring_attention import RingAttentionCore
 from paratrain.context_parallel.sharding import SequenceSplit, SequenceSplitError, check_divisible
 from paratrain.context_parallel.ulysses import UlyssesAttentionCore
+from paratrain.data.micro_batch import MicroBatch
 from paratrain.mesh import Axis, Mesh
 from paratrain.model_spec import spec_for
 from paratrain.origin import Step
@@ -48,9 +52,20 @@ class AppliedContextParallel(Step):
     split: SequenceSplit | None = None  # which tokens this rank holds
     method: str = "ring"
     replaced: dict[int, nn.Module] = field(default_factory=dict)  # id(original core) -> its replacement
-    # Pipeline only: (inputs, targets) of a micro-batch -> this rank's tokens of both (the runner applies it).
-    split_batch: Callable | None = None
     name = "context parallel"
+
+    def split_micro_batch(self, batch: MicroBatch) -> MicroBatch:
+        """This rank's tokens of a token micro-batch (ids, targets, positions); its documents stay whole."""
+        seq = batch.input_ids.shape[1]
+        check_divisible(seq, self.split.size, f"context parallel input of shape {tuple(batch.input_ids.shape)}")
+        return batch.map_tokens(lambda t: self.split.split(t, dim=1))
+
+    def refuse_unsplit(self, args: tuple, kwargs: dict) -> None:
+        given = [type(a).__name__ for a in args] + sorted(kwargs)
+        raise ConfigError(f"context_parallel.size = {self.axis.size}: this forward's inputs ({given}) are not token "
+                          f"data that paratrain can split over the sequence; call the engine with (input_ids, "
+                          f"targets) tensors of shape (b, s), or input_ids= with labels= / targets= and optionally "
+                          f"attention_mask=, position_ids=, cu_seq_lens_q=")
 
     def note(self) -> str:
         what = {"ring": "ring attention", "ulysses": "Ulysses all-to-all attention",
@@ -110,32 +125,6 @@ def _split_inputs_hook(split: SequenceSplit, signature: inspect.Signature):
     return hook
 
 
-def _positions_hook(split: SequenceSplit, signature: inspect.Signature):
-    """Give a first pipeline layer that gets no position ids the global positions of this rank's tokens."""
-    tokens_name = next(iter(signature.parameters))
-
-    def hook(module, args, kwargs):
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("position_ids") is None:
-            tokens = bound.arguments[tokens_name]  # (b, s/cp): already this rank's chunks
-            bound.arguments["position_ids"] = split.positions(tokens.shape[1] * split.size, device=tokens.device)
-        return bound.args, bound.kwargs
-
-    return hook
-
-
-def _split_batch(split: SequenceSplit):
-    def split_batch(batch):
-        inputs, targets = batch
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
-            raise ConfigError(f"context_parallel.size = {split.size} with a pipeline: a micro-batch's inputs must "
-                              f"be one (b, s) tensor of token ids, got {type(inputs).__name__}")
-        check_divisible(inputs.shape[1], split.size, f"context parallel input of shape {tuple(inputs.shape)}")
-        return split.split(inputs, dim=1), split.split(targets, dim=1)  # (b, s/cp) each
-
-    return split_batch
-
-
 def _core_factory(mesh: Mesh | Axis, method: str) -> tuple[Axis, Callable[[], nn.Module], SequenceSplit]:
     """The cp axis, the core that replaces each attention core, and this rank's tokens, for `method`."""
     if isinstance(mesh, Axis):  # the cp axis alone: ring attention or Ulysses over all of it
@@ -171,16 +160,18 @@ def _swap_cores(model: nn.Module, cores: list[nn.Module], applied: AppliedContex
 
 
 def context_parallelize(model: nn.Module, mesh: Mesh | Axis, cores: list[nn.Module] | None = None,
-                        method: str = "ring") -> AppliedContextParallel:
+                        method: str = "ring", split_inputs: bool = True) -> AppliedContextParallel:
     """Swap each of the model's attention `cores` (default: its model spec's) for `method`'s core (ring
-    attention, Ulysses, or USP on the mesh's cp sub-axes) and split the inputs. In place."""
+    attention, Ulysses, or USP on the mesh's cp sub-axes); with `split_inputs`, a pre-hook also splits the
+    inputs of every call to the model (the engine splits micro-batches itself instead). In place."""
     axis, make, split = _core_factory(mesh, method)
     applied = AppliedContextParallel(axis, split, method)
     if axis.size == 1:
         return applied
     check_context_parallel(model, axis.size)
     _swap_cores(model, spec_for(model).attention_cores(model) if cores is None else cores, applied, make)
-    model.register_forward_pre_hook(_split_inputs_hook(split, inspect.signature(model.forward)), with_kwargs=True)
+    if split_inputs:
+        model.register_forward_pre_hook(_split_inputs_hook(split, inspect.signature(model.forward)), with_kwargs=True)
     return applied
 
 
@@ -189,22 +180,17 @@ def context_parallelize_stages(stages: nn.Module, mesh: Mesh | Axis, cores: list
     """Context parallelism inside a pipeline, where no stage calls the model's forward. In place.
 
     [Note: where a pipeline splits the sequence]
-    The runner applies `split_batch` to every micro-batch before its schedule runs: the first stage then
-    embeds this rank's tokens and the last stage's loss sees the matching targets; the activations sent
-    between stages are (b, s/cp, h). The first layer (`first_layer`, on the rank holding stage 0) gets the
-    global positions of those tokens from a pre-hook, unless it is given them.
+    The runner applies `split_micro_batch` to every micro-batch before its schedule runs: the first stage then
+    embeds this rank's tokens, given their positions, and the last stage's loss sees the matching targets; the
+    activations sent between stages are (b, s/cp, h).
     """
     axis, make, split = _core_factory(mesh, method)
     applied = AppliedContextParallel(axis, split, method)
     if axis.size == 1:
         return applied
     _swap_cores(stages, cores, applied, make)
-    applied.split_batch = _split_batch(split)
-    if first_layer is not None:
-        signature = inspect.signature(first_layer.forward)
-        if "position_ids" not in signature.parameters:
-            raise ConfigError(f"context_parallel.size = {axis.size} with a pipeline: the first layer "
-                              f"({type(first_layer).__name__}) must accept `position_ids` (the positions of this "
-                              f"rank's tokens), as the GPT's embedding does")
-        first_layer.register_forward_pre_hook(_positions_hook(split, signature), with_kwargs=True)
+    if first_layer is not None and "position_ids" not in inspect.signature(first_layer.forward).parameters:
+        raise ConfigError(f"context_parallel.size = {axis.size} with a pipeline: the first layer "
+                          f"({type(first_layer).__name__}) must accept `position_ids` (the positions of this "
+                          f"rank's tokens), as the GPT's embedding does")
     return applied

@@ -26,10 +26,9 @@ sequence, which ring attention expects (`sharding.SequenceSplit`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from paratrain.attention import expand_kv_heads
+from paratrain.attention import Documents, expand_kv_heads, masked_attention
 from paratrain.comm import all_to_all_into
 from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
@@ -97,17 +96,21 @@ class UlyssesAttentionCore(nn.Module):
         self.axis = axis
         self.inner = inner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None,
+                window: int | None = None) -> torch.Tensor:
+        """`documents` (whole rows) and `window` (`paratrain.attention`): pure Ulysses sees the whole row inside,
+        in order, so the plain masked attention applies; under USP the inner ring attention cuts its own."""
         u = self.axis.size
         check_heads(q.shape[1], u)
         if k.shape[1] % u:  # fewer k/v heads than groups: each group gets its own copies
             k, v = expand_kv_heads(k, v, q.shape[1])
         q, k, v = (_SeqToHeads.apply(t.contiguous(), self.axis) for t in (q, k, v))  # (b, h/u, u·s, d)
         if self.inner is not None:
-            out = self.inner(q, k, v)
+            out = self.inner(q, k, v) if documents is None and window is None else \
+                self.inner(q, k, v, documents, window)
         else:
             k, v = expand_kv_heads(k, v, q.shape[1])
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = masked_attention(q, k, v, documents, window)
         return _HeadsToSeq.apply(out.contiguous(), self.axis)
 
     def extra_repr(self) -> str:

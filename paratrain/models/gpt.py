@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.attention import CausalAttentionCore
+from paratrain.attention import CausalAttentionCore, Documents
 from paratrain.errors import Error, InvalidValueError
 from paratrain.models.presets import preset
 
@@ -106,9 +106,9 @@ class CausalSelfAttention(nn.Module):
         b, s, width = t.shape  # (b, s, local_heads * head_dim): local under tensor parallelism
         return t.view(b, s, width // self.head_dim, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))  # (b, h, s, hd)
-        y = self.core(q, k, v)
+        y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
         b, h, s, hd = y.shape
         y = y.transpose(1, 2).reshape(b, s, h * hd)  # (b, s, local width)
         return self.resid_dropout(self.o(y))
@@ -133,8 +133,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        # documents only when there are some: hooks of other libraries (torch's TP styles) count the inputs
+        x = x + (self.attn(self.ln1(x)) if documents is None else self.attn(self.ln1(x), documents))
         return x + self.mlp(self.ln2(x))
 
 
@@ -170,16 +171,22 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index:
     low, high = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
     if low < 0 or high >= vocab_size:
         allowed = f"[0, {vocab_size})" + (f" or {ignore_index}" if ignore_index is not None else "")
+        bad = ((valid < 0) | (valid >= vocab_size)).nonzero()[0].tolist()
+        where = f"row {bad[0]}, position {bad[1]}" if len(bad) == 2 else f"position {bad}"
         raise TokenIdError(f"GPT {what} must lie in {allowed} (vocab_size = {vocab_size}), got values in [{low}, "
-                           f"{high}]: the data does not match the model's vocabulary; fix the dataset/tokenizer or "
-                           f"build the GPT with a larger vocab_size")
+                           f"{high}] (first at {where} of the micro-batch: {int(ids[tuple(bad)])}): the data does "
+                           f"not match the model's vocabulary; fix the dataset/tokenizer or build the GPT with a "
+                           f"larger vocab_size")
 
 
 class TokenCrossEntropy(nn.Module):
-    """Mean cross-entropy over every token. logits (b, s, V), targets (b, s)."""
+    """Mean cross-entropy over the tokens that have a target (not -100). logits (b, s, V), targets (b, s).
+    A micro-batch without any target gives 0, not NaN (a context-parallel chunk may hold only a prompt)."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        targets = targets.reshape(-1)
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="sum")
+        return total / (targets != -100).sum().clamp(min=1)
 
 
 class GPT(nn.Module):
@@ -201,13 +208,14 @@ class GPT(nn.Module):
             init_module(self.config, name, module)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """idx (b, s) token ids -> the mean loss if `targets` is given, else logits (b, s, V)."""
+                position_ids: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
+        """idx (b, s) token ids -> the mean loss over the targets that are not -100 if `targets` is given, else
+        logits (b, s, V). `documents`: packed documents / left padding (`paratrain.attention.Documents`)."""
         if targets is not None:
             check_token_ids(targets, self.config.vocab_size, "targets", ignore_index=-100)
         h = self.embed(idx, position_ids)  # (b, s, d)
         for block in self.blocks:
-            h = block(h)
+            h = block(h) if documents is None else block(h, documents)
         logits = self.head(self.ln_f(h))  # (b, s, V)
         if targets is None:
             return logits

@@ -71,6 +71,9 @@ class GPTSpec(ModelSpec):
     def pipeline_module(self, model: GPT, micro_batch: int) -> PipelineModule:
         return gpt_pipeline_module(model, micro_batch)
 
+    def loss_is_token_mean(self, model: nn.Module) -> bool:
+        return True
+
     def sequence_length(self, model: GPT) -> int:
         return model.config.seq_len
 

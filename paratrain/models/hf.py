@@ -16,9 +16,11 @@ context parallelism feeds each rank its chunks' positions, tensor parallelism re
 vocab-parallel cross-entropy, and ring attention replaces the attention kernel. transformers already routes
 attention through a registry (`AttentionInterface`); the view registers `"paratrain"` there, which calls a
 `CausalAttentionCore` attached to each attention module as `core` (no parameters, so no name changes). That core
-is what context parallelism and selective checkpointing replace, exactly as in the built-in families. The
-masks are causal and unpadded, so no mask tensor is built; a padding `attention_mask` is refused. Experts
-modules of MoE blocks go through transformers' experts registry the same way (`hf_moe.py`).
+is what context parallelism and selective checkpointing replace, exactly as in the built-in families. No mask
+tensor is built here: padding and packed documents arrive as `Documents` (`paratrain.data.micro_batch`, the
+normal form of `attention_mask`, `position_ids` resets and `cu_seq_lens`), which the layers pass to the
+attention function as a keyword, with each layer's own `sliding_window`; the core cuts its masks from them.
+Experts modules of MoE blocks go through transformers' experts registry the same way (`hf_moe.py`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from paratrain.attention import CausalAttentionCore
+from paratrain.attention import CausalAttentionCore, Documents
+from paratrain.data.micro_batch import as_micro_batch
 from paratrain.model_spec import ModelSpecError
 from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
 from paratrain.models.hf_moe import install_experts
@@ -103,20 +105,21 @@ def decoder_layout(hf: nn.Module) -> DecoderLayout:
     return DecoderLayout(base=base_name, head=_child_name(hf, head) or "lm_head", **parts)
 
 
-def paratrain_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' attention-function contract, answered by the module's `core` (q, k, v: (b, heads, s, d))."""
+def paratrain_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                        documents: Documents | None = None, sliding_window: int | None = None, **kwargs):
+    """transformers' attention-function contract, answered by the module's `core` (q, k, v: (b, heads, s, d)),
+    with the micro-batch's documents and the layer's sliding window."""
     if attention_mask is not None:
-        raise ModelSpecError("a Hugging Face model under paratrain got an attention mask: paratrain's attention "
-                             "is causal over unpadded sequences; pack the data instead of padding it")
-    window = kwargs.get("sliding_window")
-    if window is not None and query.shape[2] > window:
-        raise ModelSpecError(f"sliding_window = {window} is shorter than the sequence ({query.shape[2]}): "
-                             f"paratrain's attention is full causal; train on sequences of at most {window} tokens "
-                             f"or set the model config's sliding_window to null")
+        raise ModelSpecError("a Hugging Face model under paratrain got an attention mask tensor inside a layer: "
+                             "call the model (or the engine) with attention_mask=, which paratrain turns into "
+                             "padding and documents for its attention cores")
     if scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1) > 1e-6:
         raise ModelSpecError(f"{type(module).__name__} scales attention scores by {scaling}, not "
                              f"1/sqrt(head_dim): paratrain's attention core does not support that scale")
-    out = module.core(query, key, value)  # (b, heads, s, d)
+    if documents is None and sliding_window is None:
+        out = module.core(query, key, value)  # (b, heads, s, d)
+    else:
+        out = module.core(query, key, value, documents, sliding_window)
     return out.transpose(1, 2).contiguous(), None  # transformers' layout: (b, s, heads, d)
 
 
@@ -178,11 +181,13 @@ class HFCausalLM(nn.Module):
             h = getattr(base, layout.dropout)(h)
         return h
 
-    def layer_kwargs(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        """What every decoder layer takes besides the hidden states: no mask, no cache, and the rotary
-        embeddings of `position_ids` (b, s) if the model has them (computed once per forward, as transformers
-        does)."""
+    def layer_kwargs(self, h: torch.Tensor, position_ids: torch.Tensor, documents: Documents | None = None) -> dict:
+        """What every decoder layer takes besides the hidden states: no mask, no cache, the documents (passed on
+        to the attention function), and the rotary embeddings of `position_ids` (b, s) if the model has them
+        (computed once per forward, as transformers does)."""
         extra = {"attention_mask": None, "use_cache": False}
+        if documents is not None:
+            extra["documents"] = documents
         if self.layout.rotary is not None:
             rotary = getattr(self.base, self.layout.rotary)
             extra.update(position_embeddings=rotary(h, position_ids), position_ids=position_ids)
@@ -193,29 +198,36 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, **unused):
+                attention_mask: torch.Tensor | None = None, documents: Documents | None = None,
+                hf_output: bool = False, **boundaries):
         """input_ids (b, s) -> the mean loss over `targets` (b, s), or transformers' output with `.loss` (labels
-        shifted inside, as `...ForCausalLM` does) when `labels` is given, else the logits (b, s, V)."""
-        if unused:
+        shifted inside, as `...ForCausalLM` does) when `labels` is given (or `hf_output`), else the logits
+        (b, s, V). transformers' padding `attention_mask` and packing (`position_ids` restarting at 0,
+        `cu_seq_lens_q`) are turned into positions and documents first (`paratrain.data.micro_batch`); the
+        engine does that before any split and passes `documents` itself."""
+        if any(k not in ("cu_seq_lens_q", "cu_seqlens") for k in boundaries):
             raise ModelSpecError(f"{type(self.hf_model).__name__} under paratrain takes input_ids, targets, "
-                                 f"position_ids, labels; got also {sorted(unused)}")
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ModelSpecError("attention_mask with padding: paratrain trains Hugging Face models on unpadded "
-                                 "(packed) sequences; drop the padding, or pass no attention_mask")
+                                 f"position_ids, labels, attention_mask, cu_seq_lens_q; got also {sorted(boundaries)}")
+        if labels is not None or attention_mask is not None or boundaries:
+            given = {k: v for k, v in dict(input_ids=input_ids, targets=targets, labels=labels,
+                                           attention_mask=attention_mask, position_ids=position_ids,
+                                           **boundaries).items() if v is not None}
+            batch = as_micro_batch((), given)
+            targets, position_ids, documents = batch.targets, batch.position_ids, batch.documents
+            hf_output = hf_output or labels is not None
         check_token_ids(input_ids, self.config.vocab_size, "token ids")
         position_ids = _positions(input_ids, position_ids)
         h = self.embed(input_ids, position_ids)
-        extra = self.layer_kwargs(h, position_ids)
+        extra = self.layer_kwargs(h, position_ids, documents)
         for layer in self.layers:
             out = layer(h, **extra)
             h = out[0] if isinstance(out, tuple) else out
         logits = self.final(h)
-        if labels is not None:
-            return _hf_output(logits, labels, self.loss_fn)
         if targets is None:
-            return logits
+            return _hf_output(logits, None) if hf_output else logits
         check_token_ids(targets, self.config.vocab_size, "targets", ignore_index=-100)
-        return self.loss_fn(logits, targets)
+        loss = self.loss_fn(logits, targets)
+        return _hf_output(logits, loss) if hf_output else loss
 
     def save_pretrained(self, *args, **kwargs):
         raise ModelSpecError("save the trained model with engine.save_pretrained(dir): the engine knows which "
@@ -229,12 +241,11 @@ def _positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> to
     return position_ids.unsqueeze(0).expand(input_ids.shape[0], -1) if position_ids.dim() == 1 else position_ids
 
 
-def _hf_output(logits: torch.Tensor, labels: torch.Tensor, loss_fn: nn.Module):
-    """`...ForCausalLM`'s output for `labels`: the loss of token t+1 given tokens ≤ t, mean over real labels."""
+def _hf_output(logits: torch.Tensor, loss: torch.Tensor | None):
+    """`...ForCausalLM`'s output: `.loss` (the mean over the positions with a target), `.logits`."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)  # (b, s): the last position predicts nothing
-    return CausalLMOutputWithPast(loss=loss_fn(logits, shifted), logits=logits)
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
 def as_causal_lm(model: nn.Module) -> nn.Module:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ConfigError
+from paratrain.data.micro_batch import MicroBatch
 from paratrain.model_spec import ModelSpec, ModelSpecError, Pretrained, register_model_spec
 from paratrain.models.hf import HFCausalLM, _positions, as_causal_lm, attention_modules, is_transformers_model
 from paratrain.models.hf_moe import check_moe_config, hf_expert_layers
@@ -154,6 +155,14 @@ class HFSpec(ModelSpec):
 
     def sequence_length(self, model: nn.Module) -> int | None:
         return None
+
+    def loss_is_token_mean(self, model: nn.Module) -> bool:
+        return True
+
+    def call(self, model: HFCausalLM, batch: MicroBatch):
+        """transformers' `labels` form answers with its output type (`.loss`, `.logits`)."""
+        return model(batch.input_ids, targets=batch.targets, position_ids=batch.position_ids,
+                     documents=batch.documents, hf_output=batch.labels_form)
 
     def init_module(self, model: HFCausalLM, name: str, module: nn.Module) -> None:
         model.hf_model._init_weights(module)

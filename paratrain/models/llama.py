@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.attention import CausalAttentionCore
+from paratrain.attention import CausalAttentionCore, Documents
 from paratrain.errors import InvalidValueError
 from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
 from paratrain.models.presets import preset
@@ -164,10 +164,12 @@ class LlamaAttention(nn.Module):
         b, s, width = t.shape  # (b, s, local_heads * head_dim): local under tensor parallelism
         return t.view(b, s, width // self.config.head_dim, self.config.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, documents: Documents | None = None
+                ) -> torch.Tensor:
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         cos, sin = rotary_cos_sin(self.config, position_ids, q.dtype)  # (b|1, s, hd)
-        y = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)  # (b, h, s, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)  # (b, h, s, hd)
         b, h, s, hd = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd))
 
@@ -184,7 +186,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP with residuals. Inside a pipeline it takes and returns (h, position_ids)."""
+    """Pre-norm attention and MLP with residuals. Inside a pipeline it takes and returns (h, position_ids);
+    `documents` (packed documents, left padding) come from the micro-batch, never through the hand-over."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -193,10 +196,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
-    def forward(self, x, position_ids: torch.Tensor | None = None):
+    def forward(self, x, position_ids: torch.Tensor | None = None, documents: Documents | None = None):
         staged = isinstance(x, tuple)
         h, position_ids = x if staged else (x, position_ids)
-        h = h + self.self_attn(self.input_layernorm(h), position_ids)
+        h = h + self.self_attn(self.input_layernorm(h), position_ids, documents)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return (h, position_ids) if staged else h
 
@@ -233,8 +236,9 @@ class Llama(nn.Module):
             init_module(name, module)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """idx (b, s) token ids -> the mean loss if `targets` is given, else logits (b, s, V)."""
+                position_ids: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
+        """idx (b, s) token ids -> the mean loss over the targets that are not -100 if `targets` is given, else
+        logits (b, s, V). `documents`: packed documents / left padding (`paratrain.attention.Documents`)."""
         check_token_ids(idx, self.model.embed_tokens.num_embeddings, "token ids")
         if targets is not None:
             check_token_ids(targets, self.config.vocab_size, "targets", ignore_index=-100)
@@ -242,7 +246,7 @@ class Llama(nn.Module):
             position_ids = torch.arange(idx.shape[1], device=idx.device)
         h = self.model.embed_tokens(idx)  # (b, s, d)
         for layer in self.model.layers:
-            h = layer(h, position_ids)
+            h = layer(h, position_ids, documents)
         logits = self.lm_head(self.model.norm(h))  # (b, s, V)
         return logits if targets is None else self.loss_fn(logits, targets)
 

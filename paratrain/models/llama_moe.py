@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from paratrain.attention import Documents
 from paratrain.errors import InvalidValueError
 from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
 from paratrain.models.llama import LlamaAttention, LlamaConfig, LlamaMLP, RMSNorm, init_module
@@ -137,10 +138,10 @@ class LlamaMoEDecoderLayer(nn.Module):
         # in a pipeline the block adds its weighted router losses to the running sum the stages pass on
         self.loss_weights = (cfg.aux_loss_coef / max(n_moe, 1), cfg.z_loss_coef / max(n_moe, 1))
 
-    def forward(self, x, position_ids: torch.Tensor | None = None):
+    def forward(self, x, position_ids: torch.Tensor | None = None, documents: Documents | None = None):
         staged = isinstance(x, tuple)
         h, position_ids, *router = x if staged else (x, position_ids)
-        h = h + self.self_attn(self.input_layernorm(h), position_ids)
+        h = h + self.self_attn(self.input_layernorm(h), position_ids, documents)
         out = self.mlp(self.post_attention_layernorm(h))
         if isinstance(out, MoEOutput):
             self.losses = (out.aux_loss, out.z_loss)
@@ -187,7 +188,7 @@ class LlamaMoE(nn.Module):
         return aux, z
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
         """idx (b, s) token ids -> the mean loss (+ router losses) if `targets` is given, else logits (b, s, V)."""
         check_token_ids(idx, self.model.embed_tokens.num_embeddings, "token ids")
         if targets is not None:
@@ -197,7 +198,7 @@ class LlamaMoE(nn.Module):
         h = self.model.embed_tokens(idx)
         for layer in self.model.layers:
             layer.losses = None
-            h = layer(h, position_ids)
+            h = layer(h, position_ids, documents)
         logits = self.lm_head(self.model.norm(h))
         if targets is None:
             return logits

@@ -98,6 +98,9 @@ class LlamaSpec(ModelSpec):
     def pipeline_module(self, model: Llama, micro_batch: int) -> PipelineModule:
         return llama_pipeline_module(model, micro_batch)
 
+    def loss_is_token_mean(self, model: nn.Module) -> bool:
+        return True
+
     def sequence_length(self, model: Llama) -> int:
         return model.config.seq_len
 

@@ -15,11 +15,13 @@ builds such a list from the model (the built-in GPT's: embed -> blocks[i] -> ln_
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from paratrain.data.micro_batch import MicroBatch
 from paratrain.errors import InvalidTypeError, InvalidValueError, RunError
 from paratrain.model_spec import ModelSpec, register_model_spec
 
@@ -101,17 +103,21 @@ class PipelineModule(nn.Module):
             self.layer(i)
         return self
 
-    def forward(self, inputs, targets=None):
+    def forward(self, inputs, targets=None, position_ids=None, documents=None):
+        """Every layer in order, then the loss; `position_ids` go to the first layer and `documents` to the
+        layers that take them, as in a pipeline stage (`StageChunk`)."""
         unbuilt = [i for i, s in enumerate(self.specs) if isinstance(s, LayerSpec)]
         if unbuilt:
             raise RunError(f"layers {unbuilt} are LayerSpecs that were never built; call materialize() to "
                            f"run the whole module on one stage")
-        x = inputs
-        for layer in self.specs:
-            x = layer(x)
+        x = StageChunk.run(self.specs, inputs, position_ids, documents, first=True)
         if targets is None or self.loss_fn is None:
             return x
         return self.loss_fn(x, targets)
+
+    def takes_documents(self) -> bool:
+        """Whether some layer passes `documents` on to attention (packed documents, left padding)."""
+        return any(takes(layer, "documents") for layer in self.specs)
 
     def original_name(self, index: int, key: str) -> str:
         prefix = self.layer_names[index]
@@ -142,16 +148,45 @@ class PipelineModuleSpec(ModelSpec):
         return model
 
 
-class StageChunk(nn.Module):
-    """One pipeline stage: consecutive layers, each fed the previous one's output."""
+_TAKES: dict[tuple[type, str], bool] = {}
 
-    def __init__(self, layers: list[nn.Module]):
+
+def takes(layer: nn.Module | LayerSpec, name: str) -> bool:
+    """Whether a layer's forward has a parameter `name` (documents: or takes any keyword, as transformers'
+    decoder layers do, which pass them on to the attention function). Per class."""
+    cls = layer.typename if isinstance(layer, LayerSpec) else type(layer)
+    if (cls, name) not in _TAKES:
+        params = inspect.signature(cls.forward).parameters
+        _TAKES[(cls, name)] = name in params or (name == "documents" and any(
+            p.kind == p.VAR_KEYWORD for p in params.values()))
+    return _TAKES[(cls, name)]
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage: consecutive layers, each fed the previous one's output. With a token micro-batch,
+    the pipeline's first layer (`first`) also gets its `position_ids`, and every layer that takes `documents`
+    gets them: they come from the micro-batch every stage holds, not through the hand-over."""
+
+    def __init__(self, layers: list[nn.Module], first: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.first = first
+        self._documents = [takes(layer, "documents") for layer in layers]
 
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
+    def forward(self, x, batch: MicroBatch | None = None):
+        if batch is None:
+            return self.run(self.layers, x, first=self.first)
+        return self.run(self.layers, x, batch.position_ids, batch.documents, self.first, self._documents)
+
+    @staticmethod
+    def run(layers, x, position_ids=None, documents=None, first: bool = False, takes_documents=None):
+        for i, layer in enumerate(layers):
+            kwargs = {}
+            if i == 0 and first and position_ids is not None and takes(layer, "position_ids"):
+                kwargs["position_ids"] = position_ids
+            if documents is not None and (takes_documents[i] if takes_documents else takes(layer, "documents")):
+                kwargs["documents"] = documents
+            x = layer(x, **kwargs)
         return x
 
 

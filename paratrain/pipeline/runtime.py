@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 import paratrain.comm as comm
+from paratrain.data.micro_batch import MicroBatch, split_loss
 from paratrain.errors import InvalidTypeError, InvalidValueError, RunError
 from paratrain.mesh import Mesh
 from paratrain.pipeline.module import StageModule
@@ -43,14 +44,39 @@ from paratrain.pipeline.weight_grad import WeightGradDeferral
 
 
 @dataclass
+class _Micro:
+    """One micro-batch as the stages use it: the first stage's input, the last stage's targets, and the token
+    micro-batch (positions for the first layer, documents for every attention layer) when it is token data."""
+
+    inputs: object
+    targets: object
+    batch: MicroBatch | None = None
+
+
+@dataclass
+class StepLoss:
+    """What a pipeline step's losses add up to, the same on every pp rank: the sum of the micro-batches'
+    losses and their weight (target counts when token-weighted, else the number of micro-batches)."""
+
+    total: torch.Tensor
+    weight: torch.Tensor
+    token_weighted: bool
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return (self.total / self.weight.clamp(min=1)).float()
+
+
+@dataclass
 class _Step:
-    batches: list
+    batches: list[_Micro]
     training: bool
+    unit: float | None = None  # token weighting: the backprop unit (paratrain.token_loss); None: means
     inputs: dict = field(default_factory=dict)  # (stage, micro) -> what the stage's chunk was called with
     outputs: dict = field(default_factory=dict)  # (stage, micro) -> its output (the scaled loss on the last)
     input_grads: dict = field(default_factory=dict)  # (stage, micro) -> gradients to send back
     incoming: dict = field(default_factory=dict)  # receive action -> p2p.Incoming
-    losses: list = field(default_factory=list)
+    losses: list = field(default_factory=list)  # (loss sum or mean, weight, token-weighted) per micro-batch
     events: list = field(default_factory=list)  # (kind, stage, micro, start, end), wall-clock seconds
     peak_in_flight: int = 0  # most micro-batch stages holding activations at once
 
@@ -66,8 +92,11 @@ class PipelineRunner:
     a micro-batch into this rank's tokens, or None) and `autocast` (the forward's autocast context factory)."""
 
     def __init__(self, module: StageModule, mesh: Mesh, schedule: str, micro_batches: int, virtual: int,
-                 loss_fn, device: torch.device, grad_sync, prepare_batch=None, autocast=contextlib.nullcontext):
+                 loss_fn, device: torch.device, grad_sync, prepare_batch=None, autocast=contextlib.nullcontext,
+                 token_loss: bool = False, takes_documents: bool = False):
         self.module, self.mesh, self.loss_fn, self.device = module, mesh, loss_fn, device
+        self.token_loss = token_loss  # loss_fn returns the mean over the targets that are not -100
+        self.takes_documents = takes_documents  # some layer of the pipeline passes documents to attention
         self.grad_sync, self.prepare_batch, self.autocast = grad_sync, prepare_batch, autocast
         self.axis = mesh.axis("pp")
         self.rank = mesh.local_rank("pp")
@@ -92,23 +121,25 @@ class PipelineRunner:
     def _chunk(self, stage: int):
         return self.module.chunks[self.schedule.chunk_of(stage)]
 
-    def _run_chunk(self, stage: int, x):
+    def _run_chunk(self, stage: int, x, batch: MicroBatch | None = None):
         with self.autocast():
-            return self._chunk(stage)(x)
+            return self._chunk(stage)(x, batch)
 
     # ---- one step --------------------------------------------------------------------------------
-    def train_step(self, batches: list) -> torch.Tensor:
-        """Run one optimizer step's micro-batches ((inputs, targets) each); gradients accumulate in the
-        stage's parameters. Returns the mean loss over the micro-batches, on every pp rank."""
+    def train_step(self, batches: list, unit: float | None = None) -> StepLoss:
+        """Run one optimizer step's micro-batches (token micro-batches, or (inputs, targets) pairs); gradients
+        accumulate in the stage's parameters. `unit`: backpropagate token-weighted losses as sums times it
+        (`paratrain.token_loss`); None: the mean over the micro-batches. Returns the step's losses, on every
+        pp rank."""
         if len(batches) != self.schedule.micro_batches:
             raise InvalidValueError(f"the {self.schedule.name} schedule runs {self.schedule.micro_batches} "
                                     f"micro-batches "
                                     f"per step, got {len(batches)}")
         self._sync_actions = _last_gradient_actions(self.schedule, self.rank)
-        return self._run(self.schedule, batches, training=True)
+        return self._run(self.schedule, batches, training=True, unit=unit)
 
     @torch.no_grad()
-    def eval_step(self, batches: list) -> torch.Tensor:
+    def eval_step(self, batches: list) -> StepLoss:
         m = len(batches)
         if m not in self._eval_schedules:
             s = self.schedule
@@ -119,16 +150,29 @@ class PipelineRunner:
             check_schedule(self._eval_schedules[m])
         return self._run(self._eval_schedules[m], batches, training=False)
 
-    def _run(self, schedule: Schedule, batches: list, training: bool) -> torch.Tensor:
-        for b in batches:
-            if not (isinstance(b, (tuple, list)) and len(b) == 2):
-                raise InvalidTypeError("in pipeline mode every micro-batch must be a pair (inputs, targets): the first "
-                                       "stage consumes the inputs, the last stage the targets")
+    def _micro(self, batch) -> _Micro:
+        if isinstance(batch, MicroBatch):
+            if batch.documents is not None and not self.takes_documents:
+                raise InvalidValueError("a micro-batch with packed documents or left padding, but no layer of the "
+                                        "pipeline takes `documents` to keep attention inside them: give the "
+                                        "attention layers a `documents` parameter (as the built-in families have)")
+            if self.prepare_batch is not None:
+                batch = self.prepare_batch(batch)
+            return _Micro(batch.input_ids, batch.targets, batch)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise InvalidTypeError("in pipeline mode every micro-batch must be token data (a dict with input_ids and "
+                                   "labels, or (input_ids, targets)) or a pair (inputs, targets): the first stage "
+                                   "consumes the inputs, the last stage the targets")
         if self.prepare_batch is not None:
-            batches = [self.prepare_batch(b) for b in batches]
+            raise InvalidTypeError("context parallelism with a pipeline splits token data only: feed (b, s) token ids "
+                                   "with targets, or a dict with input_ids and labels")
+        return _Micro(batch[0], batch[1])
+
+    def _run(self, schedule: Schedule, batches: list, training: bool, unit: float | None = None) -> StepLoss:
+        micros = [self._micro(b) for b in batches]
         if not self._shapes_known:
-            self._learn_shapes(batches[0][0])
-        step = _Step(batches, training)
+            self._learn_shapes(micros[0])
+        step = _Step(micros, training, unit)
         actions = schedule.actions[self.rank]
         wall0, clock0 = time.time(), time.perf_counter()
         j = 0
@@ -159,19 +203,30 @@ class PipelineRunner:
         if training:  # the timeline shows the last training step (an evaluation does not replace it)
             self.last_events, self.last_schedule = step.events, schedule
             self.last_peak_in_flight = step.peak_in_flight
-        loss = torch.zeros((), dtype=torch.float32)
-        if step.losses:  # this rank holds the last stage
-            loss += torch.stack([x.float().cpu() for x in step.losses]).mean()
-        comm.all_reduce(loss, self.axis, tag="metrics")  # every pp rank returns the loss
-        return loss
+        return self._step_loss(step.losses)
 
-    def _learn_shapes(self, first_inputs) -> None:
+    def _step_loss(self, losses: list) -> StepLoss:
+        """The step's losses on every pp rank: one all-reduce of (sum, weight, token-weighted, mixed) from the
+        last stage (the other stages add zeros); a step that mixed the two kinds fails on every rank at once."""
+        sums = torch.zeros(4, dtype=torch.float64)
+        kinds = {token for _, _, token in losses}  # empty unless this rank holds the last stage
+        for value, weight, _ in losses:
+            sums[0] += value.detach().double().cpu()
+            sums[1] += weight.detach().double().cpu()
+        sums[2], sums[3] = float(True in kinds), float(len(kinds) > 1)
+        comm.all_reduce(sums, self.axis, tag="metrics")
+        if sums[3] > 0:
+            raise RunError("a pipeline step mixed token-weighted losses with losses it can only average: feed every "
+                           "micro-batch in one form, or set loss.reduction to \"micro_batch\"")
+        return StepLoss(sums[0], sums[1], bool(sums[2] > 0))
+
+    def _learn_shapes(self, first: _Micro) -> None:
         was_training = self.module.training
         self.module.eval()  # no dropout, no buffer updates
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             self.links.learn_shapes(self.module.stages, self.num_stages, self.schedule.rank_of,
-                                    lambda stage, x: self._run_chunk(stage, x), first_inputs)
+                                    lambda stage, x: self._run_chunk(stage, x, first.batch), first.inputs)
         self.module.train(was_training)
         self._shapes_known = True
 
@@ -211,9 +266,9 @@ class PipelineRunner:
 
     def _forward(self, schedule: Schedule, a: Action, step: _Step) -> None:
         key = (a.stage, a.micro)
-        inputs, targets = step.batches[a.micro]
+        micro = step.batches[a.micro]
         if a.stage == 0:
-            x = inputs
+            x = micro.inputs
         elif schedule.local(a.stage, a.stage - 1):  # the bottom of a V: this rank's own previous stage
             previous = (a.stage - 1, a.micro)
             x = _handed_over(step.outputs[previous] if step.training else step.outputs.pop(previous), step.training)
@@ -223,18 +278,34 @@ class PipelineRunner:
             if step.training:
                 tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
             x = tuple(tensors) if incoming.is_tuple else tensors[0]
-        out = self._run_chunk(a.stage, x)
+        out = self._run_chunk(a.stage, x, micro.batch)
         if a.stage == schedule.num_stages - 1:
             with self.autocast():
-                loss = self.loss_fn(out, targets)
-            step.losses.append(loss.detach())
-            out = loss / schedule.micro_batches  # the mean over micro-batches is what backward differentiates
+                loss = self.loss_fn(out, micro.targets)
+            out = self._weighted(loss, micro, step, schedule.micro_batches)
         if step.training:
             step.inputs[key] = x
             step.outputs[key] = out
             step.peak_in_flight = max(step.peak_in_flight, len(step.outputs))
         elif a.stage < schedule.num_stages - 1:
             step.outputs[key] = out
+
+    def _weighted(self, loss, micro: _Micro, step: _Step, count: int) -> torch.Tensor:
+        """Record the micro-batch's loss and return what backward differentiates: the loss sum times the unit
+        when token-weighted (a loss_fn's own (sum, count), or a mean over target tokens), else the mean over
+        the step's micro-batches."""
+        parts = split_loss(loss)
+        if parts is None and self.token_loss and micro.batch is not None and micro.targets is not None:
+            tokens = micro.batch.valid_tokens()
+            parts = (loss * tokens, tokens)
+        if parts is None:
+            step.losses.append((loss.detach(), torch.ones(()), False))
+            return loss / count
+        total, tokens = parts
+        step.losses.append((total.detach(), tokens, True))
+        if step.training and step.unit is None:
+            raise RunError("a token-weighted pipeline loss without the backprop unit; run steps through the engine")
+        return total * step.unit if step.training else total
 
     def _backward(self, schedule: Schedule, a: Action, step: _Step) -> None:
         key = (a.stage, a.micro)

@@ -111,7 +111,8 @@ def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, 
     chunks = []
     for s in mine:
         layers = [pipe.layer(i) for i in range(bounds[s], bounds[s + 1])]
-        chunks.append(StageChunk([layer.to(device) if device is not None else layer for layer in layers]))
+        chunks.append(StageChunk([layer.to(device) if device is not None else layer for layer in layers],
+                                 first=bounds[s] == 0))
     local = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i, spec in enumerate(pipe.specs):
         if i not in local and isinstance(spec, nn.Module):

@@ -211,12 +211,12 @@ def ulysses_elements(spec: ModelSpec, layout: Layout) -> int:
 
 
 def scalar_transfers(layout: Layout) -> list[Transfer]:
-    """The fp32 scalars of a step: train_batch's global mean loss over dp x cp (from the last pipeline stage
-    to every pp rank first), the squared grad norm summed over pp x tp (and over dp x cp when ZeRO shards
-    gradients), fp16's overflow flags."""
-    out = [Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
+    """The scalars of a step: the token-weighted loss's sum and target count over dp x cp (two fp64; from the
+    last pipeline stage to every pp rank first: sum, weight and two flags, four fp64), the squared grad norm
+    summed over pp x tp (and over dp x cp when ZeRO shards gradients), fp16's overflow flags."""
+    out = [Transfer(DP_CP, "all_reduce", 2, 8, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
     if layout.pp > 1:
-        out.append(Transfer(("pp",), "all_reduce", 1, 4, 1, "scalar"))
+        out.append(Transfer(("pp",), "all_reduce", 4, 8, 1, "scalar"))
     if layout.zero_stage >= 1:
         out.append(Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"))
     if layout.precision == "fp16":

@@ -150,13 +150,13 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
 def head_activations(spec: ModelSpec, layout: Layout, regather_sequence: bool = False) -> float:
     """Bytes the last stage keeps for one micro-batch after the blocks: the final norm's input and stats,
     the head's input (gathered under sequence parallelism, see `layer_activations`), the fp32 log-softmax of
-    the (vocab-parallel) logits, the int64 targets and the loss's fp32 total weight — or, vocab-parallel,
-    two 1-byte token masks and an int64 token count."""
+    the (vocab-parallel) logits, the int64 targets, the loss's fp32 total weight and the int64 count of targets
+    it divides by — or, vocab-parallel, two 1-byte token masks and an int64 token count."""
     e, t = layout.activation_bytes, layout.tp
     sp = t if layout.sequence_parallel else 1
     b, s = layout.micro_batch, spec.seq_len // layout.cp
     norm_and_head_inputs = e * s * b * spec.d_model * (1 / sp + 1 / (sp if regather_sequence else 1))
-    loss = 4 * s * b * spec.vocab_size / t + 8 * s * b + (2 * s * b + 8 if t > 1 else 4)
+    loss = 4 * s * b * spec.vocab_size / t + 8 * s * b + (2 * s * b + 8 if t > 1 else 4 + 8)
     return norm_and_head_inputs + 8 * s * b / sp + loss
 
 

@@ -10,7 +10,7 @@ For every token, with z the logits and t the target (Megatron's vocab-parallel c
 
 Subtracting the global max keeps exp() in range (numerically stable); padded vocabulary columns (an
 uneven vocabulary) are set to -inf so they take no probability. The mean is over tokens whose target is
-not `ignore_index`, as `F.cross_entropy` does.
+not `ignore_index`, as `F.cross_entropy` does (0, not NaN, when there is none).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         all_reduce(sums, axis, tag=LOSS_TAG)
         sum_exp, target_logit = sums[0], sums[1]
         valid = targets != ignore_index
-        count = valid.sum()
+        count = valid.sum().clamp(min=1)  # no target at all (a chunk of prompt or padding): loss 0, not NaN
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0).sum() / count
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_targets, in_range & valid, valid, count)
