@@ -33,6 +33,7 @@ from paratrain.data.nested import to_device
 from paratrain.deferred import return_freed_heap, template_of
 from paratrain.distributed import current_device
 from paratrain.engine_checkpoints import EngineCheckpoints
+from paratrain.engine_pipeline import PipelineSteps
 from paratrain.engine_setup import (
     local_param_groups,
     make_loader,
@@ -54,8 +55,9 @@ from paratrain.update import OptimizerUpdate
 log = logging.getLogger("paratrain")
 
 
-class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
+class Engine(EngineCheckpoints, PipelineSteps, DeepSpeedEngineAPI):
     """DeepSpeed's engine contract. Construction helpers live in `engine_setup.py`, the update in `update.py`,
+    pipeline steps in `engine_pipeline.py`, the token loss's bookkeeping in `token_loss.py`,
     checkpoints and pretrained directories in `engine_checkpoints.py`, the read-only accessors (DeepSpeed's and
     paratrain's introspection) in `compat/engine_api.py`."""
 
@@ -99,8 +101,8 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         self._update = OptimizerUpdate(self.grad_sync, mesh, self.device, self.loss_scaler, config.nonfinite_loss)
         self._grad_norm: float | None = None
         # "token" reduction: each window's losses and target counts, divided by the global count at the boundary
-        self._window = LossWindow(mesh.axis(("dp", "cp")), self.device)
-        self._token_loss = config.loss.reduction == "token" and self.parallel.spec.loss_is_token_mean(self.module)
+        self._window = LossWindow(mesh.axis(("dp", "cp")), self.device, token_loss=config.loss.reduction == "token"
+                                  and self.parallel.spec.loss_is_token_mean(self.module))
         self._last_batch: MicroBatch | None = None  # the token micro-batch of the last forward, for its count
         self._window_loss: torch.Tensor | None = None  # the last window's global token mean
         self._times: dict[str, float] = defaultdict(float)
@@ -185,27 +187,12 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
             scaled.backward(retain_graph=retain_graph)
 
     def _weighted(self, loss, scale_wrt_gas: bool) -> torch.Tensor:
-        """The micro-batch's loss as backward differentiates it, recorded in the window."""
+        """The micro-batch's loss as backward differentiates it, recorded in the window (`token_loss.py`)."""
         batch, self._last_batch = self._last_batch, None
-        parts = split_loss(loss)
-        if parts is None and loss.dim() != 0:
-            raise InvalidValueError(f"engine.backward expects a scalar loss (or a (sum, count) pair), got shape "
-                                    f"{tuple(loss.shape)}; reduce it (e.g. loss.mean()) first")
-        window, gas = self._window, self.gradient_accumulation_steps()
-        if parts is None and not (self._token_loss and batch is not None and batch.targets is not None):
-            window.add_mean()
+        scaled, token = self._window.weigh(loss, batch, self.gradient_accumulation_steps(), scale_wrt_gas)
+        if not token:
             self._reporter.record_loss(loss)
-            return loss / gas if scale_wrt_gas else loss
-        if parts is not None:  # the model's own (sum, count)
-            total, count = parts
-            window.set_unit(batch.targets.numel() if batch is not None and batch.targets is not None
-                            else int(count), gas)
-            window.add(total, count)
-            return total * window.unit
-        count = batch.valid_tokens()
-        window.set_unit(batch.targets.numel(), gas)
-        window.add(loss.detach() * count, count)
-        return loss * window.weight(count)
+        return scaled
 
     def step(self) -> None:
         """Called after every backward; updates the model only at the accumulation boundary."""
@@ -293,83 +280,34 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         was_training = self.module.training
         self.module.eval()
         count = num_micro_batches or self.gradient_accumulation_steps()
-        if self.pipeline is not None:
-            batches = [self._pipeline_batch(next(data_iter), self._check_eval_batch) for _ in range(count)]
-            losses = self.pipeline.eval_step(batches)
-            if losses.token_weighted:
-                sums = torch.stack([losses.total, losses.weight]).to(self.device)
-                comm.all_reduce(sums, self.mesh.axis(("dp", "cp")), tag="metrics")
-                self.module.train(was_training)
-                return (sums[0] / sums[1].clamp(min=1)).float()
-            mean = losses.mean.to(self.device)
-        else:
+        try:
+            if self.pipeline is not None:
+                return self._eval_pipeline(data_iter, count)
             sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, weight)
             weighted = False
             for _ in range(count):
-                part, token = self._eval_weighted(self._run_micro_batch(next(data_iter)))
+                loss = self._run_micro_batch(next(data_iter))
+                batch, self._last_batch = self._last_batch, None
+                part, token = self._window.evaluate(loss, batch)
                 sums += part
                 weighted |= token
-            if weighted:  # a mean over every rank's target tokens
-                comm.all_reduce(sums, self.mesh.axis(("dp", "cp")), tag="metrics")
-                self.module.train(was_training)
-                return (sums[0] / sums[1].clamp(min=1)).float()
-            mean = (sums[0] / count).float()
-        self.module.train(was_training)
-        return self._mean_over_dp(mean)
+            return self._mean_of(sums, weighted)
+        finally:
+            self.module.train(was_training)
+
+    def _mean_of(self, sums: torch.Tensor, token_weighted: bool) -> torch.Tensor:
+        """An evaluation's mean from this rank's (loss sum, weight): over every rank's target tokens when
+        token-weighted, else the mean of the ranks' means."""
+        if token_weighted:
+            comm.all_reduce(sums, self.mesh.axis(("dp", "cp")), tag="metrics")
+            return (sums[0] / sums[1].clamp(min=1)).float()
+        return self._mean_over_dp((sums[0] / sums[1]).float())
 
     def _check_agreement(self, batches: list) -> None:
         """The peers of this replica hold the same micro-batches (`data/agreement.py`): first steps, or always."""
         mode = self.config.batch_agreement
         if mode == "every_step" or (mode == "first_steps" and self.train_state.global_steps < FIRST_STEPS):
             check_same_batches(batches, self.mesh, self.train_state.global_steps + 1, self.device)
-
-    def _eval_weighted(self, loss) -> tuple[torch.Tensor, bool]:
-        """(loss sum, weight) of one evaluation micro-batch, and whether it is token-weighted (weight: its target
-        count) rather than a mean (weight 1)."""
-        batch, self._last_batch = self._last_batch, None
-        parts = split_loss(loss)
-        if parts is not None:
-            return torch.stack([parts[0].double(), parts[1].double()]), True
-        if self._token_loss and batch is not None and batch.targets is not None:
-            count = batch.valid_tokens().double()
-            return torch.stack([loss.double() * count, count]), True
-        return torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=loss.device)]), False
-
-    def _train_pipeline(self, data_iter) -> torch.Tensor:
-        """Every rank of a dp replica draws the same micro-batches; the first stage uses the inputs, the last
-        the targets. The runner accumulates the step's gradients; the update is the engine's as always."""
-        count = self.gradient_accumulation_steps()
-        batches = [self._pipeline_batch(next(data_iter), self._check_train_batch) for _ in range(count)]
-        self._check_agreement(batches)
-        unit = self._window.set_unit(_target_positions(batches[0]), count)
-        with self._timed("pipeline"):
-            losses = self.pipeline.train_step(batches, unit)
-        grad_scale = 1.0
-        if losses.token_weighted:  # every pp rank holds the step's sums: one count exchange over dp x cp
-            self._window.add(losses.total, losses.weight)
-            mean, grad_scale = self._window.finish()
-        else:
-            mean = self._mean_over_dp(losses.mean.to(self.device))
-        self._window.reset()
-        self._reporter.record_loss(mean)
-        with self._timed("step"):
-            self._optimizer_update(grad_scale)
-        self.train_state.micro_steps += count
-        self.train_state.global_samples += self.train_micro_batch_size_per_gpu() * self.mesh.size("dp") * count
-        self._reporter.after_step(self)
-        self._save_if_due()
-        return mean
-
-    def _pipeline_batch(self, batch, check: BatchChecker):
-        """A pipeline micro-batch: token data in its normal form (transformers' dicts too), else the pair."""
-        batch = self._checked(batch, check)
-        token = as_micro_batch((), batch) if isinstance(batch, dict) else \
-            as_micro_batch(tuple(batch), {}) if isinstance(batch, (tuple, list)) else None
-        if token is None and isinstance(batch, dict):
-            raise InvalidValueError(f"a pipeline micro-batch dict must be token data (input_ids with labels or "
-                                    f"targets, optionally attention_mask, position_ids, cu_seq_lens_q), got keys "
-                                    f"{sorted(batch)}")
-        return batch if token is None else token
 
     def _checked(self, batch, check: BatchChecker):
         check(batch)
@@ -395,13 +333,6 @@ class Engine(EngineCheckpoints, DeepSpeedEngineAPI):
         Collective: call on every rank once it has finished with this engine; afterwards it cannot train."""
         self.mesh.destroy()
         self.destroyed = True
-
-
-def _target_positions(batch) -> int:
-    """How many target positions a micro-batch has (for the backprop unit): b · s of its targets."""
-    targets = batch.targets if isinstance(batch, MicroBatch) else batch[1] if isinstance(batch, (tuple, list)) \
-        else None
-    return targets.numel() if isinstance(targets, torch.Tensor) else 1
 
 
 def _loss_of(output) -> torch.Tensor:

@@ -22,6 +22,7 @@ import math
 import torch
 
 import paratrain.comm as comm
+from paratrain.data.micro_batch import MicroBatch, split_loss
 from paratrain.errors import InvalidValueError
 from paratrain.mesh import Axis
 
@@ -30,9 +31,10 @@ class LossWindow:
     """The micro-batches of one accumulation window: their weighted losses and target counts (device tensors,
     summed without a host sync), and how the step divides by the global count."""
 
-    def __init__(self, axis: Axis, device: torch.device):
+    def __init__(self, axis: Axis, device: torch.device, token_loss: bool):
         self.axis = axis  # the data x context-parallel ranks: their gradients are averaged by the strategy
         self.device = device
+        self.token_loss = token_loss  # "token" reduction, and the model's loss is a mean over its targets
         self.unit: float | None = None
         self._sum = torch.zeros((), dtype=torch.float64, device=device)
         self._count = torch.zeros((), dtype=torch.float64, device=device)
@@ -47,6 +49,39 @@ class LossWindow:
             comm.all_reduce(local, self.axis, op="max", tag="loss_unit")
             self.unit = 2.0 ** -math.ceil(math.log2(float(local)))
         return self.unit
+
+    def weigh(self, loss, batch: MicroBatch | None, accumulation: int, scale_wrt_gas: bool = True
+              ) -> tuple[torch.Tensor, bool]:
+        """(what backward differentiates for this micro-batch, whether it is token-weighted), recorded in the
+        window. `loss`: the forward's scalar or a model's (sum, count); `batch`: its token micro-batch."""
+        parts = split_loss(loss)
+        if parts is None and loss.dim() != 0:
+            raise InvalidValueError(f"engine.backward expects a scalar loss (or a (sum, count) pair), got shape "
+                                    f"{tuple(loss.shape)}; reduce it (e.g. loss.mean()) first")
+        targets = batch.targets if batch is not None else None
+        if parts is None and not (self.token_loss and targets is not None):
+            self.add_mean()
+            return (loss / accumulation if scale_wrt_gas else loss), False
+        if parts is not None:  # the model's own (sum, count)
+            total, count = parts
+            self.set_unit(targets.numel() if targets is not None else int(count), accumulation)
+            self.add(total, count)
+            return total * self.unit, True
+        count = batch.valid_tokens()
+        self.set_unit(targets.numel(), accumulation)
+        self.add(loss.detach() * count, count)
+        return loss * self.weight(count), True
+
+    def evaluate(self, loss, batch: MicroBatch | None) -> tuple[torch.Tensor, bool]:
+        """(loss sum, weight) of an evaluation micro-batch and whether it is token-weighted (weight: its target
+        count) rather than a mean (weight 1). Nothing is recorded."""
+        parts = split_loss(loss)
+        if parts is not None:
+            return torch.stack([parts[0].double(), parts[1].double()]), True
+        if self.token_loss and batch is not None and batch.targets is not None:
+            count = batch.valid_tokens().double()
+            return torch.stack([loss.double() * count, count]), True
+        return torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=loss.device)]), False
 
     def weight(self, count: torch.Tensor) -> torch.Tensor:
         """What a micro-batch's mean loss is multiplied by before backward: its target count times the unit."""
@@ -92,3 +127,10 @@ def _mixed() -> InvalidValueError:
     return InvalidValueError("one accumulation window mixed token-weighted micro-batches (token data whose loss "
                              "paratrain computes) with losses it can only average: feed every micro-batch in the "
                              "same form, or set loss.reduction to \"micro_batch\"")
+
+
+def target_positions(batch) -> int:
+    """How many target positions a micro-batch has (for the backprop unit): b · s of its targets."""
+    targets = batch.targets if isinstance(batch, MicroBatch) else batch[1] if isinstance(batch, (tuple, list)) \
+        else None
+    return targets.numel() if isinstance(targets, torch.Tensor) else 1

@@ -94,3 +94,24 @@ def test_one_process_trains_padded_and_packed_rows_as_their_documents_alone(fami
     assert torch.allclose(loss, expected, rtol=1e-6, atol=0)
     for (name, p), (_, q) in zip(reference.named_parameters(), ours.named_parameters()):
         assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_packing_holds_every_token_of_every_document_once():
+    from paratrain.data.packing import pack, packed_batch, padded_batch, pieces
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(1, 40, (200,), generator=g)] + [95, 64]
+    cut = pieces(lengths, 64)  # the 95-token document becomes 64 + 31
+    assert [n for doc, _, n in cut if doc == 200] == [64, 31] and sum(n for *_, n in cut) == sum(lengths)
+    docs = [torch.arange(start, start + n) + 1000 * doc for doc, start, n in cut]
+    rows = pack([d.numel() for d in docs], 64)
+    assert sorted(i for row in rows for i in row) == list(range(len(docs)))  # each document in one row, once
+    assert all(sum(docs[i].numel() for i in row) <= 64 for row in rows)
+    assert len(rows) <= 1.05 * sum(lengths) / 64 + 1  # best fit leaves little room unused
+    batch = packed_batch(docs, rows, 64)
+    real = batch["input_ids"][batch["attention_mask"] == 1]
+    assert sorted(real.tolist()) == sorted(torch.cat(docs).tolist())  # every token exactly once, counted
+    normal = as_micro_batch((), batch)  # documents from the position resets, padding from the mask
+    assert int(normal.documents.ids.max()) + 1 >= max(len(row) for row in rows)
+    padded = padded_batch(docs[:4])
+    assert padded["input_ids"].shape == (4, max(d.numel() for d in docs[:4]))

@@ -28,9 +28,9 @@ def _ops(layout: Layout, axis: str, stage: int = 0, kinds=None) -> dict:
     return out
 
 
-def test_ddp_one_all_reduce_of_psi_plus_the_mean_loss():
-    layout = Layout(dp=4, micro_batch=2, grad_accum=3, precision="fp32")
-    assert predict_comm(SPEC, layout) == {"dp": {"all_reduce": {"elements": PSI + 1, "bytes": 4 * PSI + 4}}}
+def test_ddp_one_all_reduce_of_psi_plus_the_loss_sum_and_count():
+    layout = Layout(dp=4, micro_batch=2, grad_accum=3, precision="fp32")  # the token loss's two fp64 numbers
+    assert predict_comm(SPEC, layout) == {"dp": {"all_reduce": {"elements": PSI + 2, "bytes": 4 * PSI + 16}}}
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

@@ -30,7 +30,8 @@ CLIP = 0.5  # below every reference step's gradient norm: clipping is active (as
 
 
 def real_layout(micro: int, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0, sp: bool = False,
-                schedule: str = "1f1b", cp_method: str = "ring", ulysses: int | None = None, ep: int = 1) -> dict:
+                schedule: str = "1f1b", cp_method: str = "ring", ulysses: int | None = None, ep: int = 1,
+                ckpt: str | None = None, offload: bool = False) -> dict:
     cfg = adamw_config(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=ROWS // (micro * dp),
                        gradient_clipping=CLIP, data_parallel={"size": dp},
                        tensor_parallel={"size": tp, "sequence_parallel": sp},
@@ -41,6 +42,10 @@ def real_layout(micro: int, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, zero
                        zero_optimization={"stage": zero, "stage3_param_persistence_threshold": 0},
                        expert_parallel={"size": ep})
     cfg["optimizer"]["params"]["eps"] = STABLE_EPS
+    if ckpt:
+        cfg["activation_checkpointing"] = {"enabled": True, "granularity": ckpt}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     assert cfg["gradient_accumulation_steps"] >= 2
     return cfg
 
@@ -51,13 +56,19 @@ LAYOUTS_4 = {"ddp": real_layout(1, 4), "zero1": real_layout(1, 4, zero=1), "zero
              "ulysses2": real_layout(2, 2, cp=2, cp_method="ulysses"),
              "usp 2x2": real_layout(2, 1, cp=4, cp_method="usp", ulysses=2)}
 THREE = ("ddp", "dp2·cp2 ring", "dp2·pp2 1f1b")
+MORE_4 = {"zero2 offload": real_layout(1, 4, zero=2, offload=True),  # the update on the host
+          "dp2·cp2 selective": real_layout(2, 2, cp=2, ckpt="selective"),  # recomputed ring attention
+          "dp2·pp2 full": real_layout(2, 2, pp=2, ckpt="full")}  # recomputed blocks in a pipeline
 WINDOW = 5  # Mistral's sliding window, shorter than the rows of 16
 
 MATRIX_4 = [("llama", kind, name) for kind in KINDS for name in LAYOUTS_4] + \
     [(family, kind, name) for family in ("qwen2", "builtin-llama", "mixtral") for kind in ("masked", "packed")
      for name in THREE] + \
     [("mistral-window", kind, name) for kind in ("masked", "packed") for name in ("ddp", "dp2·tp2 sp",
-                                                                                   "dp2·cp2 ring")]
+                                                                                   "dp2·cp2 ring")] + \
+    [("llama", "masked", "zero2 offload"), ("llama", "packed", "dp2·cp2 selective"),
+     ("llama", "packed", "dp2·pp2 full"), ("qwen2-alternating", "packed", "ddp"),
+     ("qwen2-alternating", "packed", "dp2·cp2 ring")]
 MATRIX_8 = [("llama", kind, "dp2·pp2·tp2") for kind in KINDS]
 LAYOUTS_8 = {"dp2·pp2·tp2": real_layout(2, 2, pp=2, tp=2)}
 
@@ -67,11 +78,14 @@ def model_factory(family: str):
         return tiny_llama
     if family == "mistral-window":
         return functools.partial(tiny_hf, "mistral", sliding_window=WINDOW)
+    if family == "qwen2-alternating":  # layer 0 full attention, layer 1 a sliding window
+        return functools.partial(tiny_hf, "qwen2", use_sliding_window=True, sliding_window=WINDOW,
+                                 max_window_layers=1)
     return functools.partial(tiny_hf, family)
 
 
 def config_of(family: str, name: str) -> dict:
-    cfg = {**LAYOUTS_4, **LAYOUTS_8}[name]
+    cfg = {**LAYOUTS_4, **MORE_4, **LAYOUTS_8}[name]
     if family == "mixtral":  # experts split over 2 of the data x context-parallel ranks
         cfg = {**cfg, "expert_parallel": {"size": 2}}
     return cfg
@@ -109,7 +123,7 @@ def _check(per_rank: list[list], matrix: list[tuple[str, str, str]]) -> list[str
 def test_real_data_matrix_4_ranks(world4):
     lines = _check(world4.run(_run, MATRIX_4), MATRIX_4)
     print("\n".join(lines))
-    assert len(lines) == len(MATRIX_4) == 60
+    assert len(lines) == len(MATRIX_4) == 65
 
 
 def test_real_data_dp2_pp2_tp2_8_ranks(world8):
