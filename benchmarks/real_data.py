@@ -2,18 +2,21 @@
 and ring attention with packed documents.
 
     python -m benchmarks.real_data            # writes benchmarks/results/real_data.json and the docs tables
+    python -m benchmarks.real_data --table    # the docs tables from the committed JSON
 
 1. Packed vs padded: documents cut from the embedded corpus with log-normal lengths (median a quarter of the
    row, sigma 1, 8..row tokens: a long tail like SFT data), trained as 8 rows per step either packed back to
-   back (best fit, `paratrain.data.packing`) or one per row padded to the longest of its micro-batch (dynamic
-   padding, transformers' DataCollatorWithPadding: the padded side at its best). Both through
+   back (best fit, `paratrain.data.packing`), or one per row padded to the longest of its micro-batch (dynamic
+   padding, transformers' DataCollatorWithPadding: the padded side at its best), or padded to the row (fixed
+   shapes, padding="max_length"). Both through
    `engine.train_batch` on dp2 (2 ranks, one thread each), the same Llama, AdamW and seed, alternating A B A B.
    Reported: real target tokens per second and the padding fraction of the rows.
 2. Attention cost: one attention core (forward + backward, b=4, 8 heads of 64, one thread) on packed rows,
    against causal attention over the same rows: per-document causal SDPA (what paratrain runs), and the
    element-wise mask over the whole row (what a window or scattered ids need). Target: documents <= 1.2x causal.
-3. Ring attention at cp2 on packed rows against the same rows unpacked: the core's forward + backward time and
-   the block parts skipped (nothing to attend).
+3. Ring attention at cp4 (4 ranks on the 2 cores: times are relative) on rows of 2048, one document per row
+   against packed documents (log-normal, median 512 and 64 tokens): the core's forward + backward time and the
+   block parts computed and skipped (nothing to attend).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def documents(count: int, row: int) -> list[torch.Tensor]:
     train, _ = load_corpus()
     out, at = [], 0
     for n in document_lengths(count, row):
+        if at + n > train.numel():
+            at = 0
         out.append(train[at:at + n].clone())
         at += n
     return out
@@ -59,8 +64,10 @@ def documents(count: int, row: int) -> list[torch.Tensor]:
 def micro_batches(kind: str, docs: list[torch.Tensor], micro: int) -> list[dict]:
     from paratrain.data.packing import pack, packed_batch, padded_batch
 
-    if kind == "padded":
+    if kind == "padded":  # to the longest of the micro-batch
         return [padded_batch(docs[i:i + micro]) for i in range(0, len(docs) - micro + 1, micro)]
+    if kind == "padded to the row":  # fixed shapes (padding="max_length")
+        return [padded_batch(docs[i:i + micro], length=ROW) for i in range(0, len(docs) - micro + 1, micro)]
     rows = pack([d.numel() for d in docs], ROW)
     return [packed_batch(docs, rows[i:i + micro], ROW) for i in range(0, len(rows) - micro + 1, micro)]
 
@@ -78,7 +85,7 @@ def train_case(kind: str, steps: int, warmup: int) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "batch_check": "dtype", "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "fused": True}}}
     engine, *_ = paratrain.initialize(model=model, config=cfg)
-    docs = documents(4000, ROW)
+    docs = documents(1200, ROW)
     mine = micro_batches(kind, docs, micro)[dist.get_rank()::dist.get_world_size()]
     assert len(mine) >= steps + warmup, len(mine)
     tokens = real = 0
@@ -137,8 +144,9 @@ def attention_costs(repeats: int = 7) -> dict:
             "documents_vs_causal": round(per_document / causal, 3), "mask_vs_causal": round(element_mask / causal, 3)}
 
 
-def ring_case(packed: bool, repeats: int = 5) -> dict:
-    """cp2: the ring attention core alone on rows of 2048 (packed documents, or one document per row)."""
+def ring_case(median: int | None, repeats: int = 5) -> dict:
+    """cp4: the ring attention core alone on rows of 2048: packed documents of log-normal lengths around
+    `median`, or (None) one document per row."""
     import torch.distributed as dist
 
     from paratrain.attention import Documents
@@ -149,8 +157,8 @@ def ring_case(packed: bool, repeats: int = 5) -> dict:
     mesh = build_mesh(ParallelDims(dist.get_world_size(), dp=1, cp=dist.get_world_size()))
     b, h, d, s = 2, 8, 64, 2048
     docs = None
-    if packed:
-        ids, doc, lengths = [], 0, iter(document_lengths(200, s, seed=2))
+    if median is not None:
+        ids, doc, lengths = [], 0, iter(document_lengths(2000, 4 * median, seed=2))
         while len(ids) < b * s:
             ids += [doc] * next(lengths)
             doc += 1
@@ -170,10 +178,10 @@ def ring_case(packed: bool, repeats: int = 5) -> dict:
             "parts_skipped": int(pairs[1]) // repeats}
 
 
-def run(repeats: int = 3, steps: int = 8, warmup: int = 2) -> dict:
+def run(repeats: int = 5, steps: int = 8, warmup: int = 2) -> dict:
     from paratrain.testing import World
 
-    runs: dict[str, list] = {"packed": [], "padded": []}
+    runs: dict[str, list] = {"packed": [], "padded": [], "padded to the row": []}
     for r in range(repeats):
         for kind in runs:
             print(f"[real_data] repeat {r + 1}/{repeats}: {kind}", file=sys.stderr, flush=True)
@@ -186,27 +194,99 @@ def run(repeats: int = 3, steps: int = 8, warmup: int = 2) -> dict:
         padding = 1 - results[0]["target_tokens"] / results[0]["row_tokens"]
         training[kind] = {"target_tokens_per_s": round(statistics.median(rates), 1),
                           "repeats": [round(x, 1) for x in rates], "non_target_fraction": round(padding, 4)}
-    training["packed_vs_padded"] = round(training["packed"]["target_tokens_per_s"] /
-                                         training["padded"]["target_tokens_per_s"], 3)
+    for peer in ("padded", "padded to the row"):  # the ratio of medians, and of each repeat's A/B pair
+        pairs = [a / b for a, b in zip(training["packed"]["repeats"], training[peer]["repeats"])]
+        training[f"packed_vs_{peer.replace(' ', '_')}"] = {
+            "median": round(training["packed"]["target_tokens_per_s"] / training[peer]["target_tokens_per_s"], 3),
+            "per_repeat": [round(x, 3) for x in pairs]}
     ring = {}
-    for packed in (False, True):
-        with World(2, timeout_s=900) as world:
-            ring["packed" if packed else "unpacked"] = world.run(ring_case, packed)[0]
+    for median in (None, 512, 64):
+        with World(4, timeout_s=900) as world:
+            ring["one document per row" if median is None else f"packed, median {median}"] = \
+                world.run(ring_case, median)[0]
     return {"command": COMMAND, "setup": {"model": MODEL, "row": ROW, "rows_per_step": ROWS_PER_STEP,
                                           "lengths": f"log-normal, median row/4, sigma {SIGMA}, 8..row",
                                           "optimizer": "AdamW fused", "threads_per_rank": 1, "dtype": "float32",
                                           "seed": SEED, "layout": "dp2 (2 ranks)", "steps": steps,
                                           "warmup": warmup, "repeats": repeats},
-            "training": training, "attention": attention_costs(), "ring_cp2": ring}
+            "training": training, "attention": attention_costs(), "ring_cp4": ring}
+
+
+def training_table(result: dict) -> str:
+    t, setup = result["training"], result["setup"]
+    lines = ["| rows | target tokens/s (median) | per repeat | share of row tokens without a target | "
+             "packed / this (median; per repeat) |", "|---|---:|---|---:|---|"]
+    for kind in ("packed", "padded", "padded to the row"):
+        row = t[kind]
+        vs = t.get(f"packed_vs_{kind.replace(' ', '_')}")
+        ratio = f"{vs['median']:.2f}x; {', '.join(f'{x:.2f}' for x in vs['per_repeat'])}" if vs else "—"
+        lines.append(f"| {kind} | {row['target_tokens_per_s']:.0f} | "
+                     f"{', '.join(f'{x:.0f}' for x in row['repeats'])} | {row['non_target_fraction']:.1%} | {ratio} |")
+    lines += ["", f"{setup['repeats']} interleaved repeats x {setup['steps']} measured steps after "
+                  f"{setup['warmup']} warm-up; {setup['rows_per_step']} rows of {setup['row']} tokens per step on "
+                  f"{setup['layout']}; documents {setup['lengths']}; the built-in Llama {setup['model']}, "
+                  f"{setup['optimizer']}, {setup['dtype']}, one thread per rank. \"padded\" pads each micro-batch "
+                  f"to its longest document (transformers' DataCollatorWithPadding), \"padded to the row\" to "
+                  f"{setup['row']} (padding=\"max_length\")."]
+    return "\n".join(lines)
+
+
+def attention_table(result: dict) -> str:
+    a = result["attention"]
+    b, h, s, d = a["shape"]
+    return "\n".join([
+        "| kernel | forward + backward (ms) | / causal |", "|---|---:|---:|",
+        f"| causal attention over the whole row | {a['causal_ms']:.1f} | 1.00 |",
+        f"| one causal attention per document (paratrain) | {a['documents_ms']:.1f} | "
+        f"{a['documents_vs_causal']:.2f} |",
+        f"| element-wise document mask over the row | {a['element_mask_ms']:.1f} | {a['mask_vs_causal']:.2f} |",
+        "", f"b={b}, {h} heads of {d}, rows of {s} tokens packed with {', '.join(map(str, a['documents_per_row']))} "
+            f"documents, fp32, one thread; the median of the timed repeats."])
+
+
+def ring_table(result: dict) -> str:
+    lines = ["| rows of 2048 | ring core forward + backward (ms) | block parts computed | skipped |",
+             "|---|---:|---:|---:|"]
+    for name, row in result["ring_cp4"].items():
+        parts = ("— (no masks: causality alone)", "—") if name == "one document per row" else \
+            (str(row["parts_computed"]), str(row["parts_skipped"]))
+        lines.append(f"| {name} | {row['ms']:.1f} | {parts[0]} | {parts[1]} |")
+    lines += ["", "cp4 (4 ranks on 2 cores: the times compare the cases, not the hardware); parts counted over "
+                  "the 4 ranks per call (each rank: its own block and 3 others)."]
+    return "\n".join(lines)
+
+
+def doc_sections(result: dict) -> dict[str, str]:
+    return {"real-data-training": training_table(result),
+            "real-data-attention": attention_table(result) + "\n\n" + ring_table(result)}
+
+
+def write_docs(result: dict) -> None:
+    import re
+
+    from benchmarks.suite import write_doc
+
+    page = ROOT / "docs" / "real-data.md"
+    text = page.read_text()
+    for name, body in doc_sections(result).items():
+        text = re.sub(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->",
+                      lambda _, n=name, b=body: f"<!-- {n}:begin -->\n{b}\n<!-- {n}:end -->", text, flags=re.S)
+    page.write_text(text)
+    write_doc("real_data", "\n\n".join(doc_sections(result).values()), COMMAND)
 
 
 def main() -> None:
     from benchmarks.suite import machine
 
-    result = run()
-    result["machine"] = machine()
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    if "--table" in sys.argv:  # rebuild the docs from the committed JSON only
+        result = json.loads(RESULT.read_text())
+    else:
+        result = run()
+        result["machine"] = machine()
+        result["date"] = time.strftime("%Y-%m-%d")
+        RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    write_docs(result)
+    print("\n\n".join(doc_sections(result).values()))
 
 
 if __name__ == "__main__":

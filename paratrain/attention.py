@@ -21,7 +21,7 @@ is never used, and every query keeps at least itself, so no softmax row is empty
 When every document is one contiguous run of its row (packing, left padding), attention runs once per run,
 causal, with torch's fused kernel (a "varlen" attention built from ordinary calls): it computes only the
 pairs inside documents, fewer than causal attention over the whole row, where a mask over the row would
-compute every block and cost 1.5-1.7x plain causal attention on this CPU (benchmarks/real_data.py measures
+compute every block and cost about 1.8x plain causal attention on this CPU (benchmarks/real_data.py measures
 both). The runs are read to the host once per micro-batch and cached. A sliding window, or document ids that
 come back after another document, use the element-wise mask.
 """

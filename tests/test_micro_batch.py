@@ -115,3 +115,25 @@ def test_packing_holds_every_token_of_every_document_once():
     assert int(normal.documents.ids.max()) + 1 >= max(len(row) for row in rows)
     padded = padded_batch(docs[:4])
     assert padded["input_ids"].shape == (4, max(d.numel() for d in docs[:4]))
+
+
+def test_the_documented_real_data_numbers_are_the_committed_json():
+    """docs/real-data.md and docs/benchmarks.md carry the tables `benchmarks.real_data` builds from its JSON, and
+    the prose states the medians the JSON holds."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.real_data import RESULT, doc_sections
+
+    root = Path(__file__).resolve().parent.parent
+    result = json.loads(RESULT.read_text())
+    page, bench = (root / "docs" / "real-data.md").read_text(), (root / "docs" / "benchmarks.md").read_text()
+    for body in doc_sections(result).values():
+        assert body in page and body in bench
+    training, attention = result["training"], result["attention"]
+    prose = " ".join(page.split())
+    assert f"gives {training['packed_vs_padded']['median']:.1f}x the target tokens" in prose
+    low, high = min(training["packed_vs_padded"]["per_repeat"]), max(training["packed_vs_padded"]["per_repeat"])
+    assert f"range from {low:.2f}x to {high:.2f}x" in prose
+    assert f"and {training['packed_vs_padded_to_the_row']['median']:.1f}x padding to the row" in prose
+    assert f"met at {attention['documents_vs_causal']:.2f}x" in prose

@@ -75,9 +75,10 @@ def packed_batch(docs: Sequence[torch.Tensor], rows: Sequence[Sequence[int]], ro
     return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
 
 
-def padded_batch(docs: Sequence[torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """One document per row, right-padded to the longest (transformers' DataCollatorWithPadding)."""
-    longest = max(d.numel() for d in docs)
+def padded_batch(docs: Sequence[torch.Tensor], pad_id: int = 0, length: int | None = None) -> dict[str, torch.Tensor]:
+    """One document per row, right-padded to the longest (transformers' DataCollatorWithPadding), or to
+    `length` (padding="max_length")."""
+    longest = length if length is not None else max(d.numel() for d in docs)
     ids = torch.full((len(docs), longest), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, doc in enumerate(docs):
