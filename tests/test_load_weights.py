@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 import paratrain
-from paratrain.checkpoint import CheckpointError
+from paratrain.checkpoint import CheckpointError, sources
 from paratrain.checkpoint.sources import SafetensorsSource, open_weights
-from paratrain.checkpoint.weights import model_regions
+from paratrain.checkpoint.weights import model_regions, read_box_range
 from tests.cases import adamw_config, corpus_windows, tiny_llama
 
 LAYOUTS = {"dp4 zero3": dict(zero=3), "dp2 x tp2": dict(tp=2), "dp2 x pp2": dict(pp=2),
@@ -51,23 +51,52 @@ def _config(path: str, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0, **_
                         checkpoint={"load_weights": path})
 
 
-def _load(path: str, layout: dict) -> dict:
+def rows_of_boxes(regions: dict, shapes: dict) -> int:
+    """The elements a rank must read to fill `regions`: for each, the whole rows of its box that its flat
+    range [start, end) touches, clipped to the tensor (a box may reach into an uneven vocabulary's padding)."""
+    total = 0
+    for name, rs in regions.items():
+        for r in rs:
+            box, offsets, shape = r.origin.local_shape, r.origin.offsets, shapes[name]
+            if not box:
+                total += 1
+                continue
+            row = math.prod(box[1:])
+            first, last = r.start // row, -(-r.end // row)
+            extents = [min(offsets[0] + last, shape[0]) - min(offsets[0] + first, shape[0])]
+            extents += [min(o + b, n) - min(o, n) for o, b, n in zip(offsets[1:], box[1:], shape[1:])]
+            total += math.prod(max(e, 0) for e in extents)
+    return total
+
+
+def _whole_box(read, shape, origin, start, end, dtype):
+    """The broken variant the count must catch: read every row of the box, keep the range."""
+    if not origin.local_shape:
+        return read_box_range(read, shape, origin, start, end, dtype)
+    return read_box_range(read, shape, origin, 0, math.prod(origin.local_shape), dtype)[start:end]
+
+
+def _load(path: str, layout: dict, broken: bool = False) -> dict:
     overrides = {k: v for k, v in layout.items() if k == "n_kv_head"}
     with paratrain.init_empty():
         model = tiny_llama(**overrides)
     counted = {}
     original = SafetensorsSource.fill
 
-    def counting_fill(self, regions):  # what this rank reads, against what it keeps
+    def counting_fill(self, regions):  # what this rank reads, against what it keeps and what its rows hold
         out = original(self, regions)
-        counted.update(read=self.elements_read, kept=sum(r.end - r.start for rs in regions.values() for r in rs))
+        counted.update(read=self.elements_read, kept=sum(r.end - r.start for rs in regions.values() for r in rs),
+                       rows=rows_of_boxes(regions, {n: self.entries[n][2] for n in regions}))
         return out
 
     SafetensorsSource.fill = counting_fill
+    if broken:
+        sources.read_box_range = _whole_box
     try:
         engine, *_ = paratrain.initialize(model=model, config=_config(path, **layout), training_data=corpus_windows())
     finally:
         SafetensorsSource.fill = original
+        sources.read_box_range = read_box_range
     state = engine.full_state_dict()
     loss = float(engine.train_batch())
     engine.destroy()
@@ -85,10 +114,14 @@ def test_pretrained_weights_load_into_every_layout_reading_only_the_slices_kept(
         for row in rows:
             assert set(row["state"]) == set(weights), name
             assert all(torch.equal(row["state"][k], weights[k]) for k in weights), name
-            # Each rank reads what it keeps, rounded out to whole rows of its boxes (at most one extra row at
-            # each end of a ZeRO range), never the whole model.
-            assert row["kept"] <= row["read"] <= row["kept"] + 2 * 256 * len(weights), (name, row)
+            # Each rank reads exactly the rows of its boxes that its ranges touch (a ZeRO range rounded out to
+            # whole rows), never the whole model.
+            assert row["kept"] <= row["read"] == row["rows"], (name, row)
         assert max(r["read"] for r in rows) < total, (name, [r["read"] for r in rows])  # never the whole model
+    if shards == 1:  # reading whole boxes (the broken variant) is caught by the same count
+        rows = world4.run(_load, path, {**LAYOUTS["dp4 zero3"], **overrides}, True)
+        assert all(torch.equal(r["state"][k], weights[k]) for r in rows for k in weights)  # still loads right
+        assert all(r["read"] > r["rows"] for r in rows), [(r["read"], r["rows"]) for r in rows]
 
 
 def _load_and_report(path: str, **load) -> dict:
@@ -144,6 +177,8 @@ def test_bad_weights_are_refused_by_name_and_leave_the_model_unchanged(world2, t
 
 
 def _from_checkpoint(directory: str) -> dict:
+    from paratrain.checkpoint.sources import CheckpointSource
+
     engine, *_ = paratrain.initialize(model=tiny_llama(seed=5), config=adamw_config(
         train_micro_batch_size_per_gpu=1, tensor_parallel={"size": 2}), training_data=corpus_windows())
     engine.train_batch()
@@ -151,15 +186,31 @@ def _from_checkpoint(directory: str) -> dict:
     want = engine.full_state_dict()
     with paratrain.init_empty():
         model = tiny_llama()
-    other, *_ = paratrain.initialize(model=model, config=adamw_config(
-        train_micro_batch_size_per_gpu=1, zero_optimization={"stage": 3}, checkpoint={"load_weights": directory}))
+    counted = {}
+    original = CheckpointSource.fill
+
+    def counting_fill(self, regions):
+        out = original(self, regions)
+        counted.update(read=self.elements_read, kept=sum(r.end - r.start for rs in regions.values() for r in rs))
+        return out
+
+    CheckpointSource.fill = counting_fill
+    try:
+        other, *_ = paratrain.initialize(model=model, config=adamw_config(
+            train_micro_batch_size_per_gpu=1, zero_optimization={"stage": 3}, checkpoint={"load_weights": directory}))
+    finally:
+        CheckpointSource.fill = original
     got = other.full_state_dict()
-    return {"equal": all(torch.equal(got[k], want[k]) for k in want), "steps": other.global_steps}
+    return {"equal": all(torch.equal(got[k], want[k]) for k in want), "steps": other.global_steps,
+            "total": sum(t.numel() for t in want.values()), **counted}
 
 
 def test_a_paratrain_checkpoint_is_a_weights_source_in_another_layout(world2, tmp_path):
     for row in world2.run(_from_checkpoint, str(tmp_path / "ck")):
-        assert row == {"equal": True, "steps": 0}  # weights only: no counters, no optimizer state
+        assert row["equal"] and row["steps"] == 0  # weights only: no counters, no optimizer state
+        # counted from what is fetched from the files: a ZeRO-3 half of each tensor needs one or both of the
+        # tp2 checkpoint's pieces, never the whole model
+        assert row["kept"] <= row["read"] < row["total"], row
 
 
 def test_a_path_without_weights_is_refused_by_name(tmp_path):

@@ -166,14 +166,18 @@ class CheckpointSource:
             _check_fits(name, tuple(info["shape"]), DTYPE_BY_NAME[info["dtype"]], rs, f"checkpoint '{self.path}'")
 
     def fill(self, regions: dict[str, list[Region]]) -> list[str]:
+        def fetch(piece, lo: int, hi: int) -> torch.Tensor:  # counts what is read from the files
+            part = self.reader.files.fetch(piece, lo, hi)
+            self.elements_read += part.numel()
+            return part
+
         for name, rs in regions.items():
             key = self.entries[name]
             shape = self.reader.shape(key)
             for r in rs:
                 o = r.origin
-                r.dest.copy_(read_region(self.reader.pieces[key], self.reader.files.fetch, shape, o.offsets,
-                                         o.local_shape, r.start, r.end, r.dest.dtype))
-                self.elements_read += r.end - r.start
+                r.dest.copy_(read_region(self.reader.pieces[key], fetch, shape, o.offsets, o.local_shape, r.start,
+                                         r.end, r.dest.dtype))
         return []
 
 
