@@ -64,6 +64,24 @@ def skip_without_deepspeed(reason: str) -> None:
     pytest.skip(reason)
 
 
+def import_or_skip(module: str):
+    """`module` (a dev-extra test tool: transformers, tensorboard), or skip; where CI requires the comparisons
+    (PARATRAIN_REQUIRE_DEEPSPEED=1) a missing one fails instead: a silently skipped file would leave its checks
+    unrun."""
+    import importlib
+    import os
+
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        reason = f"{module} is not installed ({exc}); it comes with the dev extra"
+        if os.environ.get(REQUIRE_DEEPSPEED) == "1":
+            pytest.fail(f"{reason}; {REQUIRE_DEEPSPEED}=1 requires the comparisons to run", pytrace=False)
+        pytest.skip(reason, allow_module_level=True)
+
+
 def import_deepspeed(module: str = "deepspeed"):
     """`module` of DeepSpeed, or skip (fail in CI) when DeepSpeed is not installed."""
     import importlib

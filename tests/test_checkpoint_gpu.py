@@ -72,7 +72,9 @@ def test_a_checkpoint_of_four_cpu_ranks_continues_on_one_gpu(tmp_path):
 
 
 def test_hf_export_runs_in_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    from tests.cases import import_or_skip
+
+    transformers = import_or_skip("transformers")
     import json
 
     import paratrain

@@ -353,3 +353,15 @@ def test_the_documented_moe_agreements_are_the_asserted_ones():
     doc = " ".join((ROOT / "docs" / "moe.md").read_text().split())
     assert MOE_LAYER_ABS == 5e-7 and "`exp_counts` and gradients agree within 5e-7" in doc
     assert LOSS_REL == 2e-7 and "every rank's loss of each of 3 steps is equal within 2e-7 relative" in doc
+
+
+def test_a_missing_test_tool_skips_here_and_fails_where_ci_requires_it(monkeypatch):
+    from tests.cases import import_or_skip
+
+    monkeypatch.delenv(REQUIRE_DEEPSPEED, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="not_a_test_tool is not installed"):
+        import_or_skip("not_a_test_tool")
+    monkeypatch.setenv(REQUIRE_DEEPSPEED, "1")
+    with pytest.raises(pytest.fail.Exception, match="not_a_test_tool is not installed"):
+        import_or_skip("not_a_test_tool")
+    assert import_or_skip("json").dumps([]) == "[]"

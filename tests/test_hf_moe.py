@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from paratrain.testing.parity import compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
-from tests.cases import STABLE_EPS, corpus_windows, hf_loss, hf_param_groups, tiny_hf
+from tests.cases import STABLE_EPS, corpus_windows, hf_loss, hf_param_groups, import_or_skip, tiny_hf
 from tests.test_hybrid import layout
 
-transformers = pytest.importorskip("transformers")
+transformers = import_or_skip("transformers")
 
 STEPS = 4
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")

@@ -13,10 +13,10 @@ import torch
 
 import paratrain
 from paratrain.model_spec import DEFAULT_SPEC, ModelSpecError
-from tests.cases import adamw_config, corpus_windows, hf_loss, hf_param_groups, tiny_hf
+from tests.cases import adamw_config, corpus_windows, hf_loss, hf_param_groups, import_or_skip, tiny_hf
 from tests.test_hybrid import layout
 
-transformers = pytest.importorskip("transformers")
+transformers = import_or_skip("transformers")
 
 # Every family of tests/test_hf.py: grouped-query attention (Llama, Mistral); q/k/v biases (Qwen2); GPT-2's
 # Conv1D and packed c_attn, Phi-3's packed qkv_proj and gate_up_proj (each rank reads and writes its share of

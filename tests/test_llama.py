@@ -10,7 +10,7 @@ import paratrain
 from paratrain.config import ConfigError
 from paratrain.models import LLAMA_PRESETS, Llama, LlamaConfig
 from paratrain.parallelize import _check_model
-from tests.cases import tiny_llama
+from tests.cases import import_or_skip, tiny_llama
 
 # Meta's published counts (the model cards; 405B: Llama 3.1).
 PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800}
@@ -28,7 +28,7 @@ def test_the_parameter_formula_counts_the_built_model(overrides):
 
 
 def _hf_pair(**overrides):
-    transformers = pytest.importorskip("transformers")
+    transformers = import_or_skip("transformers")
     ours = tiny_llama(seed=3, **overrides)
     cfg = ours.config
     rope_scaling = None

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import paratrain
+from tests.cases import import_or_skip
 from tests.test_cli import ROOT
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -99,7 +100,7 @@ def test_monitor_events_and_log_lines(world2, tmp_path):
 
 
 def test_tensorboard_path_when_installed(tmp_path):
-    pytest.importorskip("tensorboard", reason="the monitor extra (pip install paratrain[monitor]) adds it")
+    import_or_skip("tensorboard")
     from paratrain.config import load_config
     from paratrain.monitor import Monitor
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 import functools
 import time
 
-import pytest
 import torch.distributed as dist
 
 from paratrain.testing.parity import compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
-from tests.cases import STABLE_EPS, adamw_config, hf_param_groups, tiny_hf, tiny_llama
+from tests.cases import STABLE_EPS, adamw_config, hf_param_groups, import_or_skip, tiny_hf, tiny_llama
 from tests.real_data import KINDS, RealRows, documents_loss
 
-pytest.importorskip("transformers")
+import_or_skip("transformers")
 
 STEPS = 3
 ROWS = 8  # the global batch

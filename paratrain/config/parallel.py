@@ -51,7 +51,8 @@ class PipelineConfig(Section):
     micro_batches: int | None = Field(None, ge=1)
     """Micro-batches per optimizer step (m): the same number as gradient_accumulation_steps, which it sets."""
     virtual_stages: int = Field(1, ge=1)
-    """Stages (chunks) per rank (v): the interleaved schedule's, 2 for zb-v and dualpipev (their V)."""
+    """Stages (chunks) per rank (v): the interleaved schedule's; zb-v and dualpipev run a V of 2 chunks per rank,
+    which is also their default (only 2 works for them)."""
     partition: Literal["uniform", "parameters", "balanced"] | list[int] = "parameters"
     """How layers are cut: uniform (count), parameters, balanced (profiled time), or boundaries [0, ..., L]."""
 
@@ -59,6 +60,12 @@ class PipelineConfig(Section):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _a_v_has_two_chunks(self) -> PipelineConfig:
+        if "virtual_stages" not in self.model_fields_set and self.schedule in ("zb-v", "dualpipev"):
+            object.__setattr__(self, "virtual_stages", 2)
+        return self
 
 
 class ContextParallelConfig(Section):
