@@ -105,7 +105,8 @@ def test_expert_gradients_over_edp_and_dense_ones_over_dp():
     # ep = 1: the experts are ordinary data-parallel parameters (no edp sub-axis)
     plain = predict_comm(MIXTRAL, Layout(dp=16, micro_batch=1, grad_accum=2, zero_stage=0))
     assert "edp" not in plain and "ep" not in plain
-    assert plain["dp"]["all_reduce"]["elements"] == MIXTRAL.params + 2  # + the step's loss sum and count
+    # + the step's loss sum and count, and each MoE block's routing totals (E counts and 4 more)
+    assert plain["dp"]["all_reduce"]["elements"] == MIXTRAL.params + 2 + LAYERS * (MIXTRAL.num_experts + 4)
 
 
 def test_expert_groups_wires_and_time():

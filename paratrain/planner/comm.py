@@ -149,7 +149,10 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
         calls = layers * 4 + (2 if last else 0)
         out.append(Transfer(("tp",), "all_reduce", m * norm_grads, layout.param_bytes, m * calls, "tp"))
     else:
-        reduces = layers * per_layer + int(first) + int(last)  # + embedding output, head input grad
+        # A MoE block's MLP stays whole on every tp rank (its plan marks it 'sequence'): only its attention's
+        # half of a layer's all-reduces. (Under sequence parallelism that block is not calibrated.)
+        moe = moe_blocks(spec, layout, stage) if spec.moe else 0
+        reduces = (layers - moe) * per_layer + moe * per_layer // 2 + int(first) + int(last)
         out.append(Transfer(("tp",), "all_reduce", m * reduces * bsh, e, m * reduces, "tp"))
     if last:  # vocab-parallel cross-entropy: max, sum of exponentials, target logit, per token, fp32
         out.append(Transfer(("tp",), "all_reduce", m * 3 * layout.micro_batch * s_local, 4, 3 * m, "tp"))
@@ -210,17 +213,20 @@ def ulysses_elements(spec: ModelSpec, layout: Layout) -> int:
     return local * (2 * heads + 2 * kv) * (u - 1) // u
 
 
-def scalar_transfers(layout: Layout) -> list[Transfer]:
+def scalar_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
     """The scalars of a step: the token-weighted loss's sum and target count over dp x cp (two fp64; from the
     last pipeline stage to every pp rank first: sum, weight and two flags, four fp64), the squared grad norm
-    summed over pp x tp (and over dp x cp when ZeRO shards gradients), fp16's overflow flags."""
+    summed over pp x tp (and over dp x cp when ZeRO shards gradients or experts are split over ep; fp16's
+    overflow shows in that norm, so it adds nothing), and the MoE blocks' routing totals over dp x cp (per
+    block: the E expert counts, the two router losses, dropped choices and forwards, in fp64)."""
     out = [Transfer(DP_CP, "all_reduce", 2, 8, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
     if layout.pp > 1:
         out.append(Transfer(("pp",), "all_reduce", 4, 8, 1, "scalar"))
-    if layout.zero_stage >= 1:
+    if layout.zero_stage >= 1 or layout.ep > 1:
         out.append(Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"))
-    if layout.precision == "fp16":
-        out += [Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
+    if spec.moe:
+        blocks = moe_blocks(spec, layout, stage)
+        out.append(Transfer(DP_CP, "all_reduce", blocks * (spec.num_experts + 4), 8, 1, "scalar"))
     return out
 
 
@@ -232,7 +238,7 @@ def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Tran
     transfers = (data_parallel_transfers(layout, dense, units)
                  + tensor_parallel_transfers(spec, layout, stage) + pipeline_transfers(spec, layout, stage)
                  + context_parallel_transfers(spec, layout, stage) + expert_parallel_transfers(spec, layout, stage)
-                 + scalar_transfers(layout))
+                 + scalar_transfers(spec, layout, stage))
     return [t for t in transfers if axis_name(sizes, t.axes) is not None and t.elements > 0
             and (t.group is None or t.group[1] > 1)]
 
