@@ -8,7 +8,9 @@ Cases, each in a fresh spawned world of 4 ranks (so every peak RSS is its own):
   paratrain ZeRO-3 (dp4), paratrain ZeRO-1 (dp2 x tp2): init (`paratrain.init_empty` + initialize), load
       (`engine.load_weights` of the file), then STEPS training steps; ZeRO-3 (dp4) once more with
       `meta_init: "sharded"` (each rank draws only its shard, not eager construction's values);
-  DeepSpeed ZeRO-3: the model built under `deepspeed.zero.Init`, then `deepspeed.initialize` and the steps;
+  DeepSpeed ZeRO-3: the model built under `deepspeed.zero.Init`, then `deepspeed.initialize` and the steps, at
+      its defaults and with the settings that lower its init peak (sub_group_size 1e7: the fp32 partitions are
+      flattened in groups of 1e7 elements instead of one group of up to 1e9; no parameter kept whole);
   torch FSDP2: the model built on the meta device, `fully_shard` per layer and root, `to_empty`, then
       `init_weights` on the shards, and the steps.
 Each rank reports its peak RSS (`ru_maxrss`) once the meta model is built, after init, after load and after
@@ -17,7 +19,11 @@ holds at that point
 (`paratrain.zero.estimate_memory`'s params of this rank's Ψ before the first step, and its grads where they
 exist before it, stages 0-1; with the grads and optimizer states after it) + one full copy of the largest
 parameter (the module being initialized or read).
-Every case runs the same AdamW (fused), seed, data and micro-batch. Nothing here asserts a number.
+Every case runs the same AdamW (fused), seed, data and micro-batch, and records its config (`setup`). Cases
+repeat `--repeats` times, interleaved; the table gives the median of the worst rank and the spread over repeats.
+DeepSpeed's initialize already builds what paratrain builds at the first step (its fp32 partition groups and
+optimizer state), so compare its init with paratrain's first steps too. A rank that dies is recorded with its
+exit code (-9: SIGKILL, the out-of-memory killer's signal). Nothing here asserts a number.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -126,17 +133,20 @@ def paratrain_case(name: str, weights: str, tp: int, stage: int, meta_init: str 
             "init_s": init_s, "load_s": load_s, "losses": losses, "local_params": local,
             "formula_init": _formula(baseline, local, dp, stage, largest, False),
             "formula_step": _formula(baseline, local, dp, stage, largest, True),
-            "optimizer": type(engine.optimizer).__name__, "meta_init": meta_init}
+            "optimizer": type(engine.optimizer).__name__, "meta_init": meta_init, "setup": cfg}
 
 
-def deepspeed_case(name: str) -> dict:
+DEEPSPEED_LOW_PEAK = {"sub_group_size": 10_000_000, "stage3_param_persistence_threshold": 0}
+
+
+def deepspeed_case(name: str, zero: dict | None = None) -> dict:
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     baseline = peak_rss_bytes()
     _reached("baseline")
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-              "optimizer": deepspeed_optimizer(), "zero_optimization": {"stage": 3}}
+              "optimizer": deepspeed_optimizer(), "zero_optimization": {"stage": 3, **(zero or {})}}
     start = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = _model(name)
@@ -153,7 +163,8 @@ def deepspeed_case(name: str) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
-    return {"baseline": baseline, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s, "losses": losses}
+    return {"baseline": baseline, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s, "losses": losses,
+            "setup": config}
 
 
 def fsdp2_case(name: str) -> dict:
@@ -183,53 +194,76 @@ def fsdp2_case(name: str) -> dict:
         opt.zero_grad()
         losses.append(float(loss))
     return {"baseline": baseline, "built": built, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s,
-            "losses": losses}
+            "losses": losses, "setup": {"fully_shard": "each decoder layer and the root, reshard_after_forward",
+                                        "optimizer": "torch AdamW fused", "init": "to_empty + init_weights"}}
 
 
-def run(name: str, weights: Path, only: set[str] | None = None) -> dict:
-    from paratrain.testing import World, WorldError
-
+def run(name: str, weights: Path, only: set[str] | None = None, repeats: int = 1) -> dict:
+    """{case: [one entry per repeat: the ranks' results, or what a failed run reached]}; cases interleaved."""
     cases = {"paratrain ZeRO-3 (dp4)": (paratrain_case, (name, str(weights), 1, 3)),
              "paratrain ZeRO-3 (dp4), meta_init sharded": (paratrain_case, (name, str(weights), 1, 3, "sharded")),
              "paratrain ZeRO-1 (dp2 x tp2)": (paratrain_case, (name, str(weights), 2, 1)),
-             "DeepSpeed ZeRO-3 (zero.Init)": (deepspeed_case, (name,)),
+             "DeepSpeed ZeRO-3 (zero.Init), defaults": (deepspeed_case, (name,)),
+             "DeepSpeed ZeRO-3 (zero.Init), sub_group_size 1e7": (deepspeed_case, (name, DEEPSPEED_LOW_PEAK)),
              "torch FSDP2 (meta init)": (fsdp2_case, (name,))}
-    out = {}
-    for case, (fn, args) in cases.items():
-        if only and not any(word in case for word in only):
-            continue
-        print(f"[big_init] {case}", file=sys.stderr, flush=True)
-        progress = Path(tempfile.mkdtemp(prefix="big_init_"))
-        os.environ[PROGRESS_ENV] = str(progress)  # the spawned ranks inherit it
-        try:  # a case that fails (a rank killed for memory, say) is recorded with what each rank reached
-            with World(WORLD, timeout_s=3600) as world:
-                out[case] = world.run(fn, *args)
-        except WorldError as exc:
-            reached = {f.stem: json.loads(f.read_text()) for f in sorted(progress.glob("rank*.json"))}
-            out[case] = {"error": str(exc)[-2000:], "reached": reached}
-        finally:
-            os.environ.pop(PROGRESS_ENV, None)
-            shutil.rmtree(progress, ignore_errors=True)
+    out: dict[str, list] = {}
+    for r in range(repeats):
+        for case, (fn, args) in cases.items():
+            if only and not any(word in case for word in only):
+                continue
+            print(f"[big_init] repeat {r + 1}/{repeats}: {case}", file=sys.stderr, flush=True)
+            out.setdefault(case, []).append(_one(fn, args))
     return out
+
+
+def _one(fn, args) -> list | dict:
+    from paratrain.testing import World, WorldError
+
+    progress = Path(tempfile.mkdtemp(prefix="big_init_"))
+    os.environ[PROGRESS_ENV] = str(progress)  # the spawned ranks inherit it
+    try:  # a case that fails (a rank killed for memory, say) is recorded with what each rank reached
+        with World(WORLD, timeout_s=3600) as world:
+            return world.run(fn, *args)
+    except WorldError as exc:
+        reached = {f.stem: json.loads(f.read_text()) for f in sorted(progress.glob("rank*.json"))}
+        message = str(exc)
+        return {"error": message[-2000:], "reached": reached, "killed": "exit code -9" in message}
+    finally:
+        os.environ.pop(PROGRESS_ENV, None)
+        shutil.rmtree(progress, ignore_errors=True)
+
+
+def _worst(ranks: list, key: str) -> int:
+    return max(r[key] for r in ranks)
+
+
+def _spread(values: list[float]) -> str:
+    """The median over repeats, with the range when there is more than one."""
+    median = statistics.median(values)
+    return f"{median:.1f}" + (f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else "")
 
 
 def table(result: dict) -> str:
     lines = ["| case | peak RSS / rank after init (MiB) | after load | after the first steps | formula at init "
-             "(MiB) | init / formula |", "|---|---:|---:|---:|---:|---:|"]
-    for case, ranks in result["cases"].items():
-        if isinstance(ranks, dict):  # the case failed: the worst peak its ranks reached at init, if they did
-            inits = [seen["init"] for seen in ranks["reached"].values() if "init" in seen]
-            died = "a rank died in the first steps (killed for memory?)" if inits else "a rank died before init"
-            lines.append(f"| {case} | {max(inits) / MIB:.1f} | - | {died} | - | - |" if inits else
-                         f"| {case} | {died} | - | - | - | - |")
+             "(MiB) | init / formula | runs |", "|---|---:|---:|---:|---:|---:|---|"]
+    for case, repeats in result["cases"].items():
+        good = [ranks for ranks in repeats if isinstance(ranks, list)]
+        failed = [run for run in repeats if isinstance(run, dict)]
+        why = "; ".join(sorted({"a rank was killed (SIGKILL, out of memory)" if run.get("killed") else
+                                "a rank failed" for run in failed}))
+        runs = f"{len(good)} of {len(repeats)}" + (f": {why}" if failed else "")
+        if not good:
+            inits = [seen["init"] for run in failed for seen in run["reached"].values() if "init" in seen]
+            lines.append(f"| {case} | {_spread([v / MIB for v in inits]) if inits else '-'} | - | - | - | - | {runs} |")
             continue
-        worst = max(ranks, key=lambda r: r["init"])
+        init = [_worst(ranks, "init") / MIB for ranks in good]
+        worst = max(good[0], key=lambda r: r["init"])
         formula = worst.get("formula_init")
-        # init with one decimal: the sharded init and FSDP2 are within 1 MiB of each other
-        cells = [f"{worst['init'] / MIB:.1f}", f"{worst['load'] / MIB:.0f}" if "load" in worst else "-",
-                 f"{max(r['step'] for r in ranks) / MIB:.0f}", f"{formula / MIB:.0f}" if formula else "-",
-                 f"{worst['init'] / formula:.2f}" if formula else "-"]
+        cells = [_spread(init), _spread([_worst(ranks, "load") / MIB for ranks in good]) if "load" in worst else "-",
+                 _spread([_worst(ranks, "step") / MIB for ranks in good]), f"{formula / MIB:.0f}" if formula else "-",
+                 f"{statistics.median(init) * MIB / formula:.2f}" if formula else "-", runs]
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    lines += ["", "Each cell: the worst rank's peak, the median over repeats (the range over repeats in brackets)."]
     return "\n".join(lines)
 
 
@@ -239,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--weights", type=Path, default=None, help="where the model's safetensors file is kept")
     parser.add_argument("--only", default=None, help="comma-separated words a case's name must contain")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from paratrain.models import llama_config
@@ -249,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
               "world": WORLD, "steps": STEPS, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN,
               "optimizer": {"type": "AdamW", **ADAMW, "fused": FUSED}, "torch": torch.__version__,
               "command": "python -m benchmarks.big_init " + " ".join(sys.argv[1:] if argv is None else argv),
-              "cases": run(args.model, weights, set(args.only.split(",")) if args.only else None)}
+              "repeats": args.repeats,
+              "cases": run(args.model, weights, set(args.only.split(",")) if args.only else None, args.repeats)}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))

@@ -113,8 +113,9 @@ def measure_layout(config: dict, steps: int, warmup: int) -> dict:
 
     model = bench_model()
     engine, *_ = paratrain.initialize(model=model, config=config)
-    batches = LocalBatches(engine.train_micro_batch_size_per_gpu(), dist.get_world_size(), dist.get_rank(),
-                           engine.gradient_accumulation_steps())
+    # the data-parallel rank's samples: tp, pp and cp peers of a replica see the same ones
+    batches = LocalBatches(engine.train_micro_batch_size_per_gpu(), engine.mesh.dims.sample_parallel_size,
+                           engine.mesh.local_rank("dp"), engine.gradient_accumulation_steps())
     timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     return timer.result()

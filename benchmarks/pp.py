@@ -116,14 +116,13 @@ def torch_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1) 
             runner.step(target=y, losses=losses)
         else:
             runner.step()
-        sq = torch.zeros(1)
-        for q in params:
-            sq += q.grad.float().pow(2).sum()
+        grads = [q.grad for q in params]
+        # foreach kernels, as paratrain's clipping: one norm over every tensor, one scale of every tensor
+        sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), 2).pow(2).reshape(1)
         dist.all_reduce(sq, group=group)  # the global norm sums over the stages, as ours does
         coef = 1.0 / (float(sq.sqrt()) + 1e-6)
         if coef < 1.0:
-            for q in params:
-                q.grad.mul_(coef)
+            torch._foreach_mul_(grads, coef)
         opt.step()
         opt.zero_grad(set_to_none=False)
         loss = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1)

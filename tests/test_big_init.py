@@ -15,16 +15,29 @@ from benchmarks import big_init
 def test_big_init_runs_and_reports_every_phase(tmp_path):
     out = tmp_path / "big_init.json"
     result = big_init.main(["--model", "llama-tiny", "--weights", str(tmp_path / "w.safetensors"), "--only",
-                            "paratrain", "--results", str(out)])
+                            "paratrain", "--results", str(out), "--repeats", "1"])
     assert json.loads(out.read_text())["model"] == "llama-tiny"
-    for case in ("paratrain ZeRO-3 (dp4)", "paratrain ZeRO-3 (dp4), meta_init sharded", "paratrain ZeRO-1 (dp2 x tp2)"):
-        ranks = result["cases"][case]
+    from paratrain.zero import estimate_memory
+
+    largest = max(t.numel() for t in big_init._model("llama-tiny").parameters())
+    for case, stage, dp in (("paratrain ZeRO-3 (dp4)", 3, 4), ("paratrain ZeRO-3 (dp4), meta_init sharded", 3, 4),
+                            ("paratrain ZeRO-1 (dp2 x tp2)", 1, 2)):
+        (ranks,) = result["cases"][case]  # one repeat
         assert len(ranks) == 4
         for r in ranks:
             assert r["baseline"] <= r["init"] <= r["load"] <= r["step"]
-            assert r["formula_init"] > r["baseline"] and len(r["losses"]) == big_init.STEPS
-    zero3 = result["cases"]["paratrain ZeRO-3 (dp4)"][0]
+            assert len(r["losses"]) == big_init.STEPS and all(x == x for x in r["losses"])
+            assert r["setup"]["zero_optimization"]["stage"] == stage  # the config the case ran is recorded
+            # the formula is the library's: the rank's parameters (and, up to stage 1, gradients) + one whole
+            # largest tensor, over the process's RSS before the model existed
+            state = estimate_memory(r["local_params"], dp=dp, stage=stage)
+            held = state["params"] + (state["grads"] if stage <= 1 else 0)
+            assert r["formula_init"] == r["baseline"] + held + 4 * largest, case
+            assert r["formula_step"] == r["baseline"] + state["params"] + state["grads"] + \
+                state["optimizer_state"] + 4 * largest, case
+    zero3 = result["cases"]["paratrain ZeRO-3 (dp4)"][0][0]
     assert zero3["local_params"] == result["params"]  # ZeRO-3 shards over dp: the rank's Ψ is the model's
-    tp2 = result["cases"]["paratrain ZeRO-1 (dp2 x tp2)"][0]
+    tp2 = result["cases"]["paratrain ZeRO-1 (dp2 x tp2)"][0][0]
     assert tp2["local_params"] < result["params"]  # tensor parallelism divides Ψ itself
-    assert "| paratrain ZeRO-3 (dp4) |" in big_init.table(result)
+    body = big_init.table(result)
+    assert "| paratrain ZeRO-3 (dp4) |" in body and "| 1 of 1 |" in body

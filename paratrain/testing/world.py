@@ -100,6 +100,14 @@ class World:
         self._procs: list = []
         self._conns: list = []
 
+    def _death(self, rank: int) -> str:
+        """What ended rank `rank`'s process: its exit code (-9: SIGKILL, what the out-of-memory killer sends)."""
+        process = self._procs[rank]
+        process.join(timeout=2.0)
+        code = process.exitcode
+        why = " (SIGKILL: the out-of-memory killer's signal)" if code == -9 else ""
+        return f"the process died (exit code {code}{why})"
+
     def start(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
@@ -188,7 +196,7 @@ class World:
                 try:
                     ok, value = conn.recv()
                 except EOFError:
-                    ok, value = False, "the process died"
+                    ok, value = False, self._death(rank)
                 if ok:
                     results[rank] = value
                     continue
