@@ -3,13 +3,17 @@
     python -m benchmarks.planner_ranking                       # writes docs/benchmarks.md's section
     python -m benchmarks.planner_ranking --repeats 1 --steps 3 --no-doc
 
-1. Calibrate `Hardware` for this CPU on one process and two: one process times an engine step of one
-   micro-batch of 1 and of 8 sequences (-> FLOP/s from the difference, a fixed per-micro-batch overhead from
-   the rest) and an AdamW step (-> memory bandwidth); two processes time gloo all-reduces of 1 and of Psi
-   floats (-> latency and bandwidth). Communication is not overlapped (overlap = 0): gloo's threads share
-   the cores with compute.
-2. Predict the step time of a handful of DDP layouts of one global batch (world 1 and 2, different
-   micro-batch / accumulation splits) with `paratrain.planner.estimate_time`.
+1. Calibrate `Hardware` for this CPU on one process and two: one process times an engine step on 8
+   sequences as one micro-batch and as 8 accumulated ones (-> a fixed per-micro-batch overhead from the
+   difference, FLOP/s from the rest) and an AdamW step (-> memory bandwidth); two processes time gloo
+   all-reduces of 1 and of Psi floats (-> latency and bandwidth), each collective the layouts use through
+   `paratrain.comm` after a stretch of compute, at three payloads (-> seconds per call and bytes per second,
+   `Hardware.op_costs`), and a forward + backward on both processes at once (-> how much they slow each
+   other, `Hardware.shared_host_slowdown`). Communication is not overlapped (overlap = 0): gloo's threads
+   share the cores with compute.
+2. Predict the step time of 14 layouts of one global batch (one process, DDP with different micro-batch /
+   accumulation splits, ZeRO-1/3, TP with and without SP, 1F1B and GPipe pipelines, ring context
+   parallelism) with `paratrain.planner.estimate_time`.
 3. Measure each layout's step time with the engine (fresh world per case, cases interleaved, medians).
 4. Report both rankings, Spearman's rho, Kendall's tau, and whether the predicted best is the measured best.
 The machine is shared and noisy: no test asserts any of this; the numbers are reported in docs/benchmarks.md.
@@ -63,29 +67,51 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def forward_backward_seconds(repeats: int = 7) -> float:
+    """One forward + backward of the benchmark GPT on 8 sequences, no communication (every rank of the world
+    at once: how much two processes slow each other down)."""
+    model = bench_model()
+    x, y = next(LocalBatches(8, 1, 0))
+
+    def run():
+        model(x, y).backward()
+
+    run()
+    if dist.is_initialized():
+        dist.barrier()
+    return _median_time(run, repeats)
+
+
 def calibrate_compute(repeats: int = 7) -> dict:
-    """Runs in a 1-process world: the engine's optimizer step with one micro-batch of 1 and of 8 sequences
-    (-> FLOP/s from the difference, the per-micro-batch overhead from the rest), and AdamW alone."""
+    """Runs in a 1-process world: the engine's optimizer step on 8 sequences as one micro-batch of 8 and as 8
+    accumulated micro-batches of 1 (-> the per-micro-batch overhead from the difference: the same FLOPs), the
+    first again minus its overhead and AdamW (-> FLOP/s), and AdamW alone (-> memory bandwidth)."""
     import paratrain
 
     times = {}
-    for b in (1, 8):
-        config = layout_config(SPEC, Layout(dp=1, micro_batch=b, grad_accum=1, precision="fp32"))
+    for b, m in ((8, 1), (1, 8)):
+        config = layout_config(SPEC, Layout(dp=1, micro_batch=b, grad_accum=m, precision="fp32"))
         engine, *_ = paratrain.initialize(model=bench_model(), config=config)
-        batches = LocalBatches(b, 1, 0)
+        batches = LocalBatches(b, 1, 0, m)
         engine.train_batch(batches)  # warm-up (creates AdamW's moments)
-        times[b] = _median_time(lambda e=engine, it=batches: e.train_batch(it), repeats)
+        times[b, m] = _median_time(lambda e=engine, it=batches: e.train_batch(it), repeats)
     t_opt = _median_time(engine.optimizer.step, repeats)
-    tokens = SPEC.seq_len
-    flops1, flops8 = tokens * SPEC.flops_per_token, 8 * tokens * SPEC.flops_per_token
-    rate = (flops8 - flops1) / (times[8] - times[1])
-    overhead = max(0.0, times[1] - t_opt - flops1 / rate)
+    overhead = max(0.0, (times[1, 8] - times[8, 1]) / 7)
+    flops8 = 8 * SPEC.seq_len * SPEC.flops_per_token
+    rate = flops8 / (times[8, 1] - t_opt - overhead)
     return {"flops_per_s": rate, "micro_batch_overhead": overhead, "memory_bandwidth": 28 * SPEC.params / t_opt,
-            "t_step_mb1": times[1], "t_step_mb8": times[8], "t_adamw": t_opt}
+            "t_step_mb8x1": times[8, 1], "t_step_mb1x8": times[1, 8], "t_adamw": t_opt,
+            "t_forward_backward": forward_backward_seconds(repeats)}
 
 
 def calibrate_comm(repeats: int = 10) -> dict:
-    """Runs on each rank of a 2-process world: all-reduce of 1 float (latency) and of Psi floats."""
+    """Runs on each rank of a 2-process world: all-reduce of 1 float (latency) and of Psi floats (the ring
+    model's constants), and each collective the layouts use, through `paratrain.comm` after a stretch of
+    compute, at three payloads (1 Ki, 32 Ki and 1 Mi floats): its seconds per call and payload bytes per
+    second (`Hardware.op_costs`)."""
+    import paratrain.comm as comm
+    from paratrain.mesh import ParallelDims
+
     small, big = torch.zeros(1), torch.zeros(SPEC.params)
     for t in (small, big):
         dist.all_reduce(t)
@@ -97,14 +123,52 @@ def calibrate_comm(repeats: int = 10) -> dict:
     t_small, t_big = timed(small), timed(big)
     latency = t_small / 2  # a 2-rank ring all-reduce takes 2 (n - 1) = 2 steps
     bandwidth = big.numel() * 4 / max(t_big - 2 * latency, 1e-9)  # moves 2 (n-1)/n B = B per rank
-    return {"latency": latency, "bandwidth": bandwidth, "t_small": t_small, "t_big": t_big}
+    axis = comm.build_mesh(ParallelDims(2, dp=2)).axis("dp")
+    peer = 1 - axis.rank
+
+    def ops(n: int) -> dict:
+        full, half, out = torch.zeros(n), torch.zeros(n // 2), torch.zeros(n)
+        recv = torch.zeros(n)
+        return {"all_reduce": lambda: comm.all_reduce(full, axis),
+                "all_gather": lambda: comm.all_gather_into(out, half, axis),
+                "reduce_scatter": lambda: comm.reduce_scatter_into(half, full, axis),
+                "send": lambda: [h.wait() for h in comm.send_recv([(full, peer)], [(recv, peer)], axis)]}
+
+    # In a training step every collective follows a stretch of compute that each rank ends at its own moment:
+    # timing each op after a matmul of about a layer's work (minus the matmul alone) counts that skew and the
+    # caches the compute left cold, which back-to-back calls of the op alone do not see.
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    compute = _median_time(lambda: torch.mm(a, b), repeats)
+    costs = []
+    sizes = (1024, 32768, 1048576)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "send"):
+        times = []
+        for n in sizes:
+            fn = ops(n)[op]
+            for _ in range(3):  # the first calls on a group set up its connections and buffers
+                fn()
+            dist.barrier()
+            times.append(_median_time(lambda f=fn: (torch.mm(a, b), f()), repeats) - compute)
+        costs.append((op, *_line_fit([4 * n for n in sizes], times)))
+    return {"latency": latency, "bandwidth": bandwidth, "t_small": t_small, "t_big": t_big, "op_costs": costs,
+            "t_forward_backward": forward_backward_seconds(repeats)}
+
+
+def _line_fit(payloads: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares `seconds = a + payload / b` through the points: (a, b), a >= 0 and b finite."""
+    mx, my = statistics.fmean(payloads), statistics.fmean(seconds)
+    slope = sum((x - mx) * (y - my) for x, y in zip(payloads, seconds)) / sum((x - mx) ** 2 for x in payloads)
+    slope = max(slope, 1e-13)  # noise can tilt the line; no op moves bytes for free
+    return max(my - slope * mx, 0.0), 1.0 / slope
 
 
 def hardware_for_this_cpu(compute: dict, comm: dict) -> Hardware:
     return Hardware(gpu_memory=64 * 2**30, gpus_per_node=os.cpu_count() or 2, peak_flops=compute["flops_per_s"],
                     mfu=1.0, micro_batch_overhead=compute["micro_batch_overhead"],
                     memory_bandwidth=compute["memory_bandwidth"], intra_node_bandwidth=comm["bandwidth"],
-                    inter_node_bandwidth=comm["bandwidth"], latency=comm["latency"], overlap=0.0)
+                    inter_node_bandwidth=comm["bandwidth"], latency=comm["latency"], overlap=0.0,
+                    op_costs=tuple(tuple(c) for c in comm["op_costs"]), op_costs_group=2,
+                    shared_host_slowdown=max(1.0, comm["t_forward_backward"] / compute["t_forward_backward"]))
 
 
 def measure_layout(config: dict, steps: int, warmup: int) -> dict:
@@ -195,7 +259,10 @@ def run(repeats: int, steps: int, warmup: int) -> dict:
             measured_runs[i].append(statistics.median(slowest))
     predicted = [statistics.median(runs) for runs in predicted_runs]
     measured = [statistics.median(runs) for runs in measured_runs]
-    median_hw = {k: statistics.median(h[k] for h in hardware) for k in hardware[0]}
+    median_hw = {k: statistics.median(h[k] for h in hardware) for k in hardware[0] if k != "op_costs"}
+    median_hw["op_costs"] = [[op, statistics.median(h["op_costs"][i][1] for h in hardware),
+                              statistics.median(h["op_costs"][i][2] for h in hardware)]
+                             for i, (op, *_) in enumerate(hardware[0]["op_costs"])]
     return {"hardware": median_hw, "calibrations": calibrations, "layouts": [lay.describe() for lay in LAYOUTS],
             "predicted_s": predicted, "measured_s": measured, "predicted_runs": predicted_runs,
             "measured_runs": measured_runs, "spearman": spearman(predicted, measured),
@@ -204,7 +271,11 @@ def run(repeats: int, steps: int, warmup: int) -> dict:
             "worst_ratio": max(max(p / m, m / p) for p, m in zip(predicted, measured)),
             # The measured best is among the layouts the model predicts within 1% of its best.
             "best_agrees": predicted[measured.index(min(measured))] <= 1.01 * min(predicted),
-            "repeats": repeats, "steps": steps}
+            "repeats": repeats, "steps": steps, "targets": TARGETS}
+
+
+def targets_met(result: dict) -> bool:
+    return result["spearman"] >= TARGETS["spearman"] and result["worst_ratio"] <= TARGETS["worst_ratio"]
 
 
 def table(result: dict) -> str:
@@ -216,7 +287,9 @@ def table(result: dict) -> str:
              f"Calibrated: {hw['peak_flops'] / 1e9:.2f} GFLOP/s per process, {hw['micro_batch_overhead'] * 1e3:.1f} "
              f"ms per micro-batch, AdamW at {hw['memory_bandwidth'] / 1e9:.2f} GB/s, gloo all-reduce "
              f"{hw['intra_node_bandwidth'] / 1e9:.2f} GB/s and {hw['latency'] * 1e6:.0f} us per ring step "
-             f"(medians of the per-repeat calibrations).", "",
+             f"(medians of the per-repeat calibrations); two processes computing at once each "
+             f"{hw['shared_host_slowdown']:.2f}x slower; through paratrain.comm on 2 ranks, per call and per byte: "
+             + ", ".join(f"{op} {a * 1e6:.0f} us + {b / 1e9:.2f} GB/s" for op, a, b in hw["op_costs"]) + ".", "",
              "| layout | predicted (ms) | measured (ms) | predicted / measured | predicted rank | measured rank |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, p, m, a, b in zip(result["layouts"], result["predicted_s"], result["measured_s"], pr, mr):
@@ -226,7 +299,9 @@ def table(result: dict) -> str:
                   f"worst prediction off by {result['worst_ratio']:.2f}x; "
                   f"of the {total} pairs the model separates by more than 5%, the measurement orders {agree} the "
                   f"same way; the measured best is among the predicted best (within 1%): "
-                  f"{'yes' if result['best_agrees'] else 'no'}."]
+                  f"{'yes' if result['best_agrees'] else 'no'}.",
+              "", f"Targets: Spearman rho at least {TARGETS['spearman']}, worst prediction within "
+                  f"{TARGETS['worst_ratio']}x: {'met' if targets_met(result) else 'NOT met'}."]
     return "\n".join(lines)
 
 

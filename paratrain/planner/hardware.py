@@ -12,6 +12,14 @@ the gathered output of an all-gather, the unreduced input of a reduce-scatter), 
   reduce-scatter   (n-1)/n * B     in   (n-1) steps
   send / recv      B               in 1 step
 so time = steps * latency + moved / bandwidth (Thakur, Rabenseifner & Gropp 2005; Chan et al. 2007).
+
+[Note: measured costs per collective]
+On a CPU with gloo the ring model misses what dominates small collectives: each call's host work (Python,
+the autograd function around it, the buffers) and each op's own implementation (gloo's all-gather and
+reduce-scatter are slower per byte than its all-reduce). `op_costs` holds, per op, (seconds per call, payload
+bytes per second) measured through `paratrain.comm` on groups of `op_costs_group` ranks (benchmarks/
+planner_ranking.py calibrates them); a collective on a group of that size is then `calls * a + payload / b`.
+Other group sizes, and ops not measured, keep the ring model.
 """
 
 from __future__ import annotations
@@ -53,6 +61,13 @@ class Hardware:
     """Host memory bandwidth, bytes/s (an offloaded optimizer step runs on the CPU)."""
     memory_headroom: float = 0.1
     """Fraction of device memory kept free for the CUDA context, workspaces and fragmentation."""
+    shared_host_slowdown: float = 1.0
+    """How much slower a process computes while the other processes of its node compute too (CPU processes
+    share caches and memory bandwidth; 1 for GPUs): applied to the compute of layouts with more than one
+    rank per node."""
+    op_costs: tuple[tuple[str, float, float], ...] = ()
+    """Measured (op, seconds per call, payload bytes/s) on groups of `op_costs_group` ranks (see the note)."""
+    op_costs_group: int = 2
 
     @property
     def usable_memory(self) -> float:
@@ -65,6 +80,16 @@ RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1
 RING_MOVED = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 0.0,
               "broadcast": lambda n: 1.0, "all_to_all": lambda n: 1.0}  # its payload: what leaves the rank
+
+
+def measured_seconds(hw: Hardware, op: str, payload_bytes: float, group_size: int, calls: int) -> float | None:
+    """`calls` collectives of `op` moving `payload_bytes` from `hw.op_costs`, or None if not measured for it."""
+    if group_size != hw.op_costs_group:
+        return None
+    for name, per_call, bytes_per_s in hw.op_costs:
+        if name == op:
+            return calls * per_call + payload_bytes / bytes_per_s
+    return None
 
 
 def collective_seconds(op: str, payload_bytes: float, group_size: int, bandwidth: float, latency: float,

@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from paratrain.planner.comm import Transfer, rank_transfers
-from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds
+from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds, measured_seconds
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import ceil_div, rank_params
 from paratrain.planner.model_specs import ModelSpec, rank_blocks
@@ -98,6 +98,10 @@ def _seconds(t: Transfer, layout: Layout, hw: Hardware, shape: tuple[int, ...]) 
         group = t.group[1]
         if t.group[0] in ("ep", "edp"):  # expert groups: NVLink only when each stays in a node
             bandwidth = expert_bandwidth(hw, layout, t.group[0])
+    if group > 1 and t.bytes:
+        measured = measured_seconds(hw, t.op, t.bytes, group, t.calls)
+        if measured is not None:
+            return measured
     return collective_seconds(t.op, t.bytes, group, bandwidth, hw.latency, t.calls)
 
 
@@ -115,6 +119,8 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
 
     # The slowest stage sets the pace of the pipeline (and is the only stage when pp = 1).
     stage = max(range(p), key=lambda s: stage_flops_per_token(spec, layout, s))
+    if layout.world > 1:  # the node's processes compute at once (a CPU's share its caches and memory)
+        rate /= hw.shared_host_slowdown
     compute_mb = hw.micro_batch_overhead + tokens_mb * stage_flops_per_token(spec, layout, stage) / split / rate
     attention_mb = tokens_mb * rank_blocks(spec, layout, stage) * \
         spec.attention_flops_per_token_per_layer() / split / rate
