@@ -19,7 +19,9 @@ holds at that point
 (`paratrain.zero.estimate_memory`'s params of this rank's Ψ before the first step, and its grads where they
 exist before it, stages 0-1; with the grads and optimizer states after it) + one full copy of the largest
 parameter (the module being initialized or read).
-Every case runs the same AdamW (fused), seed, data and micro-batch, and records its config (`setup`). Cases
+Every case runs the same AdamW (fused), seed, data and micro-batch, and records its config (`setup`) and what
+it built (`fair`: optimizer class and flags, threads, dtype, seeds, micro-batch, clipping), which must agree
+over every case and rank before the result is written. Cases
 repeat `--repeats` times, interleaved; the table gives the median of the worst rank and the spread over repeats.
 DeepSpeed's initialize already builds what paratrain builds at the first step (its fp32 partition groups and
 optimizer state), so compare its init with paratrain's first steps too. A rank that dies is recorded with its
@@ -42,7 +44,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ADAMW, FUSED, deepspeed_optimizer, paratrain_optimizer, torch_adamw
+from benchmarks.common import (
+    ADAMW,
+    FUSED,
+    check_same_setup,
+    deepspeed_optimizer,
+    paratrain_optimizer,
+    record_optimizer,
+    torch_adamw,
+)
 from paratrain.monitor import peak_rss_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,13 +62,17 @@ STEPS = 2
 MICRO_BATCH = 1
 SEQ_LEN = 64
 MIB = 2**20
+MODEL_SEED = 0
+CLIP = 1.0
 
 
 def _model(name: str):
     from paratrain.models import Llama
 
-    torch.manual_seed(0)
-    return Llama(name, seq_len=SEQ_LEN)
+    torch.manual_seed(MODEL_SEED)
+    model = Llama(name, seq_len=SEQ_LEN)
+    model.init_seed = MODEL_SEED
+    return model
 
 
 def write_weights(name: str, path: Path) -> Path:
@@ -69,6 +83,14 @@ def write_weights(name: str, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in _model(name).state_dict().items()}, str(path))
     return path
+
+
+def _fair(optimizer, model, clip: float) -> dict:
+    """What must be equal between the cases, read from what each built (`check_same_setup` compares them)."""
+    return {"optimizer": record_optimizer(optimizer), "threads": torch.get_num_threads(),
+            "dtype": " ".join(sorted({str(p.dtype) for p in model.parameters()})),
+            "seed": {"model": getattr(model, "init_seed", None), "data": "1 + dp rank"},
+            "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "gradient_clipping": clip}
 
 
 def _batches(vocab: int, dp_rank: int):
@@ -111,7 +133,7 @@ def paratrain_case(name: str, weights: str, tp: int, stage: int, meta_init: str 
 
     baseline = peak_rss_bytes()
     _reached("baseline")
-    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": paratrain_optimizer(),
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": CLIP, "optimizer": paratrain_optimizer(),
            "tensor_parallel": {"size": tp}, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
            "meta_init": meta_init}
     start = time.perf_counter()
@@ -133,7 +155,8 @@ def paratrain_case(name: str, weights: str, tp: int, stage: int, meta_init: str 
             "init_s": init_s, "load_s": load_s, "losses": losses, "local_params": local,
             "formula_init": _formula(baseline, local, dp, stage, largest, False),
             "formula_step": _formula(baseline, local, dp, stage, largest, True),
-            "optimizer": type(engine.optimizer).__name__, "meta_init": meta_init, "setup": cfg}
+            "optimizer": type(engine.optimizer).__name__, "meta_init": meta_init, "setup": cfg,
+            "fair": _fair(engine.optimizer, model, engine.gradient_clipping())}
 
 
 DEEPSPEED_LOW_PEAK = {"sub_group_size": 10_000_000, "stage3_param_persistence_threshold": 0}
@@ -145,7 +168,7 @@ def deepspeed_case(name: str, zero: dict | None = None) -> dict:
     deepspeed.utils.logger.setLevel(logging.WARNING)
     baseline = peak_rss_bytes()
     _reached("baseline")
-    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": CLIP, "steps_per_print": 10**9,
               "optimizer": deepspeed_optimizer(), "zero_optimization": {"stage": 3, **(zero or {})}}
     start = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=config):
@@ -164,7 +187,7 @@ def deepspeed_case(name: str, zero: dict | None = None) -> dict:
         engine.step()
         losses.append(float(loss))
     return {"baseline": baseline, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s, "losses": losses,
-            "setup": config}
+            "setup": config, "fair": _fair(engine.optimizer, model, engine.gradient_clipping())}
 
 
 def fsdp2_case(name: str) -> dict:
@@ -189,13 +212,14 @@ def fsdp2_case(name: str) -> dict:
         x, y = next(batches)
         loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     return {"baseline": baseline, "built": built, "init": init_peak, "step": peak_rss_bytes(), "init_s": init_s,
             "losses": losses, "setup": {"fully_shard": "each decoder layer and the root, reshard_after_forward",
-                                        "optimizer": "torch AdamW fused", "init": "to_empty + init_weights"}}
+                                        "optimizer": "torch AdamW fused", "init": "to_empty + init_weights"},
+            "fair": _fair(opt, model, CLIP)}
 
 
 def run(name: str, weights: Path, only: set[str] | None = None, repeats: int = 1) -> dict:
@@ -214,6 +238,15 @@ def run(name: str, weights: Path, only: set[str] | None = None, repeats: int = 1
             print(f"[big_init] repeat {r + 1}/{repeats}: {case}", file=sys.stderr, flush=True)
             out.setdefault(case, []).append(_one(fn, args))
     return out
+
+
+def check_fair(cases: dict[str, list]) -> None:
+    """Refuse (UnfairComparison) cases whose ranks built different optimizers, threads, dtypes, seeds, micro-batch,
+    sequence length or clipping; a case whose every run failed has nothing to compare."""
+    setups = {f"{case} (repeat {i + 1}, rank {r})": rank["fair"] for case, runs in cases.items()
+              for i, ranks in enumerate(runs) if isinstance(ranks, list) for r, rank in enumerate(ranks)}
+    if setups:
+        check_same_setup(setups)
 
 
 def _one(fn, args) -> list | dict:
@@ -286,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
               "command": "python -m benchmarks.big_init " + " ".join(sys.argv[1:] if argv is None else argv),
               "repeats": args.repeats,
               "cases": run(args.model, weights, set(args.only.split(",")) if args.only else None, args.repeats)}
+    check_fair(result["cases"])
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))

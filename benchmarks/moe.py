@@ -41,7 +41,9 @@ from benchmarks.common import (
     SEED,
     LocalBatches,
     Timer,
+    check_same_setup,
     deepspeed_optimizer,
+    expected_setup,
     paratrain_optimizer,
     record_setup,
     run_case,
@@ -244,6 +246,10 @@ def run(repeats: int, steps: int, warmup: int) -> dict:
             except Exception as exc:  # recorded instead of a number (e.g. DeepSpeed-MoE refusing CPU/gloo)
                 errors[case] = f"{type(exc).__name__}: {exc}"[-4000:]
                 traceback.print_exc()
+    # every case, repeat and rank built the same optimizer, threads, dtype and seeds (refused otherwise)
+    check_same_setup({"expected": expected_setup(), **{f"{case} (repeat {i + 1}, rank {r})": rank["setup"]
+                                                       for case, runs in raw.items() for i, ranks in enumerate(runs)
+                                                       for r, rank in enumerate(ranks)}})
     tokens = 2 * MICRO_BATCH * SEQ_LEN
     summary = {}
     for case, runs in raw.items():

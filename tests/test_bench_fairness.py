@@ -151,6 +151,13 @@ def test_every_case_of_every_suite_builds_the_common_setup(world1, monkeypatch):
         shared.stop()
     for name, case in _cases(1):
         setups[f"{name}: {case}"] = world1.run(one_step_setup, name, case)[0]
+    # the MoE suite (its own model, 2 ranks; DeepSpeed-MoE in a fresh world, as the suite runs it)
+    from benchmarks import moe
+
+    for case, fn in moe.CASES.items():
+        with World(2, timeout_s=600) as world:
+            setups[f"moe: {case}"] = world.run(run_case, case, fn, 1, 0)[0]["setup"]
     assert {"zero: DeepSpeed ZeRO-3", "ddp: torch DDP", "tp: torch TP+SP", "pp: torch interleaved v2 p2",
-            "zero: torch FSDP2", "zero: reference (1 process)", "cp: one process"} <= set(setups)
+            "zero: torch FSDP2", "zero: reference (1 process)", "cp: one process", "moe: DeepSpeed-MoE ep_size=2",
+            "moe: paratrain ep2"} <= set(setups)
     check_same_setup({"expected": expected_setup(), **setups})

@@ -3,19 +3,24 @@ holds, and the formula it compares against is the one of `paratrain.zero.estimat
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 
 from benchmarks import big_init
+from benchmarks.common import UnfairComparison
+from tests.cases import import_deepspeed
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_big_init_runs_and_reports_every_phase(tmp_path):
     out = tmp_path / "big_init.json"
+    import_deepspeed()
+    # every paratrain case, and the peers at their defaults (DeepSpeed's sub_group_size case differs by one key)
     result = big_init.main(["--model", "llama-tiny", "--weights", str(tmp_path / "w.safetensors"), "--only",
-                            "paratrain", "--results", str(out), "--repeats", "1"])
+                            "paratrain,defaults,FSDP2", "--results", str(out), "--repeats", "1"])
     assert json.loads(out.read_text())["model"] == "llama-tiny"
     from paratrain.zero import estimate_memory
 
@@ -41,3 +46,10 @@ def test_big_init_runs_and_reports_every_phase(tmp_path):
     assert tp2["local_params"] < result["params"]  # tensor parallelism divides Ψ itself
     body = big_init.table(result)
     assert "| paratrain ZeRO-3 (dp4) |" in body and "| 1 of 1 |" in body
+    assert all(len(runs) == 1 and isinstance(runs[0], list) for runs in result["cases"].values()), body
+    # main() refused nothing: every case and rank built the same optimizer, threads, dtype, seeds, clipping;
+    # a case that differs in one flag is refused, naming it
+    cases = copy.deepcopy(result["cases"])
+    cases["torch FSDP2 (meta init)"][0][1]["fair"]["optimizer"]["fused"] = None
+    with pytest.raises(UnfairComparison, match=r"torch FSDP2 \(meta init\) \(repeat 1, rank 1\).*fused is None"):
+        big_init.check_fair(cases)
