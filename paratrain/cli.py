@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...] (or a module with -m)")
     run.set_defaults(func=cmd_run)
 
-    train = sub.add_parser("train", help="train the built-in GPT on the embedded corpus")
+    train = sub.add_parser("train", help="train a preset or a Hugging Face model directory on the embedded corpus "
+                                         "or on the config's data section (docs/data.md)")
     train.add_argument("--config", required=True, help="JSON config (DeepSpeed keys + parallel sections)")
     train.add_argument("--run-dir", default=None, help="output directory (default: trainer.run_dir)")
     train.add_argument("--steps", type=int, default=None, help="override trainer.steps")

@@ -52,23 +52,21 @@ class TrainState:
 
 
 def _data_position(sampler) -> dict | None:
-    """Where the training data stands, in samples (layout-independent: another dp size resumes at the same
-    sample)."""
+    """Where the training data stands, in samples (layout-independent: another dp size or global batch resumes
+    at the same sample)."""
     if sampler is None:
         return None
-    s = sampler
-    return {"epoch": s.epoch, "samples_in_epoch": (s.position // s.accumulation) * s.global_batch, "seed": s.seed}
+    return {"epoch": sampler.epoch, "samples_in_epoch": sampler.samples_in_epoch, "seed": sampler.seed}
 
 
 def _restore_data_position(sampler, state: dict | None) -> None:
     if sampler is None or state is None:
         return
-    done, rest = divmod(state["samples_in_epoch"], sampler.global_batch)
-    if rest:
-        log.warning("the checkpoint's data position (%d samples into epoch %d) is not a whole number of this "
-                    "run's global batches (%d); resuming at the batch before it", state["samples_in_epoch"],
-                    state["epoch"], sampler.global_batch)
-    sampler.load_state_dict({"epoch": state["epoch"], "position": done * sampler.accumulation, "seed": state["seed"]})
+    if state["samples_in_epoch"] % sampler.global_batch:
+        log.info("the checkpoint's data position (%d samples into epoch %d) is not a whole number of this run's "
+                 "global batches (%d): this run's batches of the epoch start at that sample, none repeated or "
+                 "skipped", state["samples_in_epoch"], state["epoch"], sampler.global_batch)
+    sampler.resume_at(state["epoch"], state["samples_in_epoch"], state["seed"])
 
 
 @dataclass

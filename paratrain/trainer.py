@@ -1,8 +1,9 @@
 """The built-in job behind `paratrain train`: a GPT or Llama preset, or a Hugging Face model directory, on the
-embedded corpus, in any configured layout.
+embedded corpus or on the `data` section's files (a fine-tuning job, docs/data.md), in any configured layout.
 
 It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metrics.csv` (one row per step; an
-MoE model's rows add the moe_* scalars and, in metrics.jsonl, `moe_tokens` {layer: tokens per expert}),
+MoE model's rows add the moe_* scalars and, in metrics.jsonl, `moe_tokens` {layer: tokens per expert}; a data
+job's rows the step's epoch and sample ids, `padding_fraction` and `loader_wait_s`),
 `summary.json`, and with pipeline.stages > 1 `timeline.json` (the last step's actions per rank, for
 `paratrain report`). Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
 """
@@ -28,6 +29,8 @@ from paratrain.data import (
     corpus_fingerprint,
     corpus_text,
 )
+from paratrain.data.job import job_data
+from paratrain.data.tokenizer import load_tokenizer as load_data_tokenizer
 from paratrain.distributed import init_distributed
 from paratrain.models import build_model
 from paratrain.models.hf_pretrained import build_empty, load_tokenizer
@@ -90,24 +93,46 @@ def _mib(n: int) -> str:
 
 
 def _start(cfg, run_dir: str | None):
-    """The model, the corpus and the engine (resumed when checkpoint.auto_resume finds a checkpoint)."""
+    """The model, its data (the `data` section's files, or the corpus) and the engine (resumed when
+    checkpoint.auto_resume finds a checkpoint)."""
     t = cfg.trainer
     torch.manual_seed(cfg.seed)
-    text = _text(t)
+    if cfg.data.train and t.text:
+        raise ConfigError(f"trainer.text = '{t.text}' and data.train = '{cfg.data.train}' both name what to train "
+                          f"on; keep one (data.train reads .jsonl/.json/.parquet/.txt with formats and packing)")
     if (Path(t.model).expanduser() / "config.json").is_file():
-        model, (train_tokens, val_tokens), seq_len, num_params = _pretrained_job(t, text)
+        model, seq_len, num_params, vocab = _pretrained_model(t)
+        model_dir = Path(t.model).expanduser()
     else:
         model = build_model(t.model, **t.model_overrides)
         num_params = sum(p.numel() for p in model.parameters())  # before parallelizing: split in place
-        (train_tokens, val_tokens), seq_len = _split(_bytes(text)), model.config.seq_len
+        seq_len, vocab, model_dir = model.config.seq_len, model.config.vocab_size, None
+    info = {"params": num_params, "seq_len": seq_len}
+    if cfg.data.train:
+        train_data, val_data, info["data"] = _job_data(cfg, model_dir, seq_len, vocab)
+        info["seq_len"] = train_data.seq_len
+    else:
+        ids = _corpus_ids(_text(t), model_dir, vocab)
+        (train_ids, val_ids) = _split(ids)
+        train_data, val_data = TokenWindows(train_ids, seq_len), TokenWindows(val_ids, seq_len)
     out = Path(run_dir or t.run_dir)
     if not cfg.comm.report_dir:  # hang reports land next to the metrics
         cfg.comm.report_dir = str(out)
-    engine, _, loader, _ = initialize(model=model, config=cfg, training_data=TokenWindows(train_tokens, seq_len))
+    engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
     if engine.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(engine.config.model_dump(mode="json"), indent=2))
-    return engine, loader, TokenWindows(val_tokens, seq_len), out, {"params": num_params, "seq_len": seq_len}
+    return engine, loader, val_data, out, info
+
+
+def _job_data(cfg, model_dir: Path | None, model_seq_len: int, vocab: int):
+    """The `data` section's rows, tokenized by the model directory's tokenizer (bytes without one)."""
+    seq_len = cfg.data.seq_len or model_seq_len
+    if model_dir is None and seq_len > model_seq_len:
+        raise ConfigError(f"data.seq_len = {seq_len} is longer than the model's seq_len {model_seq_len}; lower "
+                          f"data.seq_len or raise trainer.model_overrides.seq_len")
+    data = job_data(cfg.data, load_data_tokenizer(model_dir), seq_len, vocab)
+    return data.train, data.validation, data.summary
 
 
 def _text(t) -> str:
@@ -130,23 +155,28 @@ def _split(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:split], ids[split:]
 
 
-def _pretrained_job(t, text: str):
-    """A Hugging Face model directory as trainer.model: its weights (`from_pretrained`), the corpus through its
-    tokenizer (bytes without one), sequences of model_overrides.seq_len tokens (default 128)."""
+def _pretrained_model(t):
+    """A Hugging Face model directory as trainer.model: its weights (`from_pretrained`), sequences of
+    model_overrides.seq_len tokens (default 128)."""
     path = Path(t.model).expanduser()
     extra = sorted(set(t.model_overrides) - {"seq_len"})
     if extra:
         raise ConfigError(f"trainer.model_overrides {extra}: a Hugging Face model directory takes only seq_len "
                           f"(the training sequence length); change the model's config.json instead")
     meta = build_empty(path)  # the parameter count, from config.json alone
-    tokenizer = load_tokenizer(path)
+    return (str(path), int(t.model_overrides.get("seq_len", 128)), sum(p.numel() for p in meta.parameters()),
+            meta.config.vocab_size)
+
+
+def _corpus_ids(text: str, model_dir: Path | None, vocab: int) -> torch.Tensor:
+    """The corpus as token ids: through a Hugging Face directory's tokenizer, else bytes."""
+    tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
     ids = torch.tensor(tokenizer(text)["input_ids"]) if tokenizer is not None else _bytes(text)
-    vocab = meta.config.vocab_size
     if int(ids.max()) >= vocab:
-        raise ConfigError(f"trainer.model '{path}': the corpus has token ids up to {int(ids.max())} but the model's "
-                          f"vocab_size is {vocab}; without a tokenizer in the directory the corpus is bytes, which "
-                          f"needs vocab_size >= 256; add the model's tokenizer to the directory")
-    return str(path), _split(ids), int(t.model_overrides.get("seq_len", 128)), sum(p.numel() for p in meta.parameters())
+        raise ConfigError(f"trainer.model '{model_dir}': the corpus has token ids up to {int(ids.max())} but the "
+                          f"model's vocab_size is {vocab}; without a tokenizer in the directory the corpus is bytes, "
+                          f"which needs vocab_size >= 256; add the model's tokenizer to the directory")
+    return ids
 
 
 def _val_loader(engine, val_data) -> DataParallelLoader:
@@ -156,9 +186,31 @@ def _val_loader(engine, val_data) -> DataParallelLoader:
         engine.mesh.local_rank("dp"), seed=engine.config.seed, shuffle=False))
 
 
-def _step(engine, loader, val_data, step: int, steps: int, tokens_per_step: int) -> dict:
+class TimedLoader:
+    """The loader as `train_batch` draws from it, timing each draw: the step's wait for data."""
+
+    def __init__(self, loader):
+        self.loader, self.wait_s = loader, 0.0
+
+    def __next__(self):
+        tic = time.perf_counter()
+        try:
+            return next(self.loader)
+        finally:
+            self.wait_s += time.perf_counter() - tic
+
+    def __iter__(self):
+        return self
+
+    def take_wait(self) -> float:
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
+
+
+def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_per_step: int) -> dict:
     """Train one step and return its metrics row (validation and per-rank memory when due)."""
     cfg, t = engine.config, engine.config.trainer
+    epoch, samples = loader.loader.sampler.next_global_batch()
     tic = time.perf_counter()
     loss = float(engine.train_batch(loader))
     elapsed = time.perf_counter() - tic
@@ -166,11 +218,14 @@ def _step(engine, loader, val_data, step: int, steps: int, tokens_per_step: int)
     memory = engine.memory_stats()
     row = {"step": step, "loss": loss, "lr": engine.get_lr()[0], "grad_norm": engine.get_global_grad_norm(),
            "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, "state_bytes": memory["total"],
-           "comm_bytes": sum(c["bytes"] for ops in stats.values() for c in ops.values()), "comm": stats}
+           "comm_bytes": sum(c["bytes"] for ops in stats.values() for c in ops.values()), "comm": stats,
+           "loader_wait_s": loader.take_wait(), "epoch": epoch, "samples": samples}
+    if hasattr(loader.loader.dataset, "padding_fraction"):  # the data section's rows
+        row["padding_fraction"] = loader.loader.dataset.padding_fraction(samples)
     routing = engine.moe_routing()  # MoE models: the step's routing, all dp x cp ranks (paratrain/moe/stats.py)
     if routing is not None:
         row.update(routing.row())
-    if t.eval_every and (step % t.eval_every == 0 or step == steps):
+    if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == steps):
         row["val_loss"] = float(engine.eval_batch(_val_loader(engine, val_data), num_micro_batches=t.eval_batches))
         engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
     if step % cfg.steps_per_print == 0 or step == steps:
@@ -200,6 +255,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     cfg = load_config(config_source)
     init_distributed(timeout=cfg.comm.timeout_s)
     steps = steps or cfg.trainer.steps
+    save_pretrained = save_pretrained or cfg.trainer.save_pretrained
     engine, loader, val_data, out, model = _start(cfg, run_dir)
     rank0 = engine.global_rank == 0
     metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps)
@@ -211,13 +267,18 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
         bar.update(done)
     engine.comm_stats(reset=True)
     rows = list(metrics.kept)
+    timed = TimedLoader(loader)
     start = time.perf_counter()
     for step in range(done + 1, steps + 1):
-        row = _step(engine, loader, val_data, step, steps, tokens_per_step)
-        rows.append({k: row[k] for k in ("loss", "val_loss") if k in row})
+        row = _step(engine, timed, val_data, step, steps, tokens_per_step)
+        rows.append({k: row[k] for k in ("loss", "val_loss", "padding_fraction", "loader_wait_s") if k in row})
         metrics.write(row)
+        every = cfg.trainer.save_pretrained_every
+        if save_pretrained and every and step % every == 0 and step != steps:
+            engine.save_pretrained(save_pretrained)  # collective
         if bar is not None:
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+            padding = {"pad": f"{row['padding_fraction']:.0%}"} if "padding_fraction" in row else {}
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", **padding,
                             state=_mib(row["state_bytes"]), comm=f"{_mib(row['comm_bytes'])}/step", refresh=False)
             bar.update(1)
     if bar is not None:
@@ -233,12 +294,21 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
                "last_loss": rows[-1]["loss"] if rows else None, "val_loss": val_losses[-1] if val_losses else None,
                "resumed_at": done, "tokens_per_s": (steps - done) * tokens_per_step / max(total, 1e-9),
                "wall_s": total, "world_size": engine.world_size, "layout": engine.mesh.dims.describe(),
-               "params": model["params"], "corpus": cfg.trainer.text or corpus_fingerprint(),
-               "run_dir": str(out)}
+               "params": model["params"], "run_dir": str(out)}
+    if "data" in model:  # the data section: what reading and tokenizing did, and the rows' padding
+        summary |= {"data": model["data"], "padding_fraction": _mean(r.get("padding_fraction") for r in rows),
+                    "loader_wait_s": _mean(r.get("loader_wait_s") for r in rows)}
+    else:
+        summary["corpus"] = cfg.trainer.text or corpus_fingerprint()
     if rank0:
         _report(summary, out)
     comm.barrier(engine.mesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
     return summary
+
+
+def _mean(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 def _report(summary: dict, out: Path) -> None:

@@ -37,3 +37,44 @@ def test_sampler_resumes_where_it_stopped():
     b = DataParallelSampler(50, 2, 2, 1, 1, seed=9)
     b.load_state_dict(state)
     assert [a.next_indices() for _ in range(20)] == [b.next_indices() for _ in range(20)]
+
+
+def _take_steps(samplers: list[DataParallelSampler], steps: int) -> list[list[int]]:
+    """Each optimizer step's samples over every dp rank, checked against next_global_batch."""
+    out = []
+    for _ in range(steps):
+        epoch, want = samplers[0].next_global_batch()
+        got = []
+        for _ in range(samplers[0].accumulation):
+            for s in samplers:
+                got += s.next_indices()
+        assert sorted(got) == sorted(want) and samplers[0].epoch == epoch
+        out.append(want)
+    return out
+
+
+def test_resume_under_another_global_batch_continues_at_the_next_unseen_sample():
+    first = [DataParallelSampler(50, 2, 2, r, accumulation=2, seed=5) for r in range(2)]  # 8 per step
+    taken = [i for step in _take_steps(first, 3) for i in step]
+    position = {"epoch": first[0].epoch, "samples_in_epoch": first[0].samples_in_epoch, "seed": 5}
+    assert position["samples_in_epoch"] == 24
+    # resumed with 3 x 1 x 2 = 6 per step: the epoch goes on at sample 24, then the next epoch starts whole
+    second = [DataParallelSampler(50, 3, 1, 0, accumulation=2, seed=5)]
+    second[0].resume_at(**position)
+    rest = _take_steps(second, (50 - 24) // 6)
+    taken += [i for step in rest for i in step]
+    assert len(taken) == len(set(taken)) == 24 + 24  # no repeat; the 2 left over are the epoch's dropped tail
+    assert taken == torch.randperm(50, generator=torch.Generator().manual_seed(5)).tolist()[:48]
+    assert _take_steps(second, 1)[0] == torch.randperm(50, generator=torch.Generator().manual_seed(6)).tolist()[:6]
+
+
+def test_the_documented_data_loader_table_is_the_committed_json():
+    import json
+    from pathlib import Path
+
+    from benchmarks.data_loader import RESULT, table
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    result = json.loads(RESULT.read_text())
+    assert table(result) in doc
+    assert result["loader_rows_per_s"] > 100 * result["step_rows_per_s"]  # the loader is never what a step waits on

@@ -96,4 +96,9 @@ class TrainerConfig(Section):
     eval_batches: int = Field(4, ge=1)
     run_dir: str = "runs/latest"
     """Where config.json, metrics.jsonl/.csv and summary.json go."""
+    save_pretrained: str | None = None
+    """A directory the trained model is written to at the end (`engine.save_pretrained`: what transformers'
+    from_pretrained loads), and every `save_pretrained_every` steps."""
+    save_pretrained_every: int = Field(0, ge=0)
+    """Also write save_pretrained every N steps (0: only at the end)."""
     progress_bar: bool = True

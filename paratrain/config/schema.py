@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from paratrain.config.data import DataConfig
 from paratrain.config.outputs import (
     CheckpointConfig,
     CommConfig,
@@ -99,6 +100,7 @@ class Config(Section):
     comm: CommConfig = Field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

@@ -35,6 +35,10 @@ class DataParallelSampler:
     the slice `[(j * dp + r) * micro_batch, ... + micro_batch)`, so the union over ranks and micro-steps is
     exactly the global batch a single process would see. Ranks that differ only in pp/cp/tp share a dp
     rank and so see the same samples. An incomplete last global batch is dropped.
+
+    `start` (samples into the epoch) is where this run began the epoch: a run resumed from a checkpoint of
+    another global batch size begins at the first sample the checkpointed run had not taken, so no sample is
+    repeated or skipped whatever the layouts (the epoch's permutation depends only on the seed and epoch).
     """
 
     def __init__(self, num_samples: int, micro_batch: int, dp_size: int, dp_rank: int, accumulation: int = 1,
@@ -51,38 +55,59 @@ class DataParallelSampler:
             raise InvalidValueError(f"the dataset has {num_samples} samples, fewer than one global batch "
                                     f"({micro_batch} x {dp_size} x {accumulation} = {self.global_batch})")
         self.epoch = 0
+        self.start = 0  # samples of this epoch taken before this run's first micro-batch in it
         self.position = 0  # micro-batches already taken in this epoch by this rank
         self._order: list[int] | None = None
 
     @property
     def micro_batches_per_epoch(self) -> int:
-        return (self.num_samples // self.global_batch) * self.accumulation
+        return ((self.num_samples - self.start) // self.global_batch) * self.accumulation
+
+    @property
+    def samples_in_epoch(self) -> int:
+        """Samples of the current epoch taken by whole optimizer steps: the layout-free data position."""
+        return self.start + self.position // self.accumulation * self.global_batch
 
     def _epoch_order(self) -> list[int]:
         if self._order is None:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._order = torch.randperm(self.num_samples, generator=g).tolist()
-            else:
-                self._order = list(range(self.num_samples))
+            self._order = self._order_of(self.epoch)
         return self._order
+
+    def _order_of(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=g).tolist()
+
+    def next_global_batch(self) -> tuple[int, list[int]]:
+        """(epoch, sample indices) of the global batch that the next optimizer step takes over every dp rank:
+        the same in every layout of the same global batch size (a run's record of the samples it consumed)."""
+        if self.position >= self.micro_batches_per_epoch:
+            return self.epoch + 1, self._order_of(self.epoch + 1)[:self.global_batch]
+        start = self.samples_in_epoch
+        return self.epoch, self._epoch_order()[start:start + self.global_batch]
 
     def next_indices(self) -> list[int]:
         if self.position >= self.micro_batches_per_epoch:
             self.epoch += 1
-            self.position = 0
+            self.start = self.position = 0
             self._order = None
         step, micro = divmod(self.position, self.accumulation)
-        start = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.micro_batch
+        start = self.start + step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.micro_batch
         self.position += 1
         return self._epoch_order()[start:start + self.micro_batch]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        return {"epoch": self.epoch, "start": self.start, "position": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self.start = state.get("start", 0)  # loaders saved before `start` existed began each epoch at 0
         self._order = None
+
+    def resume_at(self, epoch: int, samples_in_epoch: int, seed: int) -> None:
+        """Continue at the first sample not taken: `samples_in_epoch` of `epoch` (any global batch size)."""
+        self.load_state_dict({"epoch": epoch, "start": samples_in_epoch, "position": 0, "seed": seed})
 
 
 def default_collate(samples: list):

@@ -57,10 +57,12 @@ def pack(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     return rows
 
 
-def packed_batch(docs: Sequence[torch.Tensor], rows: Sequence[Sequence[int]], row_len: int,
-                 pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """The rows `rows` (document indices into `docs`) as one micro-batch of (len(rows), row_len)."""
+def packed_batch(docs: Sequence[torch.Tensor], rows: Sequence[Sequence[int]], row_len: int, pad_id: int = 0,
+                 labels: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The rows `rows` (document indices into `docs`) as one micro-batch of (len(rows), row_len). `labels`: each
+    document's own (unshifted, -100 where nothing is learned: a masked prompt); by default its ids."""
     ids = torch.full((len(rows), row_len), pad_id, dtype=torch.long)
+    out_labels = torch.full_like(ids, -100)
     positions = torch.zeros_like(ids)
     mask = torch.zeros_like(ids)
     for r, row in enumerate(rows):
@@ -68,20 +70,30 @@ def packed_batch(docs: Sequence[torch.Tensor], rows: Sequence[Sequence[int]], ro
         for doc in row:
             n = docs[doc].numel()
             ids[r, at:at + n] = docs[doc]
+            out_labels[r, at:at + n] = docs[doc] if labels is None else _labels_of(labels, docs, doc)
             positions[r, at:at + n] = torch.arange(n)
             mask[r, at:at + n] = 1
             at += n
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
+    return {"input_ids": ids, "labels": out_labels, "position_ids": positions, "attention_mask": mask}
 
 
-def padded_batch(docs: Sequence[torch.Tensor], pad_id: int = 0, length: int | None = None) -> dict[str, torch.Tensor]:
+def padded_batch(docs: Sequence[torch.Tensor], pad_id: int = 0, length: int | None = None,
+                 labels: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """One document per row, right-padded to the longest (transformers' DataCollatorWithPadding), or to
-    `length` (padding="max_length")."""
+    `length` (padding="max_length"); `labels` as in packed_batch."""
     longest = length if length is not None else max(d.numel() for d in docs)
     ids = torch.full((len(docs), longest), pad_id, dtype=torch.long)
+    out_labels = torch.full_like(ids, -100)
     mask = torch.zeros_like(ids)
     for r, doc in enumerate(docs):
         ids[r, :doc.numel()] = doc
+        out_labels[r, :doc.numel()] = doc if labels is None else _labels_of(labels, docs, r)
         mask[r, :doc.numel()] = 1
-    return {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask}
+    return {"input_ids": ids, "labels": out_labels, "attention_mask": mask}
+
+
+def _labels_of(labels: Sequence[torch.Tensor], docs: Sequence[torch.Tensor], doc: int) -> torch.Tensor:
+    if labels[doc].shape != docs[doc].shape:
+        raise InvalidValueError(f"document {doc}: labels of shape {tuple(labels[doc].shape)} for ids of shape "
+                                f"{tuple(docs[doc].shape)}; give one label per token")
+    return labels[doc]

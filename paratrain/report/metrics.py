@@ -75,9 +75,9 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path]) -> str:
     if per_axis:
         parts = ", ".join(f"{axis} {_bytes(statistics.median(v))}" for axis, v in sorted(per_axis.items()))
         lines.append(f"- communication per step on rank 0 (median): {parts}")
-    moe = moe_summary(rows)
-    if moe:
-        lines.append(moe)
+    for extra in (moe_summary(rows), data_summary(rows, summary)):
+        if extra:
+            lines.append(extra)
     lines += ["", "Pictures: " + ", ".join(p.name for p in pictures)]
     return "\n".join(lines)
 
@@ -106,8 +106,25 @@ def moe_summary(rows: list[dict]) -> str | None:
             f"of {l_low} ({low:.2f}x); {dropped / routed if routed else 0.0:.2%} of the routed choices dropped")
 
 
+def data_summary(rows: list[dict], summary: dict) -> str | None:
+    """A data-section job: what was read and cut, the padding, the loader's wait."""
+    padded = [r["padding_fraction"] for r in rows if "padding_fraction" in r]
+    if not padded:
+        return None
+    line = (f"- data: padding {statistics.fmean(padded):.1%} of the trained positions (mean over steps), loader "
+            f"wait median {statistics.median(r['loader_wait_s'] for r in rows if 'loader_wait_s' in r) * 1e3:.2f} "
+            f"ms per step")
+    train = summary.get("data", {}).get("train")
+    if train:
+        line += (f"; {train['records']} records read, {train['examples']} examples in "
+                 f"{summary['data']['train_rows']} rows, {train['skipped_untrainable']} skipped with nothing to "
+                 f"train, {train['truncated']} truncated, {train['split']} split")
+    return line
+
+
 def metrics_report(run_dir: Path) -> str | None:
-    """metrics.jsonl -> loss.png, throughput.png, memory.png, comm.png (moe_tokens.png for an MoE model) and
+    """metrics.jsonl -> loss.png, throughput.png, memory.png, comm.png (moe_tokens.png for an MoE model, data.png
+    for a data-section job) and
     summary.md; None without metrics."""
     source = run_dir / "metrics.jsonl"
     if not source.is_file():
@@ -128,9 +145,9 @@ def metrics_report(run_dir: Path) -> str | None:
     comm_png = plots.plot_comm(rows, run_dir / "comm.png")
     if comm_png is not None:
         pictures.append(comm_png)
-    moe_png = plots.plot_moe_tokens(rows, run_dir / "moe_tokens.png")
-    if moe_png is not None:
-        pictures.append(moe_png)
+    for extra in (plots.plot_moe_tokens(rows, run_dir / "moe_tokens.png"), plots.plot_data(rows, run_dir / "data.png")):
+        if extra is not None:
+            pictures.append(extra)
     text = summarize(rows, summary, pictures)
     (run_dir / "summary.md").write_text(text + "\n")
     return text

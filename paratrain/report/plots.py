@@ -67,6 +67,24 @@ def plot_throughput(rows: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_data(rows: list[dict], path: Path) -> Path | None:
+    """A data-section job's padding fraction and loader wait per step (None for a corpus run)."""
+    rows = [r for r in rows if "padding_fraction" in r]
+    if not rows:
+        return None
+    plt = _pyplot()
+    steps = [r["step"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    top.plot(steps, [100 * r["padding_fraction"] for r in rows], lw=1.2, color="tab:purple")
+    top.set(ylabel="padding (% of positions)", title="Data: padding and loader wait")
+    bottom.plot(steps, [1000 * r["loader_wait_s"] for r in rows], lw=1.2, color="tab:green")
+    bottom.set(xlabel="optimizer step", ylabel="loader wait per step (ms)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    return _save(fig, path)
+
+
 def plot_memory(per_rank_state: list[int], per_rank_rss: list[int] | None, path: Path) -> Path:
     """Model-state bytes per rank (what the strategy keeps) and, beside it, each process's peak RSS: two
     panels with their own scales, since a process carries far more than its model state."""

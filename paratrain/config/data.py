@@ -1,0 +1,45 @@
+"""The `data` section: a fine-tuning job's dataset files and how they become training rows (docs/data.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from paratrain.config.section import Section
+
+
+class DataConfig(Section):
+    """What `paratrain train` trains on when `train` is set (the embedded corpus, or trainer.text, otherwise):
+    records read from files, tokenized by the model's tokenizer (bytes when the model has none), and packed or
+    padded into rows of `seq_len` tokens that the data-parallel sampler deals out like any other samples."""
+
+    train: str | None = None
+    """A .jsonl, .json, .parquet or .txt file, a directory of them, a glob, or a directory written by
+    `datasets.Dataset.save_to_disk`."""
+    validation: str | None = None
+    """The same kinds of path, read the same way, for the validation loss (trainer.eval_every); none: no
+    validation."""
+    format: Literal["text", "prompt_completion", "chat"] = "text"
+    """"text": loss on every token of the `text` field; "prompt_completion": loss on `completion` only;
+    "chat": `messages` rendered by the tokenizer's chat template, loss on the assistant turns only."""
+    fields: dict[str, str] = Field(default_factory=dict)
+    """The format's field -> the records' field, e.g. {"prompt": "question", "completion": "answer"}."""
+    seq_len: int | None = Field(None, ge=2)
+    """Tokens per row; default the model's training sequence length (a preset's seq_len, a Hugging Face
+    directory's trainer.model_overrides.seq_len)."""
+    packing: bool = True
+    """Pack several documents per row (best fit; attention and targets stay inside each document), or one
+    document per row padded to seq_len."""
+    overflow: Literal["truncate", "split"] = "split"
+    """A document longer than seq_len: cut to seq_len, or cut into consecutive pieces of seq_len (counted in
+    the summary either way)."""
+    on_untrainable: Literal["error", "skip"] = "skip"
+    """A record with no token to train on (e.g. a chat without an assistant turn): stop with its file and line,
+    or skip it (counted in the summary)."""
+    text_sample_by: Literal["document", "paragraph", "line"] = "document"
+    """How a .txt file is cut into records."""
+    shuffle: bool = True
+    """Deal the rows in a random order per epoch (the config's seed), or in file order."""
+    max_samples: int | None = Field(None, ge=1)
+    """Read at most this many records of `train` (all by default)."""
