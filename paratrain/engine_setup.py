@@ -82,7 +82,8 @@ def make_loader(engine, dataset, collate_fn) -> DataParallelLoader:
     """The dp-axis loader: every rank of a dp replica (pp, cp, tp peers) draws the same micro-batches."""
     sampler = DataParallelSampler(len(dataset), engine.train_micro_batch_size_per_gpu(),
                                   engine.mesh.dims.sample_parallel_size, engine.mesh.local_rank("dp"),
-                                  engine.gradient_accumulation_steps(), seed=engine.config.seed)
+                                  engine.gradient_accumulation_steps(), seed=engine.config.seed,
+                                  shuffle=engine.config.data.shuffle)
     return DataParallelLoader(dataset, sampler, collate_fn)
 
 

@@ -56,12 +56,18 @@ def _data_position(sampler) -> dict | None:
     at the same sample)."""
     if sampler is None:
         return None
-    return {"epoch": sampler.epoch, "samples_in_epoch": sampler.samples_in_epoch, "seed": sampler.seed}
+    return {"epoch": sampler.epoch, "samples_in_epoch": sampler.samples_in_epoch, "seed": sampler.seed,
+            "num_samples": sampler.num_samples}
 
 
 def _restore_data_position(sampler, state: dict | None) -> None:
     if sampler is None or state is None:
         return
+    saved = state.get("num_samples")  # absent in checkpoints written before it was recorded
+    if saved is not None and saved != sampler.num_samples:
+        log.warning("the checkpoint's data had %d samples and this run's has %d: the data changed (files, "
+                    "data.seq_len, data.packing), so resuming at sample %d of epoch %d is not the same order",
+                    saved, sampler.num_samples, state["samples_in_epoch"], state["epoch"])
     if state["samples_in_epoch"] % sampler.global_batch:
         log.info("the checkpoint's data position (%d samples into epoch %d) is not a whole number of this run's "
                  "global batches (%d): this run's batches of the epoch start at that sample, none repeated or "

@@ -2,8 +2,8 @@
 embedded corpus or on the `data` section's files (a fine-tuning job, docs/data.md), in any configured layout.
 
 It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metrics.csv` (one row per step; an
-MoE model's rows add the moe_* scalars and, in metrics.jsonl, `moe_tokens` {layer: tokens per expert}; a data
-job's rows the step's epoch and sample ids, `padding_fraction` and `loader_wait_s`),
+MoE model's rows add the moe_* scalars and, in metrics.jsonl, `moe_tokens` {layer: tokens per expert}; every
+row has the step's epoch, sample ids and `loader_wait_s`, a data job's its `padding_fraction` too),
 `summary.json`, and with pipeline.stages > 1 `timeline.json` (the last step's actions per rank, for
 `paratrain report`). Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
 """
@@ -119,10 +119,20 @@ def _start(cfg, run_dir: str | None):
     if not cfg.comm.report_dir:  # hang reports land next to the metrics
         cfg.comm.report_dir = str(out)
     engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
+    _check_validation_size(engine, val_data)
     if engine.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(engine.config.model_dump(mode="json"), indent=2))
     return engine, loader, val_data, out, info
+
+
+def _check_validation_size(engine, val_data) -> None:
+    """Every rank, before the first step: the validation rows fill one micro-batch of every dp rank."""
+    need = engine.train_micro_batch_size_per_gpu() * engine.mesh.dims.sample_parallel_size
+    if val_data is not None and engine.config.trainer.eval_every and len(val_data) < need:
+        raise ConfigError(f"data.validation gives {len(val_data)} rows of {val_data.seq_len} tokens, fewer than one "
+                          f"validation micro-batch on every data-parallel rank ({need}); add validation records, "
+                          f"or set trainer.eval_every to 0")
 
 
 def _job_data(cfg, model_dir: Path | None, model_seq_len: int, vocab: int):
@@ -173,9 +183,10 @@ def _corpus_ids(text: str, model_dir: Path | None, vocab: int) -> torch.Tensor:
     tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
     ids = torch.tensor(tokenizer(text)["input_ids"]) if tokenizer is not None else _bytes(text)
     if int(ids.max()) >= vocab:
-        raise ConfigError(f"trainer.model '{model_dir}': the corpus has token ids up to {int(ids.max())} but the "
-                          f"model's vocab_size is {vocab}; without a tokenizer in the directory the corpus is bytes, "
-                          f"which needs vocab_size >= 256; add the model's tokenizer to the directory")
+        raise ConfigError(f"trainer.model '{model_dir or 'a preset'}': the corpus has token ids up to "
+                          f"{int(ids.max())} but the model's vocab_size is {vocab}; without a tokenizer in the "
+                          f"directory the corpus is bytes, which needs vocab_size >= 256; add the model's tokenizer "
+                          f"to the directory")
     return ids
 
 

@@ -78,3 +78,12 @@ def test_the_documented_data_loader_table_is_the_committed_json():
     result = json.loads(RESULT.read_text())
     assert table(result) in doc
     assert result["loader_rows_per_s"] > 100 * result["step_rows_per_s"]  # the loader is never what a step waits on
+
+
+def test_a_loader_resumed_mid_epoch_iterates_the_rest_then_whole_epochs():
+    from paratrain.data import DataParallelLoader
+
+    loader = DataParallelLoader(list(range(50)), DataParallelSampler(50, 4, 1, 0, accumulation=2, seed=1))
+    loader.sampler.resume_at(epoch=0, samples_in_epoch=24, seed=1)
+    assert len(list(loader)) == (50 - 24) // 8 * 2  # the rest of epoch 0
+    assert len(list(loader)) == 50 // 8 * 2 == len(loader)  # then a whole epoch 1

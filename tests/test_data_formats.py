@@ -205,6 +205,17 @@ def test_chat_without_generation_prompt_finds_the_reply_in_the_turn(tiny):
     assert trained_text(tokenizer, example) == "The capital of France is Paris."
 
 
+def test_chat_reply_found_after_its_header_and_its_first_word_trained_with_the_leading_space(tiny):
+    tokenizer = load_tokenizer(tiny.name_or_path)
+    # no generation prompt, the reply after ": " on the header's line: the byte-level BPE keeps the space in
+    # the reply's first token, and a reply spelled inside the header ("ant" in "assistant") is still the reply
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    for reply in ("The capital of France is Paris.", "ant"):
+        messages = [{"role": "user", "content": "Name it."}, {"role": "assistant", "content": reply}]
+        example = tokenize_record({"messages": messages}, "chat", tokenizer)
+        assert trained_text(tokenizer, example).strip() == reply
+
+
 def test_chat_template_that_rewrites_past_turns_is_refused(tiny):
     tokenizer = load_tokenizer(tiny.name_or_path)
     tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"

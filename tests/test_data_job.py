@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +155,33 @@ def test_the_data_position_survives_a_kill_and_any_reshard(world2, world4, tmp_p
         validated = [(r["step"], r["val_loss"]) for r in want if "val_loss" in r]
         assert [r["step"] for r in got if "val_loss" in r] == [step for step, _ in validated] == [3, 6]
         assert [r["val_loss"] for r in got if "val_loss" in r] == pytest.approx([v for _, v in validated], rel=1e-5)
+
+
+def _unshuffled_and_small_validation(data: str, small: str, run_dir: str) -> dict:
+    from paratrain.config import ConfigError
+    from paratrain.trainer import train
+
+    config = job_config(data, run_dir, run_dir + "/ck", micro=2, accumulation=1)
+    config["data"] |= {"shuffle": False}
+    config["trainer"] |= {"steps": 2, "eval_every": 0}
+    config["checkpoint"] = {}
+    train(config)
+    order = [r["samples"] for r in _rows(Path(run_dir))]
+    config["data"] |= {"validation": small}
+    config["trainer"] |= {"eval_every": 1}
+    try:
+        train(config)
+        refused = None
+    except ConfigError as exc:
+        refused = str(exc)
+    return {"order": order, "refused": refused}
+
+
+def test_unshuffled_rows_come_in_file_order_and_a_too_small_validation_set_is_refused_before_training(world1,
+                                                                                                       tmp_path):
+    write_records(tmp_path / "train.jsonl")
+    (tmp_path / "small.jsonl").write_text(json.dumps({"prompt": "a?", "completion": " b"}) + "\n")
+    got = world1.run(_unshuffled_and_small_validation, str(tmp_path / "train.jsonl"), str(tmp_path / "small.jsonl"),
+                     str(tmp_path / "run"))[0]
+    assert got["order"] == [[0, 1], [2, 3]]
+    assert "data.validation gives 1 rows of 48 tokens, fewer than one validation micro-batch" in got["refused"]

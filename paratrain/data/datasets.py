@@ -137,7 +137,8 @@ class DataParallelLoader:
 
     def __iter__(self):
         remaining = self.sampler.micro_batches_per_epoch - self.sampler.position
-        for _ in range(remaining if remaining > 0 else self.sampler.micro_batches_per_epoch):
+        whole = self.sampler.num_samples // self.sampler.global_batch * self.sampler.accumulation  # a fresh epoch
+        for _ in range(remaining if remaining > 0 else whole):
             yield next(self)
 
     def __next__(self):

@@ -25,8 +25,10 @@ example of a single token, or a split piece whose only trained token is its firs
 Which characters an assistant wrote is found on the rendered text, never by tokenizing pieces apart: for
 assistant message i, the rendering of messages[:i] with the generation prompt (e.g. "<|im_start|>assistant\\n")
 ends where its reply starts, and the rendering of messages[:i + 1] ends after its end-of-turn marker (trailing
-whitespace, like ChatML's "\\n" after "<|im_end|>", is not generated, so not trained). A template without a
-generation prompt is handled by finding the content itself in the new turn. This needs each rendering to
+whitespace, like ChatML's "\\n" after "<|im_end|>", is not generated, so not trained; spaces or tabs just before
+the reply are the reply's, so a token " The" that keeps its leading space is trained). A template without a
+generation prompt is handled by finding the content itself in the new turn (its last occurrence: the header
+before it may contain the same letters). This needs each rendering to
 begin with the previous one (the prefix property), checked for every message: a template that rewrites past
 turns (e.g. drops earlier reasoning) is refused by name. The whole text is then tokenized once, with offsets,
 and a token is trained iff its characters lie inside an assistant span, so a BPE merge across a turn's edge
@@ -265,14 +267,19 @@ def _assistant_span(messages: list, i: int, renders: list[str], tokenizer, sourc
         prompt = _render(tokenizer, messages[:i], source, generation_prompt=True)
         if len(prompt) > len(before) and after.startswith(prompt):
             start = len(prompt)
-    if start < 0:
-        start = after.find(content, len(before)) if content else -1
+    if start < 0:  # the content ends the turn but for its end marker: the last match is the reply, not the header
+        start = after.rfind(content, len(before)) if content else -1
         if start < 0:
             raise DataError(f"{source}: message {i + 1} (assistant): the chat template has no generation prompt "
                             f"that begins this turn, and the turn does not contain the message's content as "
                             f"written, so its reply cannot be found; use a template with add_generation_prompt")
     found = after.find(content, start)
     content_end = found + len(content) if found >= 0 else start
+    # A tokenizer that keeps a word's leading space in its token (" The") would leave the reply's first word
+    # straddling the span: the spaces or tabs just before the reply belong to it (never a newline, which ends
+    # the header and is not generated)
+    while start > len(before) and after[start - 1] in " \t":
+        start -= 1
     return start, max(len(after.rstrip()), content_end)
 
 

@@ -1,7 +1,7 @@
 """The `data` section's files as training and validation rows: what `paratrain train` trains a fine-tuning job
 on (docs/data.md).
 
-    data = job_data(cfg.data, tokenizer, seq_len=512, vocab_size=32000, seed=cfg.seed)
+    data = job_data(cfg.data, tokenizer, seq_len=512, vocab_size=32000)
     data.train[i]          # a row: {"input_ids", "labels", "position_ids", "attention_mask"} of seq_len
     data.summary           # what reading and tokenizing did, every record counted
 
