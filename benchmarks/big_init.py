@@ -75,13 +75,25 @@ def _model(name: str):
     return model
 
 
-def write_weights(name: str, path: Path) -> Path:
-    """One process builds the model eagerly and writes it as `save_pretrained` would (once per model)."""
+def _save_weights(name: str, path: str) -> None:
     from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in _model(name).state_dict().items()}, path)
+
+
+def write_weights(name: str, path: Path) -> Path:
+    """A child process builds the model eagerly and writes it as `save_pretrained` would (once per model).
+    Not this process: Linux keeps a process's peak RSS (`ru_maxrss`) across fork and exec, so every rank
+    spawned later would report the writer's peak as its own."""
+    import multiprocessing
 
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in _model(name).state_dict().items()}, str(path))
+        writer = multiprocessing.get_context("spawn").Process(target=_save_weights, args=(name, str(path)))
+        writer.start()
+        writer.join()
+        if writer.exitcode != 0 or not path.is_file():
+            raise RuntimeError(f"writing {path} failed (exit code {writer.exitcode})")
     return path
 
 
