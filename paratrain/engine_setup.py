@@ -7,6 +7,7 @@ from torch import nn
 
 from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
+from paratrain.data.stream_loader import StreamLoader
 from paratrain.errors import InvalidValueError
 from paratrain.optim import build_optimizer, build_scheduler
 
@@ -80,6 +81,10 @@ def make_scheduler(config: Config, optimizer, lr_scheduler):
 
 def make_loader(engine, dataset, collate_fn) -> DataParallelLoader:
     """The dp-axis loader: every rank of a dp replica (pp, cp, tp peers) draws the same micro-batches."""
+    if hasattr(dataset, "rows_from"):  # a RowStream (data.streaming): rows made while training
+        return StreamLoader(dataset, engine.train_micro_batch_size_per_gpu(), engine.mesh.dims.sample_parallel_size,
+                            engine.mesh.local_rank("dp"), engine.gradient_accumulation_steps(),
+                            seed=engine.config.seed, shuffle=engine.config.data.shuffle, collate_fn=collate_fn)
     sampler = DataParallelSampler(len(dataset), engine.train_micro_batch_size_per_gpu(),
                                   engine.mesh.dims.sample_parallel_size, engine.mesh.local_rank("dp"),
                                   engine.gradient_accumulation_steps(), seed=engine.config.seed,

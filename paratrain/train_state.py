@@ -10,14 +10,11 @@ loss scaler, as torchtitan's CheckpointManager receives its `train_state`, and n
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-log = logging.getLogger("paratrain")
 
 COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")
 
@@ -39,7 +36,7 @@ class TrainState:
     def state_dict(self) -> dict:
         out: dict = {name: getattr(self, name) for name in COUNTERS}
         out["gradient_accumulation_steps"] = self.accumulation()
-        out["data"] = _data_position(self.sampler)
+        out["data"] = self.sampler.data_position() if self.sampler is not None else None
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -48,31 +45,8 @@ class TrainState:
         # micro_steps counts micro-batches: under another accumulation the same optimizer step is another count
         self.micro_steps = self.micro_steps // int(state["gradient_accumulation_steps"]) * self.accumulation()
         self.window_micro_steps = 0  # a checkpoint is only ever taken at a boundary
-        _restore_data_position(self.sampler, state.get("data"))
-
-
-def _data_position(sampler) -> dict | None:
-    """Where the training data stands, in samples (layout-independent: another dp size or global batch resumes
-    at the same sample)."""
-    if sampler is None:
-        return None
-    return {"epoch": sampler.epoch, "samples_in_epoch": sampler.samples_in_epoch, "seed": sampler.seed,
-            "num_samples": sampler.num_samples}
-
-
-def _restore_data_position(sampler, state: dict | None) -> None:
-    if sampler is None or state is None:
-        return
-    saved = state.get("num_samples")  # absent in checkpoints written before it was recorded
-    if saved is not None and saved != sampler.num_samples:
-        log.warning("the checkpoint's data had %d samples and this run's has %d: the data changed (files, "
-                    "data.seq_len, data.packing), so resuming at sample %d of epoch %d is not the same order",
-                    saved, sampler.num_samples, state["samples_in_epoch"], state["epoch"])
-    if state["samples_in_epoch"] % sampler.global_batch:
-        log.info("the checkpoint's data position (%d samples into epoch %d) is not a whole number of this run's "
-                 "global batches (%d): this run's batches of the epoch start at that sample, none repeated or "
-                 "skipped", state["samples_in_epoch"], state["epoch"], sampler.global_batch)
-    sampler.resume_at(state["epoch"], state["samples_in_epoch"], state["seed"])
+        if self.sampler is not None and state.get("data") is not None:
+            self.sampler.restore_position(state["data"])
 
 
 @dataclass

@@ -30,7 +30,6 @@ from paratrain.data import (
     corpus_text,
 )
 from paratrain.data.job import job_data
-from paratrain.data.tokenizer import load_tokenizer as load_data_tokenizer
 from paratrain.distributed import init_distributed
 from paratrain.models import build_model
 from paratrain.models.hf_pretrained import build_empty, load_tokenizer
@@ -141,7 +140,7 @@ def _job_data(cfg, model_dir: Path | None, model_seq_len: int, vocab: int):
     if model_dir is None and seq_len > model_seq_len:
         raise ConfigError(f"data.seq_len = {seq_len} is longer than the model's seq_len {model_seq_len}; lower "
                           f"data.seq_len or raise trainer.model_overrides.seq_len")
-    data = job_data(cfg.data, load_data_tokenizer(model_dir), seq_len, vocab)
+    data = job_data(cfg.data, model_dir, seq_len, vocab)
     return data.train, data.validation, data.summary
 
 
@@ -213,6 +212,14 @@ class TimedLoader:
     def __iter__(self):
         return self
 
+    def next_global_batch(self) -> tuple[int, list[int]]:
+        """(epoch, sample ids) of the next step's global batch; a stream waits here for its rows (timed)."""
+        tic = time.perf_counter()
+        try:
+            return self.loader.sampler.next_global_batch()
+        finally:
+            self.wait_s += time.perf_counter() - tic
+
     def take_wait(self) -> float:
         wait, self.wait_s = self.wait_s, 0.0
         return wait
@@ -221,7 +228,9 @@ class TimedLoader:
 def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_per_step: int) -> dict:
     """Train one step and return its metrics row (validation and per-rank memory when due)."""
     cfg, t = engine.config, engine.config.trainer
-    epoch, samples = loader.loader.sampler.next_global_batch()
+    epoch, samples = loader.next_global_batch()
+    dataset = loader.loader.dataset  # the data section's rows know their padding (asked before the step takes them)
+    padding = dataset.padding_fraction(samples) if hasattr(dataset, "padding_fraction") else None
     tic = time.perf_counter()
     loss = float(engine.train_batch(loader))
     elapsed = time.perf_counter() - tic
@@ -231,8 +240,8 @@ def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_p
            "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, "state_bytes": memory["total"],
            "comm_bytes": sum(c["bytes"] for ops in stats.values() for c in ops.values()), "comm": stats,
            "loader_wait_s": loader.take_wait(), "epoch": epoch, "samples": samples}
-    if hasattr(loader.loader.dataset, "padding_fraction"):  # the data section's rows
-        row["padding_fraction"] = loader.loader.dataset.padding_fraction(samples)
+    if padding is not None:
+        row["padding_fraction"] = padding
     routing = engine.moe_routing()  # MoE models: the step's routing, all dp x cp ranks (paratrain/moe/stats.py)
     if routing is not None:
         row.update(routing.row())
@@ -294,6 +303,10 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
             bar.update(1)
     if bar is not None:
         bar.close()
+    if hasattr(loader, "stream"):  # data.streaming: what the windows tokenized so far (ahead of the step too)
+        model["data"]["train"] = vars(loader.stream.summary)
+        loader.close()
+        loader.stream.pool.close()
     redirect.close()
     metrics.close()
     _finish(engine, out, steps, done)

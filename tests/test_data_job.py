@@ -185,3 +185,26 @@ def test_unshuffled_rows_come_in_file_order_and_a_too_small_validation_set_is_re
                      str(tmp_path / "run"))[0]
     assert got["order"] == [[0, 1], [2, 3]]
     assert "data.validation gives 1 rows of 48 tokens, fewer than one validation micro-batch" in got["refused"]
+
+
+def test_a_streamed_job_tokenized_by_workers_resumes_on_another_layout_at_the_same_rows(world2, world4, tmp_path):
+    data = tmp_path / "train.jsonl"
+    write_records(data)
+    base = tmp_path / "dp2"
+    streamed = {"streaming": True, "stream_window": 16, "workers": 1}  # 8 windows; each rank spawns a worker
+    config = job_config(str(data), str(base), str(base / "ck"), micro=2, accumulation=2)
+    config["data"] |= streamed
+    summary = world2.run(_train, config)[0]
+    want = _rows(base)
+    consumed = [s for r in want for s in r["samples"]]
+    assert len(consumed) == len(set(consumed)) == 8 * STEPS and summary["data"]["streaming"]
+    assert summary["data"]["train"]["records"] >= 16  # the windows tokenized so far (ahead of the step too)
+    run = tmp_path / "dp4"
+    shutil.copytree(base, run)
+    _as_killed_after_step(run / "ck", SAVED_AT)
+    config = job_config(str(data), str(run), str(run / "ck"), micro=1, accumulation=2)
+    config["data"] |= streamed
+    world4.run(_train, config)
+    got = _rows(run)
+    assert [r["samples"] for r in got] == [r["samples"] for r in want]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)

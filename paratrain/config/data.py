@@ -43,3 +43,13 @@ class DataConfig(Section):
     """Deal the rows in a random order per epoch (the config's seed), or in file order."""
     max_samples: int | None = Field(None, ge=1)
     """Read at most this many records of `train` (all by default)."""
+    streaming: bool = False
+    """Tokenize while training, ahead of the step, window by window (files larger than memory; the rows and
+    their order then depend on `stream_window`), or all of `train` before the first step (a shuffle over the
+    whole dataset, the summary complete before training)."""
+    stream_window: int = Field(4096, ge=1)
+    """With streaming: records (in file order) tokenized, packed and shuffled together; a resumed run needs
+    the same value."""
+    workers: int = Field(0, ge=0)
+    """Processes per rank that tokenize (started with "spawn"); 0: the rank's own process (with streaming, a
+    background thread of it)."""

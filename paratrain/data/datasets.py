@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils._pytree import tree_leaves, tree_structure, tree_unflatten
 from torch.utils.data import Dataset
 
+from paratrain.config.errors import ConfigError
 from paratrain.errors import InvalidValueError
+
+log = logging.getLogger("paratrain")
 
 
 class TokenWindows(Dataset):
@@ -108,6 +113,27 @@ class DataParallelSampler:
     def resume_at(self, epoch: int, samples_in_epoch: int, seed: int) -> None:
         """Continue at the first sample not taken: `samples_in_epoch` of `epoch` (any global batch size)."""
         self.load_state_dict({"epoch": epoch, "start": samples_in_epoch, "position": 0, "seed": seed})
+
+    def data_position(self) -> dict:
+        """Where the training data stands, in samples (layout-independent: another dp size or global batch
+        resumes at the same sample); checkpoint state (TrainState)."""
+        return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch, "seed": self.seed,
+                "num_samples": self.num_samples}
+
+    def restore_position(self, state: dict) -> None:
+        if "stream" in state:
+            raise ConfigError("the checkpoint's data position is a stream's (data.streaming true); resume it with "
+                              "data.streaming true and the same data.stream_window, or start a new run")
+        saved = state.get("num_samples")  # absent in checkpoints written before it was recorded
+        if saved is not None and saved != self.num_samples:
+            log.warning("the checkpoint's data had %d samples and this run's has %d: the data changed (files, "
+                        "data.seq_len, data.packing), so resuming at sample %d of epoch %d is not the same order",
+                        saved, self.num_samples, state["samples_in_epoch"], state["epoch"])
+        if state["samples_in_epoch"] % self.global_batch:
+            log.info("the checkpoint's data position (%d samples into epoch %d) is not a whole number of this "
+                     "run's global batches (%d): this run's batches of the epoch start at that sample, none "
+                     "repeated or skipped", state["samples_in_epoch"], state["epoch"], self.global_batch)
+        self.resume_at(state["epoch"], state["samples_in_epoch"], state["seed"])
 
 
 def default_collate(samples: list):

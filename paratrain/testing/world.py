@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing
 import os
 import socket
 import time
@@ -47,6 +48,9 @@ def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> No
     import torch
     import torch.distributed as dist
 
+    # The parent still ends this process with itself (it started it daemonic), but inside, the rank is an
+    # ordinary process like a launched one: it may start its own workers (data.workers' tokenizers).
+    multiprocessing.current_process().daemon = False
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     groups_before = set(_process_groups())
