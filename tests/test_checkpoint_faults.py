@@ -1,6 +1,8 @@
 """Fault tolerance end to end: `paratrain run --max-restarts 2` with `checkpoint.auto_resume`, one worker
 SIGKILLed by the test (at a random step, or in the middle of a save), finishes with parameters equal, bit
-for bit, to an uninterrupted run. Plus the checkpoint CLI (inspect, export, --hf, convert).
+for bit, to an uninterrupted run, having trained on the same samples. The job is a fine-tuning job's (a data
+section: the corpus's paragraphs as text records, streamed, tokenized by a worker process per rank), so the
+data position is part of what must survive. Plus the checkpoint CLI (inspect, export, --hf, convert).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from safetensors.torch import load_file
 from paratrain.checkpoint.export import CheckpointReader
 from paratrain.checkpoint.format import CheckpointError, read_latest
 from paratrain.cli import main
+from paratrain.data.corpus import corpus_text
 from paratrain.models import GPT
 from paratrain.models.gpt_hf import to_gpt2
 
@@ -31,12 +34,15 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 9, 3
-MODEL = {"dropout": 0.1, "bias": False}  # dropout: resuming must restore every rank's random state
+VOCAB = 260  # the byte tokenizer's 256 bytes and its special tokens
+MODEL = {"dropout": 0.1, "bias": False, "vocab_size": VOCAB}  # dropout: resuming restores every rank's random state
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "seed": 3, "steps_per_print": 100,
           "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.1}}, "gradient_clipping": 1.0,
           "zero_optimization": {"stage": 2},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
           "checkpoint": {"dir": "ck", "save_every": EVERY, "auto_resume": True},
+          "data": {"train": "corpus.txt", "format": "text", "text_sample_by": "paragraph", "streaming": True,
+                   "stream_window": 32, "workers": 1},
           "trainer": {"model": "gpt-tiny", "model_overrides": MODEL, "steps": STEPS, "eval_every": 0,
                       "progress_bar": False}}
 
@@ -52,6 +58,7 @@ def _free_port() -> str:
 def _start(cwd: Path, **env) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
     (cwd / "c.json").write_text(json.dumps(CONFIG))
+    (cwd / "corpus.txt").write_text(corpus_text())
     argv = [sys.executable, "-m", "paratrain.cli", "run", "--max-restarts", "2", "--nproc-per-node", "2",
             "--master-port", _free_port(), "-m", "paratrain.cli", "train", "--config", "c.json", "--run-dir", "out"]
     return subprocess.Popen(argv, cwd=cwd, stdout=open(cwd / "log.txt", "w"), stderr=subprocess.STDOUT,
@@ -103,6 +110,10 @@ def _losses(cwd: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (cwd / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
+def _samples(cwd: Path) -> list[list[int]]:
+    return [json.loads(line)["samples"] for line in (cwd / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("uninterrupted")
@@ -143,6 +154,7 @@ def test_a_worker_killed_at_a_random_step_restarts_and_ends_equal(uninterrupted,
     assert "failed (exitcode: -9)" in log or "failed (exitcode: 1)" in log, (seed, log[-3000:])
     assert resumed in allowed and (found is not None) == (resumed > 0), (seed, allowed, log[-3000:])
     assert _losses(tmp_path) == _losses(uninterrupted), seed  # bit for bit, the metrics of one uninterrupted run
+    assert _samples(tmp_path) == _samples(uninterrupted), seed  # the same rows, step by step
     want, got = _export(uninterrupted), _export(tmp_path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), seed
 
@@ -197,7 +209,7 @@ def test_checkpoint_cli_inspect_export_hf_and_convert(uninterrupted, tmp_path, c
     assert f"(tag global_step{STEPS})" in shown and "layout: dp2 (2 ranks), ZeRO stage 2, fp32" in shown
     assert f"engine: global_steps {STEPS}, micro_steps {2 * STEPS}" in shown and "sha256 verified" in shown
     assert "optimizer: AdamW, 1 group(s), states exp_avg, exp_avg_sq, scalars step" in shown
-    assert "model/embed.tok.weight" in shown and "[256, 32]" in shown
+    assert "model/embed.tok.weight" in shown and f"[{VOCAB}, 32]" in shown
 
     state = CheckpointReader(ck).model_state()
     # The command itself, in a fresh interpreter: the GPT's spec (its Hugging Face names) must be registered by
@@ -213,7 +225,7 @@ def test_checkpoint_cli_inspect_export_hf_and_convert(uninterrupted, tmp_path, c
     assert sd["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
     ours = GPT("gpt-tiny", **{**MODEL, "dropout": 0.0})
     ours.load_state_dict(state)
-    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ours(idx)
         assert torch.allclose(_gpt2_logits(sd, cfg, idx), want, atol=1e-5, rtol=1e-5)
@@ -227,7 +239,7 @@ def test_checkpoint_cli_inspect_export_hf_and_convert(uninterrupted, tmp_path, c
         with torch.no_grad():
             assert torch.allclose(model(idx).logits, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(CheckpointError, match="this GPT's output head has a bias, which GPT-2's lm_head does not"):
-        to_gpt2({**state, "head.bias": torch.zeros(256)})
+        to_gpt2({**state, "head.bias": torch.zeros(VOCAB)})
 
     assert _cli("export", ck, "--out", str(tmp_path / "half.safetensors"), "--dtype", "bf16") == 0
     half = load_file(tmp_path / "half.safetensors")
