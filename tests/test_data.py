@@ -78,6 +78,13 @@ def test_the_documented_data_loader_table_is_the_committed_json():
     result = json.loads(RESULT.read_text())
     assert table(result) in doc
     assert result["loader_rows_per_s"] > 100 * result["step_rows_per_s"]  # the loader is never what a step waits on
+    r = result  # the prose after the table says what the run measured, from the same JSON
+    assert r["run_streaming"] and r["run_workers"] == 1 and r["run_stream_window"] == 64
+    assert f"waited {r['loader_wait_s_median'] * 1e3:.1f} ms for its rows at the median" in doc
+    assert f"{r['loader_wait_share']:.2%} of the run's time" in doc and r["loader_wait_share"] < 0.01  # ~ 0
+    assert f"makes {r['stream_rows_per_s']:,.0f} rows/s with one worker, " in doc
+    assert f"{r['stream_rows_per_s'] / r['step_rows_per_s']:.0f} times what the job consumes" in doc
+    assert f"{r['workers2_records_per_s'] / r['workers1_records_per_s']:.2f}x the records per second" in doc
 
 
 def test_a_loader_resumed_mid_epoch_iterates_the_rest_then_whole_epochs():

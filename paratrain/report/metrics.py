@@ -114,11 +114,14 @@ def data_summary(rows: list[dict], summary: dict) -> str | None:
     line = (f"- data: padding {statistics.fmean(padded):.1%} of the trained positions (mean over steps), loader "
             f"wait median {statistics.median(r['loader_wait_s'] for r in rows if 'loader_wait_s' in r) * 1e3:.2f} "
             f"ms per step")
-    train = summary.get("data", {}).get("train")
+    data = summary.get("data", {})
+    train = data.get("train")
     if train:
-        line += (f"; {train['records']} records read, {train['examples']} examples in "
-                 f"{summary['data']['train_rows']} rows, {train['skipped_untrainable']} skipped with nothing to "
-                 f"train, {train['truncated']} truncated, {train['split']} split")
+        laid_out = (f"in {data['train_rows']} rows" if "train_rows" in data else
+                    f"streamed in windows of {data.get('stream_window')} records")
+        line += (f"; {train['records']} records read, {train['examples']} examples {laid_out}, "
+                 f"{train['skipped_untrainable']} skipped with nothing to train, {train['truncated']} truncated, "
+                 f"{train['split']} split")
     return line
 
 
