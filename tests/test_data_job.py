@@ -93,10 +93,11 @@ def write_records(path, n: int = 120) -> None:
             handle.write(json.dumps({"prompt": prompt + "?", "completion": " " + completion}) + "\n")
 
 
-def job_config(data: str, run_dir: str, ck: str, micro: int, accumulation: int, tp: int = 1) -> dict:
+def job_config(data: str, run_dir: str, ck: str, micro: int, accumulation: int, tp: int = 1, pp: int = 1,
+               cp: int = 1) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "gradient_clipping": 1.0,
-            "tensor_parallel": {"size": tp},
+            "tensor_parallel": {"size": tp}, "pipeline": {"stages": pp}, "context_parallel": {"size": cp},
             "checkpoint": {"dir": ck, "save_every": SAVED_AT, "auto_resume": True},
             "data": {"train": data, "validation": data, "format": "prompt_completion", "seq_len": 48},
             "trainer": {"model": "llama-tiny", "model_overrides": {"vocab_size": 260, "seq_len": 48},
@@ -143,12 +144,13 @@ def test_the_data_position_survives_a_kill_and_any_reshard(world2, world4, tmp_p
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     assert [r["samples"] for r in got] == [r["samples"] for r in want]
 
-    # the step-3 checkpoint resumed at dp4 (micro 1) and at dp2 x tp2: the same samples, the same losses
-    for name, micro, tp in (("dp4", 1, 1), ("dp2tp2", 2, 2)):
+    # the step-3 checkpoint resumed at dp4 (micro 1), dp2 x tp2 and pp2 x cp2 (dp1, micro 4): the same samples,
+    # the same losses
+    for name, micro, axes in (("dp4", 1, {}), ("dp2tp2", 2, {"tp": 2}), ("pp2cp2", 4, {"pp": 2, "cp": 2})):
         run = tmp_path / name
         shutil.copytree(base, run)
         _as_killed_after_step(run / "ck", SAVED_AT)
-        world4.run(_train, job_config(str(data), str(run), str(run / "ck"), micro=micro, accumulation=2, tp=tp))
+        world4.run(_train, job_config(str(data), str(run), str(run / "ck"), micro=micro, accumulation=2, **axes))
         got = _rows(run)
         assert [r["samples"] for r in got] == [r["samples"] for r in want], name
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5), name
