@@ -248,6 +248,19 @@ class Mesh:
     def local_rank(self, axis: str) -> int:
         return self.coords[axis]
 
+    def __getitem__(self, name: str | tuple[str, ...]):
+        """The named sub-mesh as torch's DeviceMesh (`engine.mesh["dp"].get_local_rank()`, `mesh["tp"].size()`),
+        the contract DeepSpeed-style scripts and torch's parallel APIs expect; a combined axis such as
+        ("dp", "cp") is its flattened sub-mesh "dp_cp" (a size-1 one, the two-dimensional slice)."""
+        names = (name,) if isinstance(name, str) else tuple(name)
+        key = _axis_tuple(names)
+        if len(key) == 1:
+            return self.device_mesh[key[0]]
+        try:  # flattened when it spans more than one rank (comm/groups.py)
+            return self.device_mesh["_".join(key)]
+        except KeyError:
+            return self.device_mesh[key]
+
     def destroy(self) -> None:
         """Destroy the process groups this mesh created (collective: every rank, after its last collective
         on the mesh). torch keeps every group until it is destroyed, and gloo keeps threads per group, so a

@@ -142,14 +142,17 @@ def test_initial_parameters_are_broadcast_from_rank_0(world2):
 def _mesh_axes():
     engine, *_ = paratrain.initialize(model=torch.nn.Linear(2, 2), config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    device_mesh = engine.device_mesh
-    return device_mesh.mesh_dim_names, device_mesh["dp"].get_local_rank(), engine.world_size, engine.global_rank
+    device_mesh, mesh = engine.device_mesh, engine.mesh
+    named = (mesh["dp"].get_local_rank(), mesh["dp", "cp"].size(), mesh[("cp", "tp")].size(), mesh["tp"].size())
+    return device_mesh.mesh_dim_names, device_mesh["dp"].get_local_rank(), engine.world_size, engine.global_rank, named
 
 
 def test_engine_mesh_is_a_named_device_mesh(world4):
     results = world4.run(_mesh_axes)
     assert [r[1] for r in results] == [0, 1, 2, 3]
     assert results[0][0] == ("dp", "pp", "cp", "tp") and results[0][2] == 4
+    # engine.mesh[name] is the named sub-mesh (the first issue's contract: engine.mesh["dp"].get_local_rank())
+    assert [r[4] for r in results] == [(rank, 4, 1, 1) for rank in range(4)]
 
 
 def _no_sync_and_manual_accumulation():
