@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from paratrain.comm import reduce_from_region
 from paratrain.errors import InvalidValueError
@@ -26,7 +25,7 @@ from paratrain.moe.dispatch import DispatchPlan, combine, combine_rows, dispatch
 from paratrain.moe.exchange import ExpertGroup, ExpertLayer, expert_parallel_rows
 from paratrain.moe.experts import GroupedSwiGLU, SwiGLU
 from paratrain.moe.router import Router, load_balancing_loss, router_z_loss
-from paratrain.moe.stats import StepTotals, record_forward
+from paratrain.moe.stats import RoutedLayer, StepTotals, record_forward
 
 
 class MoEOutput(NamedTuple):
@@ -49,7 +48,7 @@ class MoEStats:
     rows_received: int = 0  # and received from them
 
 
-class MoELayer(nn.Module):
+class MoELayer(RoutedLayer):
     """A mixture of `num_experts` SwiGLU experts of width `d_ff`, each token sent to its `top_k` best.
 
     `capacity_factor`: None routes dropless; a number caps each expert at ceil(k·G/E·factor) choices per

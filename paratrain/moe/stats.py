@@ -27,6 +27,14 @@ from paratrain.comm import all_reduce
 from paratrain.mesh import Axis
 
 
+class RoutedLayer(nn.Module):
+    """A layer whose training forwards record their routing in `step_totals` (`record_forward`): `MoELayer`.
+    The metrics find such layers by this base, so this module needs nothing from the layer's own module."""
+
+    step_totals: StepTotals | None
+    num_experts: int
+
+
 @dataclass
 class StepTotals:
     """Running totals of one layer's training forwards since the last `take_routing`."""
@@ -118,10 +126,8 @@ def _in_backward() -> bool:
 
 
 def moe_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, layer) of every `MoELayer` in `module`, in module order."""
-    from paratrain.moe.mixture import MoELayer  # (mixture imports this module)
-
-    return [(name, m) for name, m in module.named_modules() if isinstance(m, MoELayer)]
+    """(name, layer) of every `MoELayer` (every `RoutedLayer`) in `module`, in module order."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, RoutedLayer)]
 
 
 def take_routing(module: nn.Module) -> dict[str, StepTotals]:

@@ -18,7 +18,7 @@ runtime and the validator treat both like every other schedule (`schedules.py`, 
 
 from __future__ import annotations
 
-from paratrain.pipeline.schedules import (
+from paratrain.pipeline.actions import (
     RECV_B,
     RECV_F,
     SEND_B,
@@ -28,8 +28,8 @@ from paratrain.pipeline.schedules import (
     F,
     ScheduleError,
     W,
-    _sends_first,
     rank_of_stage,
+    sends_first,
 )
 
 Steps = list[list[list[Action]]]  # per rank, its steps: the computes run back to back
@@ -210,7 +210,7 @@ def v_actions(steps: Steps, starts: list[list[int]], p: int) -> tuple[tuple[Acti
             out[r] += [Action(SEND_B, a.stage, a.micro) for a in step if a.kind == B and a.stage > 0 and
                        rank(a.stage - 1) != r]
         out[r] += [recv for _, recv in pending]
-    return tuple(tuple(_sends_first(actions)) for actions in out)
+    return tuple(tuple(sends_first(actions)) for actions in out)
 
 
 def v_schedule_actions(name: str, p: int, m: int) -> tuple[tuple[Action, ...], ...]:
