@@ -47,3 +47,38 @@ def test_zero3_with_pipeline_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match="zero_optimization.stage 3 with pipeline.stages > 1 is not supported"):
         paratrain.resolve_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
                                   "pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}}, 2)
+
+
+def _deferred_weight_gradients(schedules: list[str]) -> list[dict]:
+    """pp2 x tp2: how many projections of this rank defer their weight gradient to W, and how many dW matmuls
+    one step's W actions ran."""
+    from torch import nn
+
+    out = []
+    for schedule in schedules:
+        virtual = 2 if schedule in ("zb-v", "dualpipev") else 1
+        cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
+                           pipeline={"stages": 2, "schedule": schedule, "partition": "uniform",
+                                     "virtual_stages": virtual}, tensor_parallel={"size": 2})
+        engine, _, loader, _ = paratrain.initialize(model=_model(), config=cfg, training_data=corpus_windows())
+        engine.train_batch(loader)
+        modules = list(engine.parallel.pipeline.module.modules())
+        deferral = engine.parallel.pipeline.deferral
+        out.append({"schedule": schedule, "deferred": deferral.count, "computed": deferral.computed,
+                    "tp_layers": sum(hasattr(m, "weight_grad_parameters") for m in modules),
+                    "linears": sum(isinstance(m, nn.Linear) and m.weight.requires_grad for m in modules)})
+        engine.destroy()
+    return out
+
+
+def test_the_zero_bubble_schedules_defer_the_tensor_parallel_layers_weight_gradients(world4):
+    per_rank = world4.run(_deferred_weight_gradients, ["zb-h1", "zb-v", "dualpipev", "1f1b"])
+    for ranks in per_rank:
+        for r in ranks:
+            if r["schedule"] == "1f1b":  # no split backward: nothing deferred
+                assert r["deferred"] == r["computed"] == 0, r
+                continue
+            # every projection of the rank's stages, tensor-parallel ones included, waits for W: one dW per
+            # projection and micro-batch (4)
+            assert r["tp_layers"] > 0 and r["deferred"] == r["tp_layers"] + r["linears"], r
+            assert r["computed"] == 4 * r["deferred"], r

@@ -40,7 +40,7 @@ from paratrain.pipeline.schedules import (
     build_schedule,
 )
 from paratrain.pipeline.validate import check_schedule
-from paratrain.pipeline.weight_grad import WeightGradDeferral
+from paratrain.weight_grad import WeightGradDeferral
 
 
 @dataclass

@@ -31,6 +31,7 @@ from paratrain.comm.autograd import (
 from paratrain.config import ConfigError
 from paratrain.mesh import Axis
 from paratrain.placement import Shard, place
+from paratrain.weight_grad import linear
 
 SEQ_DIM = 1  # activations are (batch, sequence, features)
 ACTIVATION_TAG = "tp"  # entries to and exits from the tensor-parallel regions
@@ -139,6 +140,16 @@ class ColumnParallelLinear(nn.Module):
         biases = [getattr(self, f"bias_{i}", None) for i in range(len(self.parts))]
         return weight, None if biases[0] is None else torch.cat(biases)
 
+    def _weights(self) -> list[nn.Parameter]:
+        """The projection's weight, or its parts side by side (a packed projection)."""
+        if self.parts is None:
+            return [self.weight]
+        return [getattr(self, f"weight_{i}") for i in range(len(self.parts))]
+
+    def weight_grad_parameters(self) -> list[nn.Parameter]:
+        """The weight(s) whose gradient a split backward defers to W (`paratrain.weight_grad`)."""
+        return self._weights()
+
     @property
     def local_out_features(self) -> int:
         return self.padded_out_features // self.axis.size
@@ -154,8 +165,8 @@ class ColumnParallelLinear(nn.Module):
                 else copy_to_region(x, self.axis, ACTIVATION_TAG)  # (b, s, in)
         _check_width(x, self.in_features, self.name, "colwise", "its input must be the full (replicated) "
                      "features; a colwise layer cannot follow another colwise layer directly")
-        weight, bias = self.local_weight_and_bias()
-        y = F.linear(x, weight.t() if self.transposed else weight, bias)  # (b, s, out/tp)
+        y = linear(x, self._weights(), self.local_weight_and_bias()[1] if self.parts else self.bias,
+                   transposed=self.transposed, dim=1 if self.transposed else 0)  # (b, s, out/tp)
         if self.gather_output:
             y = gather_from_region(y, self.axis, -1, ACTIVATION_TAG)[..., :self.out_features]  # (b, s, out)
         return y
@@ -192,7 +203,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_width(x, self.in_features // self.axis.size, self.name, "rowwise", "its input must be split "
                      "over tp, i.e. come from colwise layers (mark the layers that feed it 'colwise')")
-        y = F.linear(x, self.weight.t() if self.transposed else self.weight)  # (b, s, out): this rank's partial sum
+        y = linear(x, self.weight, transposed=self.transposed)  # (b, s, out): this rank's partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.axis, SEQ_DIM, ACTIVATION_TAG)  # (b, s/tp, out)
         else:
@@ -200,6 +211,10 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + (copy_to_region(self.bias, self.axis, GRAD_TAG) if self.sequence_parallel else self.bias)
         return y
+
+    def weight_grad_parameters(self) -> list[nn.Parameter]:
+        """The weight whose gradient a split backward defers to W (`paratrain.weight_grad`)."""
+        return [self.weight]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.in_features // self.axis.size}), "
