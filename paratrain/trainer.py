@@ -286,27 +286,19 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     if bar is not None and done:
         bar.update(done)
     engine.comm_stats(reset=True)
-    rows = list(metrics.kept)
     timed = TimedLoader(loader)
     start = time.perf_counter()
-    for step in range(done + 1, steps + 1):
-        row = _step(engine, timed, val_data, step, steps, tokens_per_step)
-        rows.append({k: row[k] for k in ("loss", "val_loss", "padding_fraction", "loader_wait_s") if k in row})
-        metrics.write(row)
-        every = cfg.trainer.save_pretrained_every
-        if save_pretrained and every and step % every == 0 and step != steps:
-            engine.save_pretrained(save_pretrained)  # collective
-        if bar is not None:
-            padding = {"pad": f"{row['padding_fraction']:.0%}"} if "padding_fraction" in row else {}
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", **padding,
-                            state=_mib(row["state_bytes"]), comm=f"{_mib(row['comm_bytes'])}/step", refresh=False)
-            bar.update(1)
+    try:
+        rows = _run_steps(engine, timed, val_data, range(done + 1, steps + 1), tokens_per_step, metrics, bar,
+                          save_pretrained)
+    finally:
+        if hasattr(loader, "stream"):  # data.streaming: stop making rows, end the tokenizer workers
+            loader.close()
+            loader.stream.pool.close()
     if bar is not None:
         bar.close()
-    if hasattr(loader, "stream"):  # data.streaming: what the windows tokenized so far (ahead of the step too)
-        model["data"]["train"] = vars(loader.stream.summary)
-        loader.close()
-        loader.stream.pool.close()
+    if hasattr(loader, "stream"):  # what tokenizing did to the windows the steps took rows from
+        model["data"]["train"] = loader.data_summary()
     redirect.close()
     metrics.close()
     _finish(engine, out, steps, done)
@@ -328,6 +320,26 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
         _report(summary, out)
     comm.barrier(engine.mesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
     return summary
+
+
+def _run_steps(engine, loader: TimedLoader, val_data, steps: range, tokens_per_step: int, metrics: MetricsWriter,
+               bar, save_pretrained: str | None) -> list[dict]:
+    """Train `steps`, writing each step's metrics row and advancing the progress bar; the rows' loss, validation
+    loss, padding and loader wait, the kept rows of a resumed run first."""
+    rows = list(metrics.kept)
+    every = engine.config.trainer.save_pretrained_every
+    for step in steps:
+        row = _step(engine, loader, val_data, step, steps[-1], tokens_per_step)
+        rows.append({k: row[k] for k in ("loss", "val_loss", "padding_fraction", "loader_wait_s") if k in row})
+        metrics.write(row)
+        if save_pretrained and every and step % every == 0 and step != steps[-1]:
+            engine.save_pretrained(save_pretrained)  # collective
+        if bar is not None:
+            padding = {"pad": f"{row['padding_fraction']:.0%}"} if "padding_fraction" in row else {}
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", **padding,
+                            state=_mib(row["state_bytes"]), comm=f"{_mib(row['comm_bytes'])}/step", refresh=False)
+            bar.update(1)
+    return rows
 
 
 def _mean(values) -> float | None:

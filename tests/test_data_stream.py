@@ -72,7 +72,7 @@ def test_streamed_windows_hold_every_token_of_every_row_once_per_epoch(records):
     assert sorted(sample for sample, _ in first) == list(range(len(first)))  # every row once, none dropped
     assert sorted(t for _, tokens in first for t in tokens) == want  # every document's tokens exactly once
     assert [epoch for epoch, _, _ in rows] == [0] * len(first) + [1] * (160 - len(first))
-    assert stream.summary.records == 120
+    assert stream.summary.records == 120  # every window tokenized (the next epoch's first ones again)
 
 
 def test_a_stream_resumed_under_any_global_batch_continues_at_the_next_row(records):
@@ -121,3 +121,67 @@ def test_stream_errors_name_the_record_and_positions_of_another_kind_are_refused
         DataParallelSampler(100, 1, 1, 0).restore_position(position)
     with pytest.raises(ConfigError, match=r"data.streaming false"):
         _loader(stream, 1, 1, 0, 1).restore_position(DataParallelSampler(100, 1, 1, 0).data_position())
+
+
+def _wait_until(condition, what: str, limit_s: float = 120.0) -> None:
+    """Poll `condition` (a state the background thread reaches), failing with `what` after `limit_s`."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_close_returns_while_the_queue_is_full_and_a_later_window_failed(tmp_path):
+    import threading
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(line) + "\n" for line in [{"text": "hello world"}] * 6 + [{"txt": "x"}]))
+    stream = _data(bad, streaming=True, window=1, fmt="text").train  # one record per window: 6 good, then the bad
+    loader = _loader(stream, 1, 1, 0, 1)  # a queue of 4 rows
+    for _ in range(2):
+        loader.next_global_batch()
+        next(loader)
+    prefetcher = loader._prefetcher
+    _wait_until(prefetcher._queue.full, "the data thread never filled its queue")
+    closing = threading.Thread(target=loader.close)
+    closing.start()
+    closing.join(timeout=60)  # a hang detector, not a speed check: close() used to wait forever here
+    assert not closing.is_alive()
+
+
+def test_a_killed_tokenizer_worker_fails_the_draw_instead_of_hanging(records):
+    import os
+    import signal
+    from concurrent.futures.process import BrokenProcessPool
+
+    stream = _data(records, streaming=True, window=10, workers=1).train
+    executor = stream.pool._executor
+    _wait_until(lambda: executor._processes, "the worker never started")
+    for pid in list(executor._processes):
+        os.kill(pid, signal.SIGKILL)
+    loader = _loader(stream, 1, 1, 0, 1)
+    try:
+        with pytest.raises(BrokenProcessPool):
+            loader.next_global_batch()
+    finally:
+        loader.close()
+        stream.pool.close()
+
+
+def test_a_resume_on_changed_data_warns(records, caplog):
+    stream = _data(records, streaming=True, window=10).train
+    first = _loader(stream, 2, 1, 0, 1)
+    for _ in range(3):
+        next(first)
+    position = first.data_position()
+    first.close()
+    changed = job_data(DataConfig(train=str(records), format="prompt_completion", streaming=True,
+                                  stream_window=10), None, SEQ // 2, 260).train  # shorter rows: more of them
+    resumed = _loader(changed, 2, 1, 0, 1)
+    resumed.restore_position(position)
+    with caplog.at_level("WARNING", logger="paratrain"):
+        resumed.next_global_batch()
+    resumed.close()
+    assert "the data changed" in caplog.text

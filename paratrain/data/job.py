@@ -54,9 +54,11 @@ def job_data(cfg: DataConfig, model_dir: str | None, seq_len: int, vocab_size: i
             train, train_summary = _rows(cfg, cfg.train, pool, pad_id, cfg.max_samples)
             summary = {"train": vars(train_summary), "train_rows": len(train),
                        "train_padding_fraction": train.padding_fraction(range(len(train)))}
-    finally:
-        if not cfg.streaming:
-            pool.close()
+    except BaseException:
+        pool.close()
+        raise
+    if not cfg.streaming:
+        pool.close()
     if validation is not None:
         summary |= {"validation": vars(val_summary), "validation_rows": len(validation)}
     return JobData(train, validation, summary)

@@ -15,8 +15,8 @@ rows one window after another, and the next epoch follows without a gap (no row 
 So the sequence of rows depends only on the files, the data section and the seed, never on the layout: every
 rank builds the same sequence and takes its share of each global batch of it, as DataParallelSampler deals
 (micro-step j of dp rank r takes rows [(j * dp + r) * micro, +micro) of the global batch). With one window
-holding the whole file the rows and their order are exactly those of the in-memory path (`Rows` and
-DataParallelSampler with the same seed).
+holding the whole file the first epoch's rows and their order are exactly those of the in-memory path (`Rows`
+and DataParallelSampler with the same seed; the sampler then drops the epoch's incomplete last global batch).
 
 [Note: the data position]
 After whole global batches, the position is the next row's (epoch, window, rows of the epoch before the
@@ -28,6 +28,7 @@ next row not taken, so no row is repeated or skipped whatever the layout.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -39,6 +40,8 @@ from paratrain.data.formats import DataSummary
 from paratrain.data.rows import Rows
 from paratrain.data.sources import DataError
 from paratrain.data.workers import TokenizerPool, TokenizeSpec, chunks, merge_summaries
+
+log = logging.getLogger("paratrain")
 
 CHUNK_RECORDS = 64  # records per task a worker takes: big enough to amortize the transfer, small to balance
 WINDOW_SEED_STRIDE = 1_000_003  # window w of epoch e shuffles with seed + e + w * stride (w = 0: the sampler's)
@@ -52,6 +55,7 @@ class StreamPosition:
     window: int = 0
     window_first_row: int = 0  # rows of the epoch before the window
     skip: int = 0  # rows of the window already dealt
+    window_rows: int = 0  # rows the window has (0: not known); a resume finding another count warns
 
     @property
     def samples_in_epoch(self) -> int:
@@ -86,13 +90,22 @@ class RowStream:
 
     @property
     def summary(self) -> DataSummary:
+        """What tokenizing did to every window tokenized so far (ahead of the step too)."""
         return merge_summaries(list(self._window_summaries.values()))
+
+    def summary_of(self, windows) -> DataSummary:
+        """What tokenizing did to `windows` (each counted once, whatever the epochs it was dealt in)."""
+        return merge_summaries([self._window_summaries[w] for w in sorted(windows) if w in self._window_summaries])
 
     def rows_from(self, start: StreamPosition, seed: int, shuffle: bool) -> Iterator[StreamRow]:
         epoch, first_window, skip = start.epoch, start.window, start.skip
         while True:
             first_row, dealt = start.window_first_row if epoch == start.epoch else 0, 0
             for window, rows in self._windows(first_window):
+                if epoch == start.epoch and window == start.window and start.window_rows not in (0, len(rows)):
+                    log.warning("window %d of the data had %d rows when the checkpoint was written and has %d now: "
+                                "the data changed (files, data.seq_len, data.packing, data.max_samples), so the "
+                                "resumed rows are not the checkpointed run's", window, start.window_rows, len(rows))
                 order = _order(len(rows), seed + epoch + window * WINDOW_SEED_STRIDE, shuffle)
                 for k in range(skip, len(rows)):
                     yield StreamRow(StreamPosition(epoch, window, first_row, k), first_row + order[k], rows, order[k])
@@ -144,18 +157,21 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             for row in self._rows:
-                while not self._put(row):
-                    if self._stop.is_set():
-                        return
+                if not self._offer(row):
+                    return
         except BaseException as error:  # noqa: BLE001 (re-raised in the training thread, at the step needing it)
-            self._put(_Failure(error), wait=True)
+            self._offer(_Failure(error))
 
-    def _put(self, item, wait: bool = False) -> bool:
-        try:
-            self._queue.put(item, timeout=None if wait else 0.1)
-            return True
-        except queue.Full:
-            return False
+    def _offer(self, item) -> bool:
+        """Put `item` once there is room; False (nothing put) once stopped, so a stop never waits on a full
+        queue and the walk ends at the next row."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def take(self, n: int) -> list[StreamRow]:
         out = []
@@ -168,7 +184,7 @@ class Prefetcher:
         return out
 
     def stop(self) -> None:
-        """Stop and wait for the thread (at most the window it is tokenizing): a thread left running at exit
-        would be torn down inside torch."""
+        """Stop and wait for the thread (at most until the window it waits for is tokenized; a pool whose worker
+        died raises instead of waiting): a thread left running at exit would be torn down inside torch."""
         self._stop.set()
         self._thread.join()

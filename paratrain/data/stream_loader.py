@@ -36,6 +36,7 @@ class StreamLoader:
         self._batch: list[StreamRow] | None = None  # the current step's rows (over every dp rank)
         self._micro = 0  # micro-batches of the current step taken by this rank
         self._prefetcher: Prefetcher | None = None
+        self._dealt_windows: set[int] = set()  # windows some step of this run took rows from
 
     @property
     def sampler(self) -> StreamLoader:
@@ -59,6 +60,7 @@ class StreamLoader:
                 rows = self.stream.rows_from(self.position, self.seed, self.shuffle)
                 self._prefetcher = Prefetcher(rows, PREFETCH_GLOBAL_BATCHES * self.global_batch)
             self._batch = self._prefetcher.take(self.global_batch)
+            self._dealt_windows.update(row.position.window for row in self._batch)
         return self._batch
 
     def next_global_batch(self) -> tuple[int, list[int]]:
@@ -83,7 +85,8 @@ class StreamLoader:
         self._micro += 1
         if self._micro == self.accumulation:  # the step is whole: its rows are taken
             last = batch[-1].position
-            self.position = StreamPosition(last.epoch, last.window, last.window_first_row, last.skip + 1)
+            self.position = StreamPosition(last.epoch, last.window, last.window_first_row, last.skip + 1,
+                                           len(batch[-1].rows))
             self._batch, self._micro = None, 0
         return self.collate_fn([row.tensors() for row in mine])
 
@@ -95,8 +98,14 @@ class StreamLoader:
         """Checkpoint state: where the stream stands after whole steps (see stream.py's note)."""
         p = self.position
         return {"epoch": p.epoch, "samples_in_epoch": p.samples_in_epoch, "seed": self.seed,
-                "stream": {"window": p.window, "window_first_row": p.window_first_row,
+                "global_batch": self.global_batch,
+                "stream": {"window": p.window, "window_first_row": p.window_first_row, "window_rows": p.window_rows,
                            "window_records": self.stream.window_records}}
+
+    def data_summary(self) -> dict:
+        """What tokenizing did to the windows this run's steps took rows from (every record once a whole epoch
+        was taken; windows tokenized ahead of the step but not reached are not counted)."""
+        return vars(self.stream.summary_of(self._dealt_windows))
 
     def restore_position(self, state: dict) -> None:
         stream = state.get("stream")
@@ -108,13 +117,14 @@ class StreamLoader:
                               f"records and this run's data.stream_window is {self.stream.window_records}: the "
                               f"rows would differ; set data.stream_window to {stream['window_records']} to resume")
         skip = state["samples_in_epoch"] - stream["window_first_row"]
-        if state["samples_in_epoch"] % self.global_batch:
-            log.info("resuming the stream %d rows into epoch %d, not a whole number of this run's global batches "
-                     "(%d): this run's batches start at that row, none repeated or skipped",
-                     state["samples_in_epoch"], state["epoch"], self.global_batch)
+        if state.get("global_batch", self.global_batch) != self.global_batch:
+            log.info("resuming the stream %d rows into epoch %d with global batches of %d rows (the checkpoint's "
+                     "were %d): this run's batches start at that row, none repeated or skipped",
+                     state["samples_in_epoch"], state["epoch"], self.global_batch, state["global_batch"])
         self.close()
         self.seed = state["seed"]
-        self.position = StreamPosition(state["epoch"], stream["window"], stream["window_first_row"], skip)
+        self.position = StreamPosition(state["epoch"], stream["window"], stream["window_first_row"], skip,
+                                       stream.get("window_rows", 0))
         self._batch, self._micro = None, 0
 
     def state_dict(self) -> dict:

@@ -10,7 +10,8 @@ only records and token ids cross the process boundary. Workers are started with 
 rank's process holds the threads of its process groups (and a Rust tokenizer's thread pool), which a forked
 child would inherit half-locked. With `workers=0` the calling process tokenizes (no process started).
 A record's error (a malformed chat, a record with nothing to train on) is raised by `map` in the caller with
-its file and line, exactly as tokenizing in the caller would raise it.
+its file and line, exactly as tokenizing in the caller would raise it; a worker that dies raises
+`BrokenProcessPool` there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from paratrain.data.formats import DataSummary, Example, tokenize_records
@@ -45,23 +47,26 @@ def chunks(records: Iterable, size: int) -> Iterator[list]:
 
 
 class TokenizerPool:
-    """`workers` processes that tokenize chunks of records the job's way (`TokenizeSpec`)."""
+    """`workers` processes that tokenize chunks of records the job's way (`TokenizeSpec`). A worker that dies
+    (killed for memory, a crash inside a tokenizer) fails every pending result with `BrokenProcessPool` rather
+    than leaving it waiting: the rank stops with the error instead of hanging."""
 
     def __init__(self, spec: TokenizeSpec, workers: int):
         if not isinstance(workers, int) or workers < 0:
             raise InvalidValueError(f"data.workers must be a whole number >= 0 (0: tokenize in the rank's own "
                                     f"process), got {workers!r}")
         self.spec, self.workers = spec, workers
-        self._pool = None
+        self._executor: ProcessPoolExecutor | None = None
         self._tokenizer = None
         if workers:
-            context = multiprocessing.get_context("spawn")
-            self._pool = context.Pool(workers, initializer=_start_worker, initargs=(spec,))
+            self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_start_worker, initargs=(spec,))
+            self._executor.submit(int)  # start the workers now: their start-up overlaps the caller's setup
 
     def map(self, record_chunks: Iterable[list]) -> Iterator[tuple[list[Example], DataSummary]]:
-        """Each chunk tokenized, in order; the chunks are taken as the workers need them (`imap`)."""
-        if self._pool is not None:
-            return self._pool.imap(_tokenize_chunk, record_chunks)
+        """Each chunk tokenized, in order (with workers, every chunk is submitted at once)."""
+        if self._executor is not None:
+            return self._executor.map(_tokenize_chunk, record_chunks)
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.spec.model_dir)
         return (_tokenize(chunk, self.spec, self._tokenizer) for chunk in record_chunks)
@@ -69,15 +74,16 @@ class TokenizerPool:
     def submit(self, record_chunks: list[list]):
         """Start tokenizing `record_chunks` now; `.get()` on the result returns the list of (examples,
         summary) per chunk. Without workers the work happens at `.get()`."""
-        if self._pool is not None:
-            return self._pool.map_async(_tokenize_chunk, record_chunks)
+        if self._executor is not None:
+            futures = [self._executor.submit(_tokenize_chunk, chunk) for chunk in record_chunks]
+            return _Deferred(lambda: [future.result() for future in futures])
         return _Deferred(lambda: list(self.map(record_chunks)))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        """Cancel what has not started, wait for what has (a chunk each), and end the workers."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
 
     def __enter__(self) -> TokenizerPool:
         return self
