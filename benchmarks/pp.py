@@ -37,11 +37,12 @@ def micro_batches(stages: int) -> int:
     return 2 * stages
 
 
-def _boundaries(stages: int) -> list[int]:
+def _boundaries(stages: int, placement: str = "loop") -> list[int]:
     from paratrain.models import gpt_pipeline_module
     from paratrain.pipeline.split import choose_boundaries
 
-    return choose_boundaries(gpt_pipeline_module(bench_model(**PP_MODEL)), "parameters", stages)[0]
+    return choose_boundaries(gpt_pipeline_module(bench_model(**PP_MODEL)), "parameters", stages,
+                             placement=placement)[0]
 
 
 def _per_rank(value) -> list:
@@ -50,16 +51,17 @@ def _per_rank(value) -> list:
     return out
 
 
-def paratrain_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1) -> dict:
+def paratrain_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1, tp: int = 1) -> dict:
     import paratrain
+    from paratrain.pipeline.schedules import placement_of
     from paratrain.pipeline.timeline import measured_bubbles
 
-    p = dist.get_world_size()
+    p = dist.get_world_size() // tp
     m = micro_batches(p)
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": m,
-           "gradient_clipping": 1.0, "optimizer": paratrain_optimizer(),
+           "gradient_clipping": 1.0, "optimizer": paratrain_optimizer(), "tensor_parallel": {"size": tp},
            "pipeline": {"stages": p, "schedule": schedule, "virtual_stages": virtual,
-                        "partition": _boundaries(p * virtual)}}
+                        "partition": _boundaries(p * virtual, placement_of(schedule))}}
     model = bench_model(**PP_MODEL)
     engine, *_ = paratrain.initialize(model=model, config=cfg)
     batches = LocalBatches(MICRO_BATCH, 1, 0, m)
@@ -69,7 +71,7 @@ def paratrain_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int =
     bubbles = measured_bubbles(timeline)
     keep = os.environ.get(TIMELINES_ENV)
     if keep and dist.get_rank() == 0:  # the last step's events, for the timeline pictures of the docs
-        path = Path(keep) / f"{schedule}_p{p}" / "timeline.json"
+        path = Path(keep) / (f"{schedule}_p{p}" + (f"_tp{tp}" if tp > 1 else "")) / "timeline.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(timeline))
     return timer.result(state_bytes=engine.memory_stats()["total"],

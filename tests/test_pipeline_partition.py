@@ -142,3 +142,27 @@ def test_pipeline_config_batch_arithmetic():
         _resolve({"stages": 4, "schedule": "interleaved", "virtual_stages": 2}, gradient_accumulation_steps=6)
     with pytest.raises(ConfigError, match="virtual_stages = 2 needs schedule 'interleaved'"):
         _resolve({"stages": 2, "virtual_stages": 2}, gradient_accumulation_steps=4)
+
+
+def test_v_chunks_balance_each_rank_against_brute_force():
+    import itertools
+    import random
+
+    from paratrain.pipeline.v_partition import rank_loads, v_balanced_boundaries
+
+    # the 6-block benchmark GPT by parameters: chunk-by-chunk balance gives rank 0 two blocks and rank 1 four
+    weights = [0.1] + [1.0] * 6 + [0.1]
+    chunkwise = balanced_boundaries(weights, 4)
+    assert rank_loads(weights, chunkwise) == pytest.approx([2.2, 4.0])
+    assert v_balanced_boundaries(weights, 2) == [0, 2, 3, 5, 8]  # 3 blocks each, chunks as even as that allows
+    rng = random.Random(0)
+    for _ in range(300):  # the heaviest rank is the smallest any cut gives
+        p = rng.choice([1, 2, 3])
+        weights = [rng.choice([0.1, 0.5, 1.0, 2.0, 3.0]) for _ in range(rng.randint(2 * p, 10))]
+        bounds = v_balanced_boundaries(weights, p)
+        assert bounds[0] == 0 and bounds[-1] == len(weights) and all(a < b for a, b in zip(bounds, bounds[1:]))
+        best = min(max(rank_loads(weights, [0, *cuts, len(weights)]))
+                   for cuts in itertools.combinations(range(1, len(weights)), 2 * p - 1))
+        assert max(rank_loads(weights, bounds)) == pytest.approx(best, rel=1e-9), (weights, p, bounds)
+    with pytest.raises(PartitionError, match="cannot cut 3 layers into the 4 chunks of a V over 2 ranks"):
+        v_balanced_boundaries([1.0] * 3, 2)

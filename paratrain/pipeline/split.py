@@ -28,6 +28,7 @@ from paratrain.pipeline.partition import (
     profile_layer_costs,
 )
 from paratrain.pipeline.schedules import stages_of_rank
+from paratrain.pipeline.v_partition import v_balanced_boundaries
 from paratrain.placement import Partition, place
 
 
@@ -65,9 +66,15 @@ class PipelineSplit(Step):
         return f"pipeline stages {self.module.stages} of {len(self.bounds) - 1} ({self.method} partition)"
 
 
-def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | None = None) -> tuple[list[int], str]:
-    """Boundaries of `parts` stages by `partition` (a method name or the boundaries themselves)."""
+def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | None = None,
+                      placement: str = "loop") -> tuple[list[int], str]:
+    """Boundaries of `parts` stages by `partition` (a method name or the boundaries themselves). Under a "v"
+    placement the weights balance each rank's two chunks together (`v_partition.py`), not chunk by chunk."""
     n = len(pipe)
+
+    def cut(weights: list[float]) -> list[int]:
+        return v_balanced_boundaries(weights, parts // 2) if placement == "v" else balanced_boundaries(weights, parts)
+
     if parts > n:
         raise PartitionError(f"pipeline.stages x pipeline.virtual_stages = {parts} stages, but the model has only "
                              f"{n} layers; use at most {n} stages or split the model into more layers")
@@ -75,9 +82,9 @@ def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | 
         return check_manual(partition, n, parts), "manual"
     method = partition.lower()
     if method == "uniform":
-        return balanced_boundaries([1.0] * n, parts), method
+        return cut([1.0] * n), method
     if method == "parameters":
-        return balanced_boundaries([float(c) for c in parameter_counts(pipe.specs)], parts), method
+        return cut([float(c) for c in parameter_counts(pipe.specs)]), method
     if method == "balanced":
         if pipe.example_input is None:
             raise PartitionError("pipeline.partition 'balanced' profiles every layer on an example micro-batch: pass "
@@ -91,7 +98,7 @@ def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | 
             world = mesh.axis(AXES)
             comm.all_reduce(costs, world, tag="partition")
             costs /= world.size
-        return balanced_boundaries(costs.tolist(), parts), method
+        return cut(costs.tolist()), method
     raise PartitionError(f"unknown pipeline.partition {partition!r}; use one of {', '.join(METHODS)} or a list of "
                          f"stage boundaries")
 
@@ -105,7 +112,7 @@ def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, 
         raise PartitionError(f"PipelineModule(num_stages={pipe.num_stages}) disagrees with pipeline.stages = "
                              f"{stages}; set them equal (or leave num_stages out)")
     chosen = pipe.partition if pipe.partition is not None else partition
-    bounds, method = choose_boundaries(pipe, chosen, stages * virtual, mesh)
+    bounds, method = choose_boundaries(pipe, chosen, stages * virtual, mesh, placement)
     rank = mesh.local_rank("pp")
     mine = stages_of_rank(placement, rank, stages, virtual)
     chunks = []

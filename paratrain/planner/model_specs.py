@@ -39,7 +39,7 @@ from paratrain.models.llama import LlamaConfig
 from paratrain.models.llama_moe import PRESETS as LLAMA_MOE_PRESETS
 from paratrain.models.llama_moe import LlamaMoEConfig
 from paratrain.models.registry import preset_config
-from paratrain.pipeline.partition import balanced_boundaries
+from paratrain.pipeline.v_partition import v_balanced_boundaries
 from paratrain.planner.layout import V_SCHEDULES, Layout
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS, **LLAMA_MOE_PRESETS}
@@ -247,7 +247,7 @@ def stage_layers(n_layer: int, stages: int) -> list[int]:
 def rank_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
     """Transformer blocks a pp rank holds: `stage_layers` for the loop placement; under a V schedule those of
     its two chunks (rank and 2p - 1 - rank) in the pipeline's uniform split of the n_layer + 2 pipeline layers
-    (embedding, blocks, head) into 2p chunks, which leaves the outer chunks lighter."""
+    (embedding, blocks, head) into 2p chunks balanced per rank (`v_balanced_boundaries`)."""
     if layout.schedule not in V_SCHEDULES:
         return stage_layers(spec.n_layer, layout.pp)[rank]
     return _v_blocks(spec.n_layer, layout.pp)[rank]
@@ -255,7 +255,7 @@ def rank_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _v_blocks(n_layer: int, pp: int) -> tuple[int, ...]:
-    bounds = balanced_boundaries([1.0] * (n_layer + 2), 2 * pp)
+    bounds = v_balanced_boundaries([1.0] * (n_layer + 2), pp)
     per_chunk = [len(set(range(bounds[c], bounds[c + 1])) & set(range(1, n_layer + 1))) for c in range(2 * pp)]
     return tuple(per_chunk[r] + per_chunk[2 * pp - 1 - r] for r in range(pp))
 
