@@ -1,4 +1,5 @@
-"""Our DDP vs torch's DistributedDataParallel: same GPT, seed, data and fused AdamW with clipping."""
+"""Our DDP vs torch's DistributedDataParallel: same GPT, seed, data and fused AdamW with clipping. `shape`
+replaces the benchmark GPT's sizes (benchmarks/overhead.py's deep, narrow model)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,26 @@ from benchmarks.common import LocalBatches, Timer, bench_model, paratrain_optimi
 MICRO_BATCH = 8
 
 
-def paratrain_ddp(steps: int, warmup: int, bucket_cap_mb: float = 25.0) -> dict:
+def paratrain_ddp(steps: int, warmup: int, bucket_cap_mb: float = 25.0, shape: dict | None = None) -> dict:
     import paratrain
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
            "optimizer": paratrain_optimizer(), "data_parallel": {"bucket_cap_mb": bucket_cap_mb}}
-    model = bench_model()
+    model = bench_model(**(shape or {}))
     engine, *_ = paratrain.initialize(model=model, config=cfg)
-    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank(), seq_len=(shape or {}).get("seq_len"))
     timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     return timer.result(state_bytes=engine.memory_stats()["total"])
 
 
-def torch_ddp(steps: int, warmup: int, bucket_cap_mb: float = 25.0) -> dict:
+def torch_ddp(steps: int, warmup: int, bucket_cap_mb: float = 25.0, shape: dict | None = None) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = bench_model()
+    model = bench_model(**(shape or {}))
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
     opt = torch_adamw(model.parameters())
-    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank(), seq_len=(shape or {}).get("seq_len"))
 
     def step():
         x, y = next(batches)

@@ -54,16 +54,16 @@ BUCKET = {"reduce_bucket_size": 1_000_000, "allgather_bucket_size": 1_000_000}
 DEEPSPEED_BEST = {**BUCKET, "overlap_comm": True, "contiguous_gradients": True}
 
 
-def _paratrain(stage: int, steps: int, warmup: int, **options) -> dict:
+def _paratrain(stage: int, steps: int, warmup: int, shape: dict | None = None, **options) -> dict:
     import paratrain
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
            "optimizer": paratrain_optimizer(),
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                                  **(BUCKET if stage in (1, 2) else {}), **options}}
-    model = bench_model()
+    model = bench_model(**(shape or {}))
     engine, *_ = paratrain.initialize(model=model, config=cfg)
-    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank(), seq_len=(shape or {}).get("seq_len"))
     timer = Timer(warmup, record_setup(engine.optimizer, model, batches))
     timer.measure(steps, lambda: engine.train_batch(batches))
     return timer.result(state_bytes=engine.memory_stats()["total"], options=cfg["zero_optimization"])
@@ -95,15 +95,15 @@ def paratrain_zero1_free_grad_buckets(steps: int, warmup: int) -> dict:
     return _paratrain(1, steps, warmup, free_grad_buckets=True)
 
 
-def torch_fsdp2(steps: int, warmup: int, reshard_after_forward: bool = True) -> dict:
+def torch_fsdp2(steps: int, warmup: int, reshard_after_forward: bool = True, shape: dict | None = None) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    model = bench_model()
+    model = bench_model(**(shape or {}))
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
     opt = torch_adamw(model.parameters())
-    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank(), seq_len=(shape or {}).get("seq_len"))
 
     def step():
         x, y = next(batches)
@@ -127,18 +127,18 @@ def torch_fsdp2_keep_gathered(steps: int, warmup: int) -> dict:
     return torch_fsdp2(steps, warmup, reshard_after_forward=False)
 
 
-def _deepspeed(stage: int, steps: int, warmup: int) -> dict:
+def _deepspeed(stage: int, steps: int, warmup: int, shape: dict | None = None) -> dict:
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    model = bench_model()
+    model = bench_model(**(shape or {}))
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
               "optimizer": deepspeed_optimizer(), "steps_per_print": 10**9,
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                                     **(DEEPSPEED_BEST if stage in (1, 2) else {"overlap_comm": True})}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                       dist_init_required=False)
-    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank())
+    batches = LocalBatches(MICRO_BATCH, dist.get_world_size(), dist.get_rank(), seq_len=(shape or {}).get("seq_len"))
 
     def step():
         x, y = next(batches)
