@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from paratrain.models.gpt import GPT, PRESETS, GPTConfig
+from paratrain.models.gpt_spec import GPT_PLAN
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
-from paratrain.planner.model_specs import TP_PLAN, PlannerError, model_spec, spec_from_config, stage_layers
+from paratrain.planner.model_specs import PlannerError, model_spec, spec_from_config, stage_layers
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
 
@@ -23,10 +24,11 @@ def test_pieces_add_up_to_num_params(name):
 
 
 def _shard_of(name: str, param: torch.Tensor, tp: int) -> int:
-    """What one tp rank holds of `param` under TP_PLAN: colwise/vocab split everything, rowwise the weight."""
+    """What one tp rank holds of `param` under the GPT's own TP plan (the one training uses): colwise and vocab
+    styles split everything, rowwise the weight."""
     module = name.rsplit(".", 1)[0]
-    style = next((s for pattern, s in TP_PLAN.items() if fnmatch.fnmatch(module, pattern)), None)
-    if style in ("colwise", "vocab") or (style == "rowwise" and name.endswith("weight")):
+    style = next((s for pattern, s in GPT_PLAN.items() if fnmatch.fnmatch(module, pattern)), None)
+    if style in ("colwise", "colwise_vocab", "vocab") or (style == "rowwise" and name.endswith("weight")):
         return param.numel() // tp
     return param.numel()
 

@@ -9,6 +9,12 @@ from pydantic import Field, field_validator, model_validator
 from paratrain.config.section import Section
 from paratrain.errors import InvalidValueError
 
+# The pipeline schedules, named once: the config's choices, the runtime's builders (pipeline/actions.py) and
+# the planner's layouts all read these.
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SCHEDULES: tuple[str, ...] = ("zb-v", "dualpipev")  # two chunks per rank in a V: stages r and 2p - 1 - r
+ScheduleName = Literal[SCHEDULES]  # type: ignore[valid-type] (a Literal of the tuple's strings)
+
 
 class DataParallelConfig(Section):
     """paratrain's own DDP knobs. `size=-1` means world / (pp*cp*tp)."""
@@ -45,7 +51,7 @@ class PipelineConfig(Section):
 
     stages: int = Field(1, ge=1)
     """Pipeline ranks (p); 1 disables pipelining."""
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"] = "1f1b"
+    schedule: ScheduleName = "1f1b"
     """Order of forwards and backwards: gpipe, 1f1b, interleaved (virtual_stages chunks per rank), zb-h1 (split
     backward), zb-v and dualpipev (two chunks per rank in a V, split backward; dualpipev needs m >= 2p)."""
     micro_batches: int | None = Field(None, ge=1)

@@ -79,6 +79,7 @@ class FullyShardedDataParallel(GradSync):
         self.persistent: Unit | None = None
         self._slot: dict[nn.Parameter, tuple[Unit, FlatParam, int]] = {}
         self._order: list[Unit] = []  # units in the order the last forward ran them
+        self._place: dict[Unit, int] = {}  # each unit's index in _order
         self._recording: list[Unit] = []
         self._launched: list[Unit] = []  # units whose reduce-scatter is in flight, in launch order
         self._backward_pending = False
@@ -95,7 +96,7 @@ class FullyShardedDataParallel(GradSync):
                 for i, slot in enumerate(flat.layout.slots):
                     self._slot[slot.param] = (unit, flat, i)
                     slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
-        self._order = list(self.units)
+        self._set_order(list(self.units))
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
             unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
@@ -113,6 +114,12 @@ class FullyShardedDataParallel(GradSync):
         for unit in units[:self.prefetch_depth]:
             unit.gather()
 
+    def _set_order(self, order: list[Unit]) -> None:
+        """The units in the order the forward runs them, and each unit's place in it (a dict: finding a unit's
+        neighbours is O(1) per hook, not a scan of the order)."""
+        self._order = order
+        self._place = {unit: i for i, unit in enumerate(order)}
+
     def _root_pre_forward(self) -> None:
         self._recording = []
         for unit in (self.persistent, self.root):
@@ -126,9 +133,9 @@ class FullyShardedDataParallel(GradSync):
             return
         self._recording.append(unit)
         unit.wait()
-        if unit in self._order:
-            i = self._order.index(unit)
-            self._prefetch(self._order[i + 1:])
+        i = self._place.get(unit)
+        if i is not None:
+            self._prefetch(self._order[i + 1:i + 1 + self.prefetch_depth])
 
     def _post_forward(self, unit: Unit, output) -> None:
         if in_backward():
@@ -147,7 +154,7 @@ class FullyShardedDataParallel(GradSync):
 
     def _root_post_forward(self) -> None:
         if self._recording:
-            self._order = self._recording
+            self._set_order(self._recording)
         if not torch.is_grad_enabled():
             for unit in self._all_units():
                 unit.reshard()
@@ -155,9 +162,9 @@ class FullyShardedDataParallel(GradSync):
     # ---- backward ---------------------------------------------------------------------------------
     def _pre_backward(self, unit: Unit) -> None:
         unit.wait()
-        if unit in self._order:
-            i = self._order.index(unit)
-            self._prefetch(self._order[:i][::-1])
+        i = self._place.get(unit)
+        if i is not None:
+            self._prefetch(self._order[max(0, i - self.prefetch_depth):i][::-1])
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit, flat, i = self._slot[param]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from paratrain.config.parallel import SCHEDULES, V_SCHEDULES  # noqa: F401 (the names, re-exported)
 from paratrain.errors import Error
 
 
@@ -42,8 +43,6 @@ class ActionKind(Enum):
 
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W  # the short names the schedules are written in
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
-V_SCHEDULES = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2p - 1 - r
 
 
 def partial_backwards(name: str, stages: int, virtual: int) -> bool:

@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from paratrain.config.parallel import SCHEDULES, V_SCHEDULES
 from paratrain.mesh import AXES
-from paratrain.pipeline.schedules import V_SCHEDULES, partial_backwards
+from paratrain.pipeline.schedules import partial_backwards
 
 Precision = Literal["fp32", "bf16", "fp16"]
-Schedule = Literal["none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"]
+Schedule = Literal[("none", *SCHEDULES)]  # type: ignore[valid-type] (no pipeline, or a schedule's name)
 Recompute = Literal["none", "selective", "full"]
 CpMethod = Literal["ring", "ulysses", "usp"]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 CP_METHODS: tuple[str, ...] = ("ring", "ulysses", "usp")
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 

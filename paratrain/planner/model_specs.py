@@ -5,11 +5,12 @@ a 70B model is planned in microseconds. `GPTConfig.num_params()` is exact for `p
 split of those parameters into sharded and replicated parts follows the tensor-parallel plan below.
 
 [Note: the tensor-parallel split]
-Megatron's plan for a GPT block, which paratrain's TP plan follows (`TP_PLAN`): q, k, v and mlp.fc are
+Megatron's plan for a GPT block, which paratrain's TP plan follows (`models/gpt_spec.GPT_PLAN`): q, k, v and mlp.fc are
 column-parallel (weight and bias split over tp), attn.o and mlp.proj are row-parallel (weight split, bias
 replicated), layer norms are replicated. The token embedding is vocab-parallel and the head column-parallel
 over the vocabulary (vocab-parallel loss); the position embedding and the final norm are replicated.
-`tests/test_planner_model.py` checks these counts against a real `Block` with the plan's patterns.
+`tests/test_planner_model.py` checks these counts against a real `Block` with that plan's patterns (the planner keeps
+no copy of it).
 
 A Llama (`LlamaConfig`) is counted by its own shapes: q and o of n_head heads, k and v of n_kv_head heads,
 a three-matrix SwiGLU MLP, RMSNorm weights only, no biases, no position table, the head tied or not. Its
@@ -43,19 +44,6 @@ from paratrain.pipeline.v_partition import v_balanced_boundaries
 from paratrain.planner.layout import V_SCHEDULES, Layout
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS, **LLAMA_MOE_PRESETS}
-
-# Which parameters tensor parallelism splits (fnmatch patterns over GPT parameter names).
-TP_PLAN: dict[str, str] = {
-    "embed.tok": "vocab",
-    "blocks.*.attn.q": "colwise",
-    "blocks.*.attn.k": "colwise",
-    "blocks.*.attn.v": "colwise",
-    "blocks.*.attn.o": "rowwise",
-    "blocks.*.mlp.fc": "colwise",
-    "blocks.*.mlp.proj": "rowwise",
-    "head": "colwise",
-}
-
 
 class PlannerError(Error, ValueError):
     """A planning request that cannot be answered; the message names the flag and the fix."""
