@@ -19,6 +19,7 @@ import logging
 from paratrain.config.errors import ConfigError
 from paratrain.data.datasets import default_collate
 from paratrain.data.stream import Prefetcher, RowStream, StreamPosition, StreamRow
+from paratrain.errors import InvalidValueError
 
 log = logging.getLogger("paratrain")
 
@@ -72,7 +73,8 @@ class StreamLoader:
         """The padding share of the next global batch's rows (`sample_ids`: what next_global_batch gave)."""
         batch = self._take_global_batch()
         if [row.sample_id for row in batch] != list(sample_ids):
-            raise ValueError("padding_fraction takes the sample ids of the next global batch")
+            raise InvalidValueError("padding_fraction takes the sample ids of the next global batch (what "
+                                    "next_global_batch() gave), not those of another batch")
         return 1.0 - sum(row.real_tokens for row in batch) / (len(batch) * self.stream.seq_len)
 
     def __iter__(self) -> StreamLoader:  # endless, like next(DataParallelLoader): a stream has no fixed epoch
