@@ -133,12 +133,16 @@ class ColumnParallelLinear(nn.Module):
             offset += size
 
     def local_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's whole weight and bias (a packed projection's parts concatenated)."""
+        weights = self._weights()
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights, 1 if self.transposed else 0)
+        return weight, self._bias()
+
+    def _bias(self) -> torch.Tensor | None:
         if self.parts is None:
-            return self.weight, self.bias
-        dim = 1 if self.transposed else 0
-        weight = torch.cat([getattr(self, f"weight_{i}") for i in range(len(self.parts))], dim)
+            return self.bias
         biases = [getattr(self, f"bias_{i}", None) for i in range(len(self.parts))]
-        return weight, None if biases[0] is None else torch.cat(biases)
+        return None if biases[0] is None else torch.cat(biases)
 
     def _weights(self) -> list[nn.Parameter]:
         """The projection's weight, or its parts side by side (a packed projection)."""
@@ -165,8 +169,8 @@ class ColumnParallelLinear(nn.Module):
                 else copy_to_region(x, self.axis, ACTIVATION_TAG)  # (b, s, in)
         _check_width(x, self.in_features, self.name, "colwise", "its input must be the full (replicated) "
                      "features; a colwise layer cannot follow another colwise layer directly")
-        y = linear(x, self._weights(), self.local_weight_and_bias()[1] if self.parts else self.bias,
-                   transposed=self.transposed, dim=1 if self.transposed else 0)  # (b, s, out/tp)
+        y = linear(x, self._weights(), self._bias(), transposed=self.transposed,
+                   dim=1 if self.transposed else 0)  # (b, s, out/tp)
         if self.gather_output:
             y = gather_from_region(y, self.axis, -1, ACTIVATION_TAG)[..., :self.out_features]  # (b, s, out)
         return y
