@@ -99,7 +99,7 @@ class Engine(EngineCheckpoints, PipelineSteps, DeepSpeedEngineAPI):
                                                                        "coords": dict(mesh.coords)})
         self.loss_scaler = make_loss_scaler(config)  # fp16 only
         self._update = OptimizerUpdate(self.grad_sync, mesh, self.device, self.loss_scaler, config.nonfinite_loss)
-        self._grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None
         # "token" reduction: each window's losses and target counts, divided by the global count at the boundary
         self._window = LossWindow(mesh.axis(("dp", "cp")), self.device, token_loss=config.loss.reduction == "token"
                                   and self.parallel.spec.loss_is_token_mean(self.module))
@@ -224,6 +224,8 @@ class Engine(EngineCheckpoints, PipelineSteps, DeepSpeedEngineAPI):
         state = self.train_state
         update = self._update(self.lr_scheduler, self.gradient_clipping(), state.global_steps + 1, grad_scale)
         self._grad_norm = update.norm
+        if (state.global_steps + 1) % self.config.steps_per_print == 0:
+            self._update.check_nonfinite()
         self._step_applied = update.skipped is None
         state.global_steps += 1
         if update.skipped is not None:

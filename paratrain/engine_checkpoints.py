@@ -34,6 +34,7 @@ class EngineCheckpoints:
                                   f"(micro step {self.micro_steps}, {self.gradient_accumulation_steps()} per step): "
                                   f"call it after the step that ends the window")
         tag = tag if tag is not None else f"global_step{self.global_steps}"
+        self._update.check_nonfinite()  # never write parameters a NaN/inf step reached
         save_checkpoint(self.checkpoint_target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True
 

@@ -13,7 +13,6 @@ so nothing is summed there. The result is the one-process norm on every rank (to
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -43,7 +42,7 @@ def local_grad_sq(pieces: Iterable[GradPiece], model_axes: dict[str, int], devic
 
 
 def global_grad_norm(pieces: Iterable[GradPiece], mesh: Mesh, data_parallel: Axis, shards_gradients: bool,
-                     device: torch.device) -> float:
+                     device: torch.device) -> torch.Tensor:
     """The L2 norm of the full gradient (collective over the world; the same number on every rank).
 
     With experts split over ep (folded in the data-parallel axis) the data-parallel axis is summed over too,
@@ -61,12 +60,10 @@ def global_grad_norm(pieces: Iterable[GradPiece], mesh: Mesh, data_parallel: Axi
         all_reduce(local, data_parallel, tag="grad_norm")
     if axes:
         all_reduce(local, mesh.axis(axes), tag="grad_norm")
-    return math.sqrt(float(local))
+    return local.to(torch.float64).sqrt()  # a device tensor (float64, as math.sqrt of the float would be)
 
 
-def clip_factor(norm: float, max_norm: float) -> float:
-    """The factor that scales gradients of global norm `norm` to at most `max_norm` (1.0 when `max_norm` is 0,
-    clipping off, or the norm is already below it; torch's clip_grad_norm_ rule, with its 1e-6)."""
-    if max_norm <= 0.0:
-        return 1.0
-    return min(1.0, max_norm / (norm + 1e-6))
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that scales gradients of global norm `norm` to at most `max_norm` (1.0 when the norm is
+    already below it; torch's clip_grad_norm_ rule, with its 1e-6). A device tensor: no host read."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)

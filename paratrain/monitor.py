@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.moe.stats import RoutingStep, collect_routing, moe_layers
+from paratrain.moe.stats import RoutingStep, moe_layers, reduce_routing, take_routing
 
 log = logging.getLogger("paratrain")
 
@@ -148,15 +148,18 @@ class StepReporter:
     ranks would cost a collective per step). The engine hands in its losses; nothing is recorded unless a
     monitor is enabled.
 
-    With MoE layers in `module`, every optimizer step also collects their routing over `axis` (dp x cp): one
-    small all_reduce (tag "metrics") and one host copy per step, on every rank; `routing` keeps the last
-    step's. Without MoE layers nothing is collected.
+    With MoE layers in `module`, the steps that report routing reduce it over `axis` (dp x cp): one small
+    all_reduce (tag "metrics") and one host copy, on every rank: every step with a monitor on, every
+    `steps_per_print` step, and every step once `wants_routing` is set (the trainer's per-step rows). Other
+    steps only reset the layers' device totals (no host read); `routing` keeps the last reduced step's.
+    Without MoE layers nothing is collected.
     """
 
     def __init__(self, config, rank: int, module: torch.nn.Module | None = None, axis=None):
         self.rank0 = rank == 0
         self._moe = (module, axis) if module is not None and moe_layers(module) else None
         self.routing: RoutingStep | None = None
+        self.wants_routing = False
         self.monitor = Monitor(config.tensorboard, config.csv_monitor, rank)
         self.every = config.steps_per_print
         self.breakdown = config.wall_clock_breakdown
@@ -173,15 +176,18 @@ class StepReporter:
 
     def after_step(self, engine) -> None:
         times = engine.timings()
-        if self._moe is not None:  # a collective: every rank, every optimizer step
-            self.routing = collect_routing(*self._moe)
+        print_step = engine.global_steps % self.every == 0
+        if self._moe is not None:  # the same steps on every rank: the reduction is a collective
+            totals = take_routing(self._moe[0])
+            if self.monitor.enabled or print_step or self.wants_routing:
+                self.routing = reduce_routing(totals, self._moe[1])
         if self.monitor.enabled:
             self.monitor.write_events(self._events(engine, times))
             if self.routing is not None:
                 self.monitor.write_routing(engine.global_steps, engine.global_samples, self.routing)
         self._step_times = times
         self._steps_since_print += 1
-        if self.rank0 and engine.global_steps % self.every == 0:
+        if self.rank0 and print_step:
             log.info(self._line(engine, times))
 
     def _events(self, engine, times: dict[str, float]) -> list[tuple[str, float, int]]:

@@ -50,13 +50,22 @@ class LossScaleError(Error, RuntimeError):
 
 
 class NonFiniteLossError(Error, RuntimeError):
-    """bf16/fp32 with `nonfinite_loss: "stop"`: the loss or a gradient became NaN/inf."""
+    """bf16/fp32 with `nonfinite_loss: "stop"` or "stop_at_log": the loss or a gradient became NaN/inf."""
 
     @classmethod
     def at(cls, step: int, norm: float) -> NonFiniteLossError:
         return cls(f"step {step}: the global gradient norm is {norm}: the loss or a gradient became NaN/inf on some "
                    f"rank, and nothing was updated. Lower the learning rate, enable gradient_clipping, check the "
                    f"data, or set nonfinite_loss to \"skip\" to skip such steps")
+
+    @classmethod
+    def late(cls, step: int, norm: float) -> NonFiniteLossError:
+        """`nonfinite_loss: "stop_at_log"`: found at a log step or save, after that step's update."""
+        return cls(f"step {step}: the global gradient norm was {norm}: the loss or a gradient became NaN/inf on some "
+                   f"rank. With nonfinite_loss \"stop_at_log\" (no host read per step) that update and the ones "
+                   f"after it were applied, so the parameters are no longer finite and nothing was saved: resume from "
+                   f"the last checkpoint with a lower learning rate, gradient_clipping or fixed data, or set "
+                   f"nonfinite_loss to \"stop\" to stop before the update")
 
 
 class LossScaler:

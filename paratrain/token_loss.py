@@ -105,13 +105,13 @@ class LossWindow:
     def token_weighted(self) -> bool:
         return self.micro_batches > 0
 
-    def finish(self) -> tuple[torch.Tensor, float]:
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the global token mean loss, the factor the averaged gradients are multiplied by); one all-reduce
         over the axis. Resets the window."""
         both = torch.stack([self._sum, self._count])
         comm.all_reduce(both, self.axis, tag="loss")
         total, count = both[0], both[1].clamp(min=1.0)
-        grad_scale = self.axis.size / (float(count) * self.unit)
+        grad_scale = self.axis.size / (count * self.unit)  # a device tensor: the host never reads the count
         self._sum.zero_()
         self._count.zero_()
         self.micro_batches = 0

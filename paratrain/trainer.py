@@ -242,7 +242,7 @@ def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_p
            "loader_wait_s": loader.take_wait(), "epoch": epoch, "samples": samples}
     if padding is not None:
         row["padding_fraction"] = padding
-    routing = engine.moe_routing()  # MoE models: the step's routing, all dp x cp ranks (paratrain/moe/stats.py)
+    routing = engine.moe_routing()  # MoE: the step's routing over dp x cp (every step reduces it: _run_steps)
     if routing is not None:
         row.update(routing.row())
     if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == steps):
@@ -328,6 +328,7 @@ def _run_steps(engine, loader: TimedLoader, val_data, steps: range, tokens_per_s
     loss, padding and loader wait, the kept rows of a resumed run first."""
     rows = list(metrics.kept)
     every = engine.config.trainer.save_pretrained_every
+    engine.moe_routing()  # every row carries its step's routing: each step reduces it (MoE models only)
     for step in steps:
         row = _step(engine, loader, val_data, step, steps[-1], tokens_per_step)
         rows.append({k: row[k] for k in ("loss", "val_loss", "padding_fraction", "loader_wait_s") if k in row})

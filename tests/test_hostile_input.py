@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -184,13 +185,13 @@ def _batches(rank: int, poison: float, dtype: torch.dtype, steps: int = 4):
         yield x.to(dtype), y.to(dtype)
 
 
-def _nonfinite(policy: str, precision: str, poison: float) -> dict:
+def _nonfinite(policy: str, precision: str, poison: float, extra: dict | None = None) -> dict:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("paratrain").addHandler(handler)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "nonfinite_loss": policy, "zero_optimization": {"stage": 1 if precision == "bf16" else 0}}
+           "nonfinite_loss": policy, "zero_optimization": {"stage": 1 if precision == "bf16" else 0}, **(extra or {})}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine, *_ = paratrain.initialize(model=_Regression(), config=cfg)
@@ -225,6 +226,37 @@ def test_nonfinite_loss_is_skipped_or_stops_on_every_rank(world2, precision, poi
         assert r["error"] == message
         assert torch.equal(r["weights"][-1], r["weights"][1])  # the bad step changed nothing
     assert message in stopped[0]["log"]
+
+
+def _late_stop(tmp: str) -> dict:
+    """stop_at_log: step 2 is poisoned; step 3 (no log line due) runs; the save after it refuses to write."""
+    result = _nonfinite("stop_at_log", "fp32", float("nan"), {"steps_per_print": 100})
+    engine_error = None
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "nonfinite_loss": "stop_at_log", "steps_per_print": 100}
+    engine, *_ = paratrain.initialize(model=_Regression(), config=cfg)
+    data = _batches(engine.global_rank, float("nan"), torch.float32)
+    for _ in range(3):
+        engine.train_batch(data)
+    try:
+        engine.save_checkpoint(tmp)
+    except paratrain.NonFiniteLossError as exc:
+        engine_error = str(exc)
+    saved = os.listdir(tmp) if os.path.isdir(tmp) else []
+    return {**result, "save_error": engine_error, "saved": saved}
+
+
+def test_nonfinite_stop_at_log_reads_nothing_per_step_and_never_saves_the_result(world2, tmp_path):
+    runs = world2.run(_late_stop, str(tmp_path / "ckpt"))
+    for r in runs:
+        assert r["error"] is None and r["steps"] == 4  # no log step, no save: all four steps ran
+        assert not torch.isfinite(r["weights"][2]).all() and torch.isfinite(r["weights"][1]).all()
+        assert r["save_error"].startswith("step 2: the global gradient norm was nan: the loss or a gradient became "
+                                          "NaN/inf on some rank. With nonfinite_loss \"stop_at_log\"")
+        assert r["saved"] == []
+    logged = world2.run(_nonfinite, "stop_at_log", "fp32", float("nan"), {"steps_per_print": 3})
+    for r in logged:  # raised at the log step 3, naming step 2
+        assert r["error"].startswith("step 2: the global gradient norm was nan") and r["steps"] == 2, r["error"]
 
 
 # ---- malformed micro-batches and token ids -----------------------------------------------------------------

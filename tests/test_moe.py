@@ -208,7 +208,7 @@ def test_the_loss_adds_the_weighted_router_losses():
     aux = sum(m.last.aux_loss for m in moe) / len(moe)
     z = sum(m.last.z_loss for m in moe) / len(moe)
     assert loss.item() == pytest.approx(ce.item() + 0.5 * aux + 0.25 * z, rel=1e-5)
-    assert model.last_losses["aux_loss"] == pytest.approx(aux, rel=1e-6)
+    assert float(model.last_losses["aux_loss"]) == pytest.approx(aux, rel=1e-6)
 
 
 def test_full_activation_checkpointing_of_moe_blocks_keeps_loss_and_gradients():

@@ -33,7 +33,7 @@ class DeepSpeedEngineAPI:
     grad_sync: object
     parallel: object
     device: torch.device
-    _grad_norm: float | None
+    _grad_norm: torch.Tensor | None
     _step_applied: bool
     _times: dict[str, float]
 
@@ -170,8 +170,9 @@ class DeepSpeedEngineAPI:
         return [g["betas"] if "betas" in g else g.get("momentum", 0.0) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm (before clipping) of the last optimizer step."""
-        return self._grad_norm
+        """The global gradient norm (before clipping) of the last optimizer step (read from the device here,
+        not by the step)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 when no loss scaling is in use)."""
@@ -215,8 +216,11 @@ class DeepSpeedEngineAPI:
         return self.grad_sync.memory_stats()
 
     def moe_routing(self):
-        """The last optimizer step's MoE routing (`paratrain.moe.RoutingStep`: per layer, tokens per expert over
-        all dp x cp ranks, dropped choices, mean losses); None for a model without `MoELayer`s."""
+        """The MoE routing of the last step that reduced it (`paratrain.moe.RoutingStep`: per layer, tokens per
+        expert over all dp x cp ranks, dropped choices, mean losses); None for a model without `MoELayer`s.
+        Steps reduce it when they report it (a monitor on, every steps_per_print step); once this has been
+        called, every step does (one all-reduce and host copy per step: the hot path otherwise reads nothing)."""
+        self._reporter.wants_routing = True
         return self._reporter.routing
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -139,9 +139,7 @@ def _mask_targets(targets: torch.Tensor, docs: torch.Tensor | None, real: torch.
         keep[:, :-1] &= real[:, 1:]
     if docs is not None:
         keep[:, :-1] &= docs[:, 1:] == docs[:, :-1]
-    if bool(keep.all()):
-        return targets
-    return targets.masked_fill(~keep, IGNORE)
+    return targets.masked_fill(~keep, IGNORE)  # unconditionally: asking whether any is masked reads the device
 
 
 def _positions_arg(positions, ids: torch.Tensor) -> torch.Tensor | None:

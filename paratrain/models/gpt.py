@@ -161,22 +161,31 @@ class TokenIdError(Error, ValueError):
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int | None = None) -> None:
     """Raise a clear error for ids outside [0, vocab_size): an embedding would index out of range, and a
-    vocabulary split over tp would silently read zeros for them. One min/max reduction per micro-batch."""
+    vocabulary split over tp would silently read zeros for them. One reduction per call, never read by the host
+    while the ids are valid (the hot path has no host sync, tests/test_host_syncs.py)."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TokenIdError(f"GPT {what} must be an integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}; "
                            f"feed token ids (e.g. torch.long), not embeddings or probabilities")
     if ids.numel() == 0 or not vocab_size:
         return
     valid = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    allowed = f"[0, {vocab_size})" + (f" or {ignore_index}" if ignore_index is not None else "")
+    fix = "fix the dataset/tokenizer or build the GPT with a larger vocab_size"
+    try:  # no host read when the ids are valid: an accelerator asserts on the device with this message
+        torch._assert_async(((valid >= 0) & (valid < vocab_size)).all(),
+                            f"GPT {what} must lie in {allowed} (vocab_size = {vocab_size}): {fix}")
+    except RuntimeError:  # the CPU checks at once: name the first bad id
+        raise _out_of_vocabulary(ids, valid, vocab_size, what, allowed, fix) from None
+
+
+def _out_of_vocabulary(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int, what: str, allowed: str,
+                       fix: str) -> TokenIdError:
     low, high = (int(v) for v in torch.stack(torch.aminmax(valid)).tolist())
-    if low < 0 or high >= vocab_size:
-        allowed = f"[0, {vocab_size})" + (f" or {ignore_index}" if ignore_index is not None else "")
-        bad = ((valid < 0) | (valid >= vocab_size)).nonzero()[0].tolist()
-        where = f"row {bad[0]}, position {bad[1]}" if len(bad) == 2 else f"position {bad}"
-        raise TokenIdError(f"GPT {what} must lie in {allowed} (vocab_size = {vocab_size}), got values in [{low}, "
-                           f"{high}] (first at {where} of the micro-batch: {int(ids[tuple(bad)])}): the data does "
-                           f"not match the model's vocabulary; fix the dataset/tokenizer or build the GPT with a "
-                           f"larger vocab_size")
+    bad = ((valid < 0) | (valid >= vocab_size)).nonzero()[0].tolist()
+    where = f"row {bad[0]}, position {bad[1]}" if len(bad) == 2 else f"position {bad}"
+    return TokenIdError(f"GPT {what} must lie in {allowed} (vocab_size = {vocab_size}), got values in [{low}, "
+                        f"{high}] (first at {where} of the micro-batch: {int(ids[tuple(bad)])}): the data does not "
+                        f"match the model's vocabulary; {fix}")
 
 
 class TokenCrossEntropy(nn.Module):

@@ -172,7 +172,7 @@ class LlamaMoE(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_fn = TokenCrossEntropy()
-        self.last_losses: dict[str, float] = {}
+        self.last_losses: dict[str, torch.Tensor] = {}  # detached device scalars: read them only to log
         self.init_weights()
 
     @torch.no_grad()
@@ -184,7 +184,7 @@ class LlamaMoE(nn.Module):
         moe = [layer.losses for layer in self.model.layers if layer.losses is not None]
         aux = torch.stack([a for a, _ in moe]).mean()
         z = torch.stack([z for _, z in moe]).mean()
-        self.last_losses = {"aux_loss": float(aux.detach()), "z_loss": float(z.detach())}
+        self.last_losses = {"aux_loss": aux.detach(), "z_loss": z.detach()}
         return aux, z
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,

@@ -35,8 +35,8 @@ class DispatchPlan:
     slot: torch.Tensor  # (A,) int64: its row in the flattened buffer
     weight: torch.Tensor  # (A,): its combine weight (differentiable)
     counts: torch.Tensor  # (E,) int64: choices routed to each expert, before dropping
-    dropped: int  # choices beyond their expert's capacity
-    dropped_tokens: int  # tokens all of whose choices were dropped (only the residual carries them)
+    dropped: torch.Tensor  # int64 scalar: choices beyond their expert's capacity (on the device: no host read)
+    dropped_tokens: torch.Tensor  # int64 scalar: tokens all of whose choices were dropped (the residual carries them)
     expert: torch.Tensor | None = None  # (A,) int64: the expert of each kept choice (non-decreasing)
 
 
@@ -89,7 +89,7 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, num_experts: int
     slot = bucket[kept] * cap + position[keep]
     return DispatchPlan(num_experts=num_experts, capacity=cap * groups, num_tokens=tokens, token=token,
                         choice=flat_choice[kept], slot=slot, weight=flat_weight[kept], counts=counts,
-                        dropped=int((~keep).sum()), dropped_tokens=int((~carried).sum()),
+                        dropped=(~keep).sum(), dropped_tokens=(~carried).sum(),
                         expert=flat_expert[kept])
 
 

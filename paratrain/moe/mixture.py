@@ -13,7 +13,6 @@ all-to-alls of `paratrain/moe/exchange.py` between `dispatch` and `combine`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -34,18 +33,34 @@ class MoEOutput(NamedTuple):
     z_loss: torch.Tensor  # float32 scalar: router_z_loss of this forward's logits
 
 
-@dataclass
 class MoEStats:
-    """What the last forward routed (detached, for metrics)."""
+    """What the last forward routed (detached, for metrics). The scalars stay on the device until read: a
+    forward costs no host sync for them."""
 
-    counts: torch.Tensor  # (E,) int64: choices routed to each expert, before capacity
-    dropped: int  # choices beyond their expert's capacity (0 when dropless)
-    dropped_tokens: int  # tokens all of whose choices were dropped
-    capacity: int  # rows per expert in the dispatch buffer
-    aux_loss: float
-    z_loss: float
-    rows_sent: int = 0  # expert parallelism: token rows dispatched to other ranks (0 on one rank)
-    rows_received: int = 0  # and received from them
+    def __init__(self, counts: torch.Tensor, dropped: torch.Tensor, dropped_tokens: torch.Tensor, capacity: int,
+                 aux_loss: torch.Tensor, z_loss: torch.Tensor, rows_sent: int = 0, rows_received: int = 0):
+        self.counts = counts  # (E,) int64: choices routed to each expert, before capacity
+        self.capacity = capacity  # rows per expert in the dispatch buffer
+        self.rows_sent, self.rows_received = rows_sent, rows_received  # ep: token rows to/from other ranks
+        self._scalars = (dropped, dropped_tokens, aux_loss, z_loss)
+
+    @property
+    def dropped(self) -> int:
+        """Choices beyond their expert's capacity (0 when dropless)."""
+        return int(self._scalars[0])
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Tokens all of whose choices were dropped."""
+        return int(self._scalars[1])
+
+    @property
+    def aux_loss(self) -> float:
+        return float(self._scalars[2])
+
+    @property
+    def z_loss(self) -> float:
+        return float(self._scalars[3])
 
 
 class MoELayer(RoutedLayer):
@@ -138,6 +153,6 @@ class MoELayer(RoutedLayer):
             out = out + self.shared_experts(flat)
         record_forward(self, plan.counts, plan.dropped, aux, z)
         self.last = MoEStats(counts=plan.counts.detach(), dropped=plan.dropped, dropped_tokens=plan.dropped_tokens,
-                             capacity=plan.capacity, aux_loss=float(aux.detach()), z_loss=float(z.detach()),
+                             capacity=plan.capacity, aux_loss=aux.detach(), z_loss=z.detach(),
                              rows_sent=sent, rows_received=received)
         return MoEOutput(out.reshape(shape), aux, z)

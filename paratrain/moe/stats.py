@@ -7,7 +7,7 @@
 
 Each training forward of a `MoELayer` adds its counts, dropped choices and losses to `layer.step_totals`
 (`record_forward`), on the device, so gradient accumulation's and a pipeline's micro-batches all count and a
-forward costs no host sync for them (the `dropped` int is already on the host: dispatch.py computes it). Not
+forward costs no host sync for them. Not
 counted: forwards in eval mode, and the recompute of activation checkpointing (it runs inside backward; the
 forward it repeats was counted). `layer.last` still describes the last forward alone.
 
@@ -40,7 +40,7 @@ class StepTotals:
     """Running totals of one layer's training forwards since the last `take_routing`."""
 
     counts: torch.Tensor  # (E,) int64: choices routed to each expert, before capacity
-    dropped: int  # choices beyond capacity
+    dropped: torch.Tensor  # int64 scalar: choices beyond capacity
     aux_loss: torch.Tensor  # float32 scalar: the sum of the forwards' balancing losses
     z_loss: torch.Tensor  # float32 scalar: ... and of their z-losses
     forwards: int
@@ -102,14 +102,14 @@ class RoutingStep:
                 "moe_dropped": {name: layer.dropped for name, layer in self.layers.items()}}
 
 
-def record_forward(layer: nn.Module, counts: torch.Tensor, dropped: int, aux: torch.Tensor,
+def record_forward(layer: nn.Module, counts: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor,
                    z: torch.Tensor) -> None:
     """Add one forward's routing to `layer.step_totals` (training forwards only, not a recompute)."""
     if not layer.training or _in_backward():
         return
     totals = layer.step_totals
     if totals is None:
-        layer.step_totals = StepTotals(counts.detach().clone(), dropped, aux.detach().float().clone(),
+        layer.step_totals = StepTotals(counts.detach().clone(), dropped.clone(), aux.detach().float().clone(),
                                        z.detach().float().clone(), 1)
         return
     totals.counts += counts.detach()
@@ -138,8 +138,8 @@ def take_routing(module: nn.Module) -> dict[str, StepTotals]:
         if layer.step_totals is None:
             device = layer.gate.gate.weight.device
             zero = torch.zeros((), dtype=torch.float32, device=device)
-            layer.step_totals = StepTotals(torch.zeros(layer.num_experts, dtype=torch.int64, device=device), 0,
-                                           zero, zero.clone(), 0)
+            layer.step_totals = StepTotals(torch.zeros(layer.num_experts, dtype=torch.int64, device=device),
+                                           torch.zeros((), dtype=torch.int64, device=device), zero, zero.clone(), 0)
         totals[name], layer.step_totals = layer.step_totals, None
     return totals
 
@@ -153,7 +153,8 @@ def reduce_routing(totals: dict[str, StepTotals], axis: Axis | None = None) -> R
     for t in totals.values():
         device = t.counts.device
         parts += [t.counts.to(torch.float64), torch.stack([t.aux_loss, t.z_loss]).to(torch.float64),
-                  torch.tensor([t.dropped, t.forwards], dtype=torch.float64, device=device)]
+                  torch.stack([t.dropped.to(device=device, dtype=torch.float64),
+                               torch.tensor(float(t.forwards), dtype=torch.float64).to(device)])]
     flat = torch.cat(parts)
     if axis is not None:
         all_reduce(flat, axis, tag="metrics")

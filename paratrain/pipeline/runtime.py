@@ -110,6 +110,7 @@ class PipelineRunner:
         self.last_events: list = []
         self.last_peak_in_flight = 0
         self._shapes_known = False
+        self._token_weighted: bool | None = None  # the losses' kind, read from the first step
         self.last_schedule: Schedule = self.schedule
         # NCCL wants a group's first operation to involve all its ranks; p2p batches do not.
         comm.barrier(self.axis)
@@ -207,18 +208,25 @@ class PipelineRunner:
 
     def _step_loss(self, losses: list) -> StepLoss:
         """The step's losses on every pp rank: one all-reduce of (sum, weight, token-weighted, mixed) from the
-        last stage (the other stages add zeros); a step that mixed the two kinds fails on every rank at once."""
-        sums = torch.zeros(4, dtype=torch.float64)
+        last stage (the other stages add zeros); a step that mixed the two kinds fails on every rank at once.
+        Only the first step reads the kind on the host; later steps assert on the device that it held."""
         kinds = {token for _, _, token in losses}  # empty unless this rank holds the last stage
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for value, weight, _ in losses:
-            sums[0] += value.detach().double().cpu()
-            sums[1] += weight.detach().double().cpu()
-        sums[2], sums[3] = float(True in kinds), float(len(kinds) > 1)
-        comm.all_reduce(sums, self.axis, tag="metrics")
-        if sums[3] > 0:
-            raise RunError("a pipeline step mixed token-weighted losses with losses it can only average: feed every "
-                           "micro-batch in one form, or set loss.reduction to \"micro_batch\"")
-        return StepLoss(sums[0], sums[1], bool(sums[2] > 0))
+            sums += torch.stack([value.detach().double(), weight.detach().double().to(self.device)])
+        flags = torch.tensor([float(True in kinds), float(len(kinds) > 1)], dtype=torch.float64)
+        both = torch.cat([sums, flags.to(self.device)])
+        comm.all_reduce(both, self.axis, tag="metrics")
+        if self._token_weighted is None:
+            if both[3] > 0:
+                raise _mixed_losses()
+            self._token_weighted = bool(both[2] > 0)
+        else:
+            try:  # no host read: an accelerator asserts on the device
+                torch._assert_async((both[3] == 0) & ((both[2] > 0) == self._token_weighted), str(_mixed_losses()))
+            except RuntimeError:
+                raise _mixed_losses() from None
+        return StepLoss(both[0], both[1], self._token_weighted)
 
     def _learn_shapes(self, first: _Micro) -> None:
         was_training = self.module.training
@@ -352,3 +360,8 @@ def _last_gradient_actions(schedule: Schedule, rank: int) -> set[Action]:
         if a.kind in (B, W):
             last[(a.kind, a.stage)] = a
     return set(last.values())
+
+
+def _mixed_losses() -> RunError:
+    return RunError("a pipeline step mixed token-weighted losses with losses it can only average: feed every "
+                    "micro-batch in one form, or set loss.reduction to \"micro_batch\"")

@@ -217,17 +217,21 @@ def scalar_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Tr
     """The scalars of a step: the token-weighted loss's sum and target count over dp x cp (two fp64; from the
     last pipeline stage to every pp rank first: sum, weight and two flags, four fp64), the squared grad norm
     summed over pp x tp (and over dp x cp when ZeRO shards gradients or experts are split over ep; fp16's
-    overflow shows in that norm, so it adds nothing), and the MoE blocks' routing totals over dp x cp (per
-    block: the E expert counts, the two router losses, dropped choices and forwards, in fp64)."""
+    overflow shows in that norm, so it adds nothing). A step that reports MoE routing (a monitor on, a
+    steps_per_print step) adds `routing_transfer`; the others do not reduce it."""
     out = [Transfer(DP_CP, "all_reduce", 2, 8, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
     if layout.pp > 1:
         out.append(Transfer(("pp",), "all_reduce", 4, 8, 1, "scalar"))
     if layout.zero_stage >= 1 or layout.ep > 1:
         out.append(Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"))
-    if spec.moe:
-        blocks = moe_blocks(spec, layout, stage)
-        out.append(Transfer(DP_CP, "all_reduce", blocks * (spec.num_experts + 4), 8, 1, "scalar"))
     return out
+
+
+def routing_transfer(spec: ModelSpec, layout: Layout, stage: int = 0) -> Transfer:
+    """The MoE blocks' routing totals over dp x cp on a reporting step (per block: the E expert counts, the two
+    router losses, dropped choices and forwards, in fp64)."""
+    blocks = moe_blocks(spec, layout, stage)
+    return Transfer(DP_CP, "all_reduce", blocks * (spec.num_experts + 4), 8, 1, "scalar")
 
 
 def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
