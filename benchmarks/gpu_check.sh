@@ -42,7 +42,7 @@ timeout 170 python3 -m benchmarks.gpu_mfu --preset gpt-2.7b --micro-batch 8 --st
 timeout 150 python3 -m benchmarks.gpu_mfu --preset gpt-1.3b --precision autocast --plain --steps 10 --out "$RESULTS/mfu_gpt-1.3b_autocast_plain.json" 2>&1 | tail -45
 timeout 150 python3 -m benchmarks.gpu_mfu --preset gpt-1.3b --precision autocast --steps 10 --out "$RESULTS/mfu_gpt-1.3b_autocast.json" 2>&1 | tail -45
 # 2. The GPU path and GPU checkpoints (tests skipped on CPU machines).
-timeout 200 python3 -m pytest -o addopts="" -q -rfEs -p no:cacheprovider tests/test_gpu_path.py tests/test_checkpoint_gpu.py \
+timeout 200 python3 -m pytest -o addopts="" -q -rfEs -p no:cacheprovider tests/unit/test_gpu_path.py tests/distributed/test_checkpoint_gpu.py \
   2>&1 | tee "$OUT/gpu_tests.txt" | tail -40
 [ "$OUT" = "$RESULTS" ] || cp "$RESULTS"/mfu_*.json "$OUT"/ 2>/dev/null
 exit 0

@@ -1,4 +1,4 @@
-"""Multi-rank NCCL parity: the hybrid parity matrix of tests/test_hybrid.py on N GPUs, under torchrun.
+"""Multi-rank NCCL parity: the hybrid parity matrix of tests/distributed/test_hybrid.py on N GPUs, under torchrun.
 
     torchrun --nproc-per-node 8 -m benchmarks.gpu_parity --out benchmarks/results/gpu/parity_8gpu.json
     torchrun --nproc-per-node 2 -m benchmarks.gpu_parity --device cpu --out /tmp/p.json   # CPU smoke (gloo)
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from paratrain.testing.parity import TOLERANCE, compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
 from tests.cases import corpus_windows, tiny_gpt
-from tests.test_hybrid import MATRIX_4, MATRIX_8, STEPS, layout
+from tests.distributed.test_hybrid import MATRIX_4, MATRIX_8, STEPS, layout
 
 MATRIX_2 = [layout(dp=2, zero=stage) for stage in (0, 1, 2, 3)] + [
     layout(tp=2, sp=True), layout(pp=2), layout(pp=2, schedule="zb-h1"), layout(cp=2),

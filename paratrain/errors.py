@@ -8,7 +8,7 @@ provide), so `except ValueError` and the like keep working.
 Errors with no class of their own use the general ones below (`InvalidValueError`, `InvalidTypeError`,
 `RunError`, `MissingKeyError`); a built-in exception is raised bare only for Python's attribute protocol
 (`AttributeError`), a missing optional dependency (`ImportError`) and an unreachable branch
-(`tests/test_errors.py` holds the code to that).
+(`tests/unit/test_errors.py` holds the code to that).
 
 This module imports nothing from paratrain: it is the lowest layer, importable from anywhere.
 """

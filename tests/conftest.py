@@ -1,8 +1,9 @@
 """Shared fixtures: one spawned world per size for the whole session (spawning costs seconds per rank).
 
-Tests that start other processes carry the `multiprocess` marker (`pytest -m "not multiprocess"` runs the
-rest in seconds): those that use a world fixture get it here, the others (a World of their own, torchrun,
-a CLI or script in a subprocess) say so themselves.
+The suite has two lanes: `tests/unit/` starts no process (its conftest makes starting one fail), the fast
+lane (`pytest tests/unit`); `tests/distributed/` holds every file that starts other processes (a world
+fixture, a World of its own, torchrun, a CLI or script in a subprocess, data workers) and its tests carry the
+`multiprocess` marker. Shared helpers (cases.py, real_data.py, ...) stay here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ WORLD_FIXTURES = ("world1", "world2", "world4", "world8")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if any(name in WORLD_FIXTURES for name in getattr(item, "fixturenames", ())):
+        if "distributed" in item.path.parts or \
+                any(name in WORLD_FIXTURES for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.multiprocess)
 
 

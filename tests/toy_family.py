@@ -1,5 +1,5 @@
 """A throwaway model family, added through its model spec alone: everything paratrain needs to know about it is
-in this file (tests/test_model_spec.py trains it in every layout). Its names match no built-in family's: the
+in this file (tests/distributed/test_model_spec.py trains it in every layout). Its names match no built-in family's: the
 blocks are `trunk.*`, attention is `mix` with `wq/wk/wv/wo`, the MLP is `ffn.up/down`."""
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ _SGD = {"lr": NON_NEGATIVE, "momentum": NON_NEGATIVE, "weight_decay": NON_NEGATI
 _DEEPSPEED_OPTIMIZER_KEYS = ("adam_w_mode", "torch_adam")  # DeepSpeed's switches, read by build_optimizer
 
 # DeepSpeed's schedules (implemented in paratrain.optim, which sits above config): every param, and which are
-# required. tests/test_optim_params.py checks these against the classes' signatures.
+# required. tests/unit/test_optim_params.py checks these against the classes' signatures.
 _WARMUP = {"warmup_min_lr": NUMBER, "warmup_max_lr": optional(NUMBER), "warmup_num_steps": POSITIVE_INTEGER,
            "warmup_type": one_of("log", "linear"), "last_batch_iteration": INTEGER}
 DEEPSPEED_SCHEDULE_PARAMS: dict[str, tuple[dict[str, Kind], tuple[str, ...]]] = {

@@ -162,7 +162,7 @@ class TokenIdError(Error, ValueError):
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int | None = None) -> None:
     """Raise a clear error for ids outside [0, vocab_size): an embedding would index out of range, and a
     vocabulary split over tp would silently read zeros for them. One reduction per call, never read by the host
-    while the ids are valid (the hot path has no host sync, tests/test_host_syncs.py)."""
+    while the ids are valid (the hot path has no host sync, tests/distributed/test_host_syncs.py)."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TokenIdError(f"GPT {what} must be an integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}; "
                            f"feed token ids (e.g. torch.long), not embeddings or probabilities")

@@ -4,7 +4,7 @@
     result = plan(model_spec("gpt-7b"), gpus=64, global_batch=1024, hw=Hardware())
     best = result.ranked[0]          # .layout, .memory (bytes by kind), .time (seconds by part)
 
-Every formula is a pure function (tested in one process); `tests/test_planner_calibration.py` checks the
+Every formula is a pure function (tested in one process); `tests/distributed/test_planner_calibration.py` checks the
 predicted model-state bytes and communication against `engine.memory_stats()` / `engine.comm_stats()`.
 See docs/planner.md.
 """

@@ -1,8 +1,8 @@
 """Bytes per rank: model states (ZeRO formulas) and activations (Korthikanti et al. 2022).
 
 Model states come from the one estimator, `paratrain.zero.estimate_memory` (equal to what
-`engine.memory_stats()` measures, which tests/test_zero_counts.py asserts). Psi = parameters this rank's model
-piece has (after tensor/pipeline sharding), N = the ZeRO shard group (dp x cp), AdamW:
+`engine.memory_stats()` measures, which tests/distributed/test_zero_counts.py asserts). Psi = parameters this
+rank's model piece has (after tensor/pipeline sharding), N = the ZeRO shard group (dp x cp), AdamW:
                      fp32 (4+4+8 bytes)        bf16/fp16 mixed precision
   stage 0 (DDP)      16 Psi                    16 Psi          (2 + 2, fp32 master 4, moments 8)
   stage 1            8 Psi + 8 Psi/N           4 Psi + 12 Psi/N

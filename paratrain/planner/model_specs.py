@@ -9,8 +9,8 @@ Megatron's plan for a GPT block, which paratrain's TP plan follows (`models/gpt_
 column-parallel (weight and bias split over tp), attn.o and mlp.proj are row-parallel (weight split, bias
 replicated), layer norms are replicated. The token embedding is vocab-parallel and the head column-parallel
 over the vocabulary (vocab-parallel loss); the position embedding and the final norm are replicated.
-`tests/test_planner_model.py` checks these counts against a real `Block` with that plan's patterns (the planner keeps
-no copy of it).
+`tests/unit/test_planner_model.py` checks these counts against a real `Block` with that plan's patterns (the
+planner keeps no copy of it).
 
 A Llama (`LlamaConfig`) is counted by its own shapes: q and o of n_head heads, k and v of n_kv_head heads,
 a three-matrix SwiGLU MLP, RMSNorm weights only, no biases, no position table, the head tied or not. Its

@@ -5,7 +5,7 @@
 Each box is a unit of the layering contract in pyproject.toml (a subpackage, or a module at the package root),
 in its layer's row, top to bottom as the contract lists them; an arrow is an import from one unit to another
 (lazy imports inside functions included, found by grimp as import-linter finds them). An arrow that runs up a
-row, and a circle between two modules, would be drawn red; `lint-imports` and tests/test_import_cycles.py
+row, and a circle between two modules, would be drawn red; `lint-imports` and tests/unit/test_import_cycles.py
 keep there being none, and the summary line printed says how many were found.
 """
 

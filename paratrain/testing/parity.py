@@ -24,7 +24,7 @@ from paratrain.testing.compare import max_rel_diff, rel_diff
 from paratrain.testing.reference import RunRecord, reference_run
 
 # fp32 must match to rounding; bf16/fp16 runs are compared with a same-dtype reference, which they match only
-# to that dtype's rounding amplified by Adam (see tests/test_zero_parity.py's note on mixed precision).
+# to that dtype's rounding amplified by Adam (see tests/distributed/test_zero_parity.py's note on mixed precision).
 TOLERANCE = {"fp32": 1e-5, "bf16": 2.5e-2, "fp16": 2e-2}
 
 

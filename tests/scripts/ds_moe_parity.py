@@ -1,6 +1,7 @@
 """DeepSpeed's deepspeed.moe.layer.MoE and paratrain's, from the same weights, on the same input: prints one
-JSON line per case with the largest differences of output, l_aux, exp_counts and the gradients. Run in its
-own process (tests/test_deepspeed_compat.py): DeepSpeed's MoE needs a process group (a one-process gloo world).
+JSON line per case with the largest differences of output, l_aux, exp_counts and the gradients. Run in its own
+process (tests/distributed/test_deepspeed_compat.py): DeepSpeed's MoE needs a process group (a one-process gloo
+world).
 
 Only deterministic cases: DeepSpeed's random token selection and Gumbel sampling are off, and top-1 drops no
 tokens (without random selection DeepSpeed keeps a top-k of tied 0/1 scores, whose order torch leaves open)."""
