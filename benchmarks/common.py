@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.data import DataParallelSampler, TokenWindows, default_collate, load_corpus
+from paratrain.engine.monitor import peak_rss_bytes
 from paratrain.models import GPT
-from paratrain.monitor import peak_rss_bytes
 
 BENCH_MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=8, d_model=256, bias=False)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import BENCH_MODEL, LocalBatches, Timer, bench_model, paratrain_optimizer, record_setup
+from benchmarks.rank_agreement import decisive_agreement, kendall, ranks, spearman
 from benchmarks.suite import RESULTS, write_doc
 from paratrain.models import GPTConfig
 from paratrain.planner import Hardware, Layout, estimate_time, layout_config, spec_from_config
@@ -110,7 +111,7 @@ def calibrate_comm(repeats: int = 10) -> dict:
     compute, at three payloads (1 Ki, 32 Ki and 1 Mi floats): its seconds per call and payload bytes per
     second (`Hardware.op_costs`)."""
     import paratrain.comm as comm
-    from paratrain.mesh import ParallelDims
+    from paratrain.layout.mesh import ParallelDims
 
     small, big = torch.zeros(1), torch.zeros(SPEC.params)
     for t in (small, big):
@@ -185,51 +186,6 @@ def measure_layout(config: dict, steps: int, warmup: int) -> dict:
     return timer.result()
 
 
-def _ranks(values: list[float]) -> list[float]:
-    """1-based ranks, ties sharing their average rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        for k in range(start, end + 1):
-            out[order[k]] = (start + end) / 2 + 1
-        start = end + 1
-    return out
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Pearson correlation of the (tie-averaged) ranks."""
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    norm = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / norm if norm else 0.0
-
-
-def kendall(a: list[float], b: list[float]) -> float:
-    """Kendall's tau-b: concordant minus discordant pairs, ties neither, normalized for ties."""
-    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
-    signs = [((a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])) for i, j in pairs]
-    score = sum(x * y for x, y in signs)
-    untied_a, untied_b = sum(x != 0 for x, _ in signs), sum(y != 0 for _, y in signs)
-    return score / (untied_a * untied_b) ** 0.5 if untied_a and untied_b else 0.0
-
-
-def decisive_agreement(predicted: list[float], measured: list[float], margin: float = 0.05) -> tuple[int, int]:
-    """Among pairs the model separates by more than `margin`, how many the measurement orders the same way."""
-    agree = total = 0
-    for i in range(len(predicted)):
-        for j in range(i + 1, len(predicted)):
-            lo, hi = sorted((predicted[i], predicted[j]))
-            if hi > lo * (1 + margin):
-                total += 1
-                agree += (predicted[i] < predicted[j]) == (measured[i] < measured[j])
-    return agree, total
-
-
 def calibrate() -> tuple[Hardware, dict]:
     with World(1, timeout_s=900) as world:
         compute = world.run(calibrate_compute)[0]
@@ -279,7 +235,7 @@ def targets_met(result: dict) -> bool:
 
 
 def table(result: dict) -> str:
-    pr, mr = _ranks(result["predicted_s"]), _ranks(result["measured_s"])
+    pr, mr = ranks(result["predicted_s"]), ranks(result["measured_s"])
     hw = result["hardware"]
     lines = [f"Planner ranking of {len(pr)} layouts of one global batch ({GLOBAL_BATCH} x {SPEC.seq_len} "
              f"tokens, the benchmark GPT, fp32), {result['repeats']} repeats (each: calibrate, then every layout "

@@ -39,7 +39,7 @@ def micro_batches(stages: int) -> int:
 
 def _boundaries(stages: int, placement: str = "loop") -> list[int]:
     from paratrain.models import gpt_pipeline_module
-    from paratrain.pipeline.split import choose_boundaries
+    from paratrain.parallel.pp.split import choose_boundaries
 
     return choose_boundaries(gpt_pipeline_module(bench_model(**PP_MODEL)), "parameters", stages,
                              placement=placement)[0]
@@ -53,8 +53,8 @@ def _per_rank(value) -> list:
 
 def paratrain_pp(steps: int, warmup: int, schedule: str = "1f1b", virtual: int = 1, tp: int = 1) -> dict:
     import paratrain
-    from paratrain.pipeline.schedules import placement_of
-    from paratrain.pipeline.timeline import measured_bubbles
+    from paratrain.parallel.pp.schedules import placement_of
+    from paratrain.parallel.pp.timeline import measured_bubbles
 
     p = dist.get_world_size() // tp
     m = micro_batches(p)

@@ -151,8 +151,8 @@ def ring_case(median: int | None, repeats: int = 5) -> dict:
 
     from paratrain.attention import Documents
     from paratrain.comm import build_mesh
-    from paratrain.context_parallel.ring_attention import RingAttentionCore
-    from paratrain.mesh import ParallelDims
+    from paratrain.layout.mesh import ParallelDims
+    from paratrain.parallel.cp.ring_attention import RingAttentionCore
 
     mesh = build_mesh(ParallelDims(dist.get_world_size(), dp=1, cp=dist.get_world_size()))
     b, h, d, s = 2, 8, 64, 2048

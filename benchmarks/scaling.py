@@ -37,6 +37,7 @@ from benchmarks.common import (
     record_setup,
     run_case,
 )
+from benchmarks.scaling_plot import plot
 from benchmarks.suite import DOC, RESULTS, ROOT, machine
 from paratrain.models import GPTConfig, gpt_config
 from paratrain.planner.memory import ceil_div, model_state_bytes
@@ -180,38 +181,6 @@ def table(points: list[dict], key: str) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict], x_key: str, path: Path, xlabel: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    fig, (ax_time, ax_state) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for strategy in STRATEGIES:
-        mine = sorted((p for p in points if p["strategy"] == strategy and "skipped" not in p), key=lambda p: p[x_key])
-        xs = [p[x_key] for p in mine]
-        ax_time.plot(xs, [p["median_step_s"] * 1e3 for p in mine], marker="o", label=strategy)
-        ax_state.plot(xs, [p["state_bytes"] / MIB for p in mine], marker="o", label=strategy)
-    for ax, ylabel in ((ax_time, "median step time (ms)"), (ax_state, "model state / rank (MiB)")):
-        ax.set_xscale("log", base=2 if x_key == "world" else 10)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    if x_key == "world":
-        worlds = sorted({p["world"] for p in points})
-        for ax in (ax_time, ax_state):
-            ax.set_xticks(worlds, labels=[str(w) for w in worlds])
-    ax_state.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def findings(world_points: list[dict], size_points: list[dict]) -> str:
     """The sentences under the tables, computed from the measurement (no number is typed in by hand)."""
     a = {(p["strategy"], p["world"]): p for p in world_points if "skipped" not in p}
@@ -302,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     text = section(result, command + (" --quick" if args.quick else ""), "images" if not args.quick else str(out))
     print(text)
     if args.quick or not args.no_doc:
-        plot(curve_world, "world", images / "scaling_world.png", "world size (ranks)")
-        plot(curve_model, "params", images / "scaling_model.png", "parameters Ψ")
+        plot(curve_world, "world", images / "scaling_world.png", "world size (ranks)", STRATEGIES)
+        plot(curve_model, "params", images / "scaling_model.png", "parameters Ψ", STRATEGIES)
     if not args.quick and not args.no_doc:
         write_section(DOC, text)
     print(f"done in {result['seconds']} s; results in {out / 'scaling.json'}", file=sys.stderr)

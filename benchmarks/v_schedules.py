@@ -3,7 +3,7 @@ split, data and AdamW + clipping (`benchmarks/pp.py`), m = 2p micro-batches of 2
 every schedule at a given p.
 
 ZB-V and DualPipeV put two chunks on every rank (stages r and 2p - 1 - r), so the model is cut into 2p
-chunks (parameter counts balanced per rank: chunk r plus chunk 2p - 1 - r, `pipeline/v_partition.py`) where
+chunks (parameter counts balanced per rank: chunk r plus chunk 2p - 1 - r, `parallel/pp/v_partition.py`) where
 1F1B and ZB-H1 cut it into p stages. Each case reports each rank's measured bubble in the last step and the
 unit-slot bubble of its schedule; with PARATRAIN_BENCH_TIMELINES set to a directory rank 0 also writes the
 step's timeline there, which `paratrain report DIR/<schedule>_p<p>` draws. Two more cases run 1F1B and ZB-H1

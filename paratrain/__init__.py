@@ -9,20 +9,20 @@ from paratrain import (  # paratrain.zero.estimate_memory; DeepSpeed's comm/zero
     comm,
     models,  # registers the built-in model families' specs (GPT): checkpoint export --hf needs them
     moe,  # deepspeed.moe.layer.MoE
-    pipeline,
     zero,
 )
 from paratrain.api import add_config_arguments, from_pretrained, initialize, resolve_config, resolve_layout
 from paratrain.checkpoint import CheckpointError
 from paratrain.comm import CommStats, build_mesh
 from paratrain.config import Config, ConfigError, load_config
-from paratrain.data_parallel.dp import DataParallel
 from paratrain.distributed import init_distributed
-from paratrain.empty_init import init_empty
 from paratrain.engine import Engine
 from paratrain.errors import Error
-from paratrain.mesh import Mesh, ParallelDims
-from paratrain.pipeline import LayerSpec, PipelineModule
+from paratrain.init.empty import init_empty
+from paratrain.layout.mesh import Mesh, ParallelDims
+from paratrain.parallel import pp as pipeline  # deepspeed.pipe
+from paratrain.parallel.dp.dp import DataParallel
+from paratrain.parallel.pp import LayerSpec, PipelineModule
 from paratrain.precision import NonFiniteLossError
 from paratrain.version import __version__
 

@@ -14,10 +14,10 @@ from paratrain.config import Config, ConfigError, load_config, resolve_batch
 from paratrain.distributed import init_distributed, uses_cuda
 from paratrain.engine import Engine
 from paratrain.errors import InvalidValueError
-from paratrain.mesh import ParallelDims
+from paratrain.layout.mesh import ParallelDims
 from paratrain.model_spec import pretrained_for
 from paratrain.moe.layer import expert_parallel_size_of
-from paratrain.parallelize import check_supported
+from paratrain.parallel.parallelize import check_supported
 
 log = logging.getLogger("paratrain")
 

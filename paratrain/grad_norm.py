@@ -18,8 +18,8 @@ from collections.abc import Iterable
 import torch
 
 from paratrain.comm import all_reduce
-from paratrain.mesh import AXES, Axis, Mesh
-from paratrain.placement import Placement
+from paratrain.layout.mesh import AXES, Axis, Mesh
+from paratrain.layout.placement import Placement
 
 GradPiece = tuple[torch.Tensor, Placement]  # gradient elements, and the placement of their parameter
 

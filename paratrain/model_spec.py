@@ -18,7 +18,7 @@
   after_split       adjust modules that derived sizes from the full model, after tensor parallelism split it
   check             refuse, by name, a layout the family cannot take (e.g. a tp that does not divide its heads)
   init_module       the family's own initialization after construction, one module at a time (deferred
-                    initialization replays it on the meta device's modules, `paratrain.deferred`)
+                    initialization replays it on the meta device's modules, `paratrain.init.replay`)
   to_hugging_face   its state under Hugging Face's names (checkpoint export --hf)
   model_config      the model's own config as JSON data (a Hugging Face config.json): checkpoints store it
   pretrained_files  the files beside the weights that engine.save_pretrained writes (config.json)

@@ -2,7 +2,7 @@
 
 bf16 and fp16 both mean: the model's parameters, activations and gradients (and the gradient
 communication) are in the low-precision dtype; master weights and optimizer states are fp32 and belong to
-the data-parallel strategy (`data_parallel/zero.py`, `fsdp.py`), which casts the master into the model
+the data-parallel strategy (`parallel/dp/zero.py`, `fsdp.py`), which casts the master into the model
 after every step. Only fp16 needs a loss scale: its 5-bit exponent underflows small gradients, so the loss
 is multiplied by a large scale before backward and the gradients are divided by it before the update.
 

@@ -31,9 +31,9 @@ from paratrain.data import (
 )
 from paratrain.data.job import job_data
 from paratrain.distributed import init_distributed
+from paratrain.engine.monitor import peak_rss_bytes
 from paratrain.models import build_model
 from paratrain.models.hf_pretrained import build_empty, load_tokenizer
-from paratrain.monitor import peak_rss_bytes
 
 
 class MetricsWriter:

@@ -84,7 +84,7 @@ def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remot
     the meta device and `initialize()` materializes each rank's part of it, in any layout (not only stage 3).
     The group and config arguments are accepted and unused (the engine's config and mesh decide); arguments
     that would change the meaning are refused by name."""
-    from paratrain.empty_init import init_empty
+    from paratrain.init.empty import init_empty
 
     refused = {"module": module is not None, "remote_device": remote_device not in (None, "cpu", "none"),
                "mpu": mpu is not None, "dtype": dtype not in (None, torch.float32),

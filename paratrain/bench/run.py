@@ -47,7 +47,7 @@ def _timed_steps(total: int, warmup: int, one_step) -> tuple[list[float], list[f
 def engine_case(case: Case, model: str, steps: int, warmup: int) -> dict:
     """One rank of an engine case."""
     from paratrain.api import initialize
-    from paratrain.monitor import peak_rss_bytes
+    from paratrain.engine.monitor import peak_rss_bytes
 
     net = _model(model)
     params = sum(p.numel() for p in net.parameters())  # before parallelizing: TP and PP split in place
@@ -69,10 +69,10 @@ def threads_case(case: Case, model: str, steps: int, warmup: int, threads: int) 
     """The one-process DP case: `threads` replicas on CPU "devices", gradients summed by autograd."""
     from paratrain.config import OptimizerConfig
     from paratrain.data import DataParallelSampler, default_collate
-    from paratrain.data_parallel.base import optimizer_state_tensors, tensor_bytes
-    from paratrain.data_parallel.dp import DataParallel
-    from paratrain.monitor import peak_rss_bytes
+    from paratrain.engine.monitor import peak_rss_bytes
     from paratrain.optim import build_optimizer
+    from paratrain.parallel.dp.base import optimizer_state_tensors, tensor_bytes
+    from paratrain.parallel.dp.dp import DataParallel
 
     net = _model(model)
     wrapped = DataParallel(net, devices=["cpu"] * threads)

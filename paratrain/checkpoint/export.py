@@ -36,7 +36,7 @@ from paratrain.checkpoint.format import (
 from paratrain.checkpoint.load import PieceFiles
 from paratrain.checkpoint.reshard import Piece, coverage_problem, read_full
 from paratrain.checkpoint.state import tensor_keys
-from paratrain.mesh import AXES
+from paratrain.layout.mesh import AXES
 from paratrain.model_spec import ModelSpecError, spec_named
 
 

@@ -32,8 +32,8 @@ from paratrain.checkpoint.format import (
 from paratrain.checkpoint.reshard import Piece, coverage_problem, pieces_needed, read_region
 from paratrain.checkpoint.state import decode_state, restore_group_options, scalar_value
 from paratrain.checkpoint.target import CheckpointTarget
-from paratrain.mesh import AXES
-from paratrain.origin import Origin
+from paratrain.layout.mesh import AXES
+from paratrain.layout.origin import Origin
 
 log = logging.getLogger("paratrain")
 

@@ -25,9 +25,9 @@ import torch
 from paratrain.checkpoint.format import CheckpointError
 from paratrain.checkpoint.reshard import Piece, coverage_problem, read_full
 from paratrain.comm import all_gather_object, broadcast
-from paratrain.mesh import AXES, Mesh
-from paratrain.origin import Origin
-from paratrain.placement import Shard
+from paratrain.layout.mesh import AXES, Mesh
+from paratrain.layout.origin import Origin
+from paratrain.layout.placement import Shard
 
 
 @dataclass

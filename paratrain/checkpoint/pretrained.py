@@ -38,7 +38,7 @@ from paratrain.checkpoint.format import (
 from paratrain.checkpoint.pieces import agree_on_pieces, model_pieces
 from paratrain.checkpoint.reshard import Piece, read_full
 from paratrain.comm import all_gather_object, broadcast
-from paratrain.mesh import AXES
+from paratrain.layout.mesh import AXES
 from paratrain.model_spec import ModelSpecError
 
 INDEX = "model.safetensors.index.json"

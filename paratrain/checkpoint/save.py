@@ -45,7 +45,7 @@ from paratrain.checkpoint.pieces import HeldPiece, agree_on_pieces, model_pieces
 from paratrain.checkpoint.reshard import Piece, coverage_problem
 from paratrain.checkpoint.state import encode_state, group_options, scalar_entry
 from paratrain.checkpoint.target import CheckpointTarget
-from paratrain.mesh import AXES
+from paratrain.layout.mesh import AXES
 from paratrain.version import __version__
 
 log = logging.getLogger("paratrain")

@@ -21,8 +21,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from paratrain.config import Config
-from paratrain.mesh import Mesh
-from paratrain.parallelize import ParallelModel
+from paratrain.layout.mesh import Mesh
+from paratrain.parallel.parallelize import ParallelModel
 
 
 @runtime_checkable

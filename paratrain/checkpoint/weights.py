@@ -24,8 +24,8 @@ import torch
 
 from paratrain.checkpoint.format import CheckpointError
 from paratrain.comm import all_gather_object
-from paratrain.mesh import AXES, Mesh
-from paratrain.origin import Origin
+from paratrain.layout.mesh import AXES, Mesh
+from paratrain.layout.origin import Origin
 
 
 class WeightsError(CheckpointError):

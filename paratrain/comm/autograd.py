@@ -25,7 +25,7 @@ import torch
 
 from paratrain.comm.collectives import all_gather_into, all_reduce, all_to_all_rows, reduce_scatter_into
 from paratrain.errors import InvalidValueError
-from paratrain.mesh import Axis
+from paratrain.layout.mesh import Axis
 
 
 def _check_divisible(x: torch.Tensor, dim: int, axis: Axis, what: str) -> None:

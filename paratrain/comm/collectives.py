@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from paratrain.comm.guard import CommGuard
 from paratrain.errors import InvalidValueError
-from paratrain.mesh import Axis
+from paratrain.layout.mesh import Axis
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

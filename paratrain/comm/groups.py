@@ -1,4 +1,4 @@
-"""Creating the mesh's process groups: the collective step after the pure rank math of `paratrain.mesh`.
+"""Creating the mesh's process groups: the collective step after the pure rank math of `paratrain.layout.mesh`.
 
     mesh = build_mesh(ParallelDims(world_size, dp=2, tp=2))   # every rank, same dims
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from paratrain.comm.guard import CommGuard
 from paratrain.comm.stats import CommStats
-from paratrain.mesh import AXES, COMBINED_AXES, Axis, Mesh, MeshError, ParallelDims
+from paratrain.layout.mesh import AXES, COMBINED_AXES, Axis, Mesh, MeshError, ParallelDims
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu", stats=None, guard=None) -> Mesh:

@@ -1,2 +1,3 @@
-"""DeepSpeed compatibility: the engine accessors DeepSpeed scripts use (`engine_api.py`) and the names
-paratrain refuses with a replacement (`names.py`). See docs/deepspeed-compat.md."""
+"""DeepSpeed compatibility at the bottom layer: the DeepSpeed names paratrain refuses, with the replacement
+(`names.py`). The engine accessors DeepSpeed scripts call are `paratrain/engine/deepspeed_api.py`. See
+docs/deepspeed-compat.md."""

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from paratrain.config.section import Section
 from paratrain.errors import InvalidValueError
 
-# The pipeline schedules, named once: the config's choices, the runtime's builders (pipeline/actions.py) and
+# The pipeline schedules, named once: the config's choices, the runtime's builders (parallel/pp/actions.py) and
 # the planner's layouts all read these.
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES: tuple[str, ...] = ("zb-v", "dualpipev")  # two chunks per rank in a V: stages r and 2p - 1 - r

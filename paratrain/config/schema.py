@@ -37,7 +37,7 @@ from paratrain.config.training import (
     ZeroConfig,
 )
 from paratrain.errors import InvalidValueError
-from paratrain.mesh import ParallelDims
+from paratrain.layout.mesh import ParallelDims
 
 
 class Config(Section):

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 import paratrain.comm as comm
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.errors import Error
-from paratrain.mesh import AXES, Mesh
+from paratrain.layout.mesh import AXES, Mesh
 
 FIRST_STEPS = 1  # optimizer steps checked with batch_agreement "first_steps": the first one
 _WEIGHTS: dict[int, torch.Tensor] = {}

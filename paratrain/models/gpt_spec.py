@@ -7,7 +7,7 @@ from torch import nn
 
 from paratrain.model_spec import ModelSpec, register_model_spec
 from paratrain.models.gpt import GPT, init_module
-from paratrain.pipeline.module import PipelineModule
+from paratrain.parallel.pp.module import PipelineModule
 
 # Megatron's layout, with sequence parallelism starting after the embedding (token + position) and ending at
 # the head's all-gather.

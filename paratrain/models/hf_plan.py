@@ -35,7 +35,7 @@ from torch import nn
 from paratrain.model_spec import ModelSpecError
 from paratrain.models.hf import HFCausalLM, attention_modules
 from paratrain.models.hf_moe import moe_blocks
-from paratrain.tensor_parallel.plan import match
+from paratrain.parallel.tp.plan import match
 
 HF_STYLES = {
     "colwise": "colwise", "local_colwise": "colwise",

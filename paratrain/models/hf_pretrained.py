@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paratrain.empty_init import init_empty
+from paratrain.init.empty import init_empty
 from paratrain.model_spec import ModelSpecError, Pretrained
 
 CONFIG = "config.json"

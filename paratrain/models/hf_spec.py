@@ -24,7 +24,7 @@ from paratrain.models.hf_moe import check_moe_config, hf_expert_layers
 from paratrain.models.hf_plan import hf_tp_plan, localize_attention, supports_sequence_parallel
 from paratrain.models.hf_pretrained import load_pretrained, materialize_buffers
 from paratrain.moe.exchange import ExpertLayer
-from paratrain.pipeline.module import PipelineModule
+from paratrain.parallel.pp.module import PipelineModule
 
 
 class HFEmbedStage(nn.Module):

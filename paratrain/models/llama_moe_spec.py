@@ -14,7 +14,7 @@ from paratrain.config import ConfigError
 from paratrain.model_spec import register_model_spec
 from paratrain.models.llama_moe import LlamaMoE, init_moe_module
 from paratrain.models.llama_spec import LLAMA_PLAN, LlamaEmbedStage, LlamaFinalStage, LlamaSpec
-from paratrain.pipeline.module import PipelineModule
+from paratrain.parallel.pp.module import PipelineModule
 
 
 class MoEEmbedStage(LlamaEmbedStage):

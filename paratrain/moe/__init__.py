@@ -2,7 +2,7 @@
 (`dispatch.py`), experts as stacked parameters computed by batched matmuls (`experts.py`), the layer
 (`mixture.py`), its per-step routing metrics (`stats.py`), and DeepSpeed's `deepspeed.moe.layer.MoE`
 (`layer.py`, with `deepspeed.moe.utils`' param groups in `utils.py`). A building block below the strategies,
-like `paratrain.attention`; `exchange.py` holds the expert-parallel all-to-alls that `paratrain.expert_parallel`
+like `paratrain.attention`; `exchange.py` holds the expert-parallel all-to-alls that `paratrain.parallel.ep.split`
 sets up (docs/moe.md)."""
 
 from paratrain.moe import layer, utils

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import all_to_all_into, exchange_rows
-from paratrain.mesh import Axis
+from paratrain.layout.mesh import Axis
 from paratrain.moe.dispatch import DispatchPlan
 
 

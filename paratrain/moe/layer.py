@@ -1,7 +1,7 @@
 """DeepSpeed's `deepspeed.moe.layer.MoE`, for `import paratrain as deepspeed`: same arguments, same
 (output, l_aux, exp_counts), DeepSpeed's top-1 / top-2 gating (GShard), computed with paratrain's dispatch,
 batched experts and combine. `ep_size > 1` splits the experts over paratrain's one expert-parallel axis
-(`paratrain.expert_parallel`, through `MOELayer.expert_layer()`): the layers' ep_size becomes the config's
+(`paratrain.parallel.ep.split`, through `MOELayer.expert_layer()`): the layers' ep_size becomes the config's
 `expert_parallel.size` (`expert_parallel_size_of`), and each rank keeps E/ep_size experts.
 
 What DeepSpeed's gating does, and so this one (written from DeepSpeed's documentation and code, not copied):

@@ -7,7 +7,7 @@
 
 The layer returns its losses rather than adding them anywhere, so the model decides their coefficients (see
 `router.load_balancing_loss` and `router.router_z_loss` for the exact formulas). Expert parallelism
-(`paratrain.expert_parallel`, through `expert_layer()`) keeps a slice of `experts` along dim 0 and puts the
+(`paratrain.parallel.ep.split`, through `expert_layer()`) keeps a slice of `experts` along dim 0 and puts the
 all-to-alls of `paratrain/moe/exchange.py` between `dispatch` and `combine`.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from paratrain.comm import reduce_from_region
 from paratrain.errors import InvalidValueError
-from paratrain.mesh import Axis
+from paratrain.layout.mesh import Axis
 from paratrain.moe.dispatch import DispatchPlan, combine, combine_rows, dispatch, expert_capacity, plan_dispatch
 from paratrain.moe.exchange import ExpertGroup, ExpertLayer, expert_parallel_rows
 from paratrain.moe.experts import GroupedSwiGLU, SwiGLU
@@ -83,7 +83,7 @@ class MoELayer(RoutedLayer):
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.capacity_factor = capacity_factor
         self.group_size = group_size
-        # set by expert parallelism (paratrain.expert_parallel): which of the experts this rank holds
+        # set by expert parallelism (paratrain.parallel.ep.split): which of the experts this rank holds
         self.expert_parallel: ExpertGroup | None = None
         self.token_axes: list[Axis] = []  # axes whose ranks route other tokens of the same groups' sequences
         self.gate = Router(d_model, num_experts, top_k, score_func, norm_topk_prob, bias=router_bias)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import all_reduce
-from paratrain.mesh import Axis
+from paratrain.layout.mesh import Axis
 
 
 class RoutedLayer(nn.Module):

@@ -28,7 +28,7 @@ import functools
 from dataclasses import dataclass
 
 from paratrain.errors import InvalidValueError
-from paratrain.mesh import AXES
+from paratrain.layout.mesh import AXES
 
 GiB = 2**30
 

@@ -1,6 +1,6 @@
 """A layout: one way of running the model on N devices (mesh sizes, ZeRO stage, schedule, batch split, ...).
 
-The mesh naming mirrors `paratrain.mesh.build_mesh` exactly, because predicted communication is compared
+The mesh naming mirrors `paratrain.layout.mesh.build_mesh` exactly, because predicted communication is compared
 with `engine.comm_stats()`, which is keyed by those names.
 """
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from paratrain.config.parallel import SCHEDULES, V_SCHEDULES
-from paratrain.mesh import AXES
-from paratrain.pipeline.schedules import partial_backwards
+from paratrain.layout.mesh import AXES
+from paratrain.parallel.pp.schedules import partial_backwards
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal[("none", *SCHEDULES)]  # type: ignore[valid-type] (no pipeline, or a schedule's name)
@@ -39,7 +39,7 @@ class Layout:
     precision: Precision = "bf16"
     cp_method: CpMethod = "ring"
     ulysses_size: int = 1  # usp: the all-to-all degree inside cp (ring attention runs over cp / ulysses_size)
-    ep: int = 1  # expert parallelism, folded inside dp x cp (`paratrain.mesh.ParallelDims.expert_subgroups`)
+    ep: int = 1  # expert parallelism, folded inside dp x cp (`paratrain.layout.mesh.ParallelDims.expert_subgroups`)
 
     @property
     def world(self) -> int:

@@ -40,7 +40,7 @@ from paratrain.models.llama import LlamaConfig
 from paratrain.models.llama_moe import PRESETS as LLAMA_MOE_PRESETS
 from paratrain.models.llama_moe import LlamaMoEConfig
 from paratrain.models.registry import preset_config
-from paratrain.pipeline.v_partition import v_balanced_boundaries
+from paratrain.parallel.pp.v_partition import v_balanced_boundaries
 from paratrain.planner.layout import V_SCHEDULES, Layout
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS, **LLAMA_MOE_PRESETS}

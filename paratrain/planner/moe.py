@@ -1,6 +1,6 @@
 """Mixture of experts in the planner: expert parameters per rank, the ep all-to-all, the ep / edp wires.
 
-Expert parallelism is folded inside dp x cp (`paratrain.mesh.ParallelDims.expert_subgroups`): the members of
+Expert parallelism is folded inside dp x cp (`paratrain.layout.mesh.ParallelDims.expert_subgroups`): the members of
 a dp x cp group, in mesh order, form ep groups of ep consecutive members (they split every MoE block's
 experts, E/ep each, and exchange tokens) and edp groups of dp x cp / ep members (the same experts; expert
 gradients are reduced, and ZeRO-sharded, over edp). Dense parameters (attention, norms, embeddings,

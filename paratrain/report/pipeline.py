@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paratrain.pipeline.timeline import bubble_table, render_gantt
+from paratrain.parallel.pp.timeline import bubble_table, render_gantt
 
 
 def pipeline_report(run_dir: Path) -> str | None:

@@ -64,7 +64,7 @@ def test_kept_activations_are_the_planners_and_shrink_with_granularity(world2, t
 @contextlib.contextmanager
 def _without_stream_replay():
     """Activation checkpointing as if it did not know tensor parallelism's per-rank stream."""
-    import paratrain.activation_checkpointing as ac
+    import paratrain.parallel.recompute as ac
 
     original = ac._stream_contexts
     ac._stream_contexts = lambda streams: (contextlib.nullcontext(), contextlib.nullcontext())

@@ -11,8 +11,8 @@ import torch
 
 import paratrain
 from paratrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from paratrain.tensor_parallel import RNGTracker
-from paratrain.train_state import RandomState, TrainState
+from paratrain.engine.train_state import RandomState, TrainState
+from paratrain.parallel.tp import RNGTracker
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
 

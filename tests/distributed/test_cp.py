@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import paratrain
 from paratrain.config import ConfigError
-from paratrain.context_parallel import (
+from paratrain.parallel.cp import (
     SequenceSplitError,
     check_context_parallel,
     chunk_ids,
@@ -64,8 +64,8 @@ def test_model_checks_name_the_problem():
 # ---- ring attention against dense attention -----------------------------------------------------------
 def _ring_vs_dense(cp: int, kernel: str = "auto") -> dict:
     from paratrain.comm import build_mesh
-    from paratrain.context_parallel import ring_attention
-    from paratrain.mesh import ParallelDims
+    from paratrain.layout.mesh import ParallelDims
+    from paratrain.parallel.cp import ring_attention
 
     mesh = build_mesh(ParallelDims(dist.get_world_size(), cp=cp))
     axis = mesh.axis("cp")

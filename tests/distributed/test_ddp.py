@@ -74,7 +74,7 @@ def test_ddp_sends_one_all_reduce_of_psi_per_step(world2, bucket_cap_mb):
             continue
         grad = stats["dp"]["all_reduce"]["grad"]
         assert grad == {"calls": n_buckets, "elements": psi, "bytes": 4 * psi}
-        # and the token-weighted loss's sum and target count (paratrain.token_loss): two fp64 numbers
+        # and the token-weighted loss's sum and target count (paratrain.engine.token_loss): two fp64 numbers
         assert stats["dp"]["all_reduce"]["loss"] == {"calls": 1, "elements": 2, "bytes": 16}
         assert set(stats["dp"]["all_reduce"]) == {"grad", "loss"}
 
@@ -173,7 +173,7 @@ def _no_sync_and_manual_accumulation():
 
 def test_no_sync_communicates_nothing(world2):
     (first_a, inside_a, norms_a), (first_b, inside_b, norms_b) = world2.run(_no_sync_and_manual_accumulation)
-    # The engine's first token-weighted backward agrees once on its backprop unit (paratrain.token_loss): one
+    # The engine's first token-weighted backward agrees once on its backprop unit (paratrain.engine.token_loss): one
     # number; after that nothing at all.
     assert first_a == first_b == {"dp": {"all_reduce": {"loss_unit": {"calls": 1, "elements": 1, "bytes": 8}}}}
     assert inside_a == {} and inside_b == {}

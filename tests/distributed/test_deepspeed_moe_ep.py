@@ -212,7 +212,7 @@ def test_ep_size_refusals_before_any_process_group(monkeypatch):
         deepspeed.initialize(model=_two_layers(1, 1), config={**ds_config(2), "expert_parallel": {"size": 2}})
     from paratrain.api import resolve_config
     from paratrain.config import ConfigError
-    from paratrain.parallelize import parallelize
+    from paratrain.parallel.parallelize import parallelize
 
     with pytest.raises(ConfigError, match=r"'expert_parallel.size' = 1 but .* ep_size=2: set expert_parallel.size "
                                           r"to 2, or build the engine with paratrain.initialize"):

@@ -154,7 +154,7 @@ def test_a_tensor_no_initialization_reaches_is_refused_by_name_and_init_fn_fills
 
 def test_balanced_partition_is_refused_for_a_meta_model():
     from paratrain.models import gpt_pipeline_module
-    from paratrain.pipeline.split import PartitionError, choose_boundaries
+    from paratrain.parallel.pp.split import PartitionError, choose_boundaries
 
     with paratrain.init_empty():
         model = tiny_gpt()
@@ -174,8 +174,8 @@ def test_zero_init_refuses_what_it_cannot_honour():
 def test_the_template_is_the_meta_models_structure_with_tensors_of_its_own():
     """`template_of` copies the module tree and the tensors, shares the rest (configs, hook dicts), and points
     a plain attribute naming a registered tensor at the copy, as a deep copy would."""
-    from paratrain.deferred import template_of
-    from paratrain.empty_init import RNG_ATTRIBUTE
+    from paratrain.init.empty import RNG_ATTRIBUTE
+    from paratrain.init.replay import template_of
 
     with paratrain.init_empty():
         model = tiny_llama()

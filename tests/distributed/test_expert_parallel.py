@@ -138,7 +138,7 @@ def test_all_to_all_counted_and_starved_rank(world2):
 
 def _memory_and_checkpoint(directory: str) -> dict:
     from paratrain.api import initialize
-    from paratrain.data_parallel.base import is_expert
+    from paratrain.parallel.dp.base import is_expert
 
     engine, *_ = initialize(model=moe_model(), config=ep_config(2, 2, zero=1), training_data=corpus_windows())
     engine.train_batch()
@@ -181,7 +181,7 @@ def test_expert_state_per_rank_and_checkpoint_across_ep(world2, tmp_path):
 def _sharded_expert_state() -> dict:
     """dp4 with ep2 (edp = 2) under ZeRO-1 and ZeRO-3: the expert shards each rank holds, and its state."""
     from paratrain.api import initialize
-    from paratrain.data_parallel.base import is_expert
+    from paratrain.parallel.dp.base import is_expert
 
     out = {}
     for stage in (1, 3):

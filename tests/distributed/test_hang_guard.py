@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import paratrain
 from paratrain.comm import CollectiveTimeout, CommGuard, all_reduce
-from paratrain.mesh import Axis
+from paratrain.layout.mesh import Axis
 from paratrain.testing import World, WorldError
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 

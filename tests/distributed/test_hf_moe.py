@@ -83,7 +83,7 @@ def test_moe_blocks_stay_whole_in_the_tp_plan_and_dense_layers_keep_theirs(sourc
     """Qwen2-MoE with one dense layer (`mlp_only_layers`), the plan from its config or from the name rules."""
     from paratrain.model_spec import spec_for
     from paratrain.models import HFCausalLM
-    from paratrain.tensor_parallel.plan import resolve_plan
+    from paratrain.parallel.tp.plan import resolve_plan
 
     view = HFCausalLM(tiny_hf("qwen2_moe", mlp_only_layers=[dense]))
     if source == "names":

@@ -29,7 +29,7 @@ LAYOUTS = {"ddp": real_layout(1, 4), "zero1": real_layout(1, 4, zero=1), "zero2"
            "dp2·pp2 full ckpt": real_layout(2, 2, pp=2, ckpt="full")}
 # The batch's document structure, read once per micro-batch where attention needs it (on an accelerator these
 # come from the loader's host tensors), and the ring parts a row's documents leave empty (skipped).
-DOCUMENT_READS = ("data/micro_batch.py", "attention.py", "context_parallel/ring_masks.py")
+DOCUMENT_READS = ("data/micro_batch.py", "attention.py", "parallel/cp/ring_masks.py")
 EXPERT_READS = ("moe/exchange.py", "moe/dispatch.py")  # ep all-to-all row counts; a dropless buffer's width
 
 
@@ -99,7 +99,7 @@ def test_training_steps_read_nothing_back(world4):
             if case.startswith("masked") or case in ("engine api lean", "moe dropping ep1"):
                 assert sites == {}, where
             elif case == "engine api stop":  # one read of the norm per step, nothing else
-                assert list(sites.values()) == [2] and "paratrain/update.py:" in next(iter(sites)), where
+                assert list(sites.values()) == [2] and "paratrain/engine/update.py:" in next(iter(sites)), where
             elif case.startswith("moe"):
                 assert sites and _outside(sites, EXPERT_READS) == {}, where
             else:  # documents: only their structure is read, a bounded number of times per micro-batch

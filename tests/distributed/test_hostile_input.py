@@ -24,7 +24,7 @@ import paratrain
 from paratrain.config import ConfigError, load_config, resolve_batch
 from paratrain.data.batch_check import BatchChecker, BatchError
 from paratrain.launcher.hostfile import HostfileError, parse_hostfile
-from paratrain.tensor_parallel import PlanError, resolve_plan
+from paratrain.parallel.tp import PlanError, resolve_plan
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
 CONFIG = adamw_config(train_micro_batch_size_per_gpu=2, zero_optimization={"stage": 1})

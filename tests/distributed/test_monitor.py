@@ -102,7 +102,7 @@ def test_monitor_events_and_log_lines(world2, tmp_path):
 def test_tensorboard_path_when_installed(tmp_path):
     import_or_skip("tensorboard")
     from paratrain.config import load_config
-    from paratrain.monitor import Monitor
+    from paratrain.engine.monitor import Monitor
 
     cfg = load_config({"tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "tb"}})
     monitor = Monitor(cfg.tensorboard, cfg.csv_monitor, rank=0)

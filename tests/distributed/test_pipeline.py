@@ -11,9 +11,9 @@ import torch
 import paratrain
 from paratrain.cli import main as cli_main
 from paratrain.data import default_collate
-from paratrain.pipeline.schedules import build_schedule, stages_of_rank
-from paratrain.pipeline.timeline import measured_bubbles
-from paratrain.pipeline.validate import simulate
+from paratrain.parallel.pp.schedules import build_schedule, stages_of_rank
+from paratrain.parallel.pp.timeline import measured_bubbles
+from paratrain.parallel.pp.validate import simulate
 from paratrain.testing import max_rel_diff, rel_diff
 from paratrain.testing.reference import reference_run
 from tests.cases import adamw_config, corpus_windows, tiny_gpt

@@ -187,8 +187,8 @@ def test_pieces_check_names_the_tensor_and_the_step(bad):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_the_explanation_names_the_module_no_pattern_matched(sequence_parallel):
-    from paratrain.mesh import Axis
-    from paratrain.tensor_parallel.apply import AppliedPlan
+    from paratrain.layout.mesh import Axis
+    from paratrain.parallel.tp.apply import AppliedPlan
 
     plan = {"*.attn.[qkv]": "colwise", "*.attn.o": "rowwise", "*.norm": "sequence"}
     applied = AppliedPlan({"1.attn.q": "colwise"}, Axis("tp", (0, 1), 0, None), sequence_parallel, plan=plan)

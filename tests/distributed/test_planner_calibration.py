@@ -21,7 +21,7 @@ import torch
 
 import paratrain
 from paratrain.comm import build_mesh
-from paratrain.mesh import AXES, COMBINED_AXES, ParallelDims
+from paratrain.layout.mesh import AXES, COMBINED_AXES, ParallelDims
 from paratrain.models import GPTConfig
 from paratrain.models.registry import build_model, preset_config
 from paratrain.planner.comm import measured_without_calls, predict_comm

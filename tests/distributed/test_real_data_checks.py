@@ -76,9 +76,9 @@ def empty_parts(rows: torch.Tensor, cp: int, window: int | None) -> int:
 
 def _ring_against_whole_rows(window: int | None) -> dict:
     from paratrain.comm import build_mesh
-    from paratrain.context_parallel.ring_attention import RingAttentionCore
-    from paratrain.context_parallel.sharding import SequenceSplit
-    from paratrain.mesh import ParallelDims
+    from paratrain.layout.mesh import ParallelDims
+    from paratrain.parallel.cp.ring_attention import RingAttentionCore
+    from paratrain.parallel.cp.sharding import SequenceSplit
 
     mesh = build_mesh(ParallelDims(dist.get_world_size(), dp=1, cp=dist.get_world_size()))
     cp = mesh.axis("cp")

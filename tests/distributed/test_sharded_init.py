@@ -20,7 +20,7 @@ LAYOUTS = {"zero3": dict(zero_optimization={"stage": 3, "stage3_param_persistenc
 
 
 def _sharded_states() -> dict:
-    from paratrain import sharded_init
+    from paratrain.init import sharded as sharded_init
 
     sharded_init.BLOCK_NUMEL = BLOCK
     eager, *_ = paratrain.initialize(model=tiny_llama(), config=adamw_config(train_micro_batch_size_per_gpu=1))
@@ -47,7 +47,7 @@ def repeated_pairs(state: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
 
 
 def _one_rank_sharded(drop_the_name: bool) -> dict:
-    from paratrain import sharded_init
+    from paratrain.init import sharded as sharded_init
 
     sharded_init.BLOCK_NUMEL = BLOCK
     if drop_the_name:  # the broken variant the check must catch: one seed per block index for every tensor
@@ -73,7 +73,7 @@ def test_no_two_tensors_share_their_draws_and_a_seed_without_the_name_is_caught(
 
 def _linear_defaults() -> dict:
     """nn.Linear's own init (kaiming-uniform weights, fan-in bounded biases), drawn in row blocks."""
-    from paratrain import sharded_init
+    from paratrain.init import sharded as sharded_init
 
     sharded_init.BLOCK_NUMEL = BLOCK
     with paratrain.init_empty():

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from paratrain.layout.placement import Shard, placement_of
 from paratrain.models import GPT
-from paratrain.placement import Shard, placement_of
 from paratrain.testing import rel_diff
 from paratrain.testing.parity import layout_parity
 from tests.cases import STABLE_EPS, TINY, adamw_config, corpus_windows, tiny_gpt
@@ -302,9 +302,9 @@ def test_dropout_differs_inside_regions_and_agrees_outside(world2):
 # ---- the vocab-parallel loss on its own ---------------------------------------------------------------
 def _vocab_loss_vs_dense() -> dict:
     from paratrain.comm import build_mesh
-    from paratrain.mesh import ParallelDims
-    from paratrain.tensor_parallel import vocab_parallel_cross_entropy
-    from paratrain.tensor_parallel.layers import padded_size
+    from paratrain.layout.mesh import ParallelDims
+    from paratrain.parallel.tp import vocab_parallel_cross_entropy
+    from paratrain.parallel.tp.layers import padded_size
 
     mesh = build_mesh(ParallelDims(dist.get_world_size(), tp=dist.get_world_size()))
     axis = mesh.axis("tp")

@@ -32,7 +32,7 @@ def _config(cp: int, method: str, ulysses: int | None = None, dp: int = 1, tp: i
 def _core_against_dense(method: str, ulysses: int | None, kv_heads: int) -> dict:
     """Every rank's piece of the output and of the input gradients equals dense causal attention's (fp64)."""
     from paratrain.comm import build_mesh
-    from paratrain.context_parallel import RingAttentionCore, SequenceSplit, UlyssesAttentionCore
+    from paratrain.parallel.cp import RingAttentionCore, SequenceSplit, UlyssesAttentionCore
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "context_parallel": {
         "size": dist.get_world_size(), "method": method, "ulysses_size": ulysses}})
@@ -116,7 +116,7 @@ def test_ulysses_and_usp_layouts_train_like_one_process(world4):
 
 
 def test_heads_ulysses_cannot_split_are_refused_with_the_sizes_that_work():
-    from paratrain.parallelize import _check_model
+    from paratrain.parallel.parallelize import _check_model
 
     cfg = paratrain.resolve_config({"train_micro_batch_size_per_gpu": 1, "context_parallel": {
         "size": 4, "method": "ulysses"}, "tensor_parallel": {"size": 2}}, 8)

@@ -7,8 +7,8 @@ import pkgutil
 from pathlib import Path
 
 import paratrain
+from paratrain.parallel.tp import PlanError
 from paratrain.planner import PlannerError
-from paratrain.tensor_parallel import PlanError
 
 # Modules that need an optional dependency (matplotlib for pictures) are skipped only when it is missing.
 OPTIONAL = ("matplotlib",)
@@ -43,14 +43,14 @@ def test_each_error_keeps_its_builtin_base():
     found = _defined_exceptions()
     expected = {
         "paratrain.config.errors.ConfigError": ValueError,
-        "paratrain.tensor_parallel.layers.PlanError": ValueError,
+        "paratrain.parallel.tp.layers.PlanError": ValueError,
         "paratrain.planner.model_specs.PlannerError": ValueError,
-        "paratrain.mesh.MeshError": ValueError,
+        "paratrain.layout.mesh.MeshError": ValueError,
         "paratrain.compat.names.DeepSpeedNotSupported": AttributeError,
         "paratrain.checkpoint.format.CheckpointError": RuntimeError,
         "paratrain.comm.guard.CollectiveTimeout": RuntimeError,
         "paratrain.precision.NonFiniteLossError": RuntimeError,
-        "paratrain.data_parallel.base.UnusedParametersError": RuntimeError,
+        "paratrain.parallel.dp.base.UnusedParametersError": RuntimeError,
     }
     for name, base in expected.items():
         assert issubclass(found[name], base), name

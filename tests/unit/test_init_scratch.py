@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from paratrain.checkpoint.weights import read_box_range, rows_view
-from paratrain.deferred import Scratch, run_on_temporaries
-from paratrain.origin import Origin
+from paratrain.init.replay import Scratch, run_on_temporaries
+from paratrain.layout.origin import Origin
 
 
 def test_scratch_temporaries_are_disjoint_and_each_has_its_own_version_counter():

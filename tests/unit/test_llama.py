@@ -9,7 +9,7 @@ import torch
 import paratrain
 from paratrain.config import ConfigError
 from paratrain.models import LLAMA_PRESETS, Llama, LlamaConfig
-from paratrain.parallelize import _check_model
+from paratrain.parallel.parallelize import _check_model
 from tests.cases import import_or_skip, tiny_llama
 
 # Meta's published counts (the model cards; 405B: Llama 3.1).

@@ -2,7 +2,7 @@
 
 import pytest
 
-from paratrain.mesh import AXES, MeshError, ParallelDims
+from paratrain.layout.mesh import AXES, MeshError, ParallelDims
 
 
 def test_dp_minus_one_takes_the_rest():

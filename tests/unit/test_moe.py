@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain as deepspeed
-from paratrain.activation_checkpointing import checkpoint_activations
 from paratrain.config import ConfigError
 from paratrain.errors import Error
 from paratrain.model_spec import spec_for
@@ -28,6 +27,7 @@ from paratrain.moe import (
     plan_dispatch,
     router_z_loss,
 )
+from paratrain.parallel.recompute import checkpoint_activations
 
 
 # ---- router and losses ---------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from paratrain.activation_checkpointing import checkpoint_activations
 from paratrain.model_spec import spec_for
 from paratrain.models.llama_moe import LlamaMoE
 from paratrain.moe import collect_routing, reduce_routing, take_routing
+from paratrain.parallel.recompute import checkpoint_activations
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -6,7 +6,7 @@ import torch
 from paratrain.data import default_collate
 from paratrain.data.nested import tensors_in as _tensors
 from paratrain.data.nested import to_device as _to_device
-from paratrain.data_parallel.dp import _gather, _has_empty, _scatter
+from paratrain.parallel.dp.dp import _gather, _has_empty, _scatter
 
 MARKER = object()
 

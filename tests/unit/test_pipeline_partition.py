@@ -11,9 +11,9 @@ from torch import nn
 from paratrain.api import resolve_config
 from paratrain.config import ConfigError
 from paratrain.models import gpt_pipeline_module
-from paratrain.pipeline import LayerSpec, PipelineModule
-from paratrain.pipeline.partition import PartitionError, balanced_boundaries, parameter_counts
-from paratrain.pipeline.split import choose_boundaries, split_pipeline
+from paratrain.parallel.pp import LayerSpec, PipelineModule
+from paratrain.parallel.pp.partition import PartitionError, balanced_boundaries, parameter_counts
+from paratrain.parallel.pp.split import choose_boundaries, split_pipeline
 from tests.cases import tiny_gpt
 
 
@@ -42,7 +42,7 @@ def unbalanced_model() -> PipelineModule:
 def test_parameters_and_balanced_give_different_sensible_splits(monkeypatch):
     """The choice from given layer times (injected: a measured time depends on how busy the machine is, so no
     test asserts on one); the measurement itself is the next test."""
-    import paratrain.pipeline.split as split
+    import paratrain.parallel.pp.split as split
 
     model = unbalanced_model()
     counts = parameter_counts(model.specs)
@@ -59,7 +59,7 @@ def test_parameters_and_balanced_give_different_sensible_splits(monkeypatch):
 
 
 def test_the_profile_times_every_layer_forward_and_backward_once_per_repeat():
-    from paratrain.pipeline.partition import profile_layer_costs
+    from paratrain.parallel.pp.partition import profile_layer_costs
 
     calls = []
 
@@ -148,7 +148,7 @@ def test_v_chunks_balance_each_rank_against_brute_force():
     import itertools
     import random
 
-    from paratrain.pipeline.v_partition import rank_loads, v_balanced_boundaries
+    from paratrain.parallel.pp.v_partition import rank_loads, v_balanced_boundaries
 
     # the 6-block benchmark GPT by parameters: chunk-by-chunk balance gives rank 0 two blocks and rank 1 four
     weights = [0.1] + [1.0] * 6 + [0.1]

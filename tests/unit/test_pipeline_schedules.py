@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.pipeline.schedules import (
+from paratrain.parallel.pp.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
@@ -18,8 +18,8 @@ from paratrain.pipeline.schedules import (
     build_schedule,
     stages_of_rank,
 )
-from paratrain.pipeline.timeline import _unit_events
-from paratrain.pipeline.validate import check_schedule, simulate, theoretical_bubble, validate
+from paratrain.parallel.pp.timeline import _unit_events
+from paratrain.parallel.pp.validate import check_schedule, simulate, theoretical_bubble, validate
 
 GRID = [(name, p, m, v)
         for name, vs in [("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2]), ("zb-h1", [1])]

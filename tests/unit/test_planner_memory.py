@@ -121,8 +121,8 @@ def test_in_flight_micro_batches_per_schedule():
     for p, v in [(4, 2), (8, 4), (2, 2)]:  # Korthikanti et al. 4.2.3: p (1 + (p - 1)/(p v)) for stage 0
         assert in_flight(layout("interleaved", p, 4 * p, v), 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
     # The V schedules: what the validator's simulation holds at its peak, in whole stages (2 chunks each).
-    from paratrain.pipeline.schedules import build_schedule
-    from paratrain.pipeline.validate import simulate
+    from paratrain.parallel.pp.schedules import build_schedule
+    from paratrain.parallel.pp.validate import simulate
 
     for name, p, m in [("zb-v", 2, 4), ("zb-v", 4, 8), ("zb-v", 4, 16), ("dualpipev", 2, 4), ("dualpipev", 4, 8)]:
         peak = simulate(build_schedule(name, p, m, 2)).peak_in_flight

@@ -62,8 +62,8 @@ def test_pipeline_bubble_fraction(p, m):
     assert bubble_factor(replace(layout, schedule="interleaved", virtual_stages=2)) == pytest.approx((p - 1) / 2)
     # The V schedules: the simulator's idle slots per rank over one micro-batch's 6 chunk slots (F, B, W of two
     # chunks), the planner's unit of a stage's forward + backward.
-    from paratrain.pipeline.schedules import build_schedule
-    from paratrain.pipeline.validate import simulate
+    from paratrain.parallel.pp.schedules import build_schedule
+    from paratrain.parallel.pp.validate import simulate
 
     for name in ("zb-v", "dualpipev"):
         sim = simulate(build_schedule(name, p, m, 2))

@@ -10,10 +10,10 @@ from torch import nn
 
 import paratrain
 from paratrain.config import ConfigError
-from paratrain.mesh import Axis
+from paratrain.layout.mesh import Axis
+from paratrain.layout.placement import Shard, placement_of
 from paratrain.models import GPT_PLAN
-from paratrain.placement import Shard, placement_of
-from paratrain.tensor_parallel import (
+from paratrain.parallel.tp import (
     ColumnParallelLinear,
     PlanError,
     RNGTracker,
@@ -148,7 +148,7 @@ def test_a_packed_layer_keeps_its_share_of_every_part():
     with pytest.raises(PlanError, match=r"output parts \[4, 3, 1\]"):
         ColumnParallelLinear(linear, _fake_axis(0, 2), parts=(4, 3, 1))
     with pytest.raises(PlanError, match="only 'colwise' takes part sizes"):
-        paratrain.tensor_parallel.plan.check_plan_syntax({"a.b": "rowwise:4,4"})
+        paratrain.parallel.tp.plan.check_plan_syntax({"a.b": "rowwise:4,4"})
 
 
 def test_split_layers_name_themselves_when_fed_the_wrong_width():

@@ -1,0 +1,203 @@
+"""The contract between the engine and a data-parallel strategy (DDP, ZeRO-1/2, ZeRO-3).
+
+The engine never looks inside a strategy: it tells it when a backward is about to run (and whether it
+ends a gradient-accumulation window), asks it to finish gradient reduction, for its gradients (the engine
+computes the global norm from them, `paratrain.grad_norm`), to scale gradients (clipping), to step, and to
+zero gradients. Each strategy owns where gradients and optimizer states live, which is the whole difference
+between DDP and the ZeRO stages. A strategy is given one axis, the one it averages gradients over, and
+knows nothing of the model-parallel axes: what they did is recorded on the parameters (`paratrain.layout.placement`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import paratrain.comm as comm
+from paratrain.errors import Error
+from paratrain.layout.mesh import Axis
+from paratrain.layout.placement import Placement, placement_of
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+class UnusedParametersError(Error, RuntimeError):
+    """Parameters that took part in no backward of a step (every data-parallel strategy raises this one)."""
+
+    @classmethod
+    def naming(cls, missing: list[str]) -> UnusedParametersError:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        return cls(f"{len(missing)} parameter(s) received no gradient in this step: {shown}. Either use them in "
+                   f"the forward pass, freeze them (requires_grad=False), or set data_parallel."
+                   f"allow_unused_parameters to true")
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Split over the ep axis (an MoE layer's stacked experts): reduced over the expert-data-parallel axis."""
+    return placement_of(param).get("ep") is not None
+
+
+def broadcast_module_state(module: nn.Module, axis: Axis, src: int = 0, buffers: bool = True,
+                           expert_axis: Axis | None = None) -> None:
+    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype (experts:
+    over `expert_axis`, the ranks that hold the same experts)."""
+    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
+    by_dtype: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, expert_axis is not None and is_expert(t)), []).append(t)
+    with torch.no_grad():
+        for (_, expert), group in sorted(by_dtype.items(), key=lambda item: (str(item[0][0]), item[0][1])):
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            comm.broadcast(flat, expert_axis if expert else axis, src=src, tag="init")
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def weak_hook(method):
+    """`method` (bound) as a tensor hook that does not keep its object alive.
+
+    [Note: why weak] A parameter's hooks live in a dict the garbage collector cannot see through, so a
+    bound method there makes the cycle parameter -> hook -> strategy -> parameter unbreakable: every engine
+    built in a process would live on with its buffers and process groups (whose threads keep waking). With
+    a weak reference the strategy dies with its engine; a hook that outlives it does nothing.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return hook
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer are counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    # Scalar step counters are bookkeeping, not model state; the formulas count the moments only.
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def placement_spans(tensors: list[tuple[int, int, Placement]]) -> list[tuple[int, int, Placement]]:
+    """Merge consecutive (start, end, placement) ranges of one flat buffer that share a placement, so the
+    gradient norm reads the buffer in as few pieces as possible (one, when its parameters share one placement)."""
+    out: list[tuple[int, int, Placement]] = []
+    for start, end, placement in tensors:
+        if out and out[-1][2] == placement and out[-1][1] == start:
+            out[-1] = (out[-1][0], end, placement)
+        else:
+            out.append((start, end, placement))
+    return out
+
+
+@dataclass(frozen=True)
+class MasterSegment:
+    """Part of a local parameter held in one of the optimizer's tensors (a master): elements [start, end) of
+    the flattened parameter are elements [offset, offset + end - start) of the flattened master."""
+
+    name: str  # the parameter's name in the local module
+    start: int
+    end: int
+    offset: int
+
+
+class GradSync(ABC):
+    """A data-parallel strategy: owns gradient reduction, optimizer placement and the update."""
+
+    def __init__(self, module: nn.Module, axis: Axis, expert_axis: Axis | None = None):
+        self.module = module
+        # Gradients are averaged over this axis: every rank of it saw different data (the engine passes dp x
+        # cp: context-parallel ranks saw other tokens of the same samples). The strategy knows no other axis.
+        self.axis = axis
+        # Parameters split over ep (experts) are summed over this one instead (edp: the ranks holding the same
+        # experts), and still divided by the size of `axis` (`paratrain.parallel.ep.split` says why).
+        self.expert_axis = expert_axis
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def axis_of(self, param: torch.Tensor) -> Axis:
+        """The axis `param`'s gradient is reduced (and, under ZeRO, sharded) over."""
+        return self.expert_axis if self.expert_axis is not None and is_expert(param) else self.axis
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    @abstractmethod
+    def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
+        """Create the optimizer over whatever this strategy updates (full params, or this rank's shard)."""
+
+    @abstractmethod
+    def prepare_backward(self, sync: bool) -> None:
+        """Called before each backward; `sync` is True when it ends a gradient-accumulation window."""
+
+    @abstractmethod
+    def finish_gradients(self) -> None:
+        """After the last backward of a window: complete every reduction; gradients are then averaged."""
+
+    @abstractmethod
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
+        """Every gradient element this rank holds once, in pieces with the placement of their parameters
+        (for the global norm, `paratrain.grad_norm`); valid between finish_gradients and zero_grad."""
+
+    @property
+    @abstractmethod
+    def shards_gradients(self) -> bool:
+        """True when the ranks of `self.axis` hold disjoint slices of the averaged gradient (ZeRO)."""
+
+    @abstractmethod
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient this rank holds by `factor` (clipping, loss-scale removal)."""
+
+    @abstractmethod
+    def optimizer_step(self) -> None:
+        """Apply the update to the model's parameters (and re-assemble them if they are sharded)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Start a new accumulation window."""
+
+    @abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds: params, grads, optimizer_state, total, and how much of it is on the host
+        (offloaded) vs the device."""
+
+    # ---- checkpoint hooks (paratrain/checkpoint reads and writes through these only) --------------
+    @abstractmethod
+    def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
+        """Every tensor the optimizer updates (its key in `optimizer.state`) with the parameter ranges it
+        holds. Masters are fp32 (or the model's dtype where the model is its own master); a range of a
+        master and the same range of each of its tensor optimizer states belong to the same parameter."""
+
+    @property
+    @abstractmethod
+    def masters_replicated(self) -> bool:
+        """True when every rank of `self.axis` holds the same masters (DDP, unsharded stage 0)."""
+
+    @abstractmethod
+    def masters_loaded(self) -> None:
+        """The masters were overwritten (a checkpoint was loaded): make the model's parameters equal to
+        them (collective over `self.axis` where parameters are gathered) and start a new window."""
+
+    # ---- shared behaviour ------------------------------------------------------------------------
+    def wait_for_params(self) -> None:  # noqa: B027 - only ZeRO-1/2 defer a write to the parameters
+        """Complete whatever still writes the model's parameters (ZeRO-1/2's all-gather after the update runs
+        behind the next forward): afterwards every parameter holds its updated value. Reads through the
+        modules wait by themselves; this is for a parameter tensor held from before the step."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded parameters and buffers under their original names (a copy, on every rank)."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

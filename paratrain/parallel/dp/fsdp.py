@@ -1,0 +1,307 @@
+"""ZeRO stage 3 / FSDP: parameters, gradients and optimizer states all sharded over the dp axis.
+
+The model is changed in place (FSDP2-style: every module and parameter keeps its identity, no wrapper):
+each unit's parameters become views of a flat buffer (`fsdp_units.FlatParam`) whose storage exists only
+while the unit is in use. Per micro-step:
+
+  root pre-forward   gather the root unit (and the persistent one, if stale); prefetch the first unit
+  unit pre-forward   wait for / start its all-gather, prefetch the next `prefetch_depth` units
+  unit post-forward  free it (`reshard_after_forward`), hook its outputs for the backward
+  unit pre-backward  gather it again, prefetch the unit before it in forward order
+  unit post-backward (every parameter's gradient accumulated) reduce-scatter its gradients toward the
+                     fp32 gradient shard and free it
+Reductions are collected at the next backward or at the step, so they overlap what follows. The update
+touches only the shards; nothing is gathered after the step (the next forward gathers). With
+`reduce_at_boundary` a unit's gradients stay staged (unsharded, accumulating) through the micro-steps of a
+window and only the window's last backward reduce-scatters them.
+
+[Note: the root is not freed after forward]
+The root's backward starts as soon as its forward ends (the loss), so freeing it would only regather it
+at once; FSDP2 keeps the root gathered for the same reason. Per optimizer step the root unit therefore
+moves one all-gather, every other unit two: all-gather elements = 2 Ψ_units + Ψ_root (exactly 2Ψ when the
+root owns no parameters), reduce-scatter = Ψ, both padded to a multiple of N per flat buffer.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from paratrain.data.nested import tensors_in
+from paratrain.errors import RunError
+from paratrain.layout.mesh import Axis
+from paratrain.layout.placement import Placement
+from paratrain.parallel.dp.base import (
+    GradSync,
+    MasterSegment,
+    OptimizerFactory,
+    UnusedParametersError,
+    broadcast_module_state,
+    optimizer_state_tensors,
+    tensor_bytes,
+    weak_hook,
+)
+from paratrain.parallel.dp.flat import (
+    OffloadPolicy,
+    cast_untracked,
+    gather_master,
+    optimizer_groups,
+    state_with_gathered,
+)
+from paratrain.parallel.dp.fsdp_units import FlatParam, Unit, WrapPolicy, build_units, config_wrap_policy, in_backward
+from paratrain.precision import compute_dtype
+
+
+class FullyShardedDataParallel(GradSync):
+    def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", offload: OffloadPolicy | None = None,
+                 wrap_policy: WrapPolicy | None = None, reshard_after_forward: bool = True,
+                 persistence_threshold: int = 100_000, prefetch_depth: int = 1,
+                 allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
+                 reduce_at_boundary: bool = False, sync_initial_state: bool = True, expert_axis: Axis | None = None):
+        super().__init__(module, axis, expert_axis)
+        self.reduce_at_boundary = reduce_at_boundary
+        self.pre_divide = predivide_factor
+        self.post_divide = self.axis.size / predivide_factor
+        self.dtype = compute_dtype(precision)
+        self.offload = offload or OffloadPolicy(torch.device("cpu"))
+        self.wrap_policy = wrap_policy or config_wrap_policy(module, None, None)
+        self.reshard_after_forward = reshard_after_forward
+        self.persistence_threshold = persistence_threshold
+        self.prefetch_depth = prefetch_depth
+        self.allow_unused = allow_unused_parameters
+        if sync_initial_state:  # False: meta parameters, filled shard by shard later (deferred init)
+            broadcast_module_state(module, self.axis, expert_axis=expert_axis)
+        self.root: Unit | None = None
+        self.units: list[Unit] = []  # non-root units, in module order
+        self.persistent: Unit | None = None
+        self._slot: dict[nn.Parameter, tuple[Unit, FlatParam, int]] = {}
+        self._order: list[Unit] = []  # units in the order the last forward ran them
+        self._place: dict[Unit, int] = {}  # each unit's index in _order
+        self._recording: list[Unit] = []
+        self._launched: list[Unit] = []  # units whose reduce-scatter is in flight, in launch order
+        self._backward_pending = False
+        self._reducing = True  # the running backward reduce-scatters (False: reduce_at_boundary, mid-window)
+        self._first_in_window = True
+
+    # ---- sharding (needs the param groups, so it happens with the optimizer) ---------------------
+    def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
+        self.root, self.units, self.persistent, groups = build_units(
+            self.module, self.wrap_policy, self.persistence_threshold, param_groups, self.axis_of, self.dtype,
+            self.offload, self.reshard_after_forward)
+        for unit in self._all_units():
+            for flat in unit.flats:
+                for i, slot in enumerate(flat.layout.slots):
+                    self._slot[slot.param] = (unit, flat, i)
+                    slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
+        self._set_order(list(self.units))
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+        self.module.register_forward_pre_hook(lambda m, a: self._root_pre_forward())
+        self.module.register_forward_hook(lambda m, a, out: self._root_post_forward())
+        cast_untracked(self.module, self.dtype, set(self._slot))
+        self.optimizer = factory(optimizer_groups(groups))
+        return self.optimizer
+
+    def _all_units(self) -> list[Unit]:
+        return [u for u in [self.root, *self.units, self.persistent] if u is not None]
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def _prefetch(self, units: list[Unit]) -> None:
+        for unit in units[:self.prefetch_depth]:
+            unit.gather()
+
+    def _set_order(self, order: list[Unit]) -> None:
+        """The units in the order the forward runs them, and each unit's place in it (a dict: finding a unit's
+        neighbours is O(1) per hook, not a scan of the order)."""
+        self._order = order
+        self._place = {unit: i for i, unit in enumerate(order)}
+
+    def _root_pre_forward(self) -> None:
+        self._recording = []
+        for unit in (self.persistent, self.root):
+            if unit is not None:
+                unit.wait()
+        self._prefetch(self._order)
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if in_backward():  # activation recomputation: gather, but it is not a step of the forward order
+            unit.wait()
+            return
+        self._recording.append(unit)
+        unit.wait()
+        i = self._place.get(unit)
+        if i is not None:
+            self._prefetch(self._order[i + 1:i + 1 + self.prefetch_depth])
+
+    def _post_forward(self, unit: Unit, output) -> None:
+        if in_backward():
+            # [Note: recomputed forwards keep the unit] Activation checkpointing reruns this unit's forward
+            # inside the backward of a region around it; the unit's own backward comes next and reads the
+            # parameters the recompute saved, so it stays gathered until its gradients are reduced.
+            return
+        if not torch.is_grad_enabled():
+            unit.reshard()
+            return
+        if unit.reshard_after_forward:
+            unit.reshard()
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grad, u=unit: self._pre_backward(u), mode="any")
+
+    def _root_post_forward(self) -> None:
+        if self._recording:
+            self._set_order(self._recording)
+        if not torch.is_grad_enabled():
+            for unit in self._all_units():
+                unit.reshard()
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.wait()
+        i = self._place.get(unit)
+        if i is not None:
+            self._prefetch(self._order[max(0, i - self.prefetch_depth):i][::-1])
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        unit, flat, i = self._slot[param]
+        flat.add_grad(i, param.grad, accumulate=self.reduce_at_boundary)
+        param.grad = None
+        if unit.complete and not unit.reduce_launched:
+            if self._reducing:
+                self._launch_reduce(unit)
+            unit.reshard()  # its backward is over: every parameter's gradient has been accumulated
+
+    def _launch_reduce(self, unit: Unit) -> None:
+        # [Note: one reduce-scatter in flight] The previous unit's reduction had this unit's whole backward
+        # to finish; collecting it now frees its full-size gradient buffer, so at most two units' gradients
+        # exist at once instead of the whole model's (FSDP2 bounds its reduce-scatter inputs the same way).
+        self._collect_launched()
+        unit.reduce_handles = [f.reduce(self._first_in_window, self.pre_divide) for f in unit.flats]
+        unit.reduce_launched = True
+        self._launched.append(unit)
+
+    def _collect_launched(self) -> None:
+        for unit in self._launched:
+            for flat, handle in zip(unit.flats, unit.reduce_handles):
+                handle.wait()
+                flat.collect()
+            unit.reduce_handles = []
+        self._launched = []
+
+    def prepare_backward(self, sync: bool) -> None:
+        if self._backward_pending:
+            if self._reducing:
+                self._collect()
+            else:  # reduce_at_boundary: the gradients stay staged (unsharded) until the window's last backward
+                for flat in self._flats():
+                    flat.ready.clear()
+        self._reducing = sync or not self.reduce_at_boundary
+        self._backward_pending = True
+
+    @contextmanager
+    def no_sync(self):
+        raise RunError("no_sync() needs full gradients to accumulate into, which ZeRO stage 3 does not keep; "
+                       "use gradient_accumulation_steps instead")
+        yield  # pragma: no cover
+
+    def _collect(self) -> None:
+        """Finish this backward: reduce what did not complete, wait, add into the gradient shards."""
+        missing = [s.name for u in self._all_units() if not u.reduce_launched and u.flats
+                   for f in u.flats for i, s in enumerate(f.layout.slots) if i not in f.ready]
+        if missing and not self.allow_unused:
+            raise UnusedParametersError.naming(missing)
+        for unit in self._all_units():
+            if unit.flats and not unit.reduce_launched:
+                self._launch_reduce(unit)
+        self._collect_launched()
+        for unit in self._all_units():
+            unit.reduce_launched = False
+        self._first_in_window = False
+        self._backward_pending = False
+
+    def finish_gradients(self) -> None:
+        if self._backward_pending:
+            self._collect()  # also reduces what a window without a sync backward left staged
+        for unit in self._all_units():
+            unit.reshard()  # whatever a prefetch gathered but no backward used
+        for flat in self._flats():
+            flat.master.ensure_grad().div_(self.post_divide)
+
+    # ---- update -----------------------------------------------------------------------------------
+    def _flats(self) -> list[FlatParam]:
+        return [f for u in self._all_units() for f in u.flats]
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
+        return [piece for flat in self._flats() for piece in flat.master.grad_pieces()]
+
+    @property
+    def shards_gradients(self) -> bool:
+        return True
+
+    def scale_gradients(self, factor: float) -> None:
+        for flat in self._flats():
+            flat.master.grad.mul_(factor)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        with torch.no_grad():
+            for flat in self._flats():
+                flat.refresh_device_shard()
+        if self.persistent is not None:
+            self.persistent.gathered = False  # stale: regathered by the next forward
+
+    def zero_grad(self) -> None:
+        self._first_in_window = True  # the first reduction of the next window overwrites the shards
+
+    # ---- checkpoint hooks ---------------------------------------------------------------------------
+    def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
+        return [(f.master.param, f.layout.master_segments()) for f in self._flats()]
+
+    @property
+    def masters_replicated(self) -> bool:
+        return False
+
+    def masters_loaded(self) -> None:
+        """Refresh the device copies of the shards and drop whatever is gathered: the next forward gathers
+        the loaded values."""
+        self.zero_grad()
+        for flat in self._flats():
+            flat.refresh_device_shard()
+        for unit in self._all_units():
+            unit.reshard()
+            unit.gathered = False
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def gathered_units(self) -> list[str]:
+        """Names of the units whose full parameters are materialized on this rank right now."""
+        return [u.name for u in self._all_units() if u.flats and u.allocated_bytes() > 0]
+
+    def padded_numel(self) -> int:
+        return sum(f.layout.padded for f in self._flats())
+
+    def memory_stats(self) -> dict[str, int]:
+        flats = self._flats()
+        masters = [f.master.param for f in flats]
+        master_grads = [f.master.grad for f in flats if f.master.grad is not None]  # none before the first backward
+        states = optimizer_state_tensors(self.optimizer) if self.optimizer else []
+        gathered = sum(f.full.untyped_storage().nbytes() for f in flats)
+        params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + gathered
+        staged = [f.grads.staging for f in flats if f.grads.staging is not None] if self.reduce_at_boundary else []
+        grads = tensor_bytes(master_grads + staged)  # reduce_at_boundary: unsharded through the window
+        optim = tensor_bytes(states)
+        host = tensor_bytes(masters + master_grads + states) if self.offload.offload_optimizer else 0
+        total = params + grads + optim
+        return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
+                "device": total - host, "gathered_params": gathered}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        gathered: dict[int, torch.Tensor] = {}
+        for flat in self._flats():
+            gathered.update(flat.layout.views_by_param(gather_master(flat.layout, flat.master, flat.axis,
+                                                                     self.offload.device)))
+        return state_with_gathered(self.module, gathered)
+

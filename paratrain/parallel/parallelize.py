@@ -1,0 +1,294 @@
+"""The one place that applies parallel strategies to a model, in a fixed order, from the config.
+
+Order (each step sees the result of the previous one; each is a function of the module, its own mesh axis
+and a few scalars):
+  0. layer names (a PipelineModule's `layer_names`: the names its checkpoints use)
+  1. tensor parallel plan (swap/shard modules over the tp axis)
+  1b. expert parallel (each MoE layer keeps its ep rank's experts)
+  2. pipeline split (keep this rank's stages over the pp axis)
+  3. context parallel (ring attention over the cp axis)
+  4. activation checkpointing
+  5. data parallel: DDP or a ZeRO stage over the dp x cp axis (experts: over the expert-data-parallel one)
+  6. the pipeline runner (pipeline.stages > 1), built last with everything it drives
+What a step needs to know about the model (its plan, blocks, attention cores, pipeline layers) comes from
+the model's spec (`paratrain.model_spec`), never from its class. Every step that changes the model is kept
+in `ParallelModel.steps`, and knows how to undo itself for a tensor's coordinates (`Step.origin`), which is
+all checkpoints and `full_state_dict` need. The engine only sees the returned `ParallelModel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.config import Config, ConfigError
+from paratrain.data.micro_batch import MicroBatch
+from paratrain.layout.mesh import Axis, Mesh
+from paratrain.layout.origin import Origin, Renamed, Step
+from paratrain.model_spec import DEFAULT_SPEC, ModelSpec, spec_for
+from paratrain.moe.layer import expert_parallel_size_of
+from paratrain.parallel.cp import check_context_parallel, context_parallelize, context_parallelize_stages
+from paratrain.parallel.cp.apply import AppliedContextParallel
+from paratrain.parallel.cp.ulysses import check_heads
+from paratrain.parallel.dp.base import GradSync
+from paratrain.parallel.dp.ddp import DistributedDataParallel
+from paratrain.parallel.dp.flat import OffloadPolicy, allocate_local
+from paratrain.parallel.dp.fsdp import FullyShardedDataParallel
+from paratrain.parallel.dp.fsdp_units import config_wrap_policy
+from paratrain.parallel.dp.zero import ZERO_STAGES
+from paratrain.parallel.ep.split import check_expert_parallel, expert_parallelize
+from paratrain.parallel.pp.module import PipelineModule
+from paratrain.parallel.pp.runtime import PipelineRunner
+from paratrain.parallel.pp.schedules import ScheduleError, check_sizes, partial_backwards, placement_of
+from paratrain.parallel.pp.split import PipelineSplit, split_pipeline
+from paratrain.parallel.recompute import checkpoint_activations
+from paratrain.parallel.tp import RNGTracker
+from paratrain.parallel.tp import parallelize as tensor_parallelize
+from paratrain.parallel.tp.plan import check_plan_syntax
+from paratrain.precision import autocast_context
+
+
+@dataclass
+class ParallelModel:
+    """What parallelize produces: the local module, the strategy that synchronizes its gradients, and the
+    steps that made it (in the order applied). `pipeline` (pipeline.stages > 1) runs whole steps of
+    micro-batches; the engine delegates train_batch and eval_batch to it. `random_streams` are the per-rank
+    random generators the steps created (checkpoints save their states); `autocast` makes the forward's
+    autocast context (torch_autocast); `spec` is the model's spec."""
+
+    module: nn.Module
+    grad_sync: GradSync
+    steps: list[Step] = field(default_factory=list)
+    pipeline: PipelineRunner | None = None
+    random_streams: dict[str, RNGTracker] = field(default_factory=dict)
+    autocast: Callable = contextlib.nullcontext
+    spec: ModelSpec = DEFAULT_SPEC  # the model family's (checkpoints record its name)
+    deferred: bool = False  # built on the meta device: allocated, not yet filled (the engine fills it)
+    context: AppliedContextParallel | None = None  # cp > 1: which tokens of each micro-batch this rank keeps
+
+    def prepare_batch(self, batch: MicroBatch) -> MicroBatch:
+        """A token micro-batch as this rank runs it: its share of the sequence under context parallelism."""
+        return batch if self.context is None else self.context.split_micro_batch(batch)
+
+    def check_unsplit(self, args: tuple, kwargs: dict) -> None:
+        """Refuse, under context parallelism, a forward call that is not token data (nothing to split)."""
+        if self.context is not None:
+            self.context.refuse_unsplit(args, kwargs)
+
+    @property
+    def notes(self) -> list[str]:
+        return [step.note() for step in self.steps]
+
+    def origin(self, local_name: str, tensor: torch.Tensor) -> Origin:
+        """Which tensor of the original model a tensor of the local module is, and which box of it: the steps
+        undone last first, so each sees the coordinates it produced."""
+        found = Origin.local(local_name, tensor)
+        for step in reversed(self.steps):
+            found = step.origin(found)
+        return found
+
+    def local_name(self, name: str) -> str:
+        """The local module's name of the original tensor `name` (the steps' renamings, first first)."""
+        for step in self.steps:
+            name = step.forward_name(name)
+        return name
+
+    def explain(self, name: str) -> str:
+        """What each step did with the original tensor `name` (for errors that must name the real cause)."""
+        said = []
+        for step in self.steps:
+            reason = step.explain(name)
+            if reason:
+                said.append(f"{step.name}: {reason}")
+            name = step.forward_name(name)
+        return "; ".join(said) or f"no step of {[s.name for s in self.steps]} split or renamed it"
+
+
+def check_supported(config: Config) -> None:
+    """Raise, before any collective, for layouts this build cannot run (once, in `resolve_config`)."""
+    check_plan_syntax(config.tensor_parallel.plan)  # a PlanError is a ConfigError
+    pp = config.pipeline
+    if pp.stages > 1 and config.gradient_accumulation_steps is not None:
+        try:
+            check_sizes(pp.schedule, pp.stages, config.gradient_accumulation_steps, pp.virtual_stages)
+        except ScheduleError as exc:
+            raise ConfigError(f"config section 'pipeline': {exc}") from None
+    if pp.stages > 1 and config.zero_optimization.stage == 3:
+        raise ConfigError("zero_optimization.stage 3 with pipeline.stages > 1 is not supported: every micro-batch "
+                          "would all-gather each unit's parameters again in its forward and its backward (2m "
+                          "gathers of the stage per step), which costs more than the pipeline saves, and stage 3 "
+                          "gathers its root unit in the model's forward, which a pipeline stage never calls; a "
+                          "stage already holds only its share of the model (DeepSpeed refuses the pair too). Use "
+                          "zero_optimization.stage 1 or 2, or more pipeline stages")
+    zero = config.zero_optimization
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer.device' = \"cpu\" needs sharded "
+                          "optimizer states; set zero_optimization.stage to 1, 2 or 3")
+    if zero.offload_param.device != "none":
+        if zero.stage != 3:
+            raise ConfigError(f"config key 'zero_optimization.offload_param.device' = \"cpu\" needs sharded "
+                              f"parameters; set zero_optimization.stage to 3 (it is {zero.stage})")
+        if zero.offload_optimizer.device == "none":
+            raise ConfigError("config key 'zero_optimization.offload_param.device' = \"cpu\": the parameter "
+                              "shard is the fp32 master the optimizer updates, so it can only live on the host "
+                              "with the optimizer; also set zero_optimization.offload_optimizer.device to \"cpu\"")
+
+
+def _check_experts(model: nn.Module, config: Config, spec: ModelSpec) -> None:
+    """The expert-parallel size against the model's MoE layers (DeepSpeed's carry their own ep_size)."""
+    ep = config.expert_parallel.size
+    layers_ep = expert_parallel_size_of(model, ep)  # refuses layers that disagree with each other or the config
+    if layers_ep != ep:  # an engine built without initialize(), which adopts the layers' size
+        raise ConfigError(f"config key 'expert_parallel.size' = {ep} but the model's deepspeed.moe.layer.MoE "
+                          f"layers have ep_size={layers_ep}: set expert_parallel.size to {layers_ep}, or build "
+                          f"the engine with paratrain.initialize (it takes the layers' ep_size)")
+    if ep > 1:
+        check_expert_parallel(spec.expert_layers(model), ep)
+
+
+def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None) -> None:
+    """Checks that need the model, before anything changes or communicates."""
+    spec = spec or spec_for(model)
+    cp, tp = config.context_parallel.size, config.tensor_parallel
+    seq_len = spec.sequence_length(model)
+    spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp,
+                       "sp": int(tp.sequence_parallel and tp.size > 1), "ep": config.expert_parallel.size})
+    check_context_parallel(model, cp)
+    _check_experts(model, config, spec)
+    cpc = config.context_parallel
+    heads = getattr(getattr(model, "config", None), "n_head", None)
+    if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:
+        try:  # Ulysses splits each tp rank's heads again
+            check_heads(heads // tp.size, cpc.size if cpc.method == "ulysses" else cpc.ulysses_size)
+        except ValueError as exc:
+            raise ConfigError(f"context_parallel.method {cpc.method!r}: {exc}") from None
+    ac = config.activation_checkpointing
+    if ac.enabled and not isinstance(model, PipelineModule):  # a PipelineModule's layers are its blocks
+        if ac.granularity == "full" and not spec.blocks(model):
+            raise ConfigError(f"activation_checkpointing.granularity \"full\" recomputes each transformer block, "
+                              f"the children of an nn.ModuleList, and {type(model).__name__} has none: keep the "
+                              f"blocks in an nn.ModuleList, or write the model as a paratrain.PipelineModule")
+        if ac.granularity == "selective" and not spec.attention_cores(model):
+            raise ConfigError(f"activation_checkpointing.granularity \"selective\" recomputes the attention cores "
+                              f"(paratrain.attention.CausalAttentionCore modules) and {type(model).__name__} has "
+                              f"none: build the attention with one, or use granularity \"full\"")
+    if cp > 1 and tp.size > 1 and tp.sequence_parallel and seq_len is not None and seq_len % (cp * tp.size):
+        raise ConfigError(f"context_parallel.size ({cp}) with tensor_parallel.sequence_parallel: each cp rank's "
+                          f"{seq_len // cp} tokens are split again over tensor_parallel.size ({tp.size}); use a "
+                          f"sequence length (model seq_len {seq_len}) divisible by {cp * tp.size}")
+
+
+def _layer_names(pipe: PipelineModule) -> Renamed | None:
+    """Step 0: a PipelineModule whose `layer_names` differ from its own (index) names is known by them."""
+    names = {f"{i}.{key}": pipe.original_name(i, key) for i in range(len(pipe)) for key in pipe.layer_state_keys(i)}
+    return Renamed(names) if any(k != v for k, v in names.items()) else None
+
+
+def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
+    """Apply the config's strategies to `model` (in place) on `mesh`. `config` comes from `resolve_config`,
+    which has already run `check_supported`."""
+    spec = spec_for(model)
+    _check_model(model, config, spec)
+    # A model on the meta device is split like any other; each rank then allocates only what it keeps, and
+    # the engine fills it in (paratrain.init.replay, checkpoint.load_weights).
+    deferred = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    cores = spec.attention_cores(model)  # found before any step replaces one
+    steps: list[Step] = []
+    streams: dict[str, RNGTracker] = {}
+    if isinstance(model, PipelineModule) and (renamed := _layer_names(model)) is not None:
+        steps.append(renamed)
+    tp = config.tensor_parallel
+    if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
+        applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
+        spec.after_split(model, {"tp": tp.size})
+        steps.append(applied)
+        streams["tp"] = applied.tracker
+    if mesh.expert_axes() is not None:  # 1b. before the pipeline split, which keeps whatever the stage holds
+        steps.append(expert_parallelize(model, spec.expert_layers(model), mesh))
+    module, split = model, None
+    pp = config.pipeline
+    if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
+        pipe = spec.pipeline_module(model, config.train_micro_batch_size_per_gpu)
+        split = split_pipeline(pipe, mesh, pp.stages, pp.virtual_stages, pp.partition, placement_of(pp.schedule),
+                               device=None if deferred else device, own_names=pipe is model)
+        steps.append(split)
+        module = split.module
+    elif isinstance(model, PipelineModule):
+        model.materialize()  # used whole, a PipelineModule is an ordinary model
+    ring = None
+    if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
+        ring = _context_parallel(module, split, mesh, cores, config.context_parallel.method)
+        cores = [ring.replaced.get(id(core), core) for core in cores]
+        steps.append(ring)
+    ac = config.activation_checkpointing
+    if ac.enabled:  # 4. recompute blocks (full) or attention cores (selective) in backward
+        steps.append(checkpoint_activations(module, ac.granularity, blocks=spec.blocks(model), cores=cores,
+                                            rng_streams=list(streams.values())))
+    if device is not None and not deferred:
+        module.to(device)
+    device = device or torch.device("cpu")
+    if deferred:  # ZeRO-3 allocates its parameters' shards itself; the others hold this rank's whole tensors
+        allocate_local(module, device, parameters=config.zero_optimization.stage < 3)
+    experts = mesh.expert_axes()
+    grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model),  # 5.
+                               sync_initial_state=not deferred, expert_axis=experts[1] if experts else None)
+    autocast = autocast_context(config.torch_autocast.enabled, device)
+    runner = None
+    if split is not None:  # 6. the runner drives the stage, the strategy and the split of micro-batches
+        runner = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
+                                pp.virtual_stages, split.pipe.loss_fn, device, grad_sync,
+                                prepare_batch=ring.split_micro_batch if ring is not None else None, autocast=autocast,
+                                token_loss=config.loss.reduction == "token" and spec.loss_is_token_mean(model),
+                                takes_documents=split.pipe.takes_documents())
+    return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred, ring)
+
+
+def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module],
+                      method: str):
+    if split is None:  # the engine splits each micro-batch (ParallelModel.prepare_batch)
+        return context_parallelize(module, mesh, cores, method, split_inputs=False)
+    # No stage calls the model's forward: the runner splits each micro-batch instead.
+    first = split.pipe.layer(0) if 0 in split.module.stages else None
+    return context_parallelize_stages(module, mesh, cores, first, method)
+
+
+def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
+                   blocks: list[nn.Module], sync_initial_state: bool = True,
+                   expert_axis: Axis | None = None) -> GradSync:
+    """Step 5: DDP (stage 0, any precision), ZeRO-1/2 over flat buckets, or FSDP, over
+    `axis` (dp x cp: every rank of it saw different tokens); parameters split over ep (experts) over
+    `expert_axis` (edp) instead. ZeRO-3's units are the spec's blocks unless the config names other modules."""
+    dp, zero = config.data_parallel, config.zero_optimization
+    predivide = axis.size if config.prescale_gradients else config.gradient_predivide_factor
+    if zero.stage == 0:
+        return DistributedDataParallel(
+            model, axis, precision=config.precision, bucket_cap_mb=dp.bucket_cap_mb,
+            allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
+            broadcast_buffers=dp.broadcast_buffers, free_grad_buckets=zero.free_grad_buckets,
+            sync_initial_state=sync_initial_state, expert_axis=expert_axis)
+    offload = OffloadPolicy(device, offload_optimizer=zero.offload_optimizer.device == "cpu",
+                            offload_param=zero.offload_param.device == "cpu",
+                            pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
+    if zero.stage <= 2:
+        stage_option = {"free_grad_buckets": zero.free_grad_buckets} if zero.stage == 1 else \
+            {"reduce_at_boundary": zero.reduce_at_boundary or partial_backwards(
+                config.pipeline.schedule, config.pipeline.stages, config.pipeline.virtual_stages)}
+        return ZERO_STAGES[zero.stage](model, axis, precision=config.precision, bucket_numel=zero.reduce_bucket_size,
+                                       offload=offload, allow_unused_parameters=dp.allow_unused_parameters,
+                                       predivide_factor=predivide,
+                                       overlap_param_gather=zero.overlap_param_gather is not False,  # unset: on
+                                       sync_initial_state=sync_initial_state, expert_axis=expert_axis,
+                                       **stage_option)
+    units = {id(b) for b in blocks}
+    policy = config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names) \
+        if zero.wrap_module_classes or zero.wrap_module_names else (lambda name, module: id(module) in units)
+    return FullyShardedDataParallel(
+        model, axis, precision=config.precision, offload=offload, wrap_policy=policy,
+        reshard_after_forward=zero.reshard_after_forward,
+        persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
+        allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
+        reduce_at_boundary=zero.reduce_at_boundary, sync_initial_state=sync_initial_state, expert_axis=expert_axis)

@@ -1,0 +1,224 @@
+"""Apply a tensor-parallel plan to a model in place; the returned step undoes itself for one tensor.
+
+    applied = parallelize(model, mesh, plan, sequence_parallel=True, seed=cfg.seed)
+    ...
+    origin = applied.origin(local)   # which box of the unsplit tensor this rank's tensor is (from its placement)
+
+[Note: in place, names kept]
+Split layers replace the dense ones under the same attribute, with parameters under the same names
+(`weight`, `bias`), so optimizer construction, the data-parallel strategy (which sees only the local,
+sharded module) and state-dict names are unchanged. Region transitions that are not layers (a parent
+whose input enters the region once, a module whose output starts the sequence-parallel region) are
+forward hooks; per-rank random numbers and gradient sums of replicated parameters wrap the module's
+`forward`, so they act on whatever parameter tensor the module holds at call time (a ZeRO-3 strategy may
+swap in gathered parameters with its own pre-forward hooks).
+
+[Note: building the same model everywhere]
+Every rank builds the full model from the same seed and keeps its slice, so the sharded model starts
+exactly where the single-process model starts; DDP's start-up broadcast runs over the dp axis only and
+leaves the tp shards distinct.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.comm.autograd import copy_to_region, gather_from_sequence, scatter_to_region
+from paratrain.layout.mesh import Axis, Mesh
+from paratrain.layout.origin import Origin, Step
+from paratrain.layout.placement import Replicate, Shard, place, placement_of
+from paratrain.parallel.tp.layers import (
+    ACTIVATION_TAG,
+    GRAD_TAG,
+    SEQ_DIM,
+    ColumnParallelLinear,
+    PlanError,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from paratrain.parallel.tp.loss import VocabParallelCrossEntropy
+from paratrain.parallel.tp.plan import SHARDING, match, packed_parts, plan_for, resolve_plan
+from paratrain.parallel.tp.random import RNGTracker
+
+SCATTER_TAG = "tp_scatter"  # a 'sequence_scatter' module's split of the sequence (all-gather in backward)
+
+
+@dataclass
+class AppliedPlan(Step):
+    """The tensor-parallel step: the style of each module (and the plan that gave it). How each parameter
+    was split is recorded on the parameter itself (`Shard(dim, full)` or `Replicate()` over tp)."""
+
+    styles: dict[str, str]
+    axis: Axis
+    sequence_parallel: bool
+    plan: dict[str, str] = field(default_factory=dict)
+    tracker: RNGTracker | None = None  # per-tp-rank stream: checkpoints save it, recomputation replays it
+    packed: dict[str, str] = field(default_factory=dict)  # a packed layer's part parameter -> its original tensor
+    name = "tensor parallel"
+
+    def origin(self, local: Origin) -> Origin:
+        """Where a tensor of this rank's module sits in the unsplit tensor: a slice of the dimension its
+        placement says is split (the last rank's slice may reach into an uneven vocabulary's padding), or the
+        whole tensor, held identically by every tp rank."""
+        kind = local.placement.get("tp")
+        if isinstance(kind, Shard):
+            found = local.split(kind.dim, kind.full, self.axis.rank)
+            if kind.packed:  # one part of a packed tensor: its box sits at the part's offset
+                found = found.within(kind.dim, kind.packed[0], kind.packed[1]).renamed(self.packed[local.name])
+            return found
+        return local.replicated_over("tp")
+
+    def explain(self, name: str) -> str:
+        path = name.rpartition(".")[0]
+        style = self.styles.get(path)
+        if style is not None:
+            pattern = next((p for p, s in self.plan.items() if s == style and match(p, path)), "?")
+            return f"the tensor-parallel plan gave module '{path}' the style '{style}' (pattern '{pattern}')"
+        splitting = [p for p, s in self.plan.items() if s in SHARDING]
+        hint = (" Under sequence parallelism every module with parameters that runs on s/tp tokens must be marked "
+                "'sequence' in the plan (its gradients are then summed over tp)") if self.sequence_parallel else ""
+        return (f"no pattern of the tensor-parallel plan matched module '{path}', so the tensor-parallel step "
+                f"kept it whole on every tp rank (splitting patterns: {splitting}).{hint}")
+
+    def note(self) -> str:
+        split = sum(1 for s in self.styles.values() if s in SHARDING)
+        return (f"tensor parallel over {self.axis.size} ranks: {split} modules split"
+                f"{', sequence parallel' if self.sequence_parallel else ''}")
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def _wrap_forward(module: nn.Module, around) -> None:
+    """Make `module.forward(*a, **k)` call `around(original_forward, *a, **k)`."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return around(inner, *args, **kwargs)
+
+    module.forward = forward
+
+
+def _forked(tracker: RNGTracker, inner, *args, **kwargs):
+    with tracker.fork():
+        return inner(*args, **kwargs)
+
+
+def _with_grad_sum(module: nn.Module, names: list[str], axis: Axis, inner, *args, **kwargs):
+    """Run forward with each parameter seen through `copy_to_region`: its gradient, computed from this
+    rank's tokens only, arrives at the parameter summed over tp."""
+    saved = {n: module._parameters[n] for n in names}
+    try:
+        for n, p in saved.items():
+            module._parameters[n] = copy_to_region(p, axis, GRAD_TAG)
+        return inner(*args, **kwargs)
+    finally:
+        module._parameters.update(saved)
+
+
+def _region_input_hook(path: str, axis: Axis, sequence_parallel: bool):
+    """The module's input (b, s, h) enters the tp region: its first positional argument, or, for modules
+    called with keywords only (transformers' `self_attn(hidden_states=...)`), its first forward parameter."""
+    def enter(x: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence(x, axis, SEQ_DIM, ACTIVATION_TAG) if sequence_parallel \
+            else copy_to_region(x, axis, ACTIVATION_TAG)
+
+    first_parameter: list[str | None] = []  # forward's first parameter name, looked up on the first keyword call
+
+    def hook(module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (enter(args[0]), *args[1:]), kwargs
+        if not first_parameter:
+            first_parameter.append(next(iter(inspect.signature(module.forward).parameters), None))
+        first = first_parameter[0]
+        if not args and isinstance(kwargs.get(first), torch.Tensor):
+            return args, {**kwargs, first: enter(kwargs[first])}
+        raise PlanError(f"'{path}' (region_input) must receive a tensor as its first argument (positional, or "
+                        f"by the name of forward's first parameter)")
+
+    return hook
+
+
+def _sequence_scatter_hook(path: str, axis: Axis):
+    def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise PlanError(f"'{path}' (sequence_scatter) must return one tensor (b, s, h), got {type(output)}")
+        return scatter_to_region(output, axis, SEQ_DIM, SCATTER_TAG)  # (b, s, h) -> (b, s/tp, h)
+
+    return hook
+
+
+def _vocab_loss(old: nn.Module, head: ColumnParallelLinear, axis: Axis, path: str) -> VocabParallelCrossEntropy:
+    if isinstance(old, nn.CrossEntropyLoss) and (old.reduction != "mean" or old.label_smoothing or
+                                                 old.weight is not None):
+        raise PlanError(f"'{path}' (vocab_loss): the vocab-parallel loss is the mean cross-entropy without class "
+                        f"weights or label smoothing; set reduction='mean' and drop the others")
+    if any(True for _ in old.parameters()):
+        raise PlanError(f"'{path}' (vocab_loss) has parameters; the vocab-parallel loss replaces it entirely")
+    return VocabParallelCrossEntropy(axis, head.out_features, head.vocab_start, head.local_out_features,
+                                     ignore_index=getattr(old, "ignore_index", -100), name=path)
+
+
+def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str | None = None,
+                sequence_parallel: bool = False, seed: int = 0) -> AppliedPlan:
+    """Split `model` over the tp axis as `plan` says ({module-path pattern: style}, a model family's name, or
+    None for the model spec's ready plan). In place.
+
+    `mesh` is the paratrain Mesh (its "tp" axis is used) or the tp Axis itself. `seed` seeds the
+    per-tp-rank random stream.
+    """
+    axis = mesh.axis("tp") if isinstance(mesh, Mesh) else mesh
+    sp = sequence_parallel and axis.size > 1
+    styles = resolve_plan(model, plan, axis.size, sp)  # pure: raises before anything changes
+    tracker = RNGTracker(seed, axis.rank)
+    applied = AppliedPlan(styles, axis, sp, plan=plan_for(model, plan), tracker=tracker)
+    regions = [p for p, s in styles.items() if s == "region_input"]
+    packed = packed_parts(model, plan)
+    head = None
+    for path, style in styles.items():  # split layers first: the loss needs the head's vocabulary range
+        if style not in SHARDING:
+            continue
+        old = model.get_submodule(path)
+        if style == "rowwise":
+            new = RowParallelLinear(old, axis, name=path, sequence_parallel=sp)
+        elif style in ("vocab", "vocab_scatter"):
+            new = VocabParallelEmbedding(old, axis, name=path, scatter_sequence=sp and style == "vocab_scatter")
+        else:
+            entered = any(path.startswith(r + ".") for r in regions)
+            new = ColumnParallelLinear(old, axis, name=path, gather_output=style == "colwise_gather",
+                                       enter_region=not entered, sequence_parallel=sp,
+                                       pad_output=style == "colwise_vocab", parts=packed.get(path))
+            applied.packed.update({f"{path}.{attr}_{i}": f"{path}.{attr}" for i in range(len(packed.get(path, ())))
+                                   for attr in ("weight", "bias")})
+            head = new if style == "colwise_vocab" else head
+        _set_submodule(model, path, new)
+    for path, style in styles.items():
+        module = model.get_submodule(path)
+        if style == "vocab_loss":
+            _set_submodule(model, path, _vocab_loss(module, head, axis, path))
+        elif style == "region_input":
+            module.register_forward_pre_hook(_region_input_hook(path, axis, sp), with_kwargs=True)
+        elif style == "in_region":
+            _wrap_forward(module, functools.partial(_forked, tracker))
+        elif style == "sequence" and sp:
+            if hasattr(module, "split_tokens_over"):  # a module whose outputs include means over its tokens
+                module.split_tokens_over(axis)
+            for sub in module.modules():
+                names = [n for n, p in sub.named_parameters(recurse=False) if p.requires_grad]
+                if names:
+                    _wrap_forward(sub, functools.partial(_with_grad_sum, sub, names, axis))
+            _wrap_forward(module, functools.partial(_forked, tracker))
+        elif style == "sequence_scatter" and sp:
+            module.register_forward_hook(_sequence_scatter_hook(path, axis))
+    for param in model.parameters():  # what the plan did not split is whole on every tp rank
+        if placement_of(param).get("tp") is None:
+            place(param, "tp", Replicate())
+    return applied
