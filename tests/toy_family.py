@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.model_spec import ModelSpec, register_model_spec
-from paratrain.pipeline import PipelineModule
+from paratrain.parallel.pp import PipelineModule
 
 VOCAB, SEQ, WIDTH, HEADS, DEPTH = 256, 16, 32, 4, 4  # byte tokens: the embedded corpus
 
