@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.attention import PADDING, Documents
-from paratrain.errors import Error
+from paratrain.errors import Error, InvalidValueError
 
 IGNORE = -100  # the target of a position that predicts nothing (torch's and transformers' ignore_index)
 KNOWN_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids", "document_ids",
@@ -239,3 +239,14 @@ def split_loss(output) -> tuple[torch.Tensor, torch.Tensor] | None:
             isinstance(t, torch.Tensor) and t.dim() == 0 for t in output):
         return output[0], output[1]
     return None
+
+
+def loss_of_output(output) -> torch.Tensor:
+    """The loss a forward returned: the tensor itself, or the `loss` of a transformers output (`labels=`)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise InvalidValueError(f"train_batch: the model's forward returned {type(output).__name__} without a "
+                                f"loss; return the loss tensor, or an output with .loss (pass labels=)")
+    return loss

@@ -22,16 +22,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-import paratrain.comm as comm
 from paratrain.checkpoint.weights import fill_model
 from paratrain.config import Config
 from paratrain.data.agreement import FIRST_STEPS, check_same_batches
 from paratrain.data.batch_check import BatchChecker
-from paratrain.data.micro_batch import MicroBatch, as_micro_batch, split_loss
+from paratrain.data.micro_batch import MicroBatch, as_micro_batch, loss_of_output, split_loss
 from paratrain.data.nested import to_device
 from paratrain.distributed import current_device
 from paratrain.engine.checkpoints import EngineCheckpoints
-from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI, check_eval_arguments
+from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI
+from paratrain.engine.evaluation import Evaluation
 from paratrain.engine.monitor import StepReporter, setup_logging
 from paratrain.engine.pipeline_steps import PipelineSteps
 from paratrain.engine.setup import (
@@ -55,7 +55,7 @@ from paratrain.precision import make_loss_scaler
 log = logging.getLogger("paratrain")
 
 
-class Engine(EngineCheckpoints, PipelineSteps, DeepSpeedEngineAPI):
+class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
     """DeepSpeed's engine contract. Construction helpers live in `engine/setup.py`, the update in `engine/update.py`,
     pipeline steps in `engine/pipeline_steps.py`, the token loss's bookkeeping in `engine/token_loss.py`,
     checkpoints and pretrained directories in `engine/checkpoints.py`, the read-only accessors (DeepSpeed's and
@@ -242,7 +242,7 @@ class Engine(EngineCheckpoints, PipelineSteps, DeepSpeedEngineAPI):
             out = self(*batch)
         else:
             out = self(batch)
-        return out if split_loss(out) is not None else _loss_of(out)
+        return out if split_loss(out) is not None else loss_of_output(out)
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Run one global batch (every micro-batch of this rank), step, and return the global mean loss."""
@@ -268,43 +268,6 @@ class Engine(EngineCheckpoints, PipelineSteps, DeepSpeedEngineAPI):
             return self._window_loss
         return self._mean_over_dp(total / self.gradient_accumulation_steps())
 
-    @torch.no_grad()
-    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: str = "avg", bcast_loss: bool = True,
-                   num_micro_batches: int | None = None) -> torch.Tensor:
-        """Mean loss over `num_micro_batches` (default: gradient_accumulation_steps) without updating.
-        DeepSpeed's PipelineEngine signature; only its defaults are supported (the loss, averaged)."""
-        check_eval_arguments(return_logits, compute_loss, reduce_output, bcast_loss)
-        with self._together():
-            return self._eval_batch(data_iter, num_micro_batches)
-
-    def _eval_batch(self, data_iter, num_micro_batches: int | None) -> torch.Tensor:
-        was_training = self.module.training
-        self.module.eval()
-        count = num_micro_batches or self.gradient_accumulation_steps()
-        try:
-            if self.pipeline is not None:
-                return self._eval_pipeline(data_iter, count)
-            sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, weight)
-            weighted = False
-            for _ in range(count):
-                loss = self._run_micro_batch(next(data_iter))
-                batch, self._last_batch = self._last_batch, None
-                part, token = self._window.evaluate(loss, batch)
-                sums += part
-                weighted |= token
-            return self._mean_of(sums, weighted)
-        finally:
-            self.module.train(was_training)
-
-    def _mean_of(self, sums: torch.Tensor, token_weighted: bool) -> torch.Tensor:
-        """An evaluation's mean from this rank's (loss sum, weight): over every rank's target tokens when
-        token-weighted, else the mean of the ranks' means."""
-        if token_weighted:
-            comm.all_reduce(sums, self.mesh.axis(("dp", "cp")), tag="metrics")
-            return (sums[0] / sums[1].clamp(min=1)).float()
-        return self._mean_over_dp((sums[0] / sums[1]).float())
-
     def _check_agreement(self, batches: list) -> None:
         """The peers of this replica hold the same micro-batches (`data/agreement.py`): first steps, or always."""
         mode = self.config.batch_agreement
@@ -314,11 +277,6 @@ class Engine(EngineCheckpoints, PipelineSteps, DeepSpeedEngineAPI):
     def _checked(self, batch, check: BatchChecker):
         check(batch)
         return to_device(batch, self.device)
-
-    def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        axis = self.mesh.axis(("dp", "cp"))
-        comm.all_reduce(value, axis, tag="metrics")
-        return value / axis.size
 
     # ---- changing the engine's state -----------------------------------------------------------
     def set_accumulation(self, steps: int) -> None:
@@ -336,13 +294,3 @@ class Engine(EngineCheckpoints, PipelineSteps, DeepSpeedEngineAPI):
         self.mesh.destroy()
         self.destroyed = True
 
-
-def _loss_of(output) -> torch.Tensor:
-    """The loss a forward returned: the tensor itself, or the `loss` of a transformers output (`labels=`)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if not isinstance(loss, torch.Tensor):
-        raise InvalidValueError(f"train_batch: the model's forward returned {type(output).__name__} without a "
-                                f"loss; return the loss tensor, or an output with .loss (pass labels=)")
-    return loss

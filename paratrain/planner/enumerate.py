@@ -16,13 +16,14 @@ tp = 1, selective recompute when attention is fused (flash attention keeps no s^
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES, V_SCHEDULES, Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory
-from paratrain.planner.model_specs import ModelSpec, PlannerError, divisors
+from paratrain.planner.model_specs import ModelSpec, PlannerError
 from paratrain.planner.step_time import TimeEstimate, estimate_time
 
 
@@ -187,3 +188,8 @@ def plan(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, space: Sea
     fitting.sort(key=rank_key)
     best_small = min(fitting, key=lambda e: e.memory.total) if fitting else smallest
     return PlanResult(fitting, considered, best_small)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -299,8 +298,3 @@ def config_batch_size(model: str) -> int | None:
         return None
     value = json.loads(path.read_text()).get("train_batch_size")
     return int(value) if isinstance(value, int) else None
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))

@@ -1,7 +1,7 @@
 """The pictures of a run's per-step metrics: loss, throughput, per-rank memory, communication per axis, and for
 an MoE model the tokens per expert.
 
-Each function takes the rows of `metrics.jsonl` (one dict per optimizer step, see paratrain/trainer.py) and
+Each function takes the rows of `metrics.jsonl` (one dict per optimizer step, see paratrain/trainer/job.py) and
 writes one PNG. matplotlib is optional (`pip install paratrain[plot]`); it is imported here only.
 """
 

@@ -208,12 +208,12 @@ def test_paratrain_train_takes_a_model_directory(world2, tmp_path):
 def test_a_model_directory_takes_only_seq_len_as_override(tmp_path):
     from paratrain.config import ConfigError
     from paratrain.config.outputs import TrainerConfig
-    from paratrain.trainer import _corpus_ids, _pretrained_model
+    from paratrain.trainer.inputs import corpus_ids, pretrained_model
 
     tiny_hf("llama").save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"trainer.model_overrides \['n_layer'\]"):
-        _pretrained_model(TrainerConfig(model=str(tmp_path), model_overrides={"n_layer": 2}))
+        pretrained_model(TrainerConfig(model=str(tmp_path), model_overrides={"n_layer": 2}))
     small = tiny_hf("llama", vocab_size=64)
     small.save_pretrained(tmp_path / "small")
     with pytest.raises(ConfigError, match="vocab_size is 64"):
-        _corpus_ids("bytes beyond 64: ~", tmp_path / "small", 64)
+        corpus_ids("bytes beyond 64: ~", tmp_path / "small", 64)

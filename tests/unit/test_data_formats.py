@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from paratrain.data import sources
+from paratrain.data import json_records, sources
 from paratrain.data.formats import DataSummary, UntrainableRecordError, tokenize_record, tokenize_records
 from paratrain.data.micro_batch import IGNORE
 from paratrain.data.packing import pack
@@ -64,7 +64,7 @@ def test_jsonl_is_read_line_by_line_numbered_by_line_and_blank_lines_skipped(tmp
 
 @pytest.mark.parametrize("chunk", [5, 1 << 20])  # 5: records, numbers and names cross the buffer's end
 def test_json_list_and_object_with_one_list_field(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(sources, "_CHUNK_CHARS", chunk)
+    monkeypatch.setattr(json_records, "_CHUNK_CHARS", chunk)
     listed = write(tmp_path / "list.json", json.dumps(ROWS, indent=2))
     wrapped = write(tmp_path / "object.json", json.dumps({"version": 1.25, "data": ROWS, "note": "x"}))
     expected = list(enumerate(ROWS, 1))

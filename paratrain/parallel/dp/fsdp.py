@@ -40,18 +40,23 @@ from paratrain.parallel.dp.base import (
     OptimizerFactory,
     UnusedParametersError,
     broadcast_module_state,
-    optimizer_state_tensors,
-    tensor_bytes,
     weak_hook,
 )
 from paratrain.parallel.dp.flat import (
     OffloadPolicy,
     cast_untracked,
-    gather_master,
     optimizer_groups,
-    state_with_gathered,
 )
-from paratrain.parallel.dp.fsdp_units import FlatParam, Unit, WrapPolicy, build_units, config_wrap_policy, in_backward
+from paratrain.parallel.dp.fsdp_units import (
+    FlatParam,
+    Unit,
+    WrapPolicy,
+    build_units,
+    config_wrap_policy,
+    in_backward,
+    units_full_state,
+    units_memory_stats,
+)
 from paratrain.precision import compute_dtype
 
 
@@ -284,24 +289,9 @@ class FullyShardedDataParallel(GradSync):
         return sum(f.layout.padded for f in self._flats())
 
     def memory_stats(self) -> dict[str, int]:
-        flats = self._flats()
-        masters = [f.master.param for f in flats]
-        master_grads = [f.master.grad for f in flats if f.master.grad is not None]  # none before the first backward
-        states = optimizer_state_tensors(self.optimizer) if self.optimizer else []
-        gathered = sum(f.full.untyped_storage().nbytes() for f in flats)
-        params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + gathered
-        staged = [f.grads.staging for f in flats if f.grads.staging is not None] if self.reduce_at_boundary else []
-        grads = tensor_bytes(master_grads + staged)  # reduce_at_boundary: unsharded through the window
-        optim = tensor_bytes(states)
-        host = tensor_bytes(masters + master_grads + states) if self.offload.offload_optimizer else 0
-        total = params + grads + optim
-        return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
-                "device": total - host, "gathered_params": gathered}
+        return units_memory_stats(self._flats(), self.optimizer, self.reduce_at_boundary,
+                                  self.offload.offload_optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        gathered: dict[int, torch.Tensor] = {}
-        for flat in self._flats():
-            gathered.update(flat.layout.views_by_param(gather_master(flat.layout, flat.master, flat.axis,
-                                                                     self.offload.device)))
-        return state_with_gathered(self.module, gathered)
+        return units_full_state(self.module, self._flats(), self.offload.device)
 

@@ -18,14 +18,17 @@ from torch import nn
 
 import paratrain.comm as comm
 from paratrain.layout.mesh import Axis
+from paratrain.parallel.dp.base import optimizer_state_tensors, tensor_bytes
 from paratrain.parallel.dp.flat import (
     FlatLayout,
     MasterShard,
     OffloadPolicy,
+    gather_master,
     group_index,
     restrict_param_groups,
     set_data,
     split_param_groups,
+    state_with_gathered,
 )
 from paratrain.parallel.dp.gradients import StagedGradient
 
@@ -225,3 +228,28 @@ def build_units(root: nn.Module, policy: WrapPolicy, persistence_threshold: int,
 def in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread (where a recompute happens)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def units_memory_stats(flats: list[FlatParam], optimizer, reduce_at_boundary: bool, offloaded: bool) -> dict[str, int]:
+    """ZeRO-3's model-state bytes on this rank: fp32 master shards (and their device copies), the units gathered
+    right now, sharded gradients (unsharded through the window with reduce_at_boundary), optimizer state."""
+    masters = [f.master.param for f in flats]
+    master_grads = [f.master.grad for f in flats if f.master.grad is not None]  # none before the first backward
+    states = optimizer_state_tensors(optimizer) if optimizer else []
+    gathered = sum(f.full.untyped_storage().nbytes() for f in flats)
+    params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + gathered
+    staged = [f.grads.staging for f in flats if f.grads.staging is not None] if reduce_at_boundary else []
+    grads = tensor_bytes(master_grads + staged)
+    optim = tensor_bytes(states)
+    host = tensor_bytes(masters + master_grads + states) if offloaded else 0
+    total = params + grads + optim
+    return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
+            "device": total - host, "gathered_params": gathered}
+
+
+def units_full_state(module: nn.Module, flats: list[FlatParam], device: torch.device) -> dict[str, torch.Tensor]:
+    """The module's full state dict on every rank: each flat's fp32 master gathered (collective)."""
+    gathered: dict[int, torch.Tensor] = {}
+    for flat in flats:
+        gathered.update(flat.layout.views_by_param(gather_master(flat.layout, flat.master, flat.axis, device)))
+    return state_with_gathered(module, gathered)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,59 +30,22 @@ from paratrain.parallel.pp.schedules import (
     SEND_B,
     SEND_F,
     Action,
-    ActionKind,
     B,
     F,
     Schedule,
     ScheduleError,
-    W,
     build_schedule,
+)
+from paratrain.parallel.pp.step_state import (
+    Micro,
+    StepLoss,
+    StepState,
+    agree_losses,
+    handed_over,
+    last_gradient_actions,
 )
 from paratrain.parallel.pp.validate import check_schedule
 from paratrain.weight_grad import WeightGradDeferral
-
-
-@dataclass
-class _Micro:
-    """One micro-batch as the stages use it: the first stage's input, the last stage's targets, and the token
-    micro-batch (positions for the first layer, documents for every attention layer) when it is token data."""
-
-    inputs: object
-    targets: object
-    batch: MicroBatch | None = None
-
-
-@dataclass
-class StepLoss:
-    """What a pipeline step's losses add up to, the same on every pp rank: the sum of the micro-batches'
-    losses and their weight (target counts when token-weighted, else the number of micro-batches)."""
-
-    total: torch.Tensor
-    weight: torch.Tensor
-    token_weighted: bool
-
-    @property
-    def mean(self) -> torch.Tensor:
-        return (self.total / self.weight.clamp(min=1)).float()
-
-
-@dataclass
-class _Step:
-    batches: list[_Micro]
-    training: bool
-    unit: float | None = None  # token weighting: the backprop unit (paratrain.engine.token_loss); None: means
-    inputs: dict = field(default_factory=dict)  # (stage, micro) -> what the stage's chunk was called with
-    outputs: dict = field(default_factory=dict)  # (stage, micro) -> its output (the scaled loss on the last)
-    input_grads: dict = field(default_factory=dict)  # (stage, micro) -> gradients to send back
-    incoming: dict = field(default_factory=dict)  # receive action -> p2p.Incoming
-    losses: list = field(default_factory=list)  # (loss sum or mean, weight, token-weighted) per micro-batch
-    events: list = field(default_factory=list)  # (kind, stage, micro, start, end), wall-clock seconds
-    peak_in_flight: int = 0  # most micro-batch stages holding activations at once
-
-    def leftovers(self) -> list[str]:
-        held = {"inputs": self.inputs, "outputs": self.outputs, "input_grads": self.input_grads,
-                "incoming": self.incoming}
-        return [f"{name}: {sorted(map(str, value))}" for name, value in held.items() if value]
 
 
 class PipelineRunner:
@@ -136,7 +98,7 @@ class PipelineRunner:
             raise InvalidValueError(f"the {self.schedule.name} schedule runs {self.schedule.micro_batches} "
                                     f"micro-batches "
                                     f"per step, got {len(batches)}")
-        self._sync_actions = _last_gradient_actions(self.schedule, self.rank)
+        self._sync_actions = last_gradient_actions(self.schedule, self.rank)
         return self._run(self.schedule, batches, training=True, unit=unit)
 
     @torch.no_grad()
@@ -151,7 +113,7 @@ class PipelineRunner:
             check_schedule(self._eval_schedules[m])
         return self._run(self._eval_schedules[m], batches, training=False)
 
-    def _micro(self, batch) -> _Micro:
+    def _micro(self, batch) -> Micro:
         if isinstance(batch, MicroBatch):
             if batch.documents is not None and not self.takes_documents:
                 raise InvalidValueError("a micro-batch with packed documents or left padding, but no layer of the "
@@ -159,7 +121,7 @@ class PipelineRunner:
                                         "attention layers a `documents` parameter (as the built-in families have)")
             if self.prepare_batch is not None:
                 batch = self.prepare_batch(batch)
-            return _Micro(batch.input_ids, batch.targets, batch)
+            return Micro(batch.input_ids, batch.targets, batch)
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise InvalidTypeError("in pipeline mode every micro-batch must be token data (a dict with input_ids and "
                                    "labels, or (input_ids, targets)) or a pair (inputs, targets): the first stage "
@@ -167,13 +129,13 @@ class PipelineRunner:
         if self.prepare_batch is not None:
             raise InvalidTypeError("context parallelism with a pipeline splits token data only: feed (b, s) token ids "
                                    "with targets, or a dict with input_ids and labels")
-        return _Micro(batch[0], batch[1])
+        return Micro(batch[0], batch[1])
 
     def _run(self, schedule: Schedule, batches: list, training: bool, unit: float | None = None) -> StepLoss:
         micros = [self._micro(b) for b in batches]
         if not self._shapes_known:
             self._learn_shapes(micros[0])
-        step = _Step(micros, training, unit)
+        step = StepState(micros, training, unit)
         actions = schedule.actions[self.rank]
         wall0, clock0 = time.time(), time.perf_counter()
         j = 0
@@ -207,28 +169,12 @@ class PipelineRunner:
         return self._step_loss(step.losses)
 
     def _step_loss(self, losses: list) -> StepLoss:
-        """The step's losses on every pp rank: one all-reduce of (sum, weight, token-weighted, mixed) from the
-        last stage (the other stages add zeros); a step that mixed the two kinds fails on every rank at once.
-        Only the first step reads the kind on the host; later steps assert on the device that it held."""
-        kinds = {token for _, _, token in losses}  # empty unless this rank holds the last stage
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for value, weight, _ in losses:
-            sums += torch.stack([value.detach().double(), weight.detach().double().to(self.device)])
-        flags = torch.tensor([float(True in kinds), float(len(kinds) > 1)], dtype=torch.float64)
-        both = torch.cat([sums, flags.to(self.device)])
-        comm.all_reduce(both, self.axis, tag="metrics")
-        if self._token_weighted is None:
-            if both[3] > 0:
-                raise _mixed_losses()
-            self._token_weighted = bool(both[2] > 0)
-        else:
-            try:  # no host read: an accelerator asserts on the device
-                torch._assert_async((both[3] == 0) & ((both[2] > 0) == self._token_weighted), str(_mixed_losses()))
-            except RuntimeError:
-                raise _mixed_losses() from None
-        return StepLoss(both[0], both[1], self._token_weighted)
+        """The step's losses on every pp rank (`step_state.agree_losses`); the kind is read in the first step."""
+        loss = agree_losses(losses, self.axis, self.device, self._token_weighted)
+        self._token_weighted = loss.token_weighted
+        return loss
 
-    def _learn_shapes(self, first: _Micro) -> None:
+    def _learn_shapes(self, first: Micro) -> None:
         was_training = self.module.training
         self.module.eval()  # no dropout, no buffer updates
         devices = [self.device] if self.device.type == "cuda" else []
@@ -245,7 +191,7 @@ class PipelineRunner:
         return gather_timeline(self)
 
     # ---- actions ---------------------------------------------------------------------------------
-    def _communicate(self, schedule: Schedule, batch: list[Action], step: _Step) -> None:
+    def _communicate(self, schedule: Schedule, batch: list[Action], step: StepState) -> None:
         """Post one gap of the schedule as one batch (sends, then receives, in action order)."""
         sends, recvs, recv_actions = [], [], []
         for a in batch:
@@ -266,20 +212,20 @@ class PipelineRunner:
         for a, incoming in zip(recv_actions, self.links.post(sends, recvs)):
             step.incoming[a] = incoming
 
-    def _wait_for_inputs(self, schedule: Schedule, a: Action, step: _Step) -> None:
+    def _wait_for_inputs(self, schedule: Schedule, a: Action, step: StepState) -> None:
         if a.kind == F and a.stage > 0 and not schedule.local(a.stage, a.stage - 1):
             step.incoming[Action(RECV_F, a.stage, a.micro)].wait()
         elif a.kind == B and a.stage < schedule.num_stages - 1 and not schedule.local(a.stage, a.stage + 1):
             step.incoming[Action(RECV_B, a.stage, a.micro)].wait()
 
-    def _forward(self, schedule: Schedule, a: Action, step: _Step) -> None:
+    def _forward(self, schedule: Schedule, a: Action, step: StepState) -> None:
         key = (a.stage, a.micro)
         micro = step.batches[a.micro]
         if a.stage == 0:
             x = micro.inputs
         elif schedule.local(a.stage, a.stage - 1):  # the bottom of a V: this rank's own previous stage
             previous = (a.stage - 1, a.micro)
-            x = _handed_over(step.outputs[previous] if step.training else step.outputs.pop(previous), step.training)
+            x = handed_over(step.outputs[previous] if step.training else step.outputs.pop(previous), step.training)
         else:
             incoming = step.incoming.pop(Action(RECV_F, a.stage, a.micro))
             tensors = incoming.wait()
@@ -298,7 +244,7 @@ class PipelineRunner:
         elif a.stage < schedule.num_stages - 1:
             step.outputs[key] = out
 
-    def _weighted(self, loss, micro: _Micro, step: _Step, count: int) -> torch.Tensor:
+    def _weighted(self, loss, micro: Micro, step: StepState, count: int) -> torch.Tensor:
         """Record the micro-batch's loss and return what backward differentiates: the loss sum times the unit
         when token-weighted (a loss_fn's own (sum, count), or a mean over target tokens), else the mean over
         the step's micro-batches."""
@@ -315,7 +261,7 @@ class PipelineRunner:
             raise RunError("a token-weighted pipeline loss without the backprop unit; run steps through the engine")
         return total * step.unit if step.training else total
 
-    def _backward(self, schedule: Schedule, a: Action, step: _Step) -> None:
+    def _backward(self, schedule: Schedule, a: Action, step: StepState) -> None:
         key = (a.stage, a.micro)
         out, x = step.outputs.pop(key), step.inputs.pop(key)
         if a.stage == schedule.num_stages - 1:
@@ -343,25 +289,3 @@ class PipelineRunner:
         if weights:
             torch.autograd.backward(weights, grads)
 
-
-def _handed_over(value, training: bool):
-    """A stage's output as the next stage's input on the same rank: detached (each stage's backward stops at
-    its input, as across ranks), floating tensors requiring grad so the input gradient is computed."""
-    tensors = [t.detach().requires_grad_() if training and t.is_floating_point() else t.detach()
-               for t in as_tensors(value)]
-    return tuple(tensors) if isinstance(value, (tuple, list)) else tensors[0]
-
-
-def _last_gradient_actions(schedule: Schedule, rank: int) -> set[Action]:
-    """The actions after which a stage's parameters hold their last gradient contribution of the step:
-    per stage, its last B, and with a split backward also its last W."""
-    last: dict[tuple[ActionKind, int], Action] = {}
-    for a in schedule.actions[rank]:
-        if a.kind in (B, W):
-            last[(a.kind, a.stage)] = a
-    return set(last.values())
-
-
-def _mixed_losses() -> RunError:
-    return RunError("a pipeline step mixed token-weighted losses with losses it can only average: feed every "
-                    "micro-batch in one form, or set loss.reduction to \"micro_batch\"")

@@ -23,17 +23,22 @@ import paratrain.comm as comm
 from paratrain.api import initialize
 from paratrain.config import ConfigError, load_config
 from paratrain.data import (
-    DataParallelLoader,
-    DataParallelSampler,
     TokenWindows,
     corpus_fingerprint,
-    corpus_text,
 )
-from paratrain.data.job import job_data
 from paratrain.distributed import init_distributed
 from paratrain.engine.monitor import peak_rss_bytes
 from paratrain.models import build_model
-from paratrain.models.hf_pretrained import build_empty, load_tokenizer
+from paratrain.trainer.inputs import (
+    TimedLoader,
+    check_validation_size,
+    corpus_ids,
+    job_rows,
+    pretrained_model,
+    split_validation,
+    trainer_text,
+    validation_loader,
+)
 
 
 class MetricsWriter:
@@ -100,7 +105,7 @@ def _start(cfg, run_dir: str | None):
         raise ConfigError(f"trainer.text = '{t.text}' and data.train = '{cfg.data.train}' both name what to train "
                           f"on; keep one (data.train reads .jsonl/.json/.parquet/.txt with formats and packing)")
     if (Path(t.model).expanduser() / "config.json").is_file():
-        model, seq_len, num_params, vocab = _pretrained_model(t)
+        model, seq_len, num_params, vocab = pretrained_model(t)
         model_dir = Path(t.model).expanduser()
     else:
         model = build_model(t.model, **t.model_overrides)
@@ -108,121 +113,21 @@ def _start(cfg, run_dir: str | None):
         seq_len, vocab, model_dir = model.config.seq_len, model.config.vocab_size, None
     info = {"params": num_params, "seq_len": seq_len}
     if cfg.data.train:
-        train_data, val_data, info["data"] = _job_data(cfg, model_dir, seq_len, vocab)
+        train_data, val_data, info["data"] = job_rows(cfg, model_dir, seq_len, vocab)
         info["seq_len"] = train_data.seq_len
     else:
-        ids = _corpus_ids(_text(t), model_dir, vocab)
-        (train_ids, val_ids) = _split(ids)
+        ids = corpus_ids(trainer_text(t), model_dir, vocab)
+        (train_ids, val_ids) = split_validation(ids)
         train_data, val_data = TokenWindows(train_ids, seq_len), TokenWindows(val_ids, seq_len)
     out = Path(run_dir or t.run_dir)
     if not cfg.comm.report_dir:  # hang reports land next to the metrics
         cfg.comm.report_dir = str(out)
     engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
-    _check_validation_size(engine, val_data)
+    check_validation_size(engine, val_data)
     if engine.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(engine.config.model_dump(mode="json"), indent=2))
     return engine, loader, val_data, out, info
-
-
-def _check_validation_size(engine, val_data) -> None:
-    """Every rank, before the first step: the validation rows fill one micro-batch of every dp rank."""
-    need = engine.train_micro_batch_size_per_gpu() * engine.mesh.dims.sample_parallel_size
-    if val_data is not None and engine.config.trainer.eval_every and len(val_data) < need:
-        raise ConfigError(f"data.validation gives {len(val_data)} rows of {val_data.seq_len} tokens, fewer than one "
-                          f"validation micro-batch on every data-parallel rank ({need}); add validation records, "
-                          f"or set trainer.eval_every to 0")
-
-
-def _job_data(cfg, model_dir: Path | None, model_seq_len: int, vocab: int):
-    """The `data` section's rows, tokenized by the model directory's tokenizer (bytes without one)."""
-    seq_len = cfg.data.seq_len or model_seq_len
-    if model_dir is None and seq_len > model_seq_len:
-        raise ConfigError(f"data.seq_len = {seq_len} is longer than the model's seq_len {model_seq_len}; lower "
-                          f"data.seq_len or raise trainer.model_overrides.seq_len")
-    data = job_data(cfg.data, model_dir, seq_len, vocab)
-    return data.train, data.validation, data.summary
-
-
-def _text(t) -> str:
-    if t.text is None:
-        return corpus_text()
-    path = Path(t.text).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"trainer.text = '{t.text}' is not a file; pass a UTF-8 text file, or leave it unset for "
-                          f"the embedded corpus")
-    return path.read_text(encoding="utf-8")
-
-
-def _bytes(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-
-
-def _split(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation): the last 10% validates, as load_corpus does."""
-    split = int(len(ids) * 0.9)
-    return ids[:split], ids[split:]
-
-
-def _pretrained_model(t):
-    """A Hugging Face model directory as trainer.model: its weights (`from_pretrained`), sequences of
-    model_overrides.seq_len tokens (default 128)."""
-    path = Path(t.model).expanduser()
-    extra = sorted(set(t.model_overrides) - {"seq_len"})
-    if extra:
-        raise ConfigError(f"trainer.model_overrides {extra}: a Hugging Face model directory takes only seq_len "
-                          f"(the training sequence length); change the model's config.json instead")
-    meta = build_empty(path)  # the parameter count, from config.json alone
-    return (str(path), int(t.model_overrides.get("seq_len", 128)), sum(p.numel() for p in meta.parameters()),
-            meta.config.vocab_size)
-
-
-def _corpus_ids(text: str, model_dir: Path | None, vocab: int) -> torch.Tensor:
-    """The corpus as token ids: through a Hugging Face directory's tokenizer, else bytes."""
-    tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
-    ids = torch.tensor(tokenizer(text)["input_ids"]) if tokenizer is not None else _bytes(text)
-    if int(ids.max()) >= vocab:
-        raise ConfigError(f"trainer.model '{model_dir or 'a preset'}': the corpus has token ids up to "
-                          f"{int(ids.max())} but the model's vocab_size is {vocab}; without a tokenizer in the "
-                          f"directory the corpus is bytes, which needs vocab_size >= 256; add the model's tokenizer "
-                          f"to the directory")
-    return ids
-
-
-def _val_loader(engine, val_data) -> DataParallelLoader:
-    """The same validation batches at every evaluation."""
-    return DataParallelLoader(val_data, DataParallelSampler(
-        len(val_data), engine.train_micro_batch_size_per_gpu(), engine.mesh.size("dp"),
-        engine.mesh.local_rank("dp"), seed=engine.config.seed, shuffle=False))
-
-
-class TimedLoader:
-    """The loader as `train_batch` draws from it, timing each draw: the step's wait for data."""
-
-    def __init__(self, loader):
-        self.loader, self.wait_s = loader, 0.0
-
-    def __next__(self):
-        tic = time.perf_counter()
-        try:
-            return next(self.loader)
-        finally:
-            self.wait_s += time.perf_counter() - tic
-
-    def __iter__(self):
-        return self
-
-    def next_global_batch(self) -> tuple[int, list[int]]:
-        """(epoch, sample ids) of the next step's global batch; a stream waits here for its rows (timed)."""
-        tic = time.perf_counter()
-        try:
-            return self.loader.sampler.next_global_batch()
-        finally:
-            self.wait_s += time.perf_counter() - tic
-
-    def take_wait(self) -> float:
-        wait, self.wait_s = self.wait_s, 0.0
-        return wait
 
 
 def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_per_step: int) -> dict:
@@ -246,7 +151,8 @@ def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_p
     if routing is not None:
         row.update(routing.row())
     if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == steps):
-        row["val_loss"] = float(engine.eval_batch(_val_loader(engine, val_data), num_micro_batches=t.eval_batches))
+        val = validation_loader(engine, val_data)
+        row["val_loss"] = float(engine.eval_batch(val, num_micro_batches=t.eval_batches))
         engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
     if step % cfg.steps_per_print == 0 or step == steps:
         # Every rank's model-state bytes and peak RSS (a small all-gather, counted under the "metrics" tag).
