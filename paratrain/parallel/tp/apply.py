@@ -9,11 +9,9 @@ Split layers replace the dense ones under the same attribute, with parameters un
 (`weight`, `bias`), so optimizer construction, the data-parallel strategy (which sees only the local,
 sharded module) and state-dict names are unchanged. Region transitions that are not layers (a parent
 whose input enters the region once, a module whose output starts the sequence-parallel region) are
-forward hooks. Under sequence parallelism a replicated parameter's gradient (from this rank's s/tp tokens)
-is summed over tp by a hook on the parameter itself, before it accumulates: parameters keep their identity
-under every data-parallel strategy (ZeRO-3 included), so no forward is patched and no parameter swapped.
-Per-rank random numbers (`in_region`, `sequence`) still wrap the module's `forward`, so activation
-checkpointing's recompute, which reruns `forward`, draws the same masks.
+forward hooks; per-rank random numbers and gradient sums of replicated parameters wrap the module's
+`forward`, so they act on whatever parameter tensor the module holds at call time (a ZeRO-3 strategy may
+swap in gathered parameters with its own pre-forward hooks).
 
 [Note: building the same model everywhere]
 Every rank builds the full model from the same seed and keeps its slice, so the sharded model starts
@@ -30,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paratrain.comm import all_reduce
 from paratrain.comm.autograd import copy_to_region, gather_from_sequence, scatter_to_region
 from paratrain.layout.mesh import Axis, Mesh
 from paratrain.layout.origin import Origin, Step
@@ -115,13 +112,16 @@ def _forked(tracker: RNGTracker, inner, *args, **kwargs):
         return inner(*args, **kwargs)
 
 
-def _sum_over_tp(axis: Axis, grad: torch.Tensor) -> torch.Tensor:
-    """A parameter hook under sequence parallelism: the gradient this rank computed from its s/tp tokens only,
-    summed over tp before it accumulates (what `copy_to_region` does for an activation, without touching the
-    module: no forward is patched and no parameter swapped)."""
-    grad = grad.contiguous().clone()
-    all_reduce(grad, axis, tag=GRAD_TAG)
-    return grad
+def _with_grad_sum(module: nn.Module, names: list[str], axis: Axis, inner, *args, **kwargs):
+    """Run forward with each parameter seen through `copy_to_region`: its gradient, computed from this
+    rank's tokens only, arrives at the parameter summed over tp."""
+    saved = {n: module._parameters[n] for n in names}
+    try:
+        for n, p in saved.items():
+            module._parameters[n] = copy_to_region(p, axis, GRAD_TAG)
+        return inner(*args, **kwargs)
+    finally:
+        module._parameters.update(saved)
 
 
 def _region_input_hook(path: str, axis: Axis, sequence_parallel: bool):
@@ -200,7 +200,6 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
                                    for attr in ("weight", "bias")})
             head = new if style == "colwise_vocab" else head
         _set_submodule(model, path, new)
-    summed: set[int] = set()
     for path, style in styles.items():
         module = model.get_submodule(path)
         if style == "vocab_loss":
@@ -212,10 +211,10 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
         elif style == "sequence" and sp:
             if hasattr(module, "split_tokens_over"):  # a module whose outputs include means over its tokens
                 module.split_tokens_over(axis)
-            for param in module.parameters():
-                if param.requires_grad and id(param) not in summed:  # a parameter reached twice sums once
-                    param.register_hook(functools.partial(_sum_over_tp, axis))
-                    summed.add(id(param))
+            for sub in module.modules():
+                names = [n for n, p in sub.named_parameters(recurse=False) if p.requires_grad]
+                if names:
+                    _wrap_forward(sub, functools.partial(_with_grad_sum, sub, names, axis))
             _wrap_forward(module, functools.partial(_forked, tracker))
         elif style == "sequence_scatter" and sp:
             module.register_forward_hook(_sequence_scatter_hook(path, axis))
