@@ -98,7 +98,8 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self.random_state = RandomState(self.parallel.random_streams, {"sizes": dict(mesh.dims.sizes),
                                                                        "coords": dict(mesh.coords)})
         self.loss_scaler = make_loss_scaler(config)  # fp16 only
-        self._update = OptimizerUpdate(self.grad_sync, mesh, self.device, self.loss_scaler, config.nonfinite_loss)
+        self._update = OptimizerUpdate(self.grad_sync, mesh, self.device, self.loss_scaler, config.nonfinite_loss,
+                                       check_every=config.steps_per_print)
         self._grad_norm: torch.Tensor | None = None
         # "token" reduction: each window's losses and target counts, divided by the global count at the boundary
         self._window = LossWindow(mesh.axis(("dp", "cp")), self.device, token_loss=config.loss.reduction == "token"
@@ -211,7 +212,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
             self._reporter.after_step(self)
             self._save_if_due()
 
-    def _optimizer_update(self, grad_scale: float = 1.0) -> None:
+    def _optimizer_update(self, grad_scale: torch.Tensor | float = 1.0) -> None:
         """Update once (the same branch on every rank: the norm is the same number everywhere); a skipped
         step still counts (DeepSpeed's behaviour on an fp16 overflow). `grad_scale`: the token-weighted
         loss's division by the global count (`engine/token_loss.py`)."""
@@ -224,8 +225,6 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         state = self.train_state
         update = self._update(self.lr_scheduler, self.gradient_clipping(), state.global_steps + 1, grad_scale)
         self._grad_norm = update.norm
-        if (state.global_steps + 1) % self.config.steps_per_print == 0:
-            self._update.check_nonfinite()
         self._step_applied = update.skipped is None
         state.global_steps += 1
         if update.skipped is not None:

@@ -55,13 +55,14 @@ class FirstNonFinite:
 
 class OptimizerUpdate:
     def __init__(self, grad_sync: GradSync, mesh: Mesh, device: torch.device, loss_scaler: LossScaler | None,
-                 nonfinite_loss: str):
+                 nonfinite_loss: str, check_every: int = 1):
         self.grad_sync = grad_sync
         self.mesh = mesh
         self.device = device
         self.loss_scaler = loss_scaler
         self.nonfinite_loss = nonfinite_loss
         self.first_nonfinite = FirstNonFinite(device)
+        self.check_every = check_every  # "stop_at_log": read the record every steps_per_print steps
 
     def __call__(self, lr_scheduler, max_norm: float, step: int,
                  grad_scale: torch.Tensor | float = 1.0) -> Update:
@@ -71,7 +72,7 @@ class OptimizerUpdate:
         sync = self.grad_sync
         norm = global_grad_norm(sync.grad_pieces(), self.mesh, sync.axis, sync.shards_gradients, self.device)
         norm = norm * grad_scale
-        factor = torch.as_tensor(grad_scale, dtype=torch.float64, device=norm.device)
+        factor = grad_scale  # a host float until something on the device (the token count, clipping) joins it
         if self.loss_scaler is not None:
             # A non-finite norm means some gradient on some rank overflowed: every rank skips the same step.
             scale = self.loss_scaler.scale
@@ -90,16 +91,19 @@ class OptimizerUpdate:
                 log.error(str(error))
             raise error
         if max_norm > 0.0:
-            factor = factor * clip_factor(norm, max_norm)
-        sync.scale_gradients(factor)  # unscale and clip in one pass (always: comparing with 1 reads the device)
+            factor = clip_factor(norm, max_norm) * factor
+        if isinstance(factor, torch.Tensor) or factor != 1.0:  # a device factor is applied unread
+            sync.scale_gradients(factor)  # unscale and clip in one pass
         sync.optimizer_step()
         if lr_scheduler is not None:
             lr_scheduler.step()
         sync.zero_grad()
+        if self.nonfinite_loss == "stop_at_log" and step % self.check_every == 0:
+            self.first_nonfinite.check()
         return Update(norm)
 
     def check_nonfinite(self) -> None:
-        """With "stop_at_log": raise if a step's norm was NaN/inf (reads the device; a log step, a save)."""
+        """With "stop_at_log": raise if a step's norm was NaN/inf (reads the device; before a save)."""
         if self.nonfinite_loss == "stop_at_log":
             self.first_nonfinite.check()
 

@@ -77,6 +77,14 @@ def weak_hook(method):
     return hook
 
 
+def on_device_of(factor: torch.Tensor | float, tensors: list[torch.Tensor]) -> torch.Tensor | float:
+    """`factor` where `tensors` live: a 0-dim device tensor cannot multiply host tensors (offloaded masters),
+    so those get a host copy (the host optimizer needs its value anyway); a float stays a float."""
+    if not isinstance(factor, torch.Tensor) or not tensors or tensors[0].device == factor.device:
+        return factor
+    return factor.to(tensors[0].device)
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer are counted once)."""
     seen: dict[int, int] = {}
@@ -159,8 +167,9 @@ class GradSync(ABC):
         """True when the ranks of `self.axis` hold disjoint slices of the averaged gradient (ZeRO)."""
 
     @abstractmethod
-    def scale_gradients(self, factor: float) -> None:
-        """Multiply every gradient this rank holds by `factor` (clipping, loss-scale removal)."""
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient this rank holds by `factor` (clipping, loss-scale removal, the token count's
+        division): a host float, or a 0-dim device tensor the step never reads."""
 
     @abstractmethod
     def optimizer_step(self) -> None:

@@ -195,7 +195,7 @@ class DistributedDataParallel(GradSync):
     def shards_gradients(self) -> bool:
         return False
 
-    def scale_gradients(self, factor: float) -> None:
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
         for flat in self.masters.grad_flats(self.grads.buffers):
             flat.mul_(factor)
 

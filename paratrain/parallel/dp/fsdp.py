@@ -40,6 +40,7 @@ from paratrain.parallel.dp.base import (
     OptimizerFactory,
     UnusedParametersError,
     broadcast_module_state,
+    on_device_of,
     weak_hook,
 )
 from paratrain.parallel.dp.flat import (
@@ -247,8 +248,10 @@ class FullyShardedDataParallel(GradSync):
     def shards_gradients(self) -> bool:
         return True
 
-    def scale_gradients(self, factor: float) -> None:
-        for flat in self._flats():
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        flats = self._flats()
+        factor = on_device_of(factor, [flat.master.grad for flat in flats])  # offloaded: a host copy
+        for flat in flats:
             flat.master.grad.mul_(factor)
 
     def optimizer_step(self) -> None:

@@ -36,6 +36,7 @@ from paratrain.parallel.dp.base import (
     MasterSegment,
     OptimizerFactory,
     broadcast_module_state,
+    on_device_of,
     optimizer_state_tensors,
     tensor_bytes,
 )
@@ -125,7 +126,8 @@ class ZeroDataParallel(GradSync):
     def shards_gradients(self) -> bool:
         return self.axis.size > 1
 
-    def scale_gradients(self, factor: float) -> None:
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        factor = on_device_of(factor, [master.grad for master in self.masters])  # offloaded: a host copy
         for master in self.masters:
             master.grad.mul_(factor)
 
