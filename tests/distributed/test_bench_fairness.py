@@ -4,7 +4,6 @@ differ is refused before anything is timed. Nothing here is timed."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
 import types
@@ -134,30 +133,36 @@ def _cases(world_size: int) -> list[tuple[str, str]]:
     return out
 
 
-def test_every_case_of_every_suite_builds_the_common_setup(world1, monkeypatch):
-    import_deepspeed()  # the ZeRO suite's peers
-    from paratrain.testing import World
-
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as benchmarks.suite sets it, before the world is spawned
-    setups = {}
-    shared = World(2, timeout_s=600)
-    try:
-        for name, case in _cases(2):
-            # DeepSpeed keeps its process groups in globals, which a reused world drops after each sub-case:
-            # each DeepSpeed case gets a fresh world, as every case does in the suite
-            with World(2, timeout_s=600) if "DeepSpeed" in case else contextlib.nullcontext(shared) as world:
-                setups[f"{name}: {case}"] = world.run(one_step_setup, name, case)[0]
-    finally:
-        shared.stop()
-    for name, case in _cases(1):
-        setups[f"{name}: {case}"] = world1.run(one_step_setup, name, case)[0]
-    # the MoE suite (its own model, 2 ranks; DeepSpeed-MoE in a fresh world, as the suite runs it)
+def setups_in_one_call(cases: list[tuple[str, str]]) -> dict[str, dict]:
+    """On every rank: each case's setup, all inside one `World.run`."""
     from benchmarks import moe
 
-    for case, fn in moe.CASES.items():
-        with World(2, timeout_s=600) as world:
-            setups[f"moe: {case}"] = world.run(run_case, case, fn, 1, 0)[0]["setup"]
+    out = {}
+    for name, case in cases:
+        if name == "moe":  # its own model, as the suite runs it
+            out[f"moe: {case}"] = run_case(case, moe.CASES[case], 1, 0)["setup"]
+        else:
+            out[f"{name}: {case}"] = one_step_setup(name, case)
+    return out
+
+
+def test_every_case_of_every_suite_builds_the_common_setup(world1, world2, monkeypatch):
+    import_deepspeed()  # the ZeRO suite's peers
+    from benchmarks import moe
+    from paratrain.testing import World
+
+    pairs = _cases(2) + [("moe", case) for case in moe.CASES]
+    ours = [(name, case) for name, case in pairs if "DeepSpeed" not in case]
+    deepspeed = [(name, case) for name, case in pairs if "DeepSpeed" in case]
+    setups = world2.run(setups_in_one_call, ours)[0] | world1.run(setups_in_one_call, _cases(1))[0]
+    # DeepSpeed keeps its process groups in module globals (created once, then looked up by name), and a
+    # world drops the groups made during a call when the call ends: the DeepSpeed cases share one world of
+    # their own, all in one call, so the shared worlds never hold DeepSpeed globals naming dropped groups.
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as benchmarks.suite sets it, before that world is spawned
+    with World(2, timeout_s=600) as world:
+        setups |= world.run(setups_in_one_call, deepspeed)[0]
+    assert len(setups) == len(pairs) + len(_cases(1)) and len(deepspeed) == 5
     assert {"zero: DeepSpeed ZeRO-3", "ddp: torch DDP", "tp: torch TP+SP", "pp: torch interleaved v2 p2",
             "zero: torch FSDP2", "zero: reference (1 process)", "cp: one process", "moe: DeepSpeed-MoE ep_size=2",
-            "moe: paratrain ep2"} <= set(setups)
+            "moe: paratrain ep2", "overhead: DeepSpeed ZeRO-1"} <= set(setups)
     check_same_setup({"expected": expected_setup(), **setups})
