@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from paratrain.layout.placement import Placement, placement_of
+from paratrain.layout.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,11 @@ class Origin:
     placement: Placement = Placement()  # the local tensor's placement records (what the steps read)
 
     @classmethod
-    def local(cls, name: str, tensor: torch.Tensor) -> Origin:
-        """The identity: a local tensor that is the whole original tensor (before any step is undone)."""
+    def local(cls, name: str, tensor: torch.Tensor, placement: Placement | None = None) -> Origin:
+        """The identity: a local tensor that is the whole original tensor (before any step is undone), with
+        the records the parallel model keeps for it."""
         shape = tuple(tensor.shape)
-        return cls(name, shape, (0,) * len(shape), shape, placement=placement_of(tensor))
+        return cls(name, shape, (0,) * len(shape), shape, placement=placement or Placement())
 
     def renamed(self, name: str) -> Origin:
         return replace(self, name=name)

@@ -1,5 +1,6 @@
-"""How a parameter is laid out over the mesh: a typed record per mesh axis, written by the step that laid it
-out and read by whatever needs to know (the global gradient norm, checkpoints).
+"""How a parameter is laid out over the mesh: a typed record per mesh axis, kept by the parallel model
+(`Placements`), written by the step that laid the parameter out and read by whatever needs to know (the
+data-parallel strategy, the global gradient norm, checkpoints).
 
     Shard(dim, full)  the ranks of the axis hold equal slices of dimension `dim` (full size `full`; the last
                       slice may reach into padding, as an uneven vocabulary does)
@@ -14,10 +15,16 @@ data-parallel axis of DDP, the cp axis, whose ranks see other tokens with the sa
 sharding (ZeRO's flat ranges) is not a placement of a parameter: it cuts flat buffers of many parameters,
 and the strategy describes it itself (`master_segments`, `grad_pieces`).
 
-[Note: why a record on the parameter]
-Strategies change modules in place and keep parameter identity (a ZeRO strategy only re-points `.data`), so
-a record on the parameter follows it through every later step, whatever the parameter is then called. The
-gradient norm weighs each gradient by its placements alone, without knowing which strategy split what.
+[Note: why the parallel model keeps the records]
+`parallelize` makes one `Placements` and hands it to every step: the tensor-parallel step records what its
+layers split, expert parallelism and the pipeline split add their axes, the data-parallel strategy and the
+checkpoints read it. The records are keyed by the parameter object, because strategies change modules in
+place and keep parameter identity (a ZeRO strategy or a deferred allocation only re-points `.data`, or
+swaps a meta parameter's contents in place), so a record follows the parameter through every later step,
+whatever it is then called. A step that does replace a parameter says so (`carry`, which lets the old one
+go). Nothing is written on the tensor itself, so no strategy reads another's attributes. (Not a weak
+mapping: `torch.utils.swap_tensors`, which allocating a meta parameter uses, refuses tensors with weak
+references.)
 """
 
 from __future__ import annotations
@@ -26,8 +33,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-
-ATTRIBUTE = "_paratrain_placement"
 
 
 @dataclass(frozen=True)
@@ -82,10 +87,26 @@ class Placement:
         return ", ".join(f"{a}: {k}" for a, k in self.axes) or "no records (replicated everywhere)"
 
 
-def placement_of(tensor: torch.Tensor) -> Placement:
-    return getattr(tensor, ATTRIBUTE, Placement())
+class Placements:
+    """The placement records of one parallel model's parameters (see the note above)."""
 
+    def __init__(self) -> None:
+        self._records: dict[int, tuple[torch.Tensor, Placement]] = {}  # id -> (the tensor, kept alive; its records)
 
-def place(tensor: torch.Tensor, axis: str, kind: Kind) -> None:
-    """Record that `tensor` is laid out as `kind` over `axis` (replacing an earlier record for that axis)."""
-    setattr(tensor, ATTRIBUTE, placement_of(tensor).with_axis(axis, kind))
+    def of(self, tensor: torch.Tensor) -> Placement:
+        """`tensor`'s records (none: replicated everywhere, a tensor no step laid out)."""
+        found = self._records.get(id(tensor))
+        return found[1] if found is not None and found[0] is tensor else Placement()
+
+    def record(self, tensor: torch.Tensor, axis: str, kind: Kind) -> None:
+        """`tensor` is laid out as `kind` over `axis` (replacing an earlier record for that axis)."""
+        self._records[id(tensor)] = (tensor, self.of(tensor).with_axis(axis, kind))
+
+    def carry(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """`new` replaces `old` in the model (a step made a new parameter): it takes over `old`'s records."""
+        found = self._records.pop(id(old), None)
+        if found is not None and found[0] is old:
+            self._records[id(new)] = (new, found[1])
+
+    def __len__(self) -> int:
+        return len(self._records)

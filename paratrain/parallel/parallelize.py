@@ -10,10 +10,10 @@ and a few scalars):
   4. activation checkpointing
   5. data parallel: DDP or a ZeRO stage over the dp x cp axis (experts: over the expert-data-parallel one)
   6. the pipeline runner (pipeline.stages > 1), built last with everything it drives
-What a step needs to know about the model (its plan, blocks, attention cores, pipeline layers) comes from
-the model's spec (`paratrain.model_spec`), never from its class. Every step that changes the model is kept
-in `ParallelModel.steps`, and knows how to undo itself for a tensor's coordinates (`Step.origin`), which is
-all checkpoints and `full_state_dict` need. The engine only sees the returned `ParallelModel`.
+What a step needs to know about the model comes from its spec (`paratrain.model_spec`), never its class.
+Each step is kept in `ParallelModel.steps` and undoes itself for a tensor's coordinates (`Step.origin`: all
+checkpoints and `full_state_dict` need); how it laid out each parameter goes into the one `Placements` the
+steps share (`ParallelModel.placements`), read by the data-parallel strategy, the norm and checkpoints.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from paratrain.config import Config, ConfigError
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.layout.mesh import Axis, Mesh
 from paratrain.layout.origin import Origin, Renamed, Step
+from paratrain.layout.placement import Placements
 from paratrain.model_spec import DEFAULT_SPEC, ModelSpec, spec_for
 from paratrain.moe.layer import expert_parallel_size_of
 from paratrain.parallel.cp import check_context_parallel, context_parallelize, context_parallelize_stages
@@ -58,7 +59,7 @@ class ParallelModel:
     steps that made it (in the order applied). `pipeline` (pipeline.stages > 1) runs whole steps of
     micro-batches; the engine delegates train_batch and eval_batch to it. `random_streams` are the per-rank
     random generators the steps created (checkpoints save their states); `autocast` makes the forward's
-    autocast context (torch_autocast); `spec` is the model's spec."""
+    autocast context (torch_autocast); `placements` how the steps laid out each parameter of `module`."""
 
     module: nn.Module
     grad_sync: GradSync
@@ -66,9 +67,10 @@ class ParallelModel:
     pipeline: PipelineRunner | None = None
     random_streams: dict[str, RNGTracker] = field(default_factory=dict)
     autocast: Callable = contextlib.nullcontext
-    spec: ModelSpec = DEFAULT_SPEC  # the model family's (checkpoints record its name)
+    spec: ModelSpec = DEFAULT_SPEC  # the model family's spec (checkpoints record its name)
     deferred: bool = False  # built on the meta device: allocated, not yet filled (the engine fills it)
     context: AppliedContextParallel | None = None  # cp > 1: which tokens of each micro-batch this rank keeps
+    placements: Placements = field(default_factory=Placements)
 
     def prepare_batch(self, batch: MicroBatch) -> MicroBatch:
         """A token micro-batch as this rank runs it: its share of the sequence under context parallelism."""
@@ -86,7 +88,7 @@ class ParallelModel:
     def origin(self, local_name: str, tensor: torch.Tensor) -> Origin:
         """Which tensor of the original model a tensor of the local module is, and which box of it: the steps
         undone last first, so each sees the coordinates it produced."""
-        found = Origin.local(local_name, tensor)
+        found = Origin.local(local_name, tensor, self.placements.of(tensor))
         for step in reversed(self.steps):
             found = step.origin(found)
         return found
@@ -199,22 +201,24 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     cores = spec.attention_cores(model)  # found before any step replaces one
     steps: list[Step] = []
     streams: dict[str, RNGTracker] = {}
+    placements = Placements()  # every step records how it laid out the parameters it touched
     if isinstance(model, PipelineModule) and (renamed := _layer_names(model)) is not None:
         steps.append(renamed)
     tp = config.tensor_parallel
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
-        applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed)
+        applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed,
+                                     placements=placements)
         spec.after_split(model, {"tp": tp.size})
         steps.append(applied)
         streams["tp"] = applied.tracker
     if mesh.expert_axes() is not None:  # 1b. before the pipeline split, which keeps whatever the stage holds
-        steps.append(expert_parallelize(model, spec.expert_layers(model), mesh))
+        steps.append(expert_parallelize(model, spec.expert_layers(model), mesh, placements))
     module, split = model, None
     pp = config.pipeline
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
         pipe = spec.pipeline_module(model, config.train_micro_batch_size_per_gpu)
         split = split_pipeline(pipe, mesh, pp.stages, pp.virtual_stages, pp.partition, placement_of(pp.schedule),
-                               device=None if deferred else device, own_names=pipe is model)
+                               device=None if deferred else device, own_names=pipe is model, placements=placements)
         steps.append(split)
         module = split.module
     elif isinstance(model, PipelineModule):
@@ -235,7 +239,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         allocate_local(module, device, parameters=config.zero_optimization.stage < 3)
     experts = mesh.expert_axes()
     grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model),  # 5.
-                               sync_initial_state=not deferred, expert_axis=experts[1] if experts else None)
+                               sync_initial_state=not deferred, expert_axis=experts[1] if experts else None,
+                               placements=placements)
     autocast = autocast_context(config.torch_autocast.enabled, device)
     runner = None
     if split is not None:  # 6. the runner drives the stage, the strategy and the split of micro-batches
@@ -244,7 +249,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
                                 prepare_batch=ring.split_micro_batch if ring is not None else None, autocast=autocast,
                                 token_loss=config.loss.reduction == "token" and spec.loss_is_token_mean(model),
                                 takes_documents=split.pipe.takes_documents())
-    return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred, ring)
+    return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred, ring, placements)
 
 
 def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module],
@@ -258,7 +263,7 @@ def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh
 
 def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
                    blocks: list[nn.Module], sync_initial_state: bool = True,
-                   expert_axis: Axis | None = None) -> GradSync:
+                   expert_axis: Axis | None = None, placements: Placements | None = None) -> GradSync:
     """Step 5: DDP (stage 0, any precision), ZeRO-1/2 over flat buckets, or FSDP, over
     `axis` (dp x cp: every rank of it saw different tokens); parameters split over ep (experts) over
     `expert_axis` (edp) instead. ZeRO-3's units are the spec's blocks unless the config names other modules."""
@@ -269,7 +274,7 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
             model, axis, precision=config.precision, bucket_cap_mb=dp.bucket_cap_mb,
             allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
             broadcast_buffers=dp.broadcast_buffers, free_grad_buckets=zero.free_grad_buckets,
-            sync_initial_state=sync_initial_state, expert_axis=expert_axis)
+            sync_initial_state=sync_initial_state, expert_axis=expert_axis, placements=placements)
     offload = OffloadPolicy(device, offload_optimizer=zero.offload_optimizer.device == "cpu",
                             offload_param=zero.offload_param.device == "cpu",
                             pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
@@ -282,7 +287,7 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
                                        predivide_factor=predivide,
                                        overlap_param_gather=zero.overlap_param_gather is not False,  # unset: on
                                        sync_initial_state=sync_initial_state, expert_axis=expert_axis,
-                                       **stage_option)
+                                       placements=placements, **stage_option)
     units = {id(b) for b in blocks}
     policy = config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names) \
         if zero.wrap_module_classes or zero.wrap_module_names else (lambda name, module: id(module) in units)
@@ -291,4 +296,5 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
         reshard_after_forward=zero.reshard_after_forward,
         persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
         allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
-        reduce_at_boundary=zero.reduce_at_boundary, sync_initial_state=sync_initial_state, expert_axis=expert_axis)
+        reduce_at_boundary=zero.reduce_at_boundary, sync_initial_state=sync_initial_state, expert_axis=expert_axis,
+        placements=placements)

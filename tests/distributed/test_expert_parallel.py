@@ -143,7 +143,7 @@ def _memory_and_checkpoint(directory: str) -> dict:
     engine, *_ = initialize(model=moe_model(), config=ep_config(2, 2, zero=1), training_data=corpus_windows())
     engine.train_batch()
     sync = engine.parallel.grad_sync
-    expert_numel = sum(p.numel() for _, p in sync.named_params if is_expert(p))
+    expert_numel = sum(p.numel() for _, p in sync.named_params if is_expert(p, engine.parallel.placements))
     shards = sum(b.layout.shard_numel for b in sync.buckets)
     expert_buckets = [b for b in sync.buckets if b.axis is sync.expert_axis]
     # what the experts hold under stage 1: full fp32 parameters and gradients, Adam moments of the edp shard
@@ -193,7 +193,8 @@ def _sharded_expert_state() -> dict:
         experts = [p for p in pieces if p.axis is sync.expert_axis]
         stats = engine.memory_stats()
         out[stage] = {"edp": sync.expert_axis.size, "optimizer_state": stats["optimizer_state"],
-                      "expert_numel": sum(p.numel() for p in engine.module.parameters() if is_expert(p)),
+                      "expert_numel": sum(p.numel() for p in engine.module.parameters()
+                                          if is_expert(p, engine.parallel.placements)),
                       "expert_layout_numel": sum(p.layout.numel for p in experts),
                       "expert_shards": [(p.layout.padded, p.layout.shard_numel) for p in experts],
                       "all_shards": sum(p.layout.shard_numel for p in pieces)}

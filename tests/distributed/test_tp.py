@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.layout.placement import Shard, placement_of
+from paratrain.layout.placement import Shard
 from paratrain.models import GPT
 from paratrain.testing import rel_diff
 from paratrain.testing.parity import layout_parity
@@ -121,8 +121,8 @@ class ModVocab(torch.utils.data.Dataset):
         return x % VOCAB, y % VOCAB
 
 
-def _is_split(param) -> bool:
-    return isinstance(placement_of(param).get("tp"), Shard)
+def _is_split(engine, param) -> bool:
+    return isinstance(engine.parallel.placements.of(param).get("tp"), Shard)
 
 
 MODELS = {"gpt": (tiny_gpt, corpus_windows, None), "llama": (tiny_llama, lambda: ModVocab(corpus_windows()),
@@ -140,7 +140,7 @@ def _parity(model: str, tp: int, sp: bool, accumulation: int = 1, stage: int = 0
 
     def shards(engine) -> dict:
         local = dict(engine.module.named_parameters())
-        sharded = {n for n, p in local.items() if _is_split(p)}
+        sharded = {n for n, p in local.items() if _is_split(engine, p)}
         return {"dp": engine.mesh.size("dp"),
                 "replicated": {n: p.detach().clone() for n, p in local.items() if n not in sharded},
                 "sharded_numel": {n: local[n].numel() for n in sharded},
@@ -272,7 +272,7 @@ def _dropout_streams(sp: bool) -> dict:
     model.embed.dropout(torch.ones(2, 16, 32))
     expected_after = torch.rand(4)
     state = engine.full_state_dict()  # raises if a replicated tensor differs between the tp ranks
-    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not _is_split(p)}
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if not _is_split(engine, p)}
     return {"inside": inside, "outside": outside, "after": after, "expected_after": expected_after,
             "replicated": replicated, "finite": all(bool(torch.isfinite(v).all()) for v in state.values())}
 

@@ -11,7 +11,7 @@ from torch import nn
 import paratrain
 from paratrain.config import ConfigError
 from paratrain.layout.mesh import Axis
-from paratrain.layout.placement import Shard, placement_of
+from paratrain.layout.placement import Shard
 from paratrain.models import GPT_PLAN
 from paratrain.parallel.tp import (
     ColumnParallelLinear,
@@ -120,13 +120,13 @@ def test_layers_keep_their_slice_and_pad_uneven_vocabularies():
         col = ColumnParallelLinear(linear, axis, pad_output=True)  # 10 -> 12 rows, 3 per rank
         want = torch.cat([linear.weight.detach(), torch.zeros(2, 6)])[3 * rank:3 * rank + 3]
         assert torch.equal(col.weight, want) and col.vocab_start == 3 * rank
-        assert placement_of(col.weight).get("tp") == Shard(0, 10)  # the unpadded size
+        assert col.placements == {"weight": Shard(0, 10), "bias": Shard(0, 10)}  # the unpadded size
         vocab = VocabParallelEmbedding(emb, axis)
         assert vocab.weight.shape == (3, 3) and vocab.vocab_start == 3 * rank
         assert vocab.local_padding_idx == (1 if rank == 2 else None)
     row = RowParallelLinear(nn.Linear(8, 5), _fake_axis(1, 2))
-    assert row.weight.shape == (5, 4) and placement_of(row.weight).get("tp") == Shard(1, 8)
-    assert placement_of(row.bias).get("tp") is None  # replicated: the plan step records that, not the layer
+    assert row.weight.shape == (5, 4) and row.placements == {"weight": Shard(1, 8)}  # the bias: replicated, which
+    # the plan step records in the parallel model's placements, not the layer
     with pytest.raises(PlanError, match="out_features 10, not divisible by the tensor-parallel size 4"):
         ColumnParallelLinear(linear, _fake_axis(0, 4))
 
@@ -140,7 +140,7 @@ def test_a_packed_layer_keeps_its_share_of_every_part():
         for i, (start, size) in enumerate([(0, 4), (4, 2), (6, 2)]):
             local = size // 2
             assert torch.equal(getattr(col, f"weight_{i}"), w[start + rank * local:start + (rank + 1) * local])
-            assert placement_of(getattr(col, f"weight_{i}")).get("tp") == Shard(0, size, packed=(start, 8))
+            assert col.placements[f"weight_{i}"] == Shard(0, size, packed=(start, 8))
         x = torch.randn(3, 6)
         keep = [r for start, size in [(0, 4), (4, 2), (6, 2)] for r in range(start + rank * size // 2,
                                                                               start + (rank + 1) * size // 2)]

@@ -21,7 +21,7 @@ from torch import nn
 import paratrain.comm as comm
 from paratrain.errors import Error
 from paratrain.layout.mesh import Axis
-from paratrain.layout.placement import Placement, placement_of
+from paratrain.layout.placement import Placement, Placements
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
@@ -37,19 +37,20 @@ class UnusedParametersError(Error, RuntimeError):
                    f"allow_unused_parameters to true")
 
 
-def is_expert(param: torch.Tensor) -> bool:
+def is_expert(param: torch.Tensor, placements: Placements) -> bool:
     """Split over the ep axis (an MoE layer's stacked experts): reduced over the expert-data-parallel axis."""
-    return placement_of(param).get("ep") is not None
+    return placements.of(param).get("ep") is not None
 
 
 def broadcast_module_state(module: nn.Module, axis: Axis, src: int = 0, buffers: bool = True,
-                           expert_axis: Axis | None = None) -> None:
-    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype (experts:
-    over `expert_axis`, the ranks that hold the same experts)."""
+                           expert_axis: Axis | None = None, placements: Placements | None = None) -> None:
+    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype (experts,
+    split over ep in `placements`: over `expert_axis`, the ranks that hold the same experts)."""
     tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
     by_dtype: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault((t.dtype, expert_axis is not None and is_expert(t)), []).append(t)
+        expert = expert_axis is not None and placements is not None and is_expert(t, placements)
+        by_dtype.setdefault((t.dtype, expert), []).append(t)
     with torch.no_grad():
         for (_, expert), group in sorted(by_dtype.items(), key=lambda item: (str(item[0][0]), item[0][1])):
             flat = torch.cat([t.detach().reshape(-1) for t in group])
@@ -128,8 +129,12 @@ class MasterSegment:
 class GradSync(ABC):
     """A data-parallel strategy: owns gradient reduction, optimizer placement and the update."""
 
-    def __init__(self, module: nn.Module, axis: Axis, expert_axis: Axis | None = None):
+    def __init__(self, module: nn.Module, axis: Axis, expert_axis: Axis | None = None,
+                 placements: Placements | None = None):
         self.module = module
+        # How the earlier steps laid each parameter out (the parallel model's records; none: all replicated):
+        # what an expert is, and how the gradient norm weighs each gradient.
+        self.placements = Placements() if placements is None else placements
         # Gradients are averaged over this axis: every rank of it saw different data (the engine passes dp x
         # cp: context-parallel ranks saw other tokens of the same samples). The strategy knows no other axis.
         self.axis = axis
@@ -141,7 +146,7 @@ class GradSync(ABC):
 
     def axis_of(self, param: torch.Tensor) -> Axis:
         """The axis `param`'s gradient is reduced (and, under ZeRO, sharded) over."""
-        return self.expert_axis if self.expert_axis is not None and is_expert(param) else self.axis
+        return self.expert_axis if self.expert_axis is not None and is_expert(param, self.placements) else self.axis
 
     # ---- lifecycle -------------------------------------------------------------------------------
     @abstractmethod

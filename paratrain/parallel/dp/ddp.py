@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from paratrain.layout.mesh import Axis
-from paratrain.layout.placement import Placement, placement_of
+from paratrain.layout.placement import Placement, Placements
 from paratrain.parallel.dp.base import (
     GradSync,
     MasterSegment,
@@ -139,8 +139,8 @@ class DistributedDataParallel(GradSync):
     def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", bucket_cap_mb: float = 25.0,
                  allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
                  broadcast_buffers: bool = True, free_grad_buckets: bool = False, sync_initial_state: bool = True,
-                 expert_axis: Axis | None = None):
-        super().__init__(module, axis, expert_axis)
+                 expert_axis: Axis | None = None, placements: Placements | None = None):
+        super().__init__(module, axis, expert_axis, placements)
         self.free_grad_buckets = free_grad_buckets
         self.dtype = compute_dtype(precision)
         self.mixed = precision != "fp32"
@@ -149,7 +149,8 @@ class DistributedDataParallel(GradSync):
         self.pre_divide = predivide_factor
         self.post_divide = axis.size / predivide_factor
         if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
-            broadcast_module_state(module, axis, buffers=broadcast_buffers, expert_axis=expert_axis)
+            broadcast_module_state(module, axis, buffers=broadcast_buffers, expert_axis=expert_axis,
+                                   placements=self.placements)
         self.buckets: list[GradBucket] = []
 
     # ---- buckets (built with the optimizer, like every strategy's state) -------------------------
@@ -168,7 +169,8 @@ class DistributedDataParallel(GradSync):
         self.grads = AllReduce(self.buckets, self.axis, self.pre_divide, self.free_grad_buckets)
         self.reducer = BucketReducer(self.buckets, self.grads, self.allow_unused)
         # each bucket in pieces of one placement (for the norm)
-        self.spans = [placement_spans([(s.offset, s.offset + s.numel, placement_of(s.param)) for s in b.layout.slots])
+        of = self.placements.of
+        self.spans = [placement_spans([(s.offset, s.offset + s.numel, of(s.param)) for s in b.layout.slots])
                       for b in self.buckets]
         self.optimizer = factory(self.masters.optimizer_params(param_groups))
         return self.optimizer

@@ -13,6 +13,7 @@ gradient, and where both live (`OffloadPolicy`: the compute device, or host memo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 import paratrain.comm as comm
 from paratrain.errors import InvalidValueError
 from paratrain.layout.mesh import Axis
-from paratrain.layout.placement import Placement, placement_of
+from paratrain.layout.placement import Placement
 from paratrain.parallel.dp.base import MasterSegment, placement_spans
 
 
@@ -169,8 +170,9 @@ class MasterShard:
         else:
             self.param.grad.add_(reduced.to(self.param.grad.device, torch.float32))
 
-    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
-        """This shard's gradient in pieces of one parameter placement each (one piece when all agree)."""
+    def grad_pieces(self, placement_of: Callable[[torch.Tensor], Placement]) -> list[tuple[torch.Tensor, Placement]]:
+        """This shard's gradient in pieces of one parameter placement each (one piece when all agree);
+        `placement_of` reads a parameter's records (the strategy's `Placements.of`)."""
         grad = self.param.grad
         if grad is None:
             return []

@@ -11,9 +11,8 @@ while the unit is in use. Per micro-step:
   unit post-backward (every parameter's gradient accumulated) reduce-scatter its gradients toward the
                      fp32 gradient shard and free it
 Reductions are collected at the next backward or at the step, so they overlap what follows. The update
-touches only the shards; nothing is gathered after the step (the next forward gathers). With
-`reduce_at_boundary` a unit's gradients stay staged (unsharded, accumulating) through the micro-steps of a
-window and only the window's last backward reduce-scatters them.
+touches only the shards; nothing is gathered after the step (the next forward gathers). `reduce_at_boundary`
+keeps a unit's gradients staged (unsharded) through a window: only its last backward reduce-scatters them.
 
 [Note: the root is not freed after forward]
 The root's backward starts as soon as its forward ends (the loss), so freeing it would only regather it
@@ -33,7 +32,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from paratrain.data.nested import tensors_in
 from paratrain.errors import RunError
 from paratrain.layout.mesh import Axis
-from paratrain.layout.placement import Placement
+from paratrain.layout.placement import Placement, Placements
 from paratrain.parallel.dp.base import (
     GradSync,
     MasterSegment,
@@ -66,8 +65,9 @@ class FullyShardedDataParallel(GradSync):
                  wrap_policy: WrapPolicy | None = None, reshard_after_forward: bool = True,
                  persistence_threshold: int = 100_000, prefetch_depth: int = 1,
                  allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
-                 reduce_at_boundary: bool = False, sync_initial_state: bool = True, expert_axis: Axis | None = None):
-        super().__init__(module, axis, expert_axis)
+                 reduce_at_boundary: bool = False, sync_initial_state: bool = True, expert_axis: Axis | None = None,
+                 placements: Placements | None = None):
+        super().__init__(module, axis, expert_axis, placements)
         self.reduce_at_boundary = reduce_at_boundary
         self.pre_divide = predivide_factor
         self.post_divide = self.axis.size / predivide_factor
@@ -79,7 +79,7 @@ class FullyShardedDataParallel(GradSync):
         self.prefetch_depth = prefetch_depth
         self.allow_unused = allow_unused_parameters
         if sync_initial_state:  # False: meta parameters, filled shard by shard later (deferred init)
-            broadcast_module_state(module, self.axis, expert_axis=expert_axis)
+            broadcast_module_state(module, self.axis, expert_axis=expert_axis, placements=self.placements)
         self.root: Unit | None = None
         self.units: list[Unit] = []  # non-root units, in module order
         self.persistent: Unit | None = None
@@ -242,7 +242,7 @@ class FullyShardedDataParallel(GradSync):
         return [f for u in self._all_units() for f in u.flats]
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
-        return [piece for flat in self._flats() for piece in flat.master.grad_pieces()]
+        return [piece for flat in self._flats() for piece in flat.master.grad_pieces(self.placements.of)]
 
     @property
     def shards_gradients(self) -> bool:

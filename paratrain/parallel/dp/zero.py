@@ -30,7 +30,7 @@ from torch import nn
 
 from paratrain.errors import RunError
 from paratrain.layout.mesh import Axis
-from paratrain.layout.placement import Placement
+from paratrain.layout.placement import Placement, Placements
 from paratrain.parallel.dp.base import (
     GradSync,
     MasterSegment,
@@ -62,8 +62,8 @@ class ZeroDataParallel(GradSync):
     def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", bucket_numel: int = 500_000_000,
                  offload: OffloadPolicy | None = None, allow_unused_parameters: bool = False,
                  predivide_factor: float = 1.0, overlap_param_gather: bool = True, sync_initial_state: bool = True,
-                 expert_axis: Axis | None = None):
-        super().__init__(module, axis, expert_axis)
+                 expert_axis: Axis | None = None, placements: Placements | None = None):
+        super().__init__(module, axis, expert_axis, placements)
         self.overlap_param_gather = overlap_param_gather
         self.dtype = compute_dtype(precision)
         self.bucket_numel = bucket_numel
@@ -72,7 +72,7 @@ class ZeroDataParallel(GradSync):
         self.pre_divide = predivide_factor
         self.post_divide = self.axis.size / predivide_factor
         if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
-            broadcast_module_state(module, self.axis, expert_axis=expert_axis)
+            broadcast_module_state(module, self.axis, expert_axis=expert_axis, placements=self.placements)
         self.buckets: list[GradBucket] = []
         self.params_full: list[torch.Tensor] = []  # (padded,) compute dtype: the model's parameters are views
         self.masters: list[MasterShard] = []
@@ -120,7 +120,7 @@ class ZeroDataParallel(GradSync):
 
     # ---- update -----------------------------------------------------------------------------------
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
-        return [piece for master in self.masters for piece in master.grad_pieces()]
+        return [piece for master in self.masters for piece in master.grad_pieces(self.placements.of)]
 
     @property
     def shards_gradients(self) -> bool:

@@ -1,16 +1,18 @@
 """Expert parallelism: each mixture-of-experts layer keeps E/ep of its experts, over the ep sub-axis of dp x cp.
 
-    split = expert_parallelize(model, spec.expert_layers(model), mesh)  # experts [r·E/ep, (r+1)·E/ep) on ep rank r
+    # experts [r·E/ep, (r+1)·E/ep) on ep rank r
+    split = expert_parallelize(model, spec.expert_layers(model), mesh, placements)
 
 The ep axis is folded inside dp x cp (`ParallelDims.expert_subgroups`): the ranks of an ep group see
 different tokens and hold different experts, so a layer sends each token's rows to the rank of its expert and
 back (`paratrain.moe.exchange`). The stacked expert tensors (E, out, in) are cut along dim 0 and recorded as
-`Shard(0, E)` over "ep"; everything else of the model (attention, norms, routers, shared experts) is
-untouched. The data-parallel strategy reads that record: expert gradients are summed over the
-expert-data-parallel group (edp, the ranks holding the same experts) instead of all of dp x cp, and ZeRO shards
-them over edp. The divisor stays dp x cp for both: each expert's gradient already holds the contributions of
-every ep rank's tokens (the combine's backward brought them), so sum over edp / (dp·cp) is the mean over all
-ranks, as for a dense parameter (dividing by edp only is DeepSpeed's "ep× too large" bug class).
+`Shard(0, E)` over "ep" in the parallel model's `Placements`; everything else of the model (attention, norms,
+routers, shared experts) is untouched. The data-parallel strategy reads that record: expert gradients are
+summed over the expert-data-parallel group (edp, the ranks holding the same experts) instead of all of dp x cp,
+and ZeRO shards them over edp. The divisor stays dp x cp for both: each expert's gradient already holds the
+contributions of every ep rank's tokens (the combine's backward brought them), so sum over edp / (dp·cp) is
+the mean over all ranks, as for a dense parameter (dividing by edp only is DeepSpeed's "ep× too large" bug
+class).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 from paratrain.config import ConfigError
 from paratrain.layout.mesh import Mesh
 from paratrain.layout.origin import Origin, Step
-from paratrain.layout.placement import Shard, place
+from paratrain.layout.placement import Placements, Shard
 from paratrain.moe.exchange import ExpertGroup, ExpertLayer
 
 
@@ -60,7 +62,8 @@ class ExpertSplit(Step):
                 f"{self.experts // self.axis.size} of {self.experts} experts each per rank")
 
 
-def expert_parallelize(model: nn.Module, layers: list[tuple[str, ExpertLayer]], mesh: Mesh) -> ExpertSplit:
+def expert_parallelize(model: nn.Module, layers: list[tuple[str, ExpertLayer]], mesh: Mesh,
+                       placements: Placements) -> ExpertSplit:
     """Keep this ep rank's experts of every MoE layer of `model` (`ModelSpec.expert_layers`; in place, meta
     tensors stay meta) and tell each layer which it keeps."""
     ep, _ = mesh.expert_axes()
@@ -72,9 +75,10 @@ def expert_parallelize(model: nn.Module, layers: list[tuple[str, ExpertLayer]], 
         for owner, pname in layer.stacked:
             p = getattr(owner, pname)
             local = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
-            for attribute, value in vars(p).items():  # records earlier steps left (tp placements)
+            for attribute, value in vars(p).items():  # marks others set on it (DeepSpeed's, the init state)
                 setattr(local, attribute, value)
-            place(local, "ep", Shard(0, layer.num_experts))
+            placements.carry(p, local)  # what earlier steps recorded (tp)
+            placements.record(local, "ep", Shard(0, layer.num_experts))
             setattr(owner, pname, local)
             split[f"{module_names[id(owner)]}.{pname}".lstrip(".")] = layer_name
         layer.assign(group)

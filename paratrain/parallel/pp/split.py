@@ -18,7 +18,7 @@ from torch import nn
 import paratrain.comm as comm
 from paratrain.layout.mesh import AXES, Mesh
 from paratrain.layout.origin import Origin, Step
-from paratrain.layout.placement import Partition, place
+from paratrain.layout.placement import Partition, Placements
 from paratrain.parallel.pp.module import LayerSpec, PipelineModule, StageChunk, StageModule
 from paratrain.parallel.pp.partition import (
     METHODS,
@@ -104,10 +104,13 @@ def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | 
 
 
 def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, partition, placement: str = "loop",
-                   device: torch.device | None = None, own_names: bool = True) -> PipelineSplit:
+                   device: torch.device | None = None, own_names: bool = True,
+                   placements: Placements | None = None) -> PipelineSplit:
     """Keep the layers of this rank's stages (chunk c = stage c·p + pp rank; under a "v" placement stages r
-    and 2p - 1 - r); free the others. `own_names`: `pipe` is the model itself (False: a model's spec made
-    `pipe` from it, and its layer names are the model's)."""
+    and 2p - 1 - r); free the others, and record in `placements` (the parallel model's) that the pp ranks hold
+    different parameters. `own_names`: `pipe` is the model itself (False: a model's spec made `pipe` from it,
+    and its layer names are the model's)."""
+    placements = Placements() if placements is None else placements
     if pipe.num_stages is not None and pipe.num_stages != stages:
         raise PartitionError(f"PipelineModule(num_stages={pipe.num_stages}) disagrees with pipeline.stages = "
                              f"{stages}; set them equal (or leave num_stages out)")
@@ -128,7 +131,7 @@ def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, 
             assert isinstance(spec, LayerSpec)
     stage_module = StageModule(chunks, mine)
     for param in stage_module.parameters():  # the pp ranks hold different layers: their gradients all count
-        place(param, "pp", Partition())
+        placements.record(param, "pp", Partition())
     return PipelineSplit(stage_module, pipe, bounds, method, own_names)
 
 

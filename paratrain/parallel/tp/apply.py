@@ -31,7 +31,7 @@ from torch import nn
 from paratrain.comm.autograd import copy_to_region, gather_from_sequence, scatter_to_region
 from paratrain.layout.mesh import Axis, Mesh
 from paratrain.layout.origin import Origin, Step
-from paratrain.layout.placement import Replicate, Shard, place, placement_of
+from paratrain.layout.placement import Placements, Replicate, Shard
 from paratrain.parallel.tp.layers import (
     ACTIVATION_TAG,
     GRAD_TAG,
@@ -45,13 +45,14 @@ from paratrain.parallel.tp.loss import VocabParallelCrossEntropy
 from paratrain.parallel.tp.plan import SHARDING, match, packed_parts, plan_for, resolve_plan
 from paratrain.parallel.tp.random import RNGTracker
 
+SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 SCATTER_TAG = "tp_scatter"  # a 'sequence_scatter' module's split of the sequence (all-gather in backward)
 
 
 @dataclass
 class AppliedPlan(Step):
     """The tensor-parallel step: the style of each module (and the plan that gave it). How each parameter
-    was split is recorded on the parameter itself (`Shard(dim, full)` or `Replicate()` over tp)."""
+    was split (`Shard(dim, full)` or `Replicate()` over tp) is recorded in `placements`, the parallel model's."""
 
     styles: dict[str, str]
     axis: Axis
@@ -59,6 +60,7 @@ class AppliedPlan(Step):
     plan: dict[str, str] = field(default_factory=dict)
     tracker: RNGTracker | None = None  # per-tp-rank stream: checkpoints save it, recomputation replays it
     packed: dict[str, str] = field(default_factory=dict)  # a packed layer's part parameter -> its original tensor
+    placements: Placements = field(default_factory=Placements)
     name = "tensor parallel"
 
     def origin(self, local: Origin) -> Origin:
@@ -168,18 +170,20 @@ def _vocab_loss(old: nn.Module, head: ColumnParallelLinear, axis: Axis, path: st
 
 
 def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str | None = None,
-                sequence_parallel: bool = False, seed: int = 0) -> AppliedPlan:
+                sequence_parallel: bool = False, seed: int = 0, placements: Placements | None = None) -> AppliedPlan:
     """Split `model` over the tp axis as `plan` says ({module-path pattern: style}, a model family's name, or
     None for the model spec's ready plan). In place.
 
     `mesh` is the paratrain Mesh (its "tp" axis is used) or the tp Axis itself. `seed` seeds the
-    per-tp-rank random stream.
+    per-tp-rank random stream. What each parameter became over tp is recorded in `placements` (the parallel
+    model's; a new one when None), which the returned step keeps.
     """
     axis = mesh.axis("tp") if isinstance(mesh, Mesh) else mesh
     sp = sequence_parallel and axis.size > 1
     styles = resolve_plan(model, plan, axis.size, sp)  # pure: raises before anything changes
     tracker = RNGTracker(seed, axis.rank)
-    applied = AppliedPlan(styles, axis, sp, plan=plan_for(model, plan), tracker=tracker)
+    placements = Placements() if placements is None else placements
+    applied = AppliedPlan(styles, axis, sp, plan=plan_for(model, plan), tracker=tracker, placements=placements)
     regions = [p for p, s in styles.items() if s == "region_input"]
     packed = packed_parts(model, plan)
     head = None
@@ -218,7 +222,16 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
             _wrap_forward(module, functools.partial(_forked, tracker))
         elif style == "sequence_scatter" and sp:
             module.register_forward_hook(_sequence_scatter_hook(path, axis))
-    for param in model.parameters():  # what the plan did not split is whole on every tp rank
-        if placement_of(param).get("tp") is None:
-            place(param, "tp", Replicate())
+    _record_placements(model, placements)
     return applied
+
+
+def _record_placements(model: nn.Module, placements: Placements) -> None:
+    """What each split layer declares it holds; every other parameter is whole on every tp rank."""
+    for layer in model.modules():
+        if isinstance(layer, SPLIT_LAYERS):
+            for name, kind in layer.placements.items():
+                placements.record(getattr(layer, name), "tp", kind)
+    for param in model.parameters():
+        if placements.of(param).get("tp") is None:
+            placements.record(param, "tp", Replicate())

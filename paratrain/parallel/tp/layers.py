@@ -30,7 +30,7 @@ from paratrain.comm.autograd import (
 )
 from paratrain.config import ConfigError
 from paratrain.layout.mesh import Axis
-from paratrain.layout.placement import Shard, place
+from paratrain.layout.placement import Shard
 from paratrain.weight_grad import linear
 
 SEQ_DIM = 1  # activations are (batch, sequence, features)
@@ -58,10 +58,11 @@ def _shard(tensor: torch.Tensor, dim: int, axis: Axis, padded: int) -> torch.Ten
     return tensor.chunk(axis.size, dim=dim)[axis.rank].clone()
 
 
-def _sharded_param(data: torch.Tensor, requires_grad: bool, dim: int, full: int) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=requires_grad)
-    place(param, "tp", Shard(dim, full))
-    return param
+def _sharded_param(layer: nn.Module, name: str, data: torch.Tensor, requires_grad: bool, kind: Shard) -> None:
+    """Register this rank's slice as `layer`'s parameter `name` and declare how it is split over tp in
+    `layer.placements` (the tensor-parallel step records it in the parallel model's `Placements`)."""
+    layer.register_parameter(name, nn.Parameter(data, requires_grad=requires_grad))
+    layer.placements[name] = kind
 
 
 def _check_width(x: torch.Tensor, expected: int, name: str, style: str, hint: str) -> None:
@@ -114,22 +115,23 @@ class ColumnParallelLinear(nn.Module):
                             f"interleave); consume it inside the region")
         self.gather_output, self.enter_region, self.sequence_parallel = gather_output, enter_region, sequence_parallel
         dim = 1 if self.transposed else 0  # the output dimension of the weight
+        self.placements: dict[str, Shard] = {}
         if self.parts is None:
-            self.weight = _sharded_param(_shard(linear.weight.detach(), dim, axis, self.padded_out_features),
-                                         linear.weight.requires_grad, dim, self.out_features)  # (out/tp, in)
-            self.bias = None if linear.bias is None else _sharded_param(
-                _shard(linear.bias.detach(), 0, axis, self.padded_out_features), linear.bias.requires_grad, 0,
-                self.out_features)
+            _sharded_param(self, "weight", _shard(linear.weight.detach(), dim, axis, self.padded_out_features),
+                           linear.weight.requires_grad, Shard(dim, self.out_features))  # (out/tp, in)
+            if linear.bias is None:
+                self.bias = None
+            else:
+                _sharded_param(self, "bias", _shard(linear.bias.detach(), 0, axis, self.padded_out_features),
+                               linear.bias.requires_grad, Shard(0, self.out_features))
             return
         offset = 0
         for i, size in enumerate(self.parts):
             for attr, tensor, d in (("weight", linear.weight, dim), ("bias", linear.bias, 0)):
                 if tensor is None:
                     continue
-                param = nn.Parameter(_shard(tensor.detach().narrow(d, offset, size), d, axis, size),
-                                     requires_grad=tensor.requires_grad)
-                place(param, "tp", Shard(d, size, packed=(offset, self.out_features)))
-                self.register_parameter(f"{attr}_{i}", param)
+                _sharded_param(self, f"{attr}_{i}", _shard(tensor.detach().narrow(d, offset, size), d, axis, size),
+                               tensor.requires_grad, Shard(d, size, packed=(offset, self.out_features)))
             offset += size
 
     def local_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -199,8 +201,9 @@ class RowParallelLinear(nn.Module):
             raise PlanError(f"'{name}' (rowwise) has in_features {self.in_features}, not divisible by the "
                             f"tensor-parallel size {axis.size}; choose a tensor_parallel.size that divides it")
         dim = 0 if self.transposed else 1  # the input dimension of the weight
-        self.weight = _sharded_param(_shard(linear.weight.detach(), dim, axis, self.in_features),
-                                     linear.weight.requires_grad, dim, self.in_features)  # (out, in/tp)
+        self.placements: dict[str, Shard] = {}
+        _sharded_param(self, "weight", _shard(linear.weight.detach(), dim, axis, self.in_features),
+                       linear.weight.requires_grad, Shard(dim, self.in_features))  # (out, in/tp)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=linear.bias.requires_grad)
 
@@ -246,8 +249,9 @@ class VocabParallelEmbedding(nn.Module):
         pad = embedding.padding_idx
         in_range = pad is not None and self.vocab_start <= pad < self.vocab_start + self.local_num_embeddings
         self.local_padding_idx = pad - self.vocab_start if in_range else None
-        self.weight = _sharded_param(_shard(embedding.weight.detach(), 0, axis, self.padded_num_embeddings),
-                                     embedding.weight.requires_grad, 0, self.num_embeddings)  # (V/tp, d)
+        self.placements: dict[str, Shard] = {}
+        _sharded_param(self, "weight", _shard(embedding.weight.detach(), 0, axis, self.padded_num_embeddings),
+                       embedding.weight.requires_grad, Shard(0, self.num_embeddings))  # (V/tp, d)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.local_num_embeddings)

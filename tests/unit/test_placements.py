@@ -1,0 +1,41 @@
+"""The layout records are the parallel model's (`Placements`): written by the step that lays a parameter out,
+read through the parallel model, never attributes on the tensor."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.layout.mesh import Axis
+from paratrain.layout.placement import Partition, Placement, Placements, Replicate, Shard
+from paratrain.parallel.tp import parallelize as tensor_parallelize
+from tests.cases import tiny_gpt
+
+
+def test_records_follow_the_parameter_object_and_a_replacement_takes_them_over():
+    placements = Placements()
+    a, b = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
+    placements.record(a, "tp", Shard(0, 8))
+    placements.record(a, "pp", Partition())
+    assert placements.of(a) == Placement((("pp", Partition()), ("tp", Shard(0, 8))))
+    assert placements.of(b) == Placement()  # no records: replicated everywhere
+    a.data = torch.ones(2)  # a strategy re-points the storage: the records stay
+    assert placements.of(a).get("tp") == Shard(0, 8)
+    placements.carry(a, b)  # b replaces a in the model (the expert split makes new parameters)
+    assert placements.of(b).get("tp") == Shard(0, 8) and placements.of(a) == Placement() and len(placements) == 1
+    assert vars(a) == {} and vars(b) == {}  # nothing written on the tensors
+
+
+def test_the_tensor_parallel_step_records_in_the_placements_it_is_given():
+    model = tiny_gpt()
+    placements = Placements()
+    axis = Axis("tp", (0, 1), 0, group=None)  # enough to split; a forward would communicate
+    applied = tensor_parallelize(model, axis, "gpt", placements=placements)
+    assert applied.placements is placements
+    kinds = {name: placements.of(p).get("tp") for name, p in model.named_parameters()}
+    assert kinds["embed.tok.weight"] == Shard(0, 256)  # the vocabulary's rows
+    assert kinds["blocks.0.attn.q.weight"] == Shard(0, 32) and kinds["blocks.0.attn.o.weight"] == Shard(1, 32)
+    assert kinds["blocks.1.mlp.fc.weight"] == Shard(0, 128) and kinds["blocks.1.mlp.proj.weight"] == Shard(1, 128)
+    assert kinds["blocks.0.ln1.weight"] == kinds["embed.pos.weight"] == Replicate()
+    assert all(kind is not None for kind in kinds.values())  # every parameter: split or recorded replicated
+    assert all(vars(p) == {} for p in model.parameters())  # the layout is not on the tensors
