@@ -47,7 +47,7 @@ from paratrain.parallel.pp.runtime import PipelineRunner
 from paratrain.parallel.pp.schedules import ScheduleError, check_sizes, partial_backwards, placement_of
 from paratrain.parallel.pp.split import PipelineSplit, split_pipeline
 from paratrain.parallel.recompute import checkpoint_activations
-from paratrain.parallel.tp import RNGTracker
+from paratrain.parallel.tp import AppliedPlan, RNGTracker
 from paratrain.parallel.tp import parallelize as tensor_parallelize
 from paratrain.parallel.tp.plan import check_plan_syntax
 from paratrain.precision import autocast_context
@@ -57,9 +57,8 @@ from paratrain.precision import autocast_context
 class ParallelModel:
     """What parallelize produces: the local module, the strategy that synchronizes its gradients, and the
     steps that made it (in the order applied). `pipeline` (pipeline.stages > 1) runs whole steps of
-    micro-batches; the engine delegates train_batch and eval_batch to it. `random_streams` are the per-rank
-    random generators the steps created (checkpoints save their states); `autocast` makes the forward's
-    autocast context (torch_autocast); `placements` how the steps laid out each parameter of `module`."""
+    micro-batches (train_batch, eval_batch). `random_streams` are the per-rank random generators the steps
+    created (checkpoints save them); `autocast` makes the forward's autocast context (torch_autocast)."""
 
     module: nn.Module
     grad_sync: GradSync
@@ -70,7 +69,7 @@ class ParallelModel:
     spec: ModelSpec = DEFAULT_SPEC  # the model family's spec (checkpoints record its name)
     deferred: bool = False  # built on the meta device: allocated, not yet filled (the engine fills it)
     context: AppliedContextParallel | None = None  # cp > 1: which tokens of each micro-batch this rank keeps
-    placements: Placements = field(default_factory=Placements)
+    placements: Placements = field(default_factory=Placements)  # how the steps laid out each parameter
 
     def prepare_batch(self, batch: MicroBatch) -> MicroBatch:
         """A token micro-batch as this rank runs it: its share of the sequence under context parallelism."""
@@ -241,6 +240,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model),  # 5.
                                sync_initial_state=not deferred, expert_axis=experts[1] if experts else None,
                                placements=placements)
+    for step in (s for s in steps if isinstance(s, AppliedPlan)):  # every parameter exists now (SP: sums over tp)
+        step.sum_replicated_gradients()
     autocast = autocast_context(config.torch_autocast.enabled, device)
     runner = None
     if split is not None:  # 6. the runner drives the stage, the strategy and the split of micro-batches
@@ -256,8 +257,7 @@ def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh
                       method: str):
     if split is None:  # the engine splits each micro-batch (ParallelModel.prepare_batch)
         return context_parallelize(module, mesh, cores, method, split_inputs=False)
-    # No stage calls the model's forward: the runner splits each micro-batch instead.
-    first = split.pipe.layer(0) if 0 in split.module.stages else None
+    first = split.pipe.layer(0) if 0 in split.module.stages else None  # the runner splits each micro-batch
     return context_parallelize_stages(module, mesh, cores, first, method)
 
 

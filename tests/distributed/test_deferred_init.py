@@ -20,6 +20,8 @@ FAMILIES = {"gpt": tiny_gpt, "llama": tiny_llama}
 LAYOUTS = {
     "dp4 zero3": dict(zero=3),
     "dp2 x tp2": dict(tp=2),
+    # the tp sums of a norm's gradient (hooks) must sit on the parameters ZeRO-3 allocates from meta
+    "dp2 x tp2 sp zero3": dict(tp=2, sp=True, zero=3),
     "dp2 x pp2": dict(pp=2),
     "dp2 x pp2 x tp2": dict(tp=2, pp=2),
     "dp2 x cp2 zero3": dict(cp=2, zero=3),
@@ -28,9 +30,9 @@ LAYOUTS = {
 }
 
 
-def _config(tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0, precision: str = "fp32") -> dict:
+def _config(tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0, precision: str = "fp32", sp: bool = False) -> dict:
     cfg = adamw_config(train_batch_size=8, train_micro_batch_size_per_gpu=1,
-                       tensor_parallel={"size": tp}, context_parallel={"size": cp},
+                       tensor_parallel={"size": tp, "sequence_parallel": sp}, context_parallel={"size": cp},
                        pipeline={"stages": pp, "partition": "parameters"},
                        zero_optimization={"stage": zero, "stage3_param_persistence_threshold": 0})
     if precision != "fp32":
@@ -89,8 +91,8 @@ def _run(world, family: str, how: str, names: list[str]) -> None:
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_meta_model_equals_eager_in_every_layout_and_trains_like_one_process(world4, family):
-    _run(world4, family, "init_empty", ["dp4 zero3", "dp2 x tp2", "dp2 x pp2", "dp2 x cp2 zero3", "dp4 zero1",
-                                        "dp4 bf16 ddp"])
+    _run(world4, family, "init_empty", ["dp4 zero3", "dp2 x tp2", "dp2 x tp2 sp zero3", "dp2 x pp2",
+                                        "dp2 x cp2 zero3", "dp4 zero1", "dp4 bf16 ddp"])
 
 
 def test_meta_model_in_dp2_tp2_pp2(world8):

@@ -39,3 +39,17 @@ def test_the_tensor_parallel_step_records_in_the_placements_it_is_given():
     assert kinds["blocks.0.ln1.weight"] == kinds["embed.pos.weight"] == Replicate()
     assert all(kind is not None for kind in kinds.values())  # every parameter: split or recorded replicated
     assert all(vars(p) == {} for p in model.parameters())  # the layout is not on the tensors
+
+
+def test_a_meta_parameter_allocated_in_place_keeps_its_records_and_its_gradient_hooks():
+    from paratrain.parallel.dp.flat import set_data
+
+    placements, param = Placements(), nn.Parameter(torch.empty(3, device="meta"))
+    placements.record(param, "tp", Replicate())
+    seen = []
+    param.register_hook(lambda grad: grad * 10)  # as the tp sum of a sequence-parallel norm weight
+    param.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))  # as a strategy's
+    set_data(param, torch.ones(3))  # ZeRO-3 and deferred init allocate meta parameters so
+    (param * 2).sum().backward()
+    assert placements.of(param).get("tp") == Replicate()
+    assert torch.equal(param.grad, torch.full((3,), 20.0)) and torch.equal(seen[0], param.grad)

@@ -265,9 +265,17 @@ def set_data(param: nn.Parameter, data: torch.Tensor) -> None:
         # First a real tensor of its own (own version counter), then `.data` as for any parameter: a parameter
         # made from `data` itself would share the version counter of `data`'s base, and the writes ZeRO-3 makes
         # into a unit's flat buffer would then look like in-place changes to autograd.
+        hooks = dict(param._backward_hooks or {}), dict(param._post_accumulate_grad_hooks or {})
         new = nn.Parameter(torch.empty(0, dtype=param.dtype, device=data.device), requires_grad=param.requires_grad)
         new.__dict__.update(param.__dict__)
         torch.utils.swap_tensors(param, new)
+        # The swap leaves the hooks' dicts on the object but not on the autograd node behind it: register them
+        # again (tensor parallelism's gradient sums under sequence parallelism are such hooks).
+        param._backward_hooks = param._post_accumulate_grad_hooks = None
+        for hook in hooks[0].values():
+            param.register_hook(hook)
+        for hook in hooks[1].values():
+            param.register_post_accumulate_grad_hook(hook)
     param.data = data
 
 

@@ -9,9 +9,16 @@ Split layers replace the dense ones under the same attribute, with parameters un
 (`weight`, `bias`), so optimizer construction, the data-parallel strategy (which sees only the local,
 sharded module) and state-dict names are unchanged. Region transitions that are not layers (a parent
 whose input enters the region once, a module whose output starts the sequence-parallel region) are
-forward hooks; per-rank random numbers and gradient sums of replicated parameters wrap the module's
-`forward`, so they act on whatever parameter tensor the module holds at call time (a ZeRO-3 strategy may
-swap in gathered parameters with its own pre-forward hooks).
+forward hooks. Per-rank random numbers (`in_region`, `sequence`) wrap the module's `forward`, so activation
+checkpointing's recompute, which reruns `forward`, draws the same masks.
+
+[Note: summing a replicated parameter's gradient over tp]
+Under sequence parallelism a replicated parameter (a norm's weight) sees only this rank's s/tp tokens, so
+its gradient must be summed over tp. A hook on the parameter does it, before the gradient accumulates (the
+data-parallel strategies act after accumulation, so they see the sum). The hooks are attached by
+`parallelize` once every step has run (`AppliedPlan.sum_replicated_gradients`): later steps may replace a
+parameter object (expert parallelism makes new expert parameters; allocating a meta parameter swaps its
+contents, which drops its hooks), so the hook goes on whatever parameter the module holds by then.
 
 [Note: building the same model everywhere]
 Every rank builds the full model from the same seed and keeps its slice, so the sharded model starts
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paratrain.comm import all_reduce
 from paratrain.comm.autograd import copy_to_region, gather_from_sequence, scatter_to_region
 from paratrain.layout.mesh import Axis, Mesh
 from paratrain.layout.origin import Origin, Step
@@ -61,7 +69,18 @@ class AppliedPlan(Step):
     tracker: RNGTracker | None = None  # per-tp-rank stream: checkpoints save it, recomputation replays it
     packed: dict[str, str] = field(default_factory=dict)  # a packed layer's part parameter -> its original tensor
     placements: Placements = field(default_factory=Placements)
+    summed: list[tuple[nn.Module, str]] = field(default_factory=list)  # SP: (module, name) of replicated params
     name = "tensor parallel"
+
+    def sum_replicated_gradients(self) -> None:
+        """Hook every parameter in `summed` (as the module now holds it) to sum its gradient over tp, once per
+        parameter object (see the note above: called after the last step that may replace one)."""
+        hooked: set[int] = set()
+        for module, name in self.summed:
+            param = module._parameters.get(name)
+            if param is not None and param.requires_grad and id(param) not in hooked:
+                param.register_hook(functools.partial(_sum_over_tp, self.axis))
+                hooked.add(id(param))
 
     def origin(self, local: Origin) -> Origin:
         """Where a tensor of this rank's module sits in the unsplit tensor: a slice of the dimension its
@@ -114,16 +133,12 @@ def _forked(tracker: RNGTracker, inner, *args, **kwargs):
         return inner(*args, **kwargs)
 
 
-def _with_grad_sum(module: nn.Module, names: list[str], axis: Axis, inner, *args, **kwargs):
-    """Run forward with each parameter seen through `copy_to_region`: its gradient, computed from this
-    rank's tokens only, arrives at the parameter summed over tp."""
-    saved = {n: module._parameters[n] for n in names}
-    try:
-        for n, p in saved.items():
-            module._parameters[n] = copy_to_region(p, axis, GRAD_TAG)
-        return inner(*args, **kwargs)
-    finally:
-        module._parameters.update(saved)
+def _sum_over_tp(axis: Axis, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient this rank computed from its s/tp tokens only, summed over tp before it accumulates (the
+    backward of `copy_to_region`, for a parameter)."""
+    grad = grad.contiguous().clone()
+    all_reduce(grad, axis, tag=GRAD_TAG)
+    return grad
 
 
 def _region_input_hook(path: str, axis: Axis, sequence_parallel: bool):
@@ -215,10 +230,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
         elif style == "sequence" and sp:
             if hasattr(module, "split_tokens_over"):  # a module whose outputs include means over its tokens
                 module.split_tokens_over(axis)
-            for sub in module.modules():
-                names = [n for n, p in sub.named_parameters(recurse=False) if p.requires_grad]
-                if names:
-                    _wrap_forward(sub, functools.partial(_with_grad_sum, sub, names, axis))
+            applied.summed += [(sub, n) for sub in module.modules() for n, p in sub._parameters.items()
+                               if p is not None and p.requires_grad]
             _wrap_forward(module, functools.partial(_forked, tracker))
         elif style == "sequence_scatter" and sp:
             module.register_forward_hook(_sequence_scatter_hook(path, axis))
