@@ -64,7 +64,7 @@ class ModelSpec:
     def adapt(self, model: nn.Module) -> nn.Module:
         """The module paratrain trains for `model`, built before anything else (default: `model` itself). A
         family whose own forward offers no seams returns a view sharing its modules and names (transformers
-        models: `paratrain.models.hf.HFCausalLM`)."""
+        models: `paratrain.models.hf.model.HFCausalLM`)."""
         return model
 
     def tp_plan(self, model: nn.Module) -> dict[str, str] | None:

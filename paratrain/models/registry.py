@@ -5,12 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from paratrain.errors import InvalidValueError
-from paratrain.models.gpt import GPT, gpt_config
-from paratrain.models.gpt import PRESETS as GPT_PRESETS
-from paratrain.models.llama import PRESETS as LLAMA_PRESETS
-from paratrain.models.llama import Llama, llama_config
-from paratrain.models.llama_moe import PRESETS as LLAMA_MOE_PRESETS
-from paratrain.models.llama_moe import LlamaMoE, llama_moe_config
+from paratrain.models.gpt.model import GPT, gpt_config
+from paratrain.models.gpt.model import PRESETS as GPT_PRESETS
+from paratrain.models.llama.model import PRESETS as LLAMA_PRESETS
+from paratrain.models.llama.model import Llama, llama_config
+from paratrain.models.llama_moe.model import PRESETS as LLAMA_MOE_PRESETS
+from paratrain.models.llama_moe.model import LlamaMoE, llama_moe_config
 
 FAMILIES = {"gpt": (GPT_PRESETS, gpt_config, GPT), "llama": (LLAMA_PRESETS, llama_config, Llama),
             "llama-moe": (LLAMA_MOE_PRESETS, llama_moe_config, LlamaMoE)}

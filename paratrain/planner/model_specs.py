@@ -5,7 +5,7 @@ a 70B model is planned in microseconds. `GPTConfig.num_params()` is exact for `p
 split of those parameters into sharded and replicated parts follows the tensor-parallel plan below.
 
 [Note: the tensor-parallel split]
-Megatron's plan for a GPT block, which paratrain's TP plan follows (`models/gpt_spec.GPT_PLAN`): q, k, v and mlp.fc are
+Megatron's plan for a GPT block, which paratrain's TP plan follows (`models/gpt/spec.GPT_PLAN`): q, k, v and mlp.fc are
 column-parallel (weight and bias split over tp), attn.o and mlp.proj are row-parallel (weight split, bias
 replicated), layer norms are replicated. The token embedding is vocab-parallel and the head column-parallel
 over the vocabulary (vocab-parallel loss); the position embedding and the final norm are replicated.
@@ -32,12 +32,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from paratrain.errors import Error
-from paratrain.models.gpt import PRESETS as GPT_PRESETS
-from paratrain.models.gpt import GPTConfig
-from paratrain.models.llama import PRESETS as LLAMA_PRESETS
-from paratrain.models.llama import LlamaConfig
-from paratrain.models.llama_moe import PRESETS as LLAMA_MOE_PRESETS
-from paratrain.models.llama_moe import LlamaMoEConfig
+from paratrain.models.gpt.model import PRESETS as GPT_PRESETS
+from paratrain.models.gpt.model import GPTConfig
+from paratrain.models.llama.model import PRESETS as LLAMA_PRESETS
+from paratrain.models.llama.model import LlamaConfig
+from paratrain.models.llama_moe.model import PRESETS as LLAMA_MOE_PRESETS
+from paratrain.models.llama_moe.model import LlamaMoEConfig
 from paratrain.models.registry import preset_config
 from paratrain.parallel.pp.v_partition import v_balanced_boundaries
 from paratrain.planner.layout import V_SCHEDULES, Layout

@@ -12,7 +12,7 @@ import torch
 from paratrain.config import ConfigError
 from paratrain.data import DataParallelLoader, DataParallelSampler, corpus_text
 from paratrain.data.job import job_data
-from paratrain.models.hf_pretrained import build_empty, load_tokenizer
+from paratrain.models.hf.pretrained import build_empty, load_tokenizer
 
 
 def check_validation_size(engine, val_data) -> None:

@@ -28,7 +28,7 @@ from paratrain.checkpoint.format import CheckpointError, read_latest
 from paratrain.cli import main
 from paratrain.data.corpus import corpus_text
 from paratrain.models import GPT
-from paratrain.models.gpt_hf import to_gpt2
+from paratrain.models.gpt.hf_names import to_gpt2
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

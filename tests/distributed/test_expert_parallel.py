@@ -24,7 +24,7 @@ VARIANTS = {"dropless": {}, "dropping": {"capacity_factor": 1.0}}
 
 
 def moe_model(variant: str = "dropless", starve: bool = False, **overrides):
-    from paratrain.models.llama_moe import LlamaMoE
+    from paratrain.models.llama_moe.model import LlamaMoE
     from paratrain.moe import MoELayer
 
     torch.manual_seed(1)

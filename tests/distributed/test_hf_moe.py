@@ -2,7 +2,7 @@
 every layout, expert parallelism included, against the transformers model trained in one process by its own
 eager forward.
 
-paratrain routes the experts modules through its own dropless dispatch and batched matmuls (`hf_moe.py`);
+paratrain routes the experts modules through its own dropless dispatch and batched matmuls (`hf/moe.py`);
 the first tests hold that implementation to transformers' eager loop directly, forward and gradients. The
 4-rank matrix then trains dp4, ZeRO-1/3, dp2·tp2 (with and without sequence parallelism, MoE blocks whole on
 every tp rank), dp2·pp2, dp2·cp2 and ep2/ep4 alone and with ZeRO-3, tp and pp, in one `World.run`.
@@ -56,7 +56,7 @@ def _loss_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, t
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_paratrain_experts_compute_what_transformers_eager_experts_compute(family):
-    from paratrain.models.hf_moe import EXPERTS_NAME, install_experts
+    from paratrain.models.hf.moe import EXPERTS_NAME, install_experts
 
     eager = tiny_hf(family)
     ours = copy.deepcopy(eager)
@@ -115,7 +115,7 @@ def _refused(setting: str, value) -> None:
 
 def _local_experts(engine) -> dict:
     """How many experts each experts module of this rank computes (expert parallelism's ExpertGroup.local)."""
-    from paratrain.models.hf_moe import is_hf_experts
+    from paratrain.models.hf.moe import is_hf_experts
 
     groups = [getattr(m, "expert_parallel", None) for m in engine.module.modules() if is_hf_experts(m)]
     return {"local": sorted({4 if group is None else group.local for group in groups})}

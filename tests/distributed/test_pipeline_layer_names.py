@@ -19,7 +19,7 @@ from torch import nn
 
 import paratrain
 from paratrain.checkpoint import CheckpointError
-from paratrain.models.gpt import Block, GPTConfig
+from paratrain.models.gpt.model import Block, GPTConfig
 from paratrain.testing import rel_diff
 from paratrain.testing.reference import reference_run
 from tests.cases import adamw_config, corpus_windows

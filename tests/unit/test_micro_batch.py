@@ -48,7 +48,7 @@ def test_bad_token_data_is_named():
                                               r"tokens are at positions 0\.\.1, 4\.\.5 of 6"):
         as_micro_batch((), {"input_ids": IDS.repeat(2, 1),
                             "attention_mask": torch.tensor([[1] * 6, [1, 1, 0, 0, 1, 1]])})
-    from paratrain.models.gpt import TokenIdError
+    from paratrain.models.gpt.model import TokenIdError
 
     labels = IDS.repeat(2, 1)
     labels[1, 3] = 300

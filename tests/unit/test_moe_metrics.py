@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paratrain.model_spec import spec_for
-from paratrain.models.llama_moe import LlamaMoE
+from paratrain.models.llama_moe.model import LlamaMoE
 from paratrain.moe import collect_routing, reduce_routing, take_routing
 from paratrain.parallel.recompute import checkpoint_activations
 

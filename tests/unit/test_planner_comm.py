@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from paratrain.models.gpt import GPTConfig
+from paratrain.models.gpt.model import GPTConfig
 from paratrain.planner.comm import predict_comm, rank_transfers
 from paratrain.planner.hardware import RING_MOVED
 from paratrain.planner.layout import Layout, axis_name

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from paratrain.models.gpt import GPT, Block, GPTConfig
+from paratrain.models.gpt.model import GPT, Block, GPTConfig
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import (
     activation_bytes,

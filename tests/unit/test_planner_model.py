@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from paratrain.models.gpt import GPT, PRESETS, GPTConfig
-from paratrain.models.gpt_spec import GPT_PLAN
+from paratrain.models.gpt.model import GPT, PRESETS, GPTConfig
+from paratrain.models.gpt.spec import GPT_PLAN
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
 from paratrain.planner.model_specs import PlannerError, model_spec, spec_from_config, stage_layers

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from paratrain.models.llama_moe import llama_moe_config
+from paratrain.models.llama_moe.model import llama_moe_config
 from paratrain.planner import Hardware, Layout, SearchSpace, estimate_memory, estimate_time, model_spec, plan
 from paratrain.planner.cli import add_plan_arguments, run_plan
 from paratrain.planner.comm import predict_comm, routing_transfer

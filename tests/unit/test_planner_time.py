@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from paratrain.models.gpt import GPTConfig
+from paratrain.models.gpt.model import GPTConfig
 from paratrain.planner.hardware import Hardware, collective_seconds, spans_nodes
 from paratrain.planner.layout import Layout
 from paratrain.planner.model_specs import model_spec, spec_from_config

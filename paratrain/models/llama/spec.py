@@ -11,7 +11,7 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.model_spec import ModelSpec, register_model_spec
-from paratrain.models.llama import Llama, init_module
+from paratrain.models.llama.model import Llama, init_module
 from paratrain.parallel.pp.module import PipelineModule
 
 # Megatron's layout: q/k/v and gate/up column-wise (k and v split by their own heads, so tp must divide

@@ -18,7 +18,7 @@ own modules, untouched: only the experts' compute is replaced, so parameter name
 
 [Note: what is refused]
 `output_router_logits=True` adds a load-balancing loss over the router logits of a whole forward, which the
-layered forward (`hf.py`) never collects; its value over one rank's tokens differs from one process's, so it
+layered forward (`hf/model.py`) never collects; its value over one rank's tokens differs from one process's, so it
 is refused at initialize rather than silently dropped. `router_jitter_noise > 0` multiplies the block's input
 by fresh random numbers in training, different per rank and layout: refused too.
 """

@@ -1,9 +1,9 @@
 """The model spec of Hugging Face causal LMs: every strategy from the model's own config and structure.
 
-    tp_plan          the config's `base_model_tp_plan`, translated (`hf_plan.py`), or name rules
+    tp_plan          the config's `base_model_tp_plan`, translated (`hf/plan.py`), or name rules
     blocks           the decoder layers (the classes in `_no_split_modules`): ZeRO-3 units, checkpointed blocks
-    attention_cores  the `core` each attention module got (`hf.py`): ring attention replaces it
-    expert_layers    each MoE block's experts module, its stacked gate_up_proj and down_proj (`hf_moe.py`)
+    attention_cores  the `core` each attention module got (`hf/model.py`): ring attention replaces it
+    expert_layers    each MoE block's experts module, its stacked gate_up_proj and down_proj (`hf/moe.py`)
     pipeline_module  embeddings -> decoder layers -> final norm + head; each stage passes (hidden, positions)
                      and every layer recomputes its rotary embeddings from the positions
 """
@@ -19,10 +19,10 @@ from torch import nn
 from paratrain.config import ConfigError
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.model_spec import ModelSpec, ModelSpecError, Pretrained, register_model_spec
-from paratrain.models.hf import HFCausalLM, _positions, as_causal_lm, attention_modules, is_transformers_model
-from paratrain.models.hf_moe import check_moe_config, hf_expert_layers
-from paratrain.models.hf_plan import hf_tp_plan, localize_attention, supports_sequence_parallel
-from paratrain.models.hf_pretrained import load_pretrained, materialize_buffers
+from paratrain.models.hf.model import HFCausalLM, _positions, as_causal_lm, attention_modules, is_transformers_model
+from paratrain.models.hf.moe import check_moe_config, hf_expert_layers
+from paratrain.models.hf.plan import hf_tp_plan, localize_attention, supports_sequence_parallel
+from paratrain.models.hf.pretrained import load_pretrained, materialize_buffers
 from paratrain.moe.exchange import ExpertLayer
 from paratrain.parallel.pp.module import PipelineModule
 
@@ -108,7 +108,7 @@ class HFSpec(ModelSpec):
     def adapt(self, model: nn.Module) -> nn.Module:
         if isinstance(model, HFCausalLM):
             return model
-        materialize_buffers(model)  # meta models: rotary inv_freq is in no weights file (hf_pretrained.py)
+        materialize_buffers(model)  # meta models: rotary inv_freq is in no weights file (hf/pretrained.py)
         return as_causal_lm(model)
 
     def from_pretrained(self, path: str) -> Pretrained:

@@ -20,7 +20,7 @@ is what context parallelism and selective checkpointing replace, exactly as in t
 tensor is built here: padding and packed documents arrive as `Documents` (`paratrain.data.micro_batch`, the
 normal form of `attention_mask`, `position_ids` resets and `cu_seq_lens`), which the layers pass to the
 attention function as a keyword, with each layer's own `sliding_window`; the core cuts its masks from them.
-Experts modules of MoE blocks go through transformers' experts registry the same way (`hf_moe.py`).
+Experts modules of MoE blocks go through transformers' experts registry the same way (`hf/moe.py`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from torch import nn
 from paratrain.attention import CausalAttentionCore, Documents
 from paratrain.data.micro_batch import as_micro_batch
 from paratrain.model_spec import ModelSpecError
-from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
-from paratrain.models.hf_moe import install_experts
+from paratrain.models.gpt.model import TokenCrossEntropy, check_token_ids
+from paratrain.models.hf.moe import install_experts
 
 ATTENTION_NAME = "paratrain"  # the key in transformers' attention registry
 ATTENTION_CHILDREN = ("self_attn", "attn", "attention", "self_attention")
@@ -155,7 +155,7 @@ class HFCausalLM(nn.Module):
         self.config = hf_model.config
         object.__setattr__(self, "hf_model", hf_model)  # not a child: its parameters are already ours
         _register_attention(hf_model)
-        install_experts(hf_model)  # MoE blocks' experts: paratrain's dispatch and all-to-alls (hf_moe.py)
+        install_experts(hf_model)  # MoE blocks' experts: paratrain's dispatch and all-to-alls (hf/moe.py)
         for attn in attention_modules(self.layers):
             if not isinstance(getattr(attn, "core", None), nn.Module):
                 attn.core = CausalAttentionCore(float(getattr(attn, "attention_dropout", 0.0) or 0.0))

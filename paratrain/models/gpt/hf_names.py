@@ -28,7 +28,7 @@ import re
 import torch
 
 from paratrain.checkpoint.format import CheckpointError
-from paratrain.models.gpt import gpt_config
+from paratrain.models.gpt.model import gpt_config
 
 _BLOCK = re.compile(r"blocks\.(\d+)\.")
 

@@ -27,8 +27,8 @@ from torch import nn
 
 from paratrain.attention import Documents
 from paratrain.errors import InvalidValueError
-from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
-from paratrain.models.llama import LlamaAttention, LlamaConfig, LlamaMLP, RMSNorm, init_module
+from paratrain.models.gpt.model import TokenCrossEntropy, check_token_ids
+from paratrain.models.llama.model import LlamaAttention, LlamaConfig, LlamaMLP, RMSNorm, init_module
 from paratrain.models.presets import preset
 from paratrain.moe import GroupedSwiGLU, MoELayer, MoEOutput
 from paratrain.moe.router import SCORE_FUNCS

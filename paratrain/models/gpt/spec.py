@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from paratrain.model_spec import ModelSpec, register_model_spec
-from paratrain.models.gpt import GPT, init_module
+from paratrain.models.gpt.model import GPT, init_module
 from paratrain.parallel.pp.module import PipelineModule
 
 # Megatron's layout, with sequence parallelism starting after the embedding (token + position) and ending at
@@ -81,6 +81,6 @@ class GPTSpec(ModelSpec):
         init_module(model.config, name, module)
 
     def to_hugging_face(self, state, config, n_head: int | None = None, **options):
-        from paratrain.models.gpt_hf import gpt2_config, to_gpt2
+        from paratrain.models.gpt.hf_names import gpt2_config, to_gpt2
 
         return to_gpt2(state), gpt2_config(state, config, n_head)

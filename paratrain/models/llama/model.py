@@ -12,7 +12,7 @@ from outside: q/k/v/o and gate/up/down are separate Linear layers, attention der
 from the projected shapes (tensor parallelism splits q's heads and k/v's heads alike), the attention kernel
 is a replaceable `CausalAttentionCore` (which repeats k/v's heads for grouped-query attention), and
 `position_ids` flow to every layer (context parallelism passes its chunks'). How the strategies apply is
-the family's model spec, `llama_spec.py`.
+the family's model spec, `llama/spec.py`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 from paratrain.attention import CausalAttentionCore, Documents
 from paratrain.errors import InvalidValueError
-from paratrain.models.gpt import TokenCrossEntropy, check_token_ids
+from paratrain.models.gpt.model import TokenCrossEntropy, check_token_ids
 from paratrain.models.presets import preset
 
 

@@ -10,7 +10,7 @@ Choices that make it parallel-friendly (and why):
   a vocab-parallel loss.
 - `embed`, `blocks`, `ln_f`, `head` are the top-level pieces a pipeline split cuts between.
 How the strategies apply to it (its plan, blocks, attention cores, pipeline layers) is its model spec,
-`gpt_spec.py`.
+`gpt/spec.py`.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ import copy
 from torch import nn
 
 from paratrain.model_spec import ModelSpecError
-from paratrain.models.hf import HFCausalLM, attention_modules
-from paratrain.models.hf_moe import moe_blocks
+from paratrain.models.hf.model import HFCausalLM, attention_modules
+from paratrain.models.hf.moe import moe_blocks
 from paratrain.parallel.tp.plan import match
 
 HF_STYLES = {

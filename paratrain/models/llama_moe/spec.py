@@ -12,8 +12,8 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.model_spec import register_model_spec
-from paratrain.models.llama_moe import LlamaMoE, init_moe_module
-from paratrain.models.llama_spec import LLAMA_PLAN, LlamaEmbedStage, LlamaFinalStage, LlamaSpec
+from paratrain.models.llama.spec import LLAMA_PLAN, LlamaEmbedStage, LlamaFinalStage, LlamaSpec
+from paratrain.models.llama_moe.model import LlamaMoE, init_moe_module
 from paratrain.parallel.pp.module import PipelineModule
 
 

@@ -1,0 +1,1 @@
+"""The Llama family: `model.py` (the model and presets), `spec.py` (its model spec)."""

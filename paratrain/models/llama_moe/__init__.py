@@ -1,0 +1,1 @@
+"""The Llama with mixture-of-experts layers: `model.py` (the model and presets), `spec.py` (its model spec)."""
