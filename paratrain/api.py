@@ -17,7 +17,7 @@ from paratrain.errors import InvalidValueError
 from paratrain.layout.mesh import ParallelDims
 from paratrain.model_spec import pretrained_for
 from paratrain.moe.layer import expert_parallel_size_of
-from paratrain.parallel.parallelize import check_supported
+from paratrain.parallel.checks import check_supported
 
 log = logging.getLogger("paratrain")
 

@@ -25,31 +25,29 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paratrain.config import Config, ConfigError
+from paratrain.config import Config
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.layout.mesh import Axis, Mesh
 from paratrain.layout.origin import Origin, Renamed, Step
 from paratrain.layout.placement import Placements
 from paratrain.model_spec import DEFAULT_SPEC, ModelSpec, spec_for
-from paratrain.moe.layer import expert_parallel_size_of
-from paratrain.parallel.cp import check_context_parallel, context_parallelize, context_parallelize_stages
+from paratrain.parallel.checks import check_model
+from paratrain.parallel.cp import context_parallelize, context_parallelize_stages
 from paratrain.parallel.cp.apply import AppliedContextParallel
-from paratrain.parallel.cp.ulysses import check_heads
 from paratrain.parallel.dp.base import GradSync
 from paratrain.parallel.dp.ddp import DistributedDataParallel
 from paratrain.parallel.dp.flat import OffloadPolicy, allocate_local
 from paratrain.parallel.dp.fsdp import FullyShardedDataParallel
 from paratrain.parallel.dp.fsdp_units import config_wrap_policy
 from paratrain.parallel.dp.zero import ZERO_STAGES
-from paratrain.parallel.ep.split import check_expert_parallel, expert_parallelize
+from paratrain.parallel.ep.split import expert_parallelize
 from paratrain.parallel.pp.module import PipelineModule
 from paratrain.parallel.pp.runtime import PipelineRunner
-from paratrain.parallel.pp.schedules import ScheduleError, check_sizes, partial_backwards, placement_of
+from paratrain.parallel.pp.schedules import partial_backwards, placement_of
 from paratrain.parallel.pp.split import PipelineSplit, split_pipeline
 from paratrain.parallel.recompute import checkpoint_activations
 from paratrain.parallel.tp import AppliedPlan, RNGTracker
 from paratrain.parallel.tp import parallelize as tensor_parallelize
-from paratrain.parallel.tp.plan import check_plan_syntax
 from paratrain.precision import autocast_context
 
 
@@ -109,80 +107,6 @@ class ParallelModel:
         return "; ".join(said) or f"no step of {[s.name for s in self.steps]} split or renamed it"
 
 
-def check_supported(config: Config) -> None:
-    """Raise, before any collective, for layouts this build cannot run (once, in `resolve_config`)."""
-    check_plan_syntax(config.tensor_parallel.plan)  # a PlanError is a ConfigError
-    pp = config.pipeline
-    if pp.stages > 1 and config.gradient_accumulation_steps is not None:
-        try:
-            check_sizes(pp.schedule, pp.stages, config.gradient_accumulation_steps, pp.virtual_stages)
-        except ScheduleError as exc:
-            raise ConfigError(f"config section 'pipeline': {exc}") from None
-    if pp.stages > 1 and config.zero_optimization.stage == 3:
-        raise ConfigError("zero_optimization.stage 3 with pipeline.stages > 1 is not supported: every micro-batch "
-                          "would all-gather each unit's parameters again in its forward and its backward (2m "
-                          "gathers of the stage per step), which costs more than the pipeline saves, and stage 3 "
-                          "gathers its root unit in the model's forward, which a pipeline stage never calls; a "
-                          "stage already holds only its share of the model (DeepSpeed refuses the pair too). Use "
-                          "zero_optimization.stage 1 or 2, or more pipeline stages")
-    zero = config.zero_optimization
-    if zero.offload_optimizer.device != "none" and zero.stage == 0:
-        raise ConfigError("config key 'zero_optimization.offload_optimizer.device' = \"cpu\" needs sharded "
-                          "optimizer states; set zero_optimization.stage to 1, 2 or 3")
-    if zero.offload_param.device != "none":
-        if zero.stage != 3:
-            raise ConfigError(f"config key 'zero_optimization.offload_param.device' = \"cpu\" needs sharded "
-                              f"parameters; set zero_optimization.stage to 3 (it is {zero.stage})")
-        if zero.offload_optimizer.device == "none":
-            raise ConfigError("config key 'zero_optimization.offload_param.device' = \"cpu\": the parameter "
-                              "shard is the fp32 master the optimizer updates, so it can only live on the host "
-                              "with the optimizer; also set zero_optimization.offload_optimizer.device to \"cpu\"")
-
-
-def _check_experts(model: nn.Module, config: Config, spec: ModelSpec) -> None:
-    """The expert-parallel size against the model's MoE layers (DeepSpeed's carry their own ep_size)."""
-    ep = config.expert_parallel.size
-    layers_ep = expert_parallel_size_of(model, ep)  # refuses layers that disagree with each other or the config
-    if layers_ep != ep:  # an engine built without initialize(), which adopts the layers' size
-        raise ConfigError(f"config key 'expert_parallel.size' = {ep} but the model's deepspeed.moe.layer.MoE "
-                          f"layers have ep_size={layers_ep}: set expert_parallel.size to {layers_ep}, or build "
-                          f"the engine with paratrain.initialize (it takes the layers' ep_size)")
-    if ep > 1:
-        check_expert_parallel(spec.expert_layers(model), ep)
-
-
-def _check_model(model: nn.Module, config: Config, spec: ModelSpec | None = None) -> None:
-    """Checks that need the model, before anything changes or communicates."""
-    spec = spec or spec_for(model)
-    cp, tp = config.context_parallel.size, config.tensor_parallel
-    seq_len = spec.sequence_length(model)
-    spec.check(model, {"tp": tp.size, "pp": config.pipeline.stages, "cp": cp,
-                       "sp": int(tp.sequence_parallel and tp.size > 1), "ep": config.expert_parallel.size})
-    check_context_parallel(model, cp)
-    _check_experts(model, config, spec)
-    cpc = config.context_parallel
-    heads = getattr(getattr(model, "config", None), "n_head", None)
-    if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:
-        try:  # Ulysses splits each tp rank's heads again
-            check_heads(heads // tp.size, cpc.size if cpc.method == "ulysses" else cpc.ulysses_size)
-        except ValueError as exc:
-            raise ConfigError(f"context_parallel.method {cpc.method!r}: {exc}") from None
-    ac = config.activation_checkpointing
-    if ac.enabled and not isinstance(model, PipelineModule):  # a PipelineModule's layers are its blocks
-        if ac.granularity == "full" and not spec.blocks(model):
-            raise ConfigError(f"activation_checkpointing.granularity \"full\" recomputes each transformer block, "
-                              f"the children of an nn.ModuleList, and {type(model).__name__} has none: keep the "
-                              f"blocks in an nn.ModuleList, or write the model as a paratrain.PipelineModule")
-        if ac.granularity == "selective" and not spec.attention_cores(model):
-            raise ConfigError(f"activation_checkpointing.granularity \"selective\" recomputes the attention cores "
-                              f"(paratrain.attention.CausalAttentionCore modules) and {type(model).__name__} has "
-                              f"none: build the attention with one, or use granularity \"full\"")
-    if cp > 1 and tp.size > 1 and tp.sequence_parallel and seq_len is not None and seq_len % (cp * tp.size):
-        raise ConfigError(f"context_parallel.size ({cp}) with tensor_parallel.sequence_parallel: each cp rank's "
-                          f"{seq_len // cp} tokens are split again over tensor_parallel.size ({tp.size}); use a "
-                          f"sequence length (model seq_len {seq_len}) divisible by {cp * tp.size}")
-
-
 def _layer_names(pipe: PipelineModule) -> Renamed | None:
     """Step 0: a PipelineModule whose `layer_names` differ from its own (index) names is known by them."""
     names = {f"{i}.{key}": pipe.original_name(i, key) for i in range(len(pipe)) for key in pipe.layer_state_keys(i)}
@@ -193,7 +117,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     """Apply the config's strategies to `model` (in place) on `mesh`. `config` comes from `resolve_config`,
     which has already run `check_supported`."""
     spec = spec_for(model)
-    _check_model(model, config, spec)
+    check_model(model, config, spec)
     # A model on the meta device is split like any other; each rank then allocates only what it keeps, and
     # the engine fills it in (paratrain.init.replay, checkpoint.load_weights).
     deferred = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -243,14 +167,20 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     for step in (s for s in steps if isinstance(s, AppliedPlan)):  # every parameter exists now (SP: sums over tp)
         step.sum_replicated_gradients()
     autocast = autocast_context(config.torch_autocast.enabled, device)
-    runner = None
-    if split is not None:  # 6. the runner drives the stage, the strategy and the split of micro-batches
-        runner = PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps,
-                                pp.virtual_stages, split.pipe.loss_fn, device, grad_sync,
-                                prepare_batch=ring.split_micro_batch if ring is not None else None, autocast=autocast,
-                                token_loss=config.loss.reduction == "token" and spec.loss_is_token_mean(model),
-                                takes_documents=split.pipe.takes_documents())
+    runner = None if split is None else _pipeline_runner(split, mesh, config, device, grad_sync, ring, autocast,  # 6.
+                                                         token_mean=spec.loss_is_token_mean(model))
     return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred, ring, placements)
+
+
+def _pipeline_runner(split: PipelineSplit, mesh: Mesh, config: Config, device: torch.device, grad_sync: GradSync,
+                     ring: AppliedContextParallel | None, autocast: Callable, token_mean: bool) -> PipelineRunner:
+    """Step 6: the runner drives the stage, the strategy and the split of micro-batches."""
+    pp = config.pipeline
+    return PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps, pp.virtual_stages,
+                          split.pipe.loss_fn, device, grad_sync,
+                          prepare_batch=ring.split_micro_batch if ring is not None else None, autocast=autocast,
+                          token_loss=config.loss.reduction == "token" and token_mean,
+                          takes_documents=split.pipe.takes_documents())
 
 
 def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh, cores: list[nn.Module],
