@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from paratrain.model_spec import ModelSpec, register_model_spec
+from paratrain.models.decoder_pipeline import decoder_pipeline
 from paratrain.models.gpt.model import GPT, init_module
 from paratrain.parallel.pp.module import PipelineModule
 
@@ -46,10 +47,9 @@ def gpt_pipeline_module(model: GPT, micro_batch: int = 1) -> PipelineModule:
     """The GPT as embed -> blocks[0..n-1] -> (ln_f + head), sharing the GPT's own modules; the layer names
     keep the GPT's parameter names."""
     cfg = model.config
-    layers = [model.embed, *model.blocks, FinalNormHead(model.ln_f, model.head)]
-    names = ["embed", *(f"blocks.{i}" for i in range(len(model.blocks))), ""]
-    example = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    return PipelineModule(layers, loss_fn=model.loss_fn, layer_names=names, example_input=example)
+    return decoder_pipeline(model.embed, model.blocks, FinalNormHead(model.ln_f, model.head), model.loss_fn,
+                            embed_name="embed", blocks_prefix="blocks",
+                            example_shape=(cfg.vocab_size, micro_batch, cfg.seq_len))
 
 
 @register_model_spec

@@ -19,6 +19,7 @@ from torch import nn
 from paratrain.config import ConfigError
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.model_spec import ModelSpec, ModelSpecError, Pretrained, register_model_spec
+from paratrain.models.decoder_pipeline import decoder_pipeline
 from paratrain.models.hf.model import HFCausalLM, _positions, as_causal_lm, attention_modules, is_transformers_model
 from paratrain.models.hf.moe import check_moe_config, hf_expert_layers
 from paratrain.models.hf.plan import hf_tp_plan, localize_attention, supports_sequence_parallel
@@ -92,10 +93,8 @@ def hf_pipeline_module(model: HFCausalLM, micro_batch: int = 1) -> PipelineModul
     layers = list(model.layers)
     for layer in layers:
         _stage_hooks(model, layer)
-    prefix = f"{model.layout.base}.{model.layout.layers}"
-    names = [model.layout.base, *(f"{prefix}.{i}" for i in range(len(layers))), ""]
-    return PipelineModule([HFEmbedStage(model), *layers, HFFinalStage(model)], loss_fn=model.loss_fn,
-                          layer_names=names)
+    return decoder_pipeline(HFEmbedStage(model), layers, HFFinalStage(model), model.loss_fn,
+                            embed_name=model.layout.base, blocks_prefix=f"{model.layout.base}.{model.layout.layers}")
 
 
 @register_model_spec

@@ -11,6 +11,7 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.model_spec import ModelSpec, register_model_spec
+from paratrain.models.decoder_pipeline import decoder_pipeline
 from paratrain.models.llama.model import Llama, init_module
 from paratrain.parallel.pp.module import PipelineModule
 
@@ -73,10 +74,10 @@ def llama_pipeline_module(model: Llama, micro_batch: int = 1) -> PipelineModule:
     """The Llama as embed -> layers[0..n-1] -> (norm + head), sharing the model's own modules; the layer names
     keep its (Hugging Face) parameter names."""
     cfg, inner = model.config, model.model
-    layers = [LlamaEmbedStage(inner.embed_tokens), *inner.layers, LlamaFinalStage(inner.norm, model.lm_head)]
-    names = ["model", *(f"model.layers.{i}" for i in range(len(inner.layers))), ""]
-    example = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    return PipelineModule(layers, loss_fn=model.loss_fn, layer_names=names, example_input=example)
+    final = LlamaFinalStage(inner.norm, model.lm_head)
+    return decoder_pipeline(LlamaEmbedStage(inner.embed_tokens), inner.layers, final, model.loss_fn,
+                            embed_name="model", blocks_prefix="model.layers",
+                            example_shape=(cfg.vocab_size, micro_batch, cfg.seq_len))
 
 
 @register_model_spec

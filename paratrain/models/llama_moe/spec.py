@@ -12,6 +12,7 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.model_spec import register_model_spec
+from paratrain.models.decoder_pipeline import decoder_pipeline
 from paratrain.models.llama.spec import LLAMA_PLAN, LlamaEmbedStage, LlamaFinalStage, LlamaSpec
 from paratrain.models.llama_moe.model import LlamaMoE, init_moe_module
 from paratrain.parallel.pp.module import PipelineModule
@@ -46,10 +47,9 @@ class RouterLossAdded(nn.Module):
 
 def llama_moe_pipeline_module(model: LlamaMoE, micro_batch: int = 1) -> PipelineModule:
     cfg, inner = model.config, model.model
-    layers = [MoEEmbedStage(inner.embed_tokens), *inner.layers, MoEFinalStage(inner.norm, model.lm_head)]
-    names = ["model", *(f"model.layers.{i}" for i in range(len(inner.layers))), ""]
-    example = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    return PipelineModule(layers, loss_fn=RouterLossAdded(model.loss_fn), layer_names=names, example_input=example)
+    return decoder_pipeline(MoEEmbedStage(inner.embed_tokens), inner.layers, MoEFinalStage(inner.norm, model.lm_head),
+                            RouterLossAdded(model.loss_fn), embed_name="model", blocks_prefix="model.layers",
+                            example_shape=(cfg.vocab_size, micro_batch, cfg.seq_len))
 
 
 def llama_moe_plan(model: LlamaMoE) -> dict[str, str]:
