@@ -164,7 +164,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model),  # 5.
                                sync_initial_state=not deferred, expert_axis=experts[1] if experts else None,
                                placements=placements)
-    for step in (s for s in steps if isinstance(s, AppliedPlan)):  # every parameter exists now (SP: sums over tp)
+    for step in (s for s in steps if isinstance(s, AppliedPlan)):  # SP: hook the parameters later steps made
         step.sum_replicated_gradients()
     autocast = autocast_context(config.torch_autocast.enabled, device)
     runner = None if split is None else _pipeline_runner(split, mesh, config, device, grad_sync, ring, autocast,  # 6.

@@ -53,3 +53,21 @@ def test_a_meta_parameter_allocated_in_place_keeps_its_records_and_its_gradient_
     (param * 2).sum().backward()
     assert placements.of(param).get("tp") == Replicate()
     assert torch.equal(param.grad, torch.full((3,), 20.0)) and torch.equal(seen[0], param.grad)
+
+
+def test_sequence_parallel_hooks_each_replicated_parameter_once_and_a_replacement_when_asked_again():
+    from paratrain.parallel.tp.apply import SumOverTp
+
+    def hooks(param) -> int:
+        return sum(isinstance(h, SumOverTp) for h in (param._backward_hooks or {}).values())
+
+    model = tiny_gpt()
+    applied = tensor_parallelize(model, Axis("tp", (0, 1), 0, group=None), "gpt", sequence_parallel=True)
+    norm = model.blocks[0].ln1
+    assert hooks(norm.weight) == 1 and hooks(model.ln_f.bias) == 1  # standalone use is already complete
+    assert hooks(model.blocks[0].attn.q.weight) == 0 and hooks(model.embed.pos.weight) == 0  # split / whole sequence
+    applied.sum_replicated_gradients()  # what parallelize asks once its later steps have run
+    assert hooks(norm.weight) == 1  # not twice
+    norm.weight = nn.Parameter(norm.weight.detach().clone())  # a later step replaced it (as expert parallelism does)
+    applied.sum_replicated_gradients()
+    assert hooks(norm.weight) == 1

@@ -15,10 +15,11 @@ checkpointing's recompute, which reruns `forward`, draws the same masks.
 [Note: summing a replicated parameter's gradient over tp]
 Under sequence parallelism a replicated parameter (a norm's weight) sees only this rank's s/tp tokens, so
 its gradient must be summed over tp. A hook on the parameter does it, before the gradient accumulates (the
-data-parallel strategies act after accumulation, so they see the sum). The hooks are attached by
-`parallelize` once every step has run (`AppliedPlan.sum_replicated_gradients`): later steps may replace a
-parameter object (expert parallelism makes new expert parameters; allocating a meta parameter swaps its
-contents, which drops its hooks), so the hook goes on whatever parameter the module holds by then.
+data-parallel strategies act after accumulation, so they see the sum). This step hooks the parameters it
+finds (`AppliedPlan.sum_replicated_gradients`), and paratrain's `parallelize` asks again once every later
+step has run, because a later step may replace a parameter object (expert parallelism makes new expert
+parameters): whatever parameter the module then holds gets the hook, a parameter already hooked is skipped.
+Allocating a meta parameter in place keeps its hooks (`paratrain.parallel.dp.flat.set_data`).
 
 [Note: building the same model everywhere]
 Every rank builds the full model from the same seed and keeps its slice, so the sharded model starts
@@ -74,13 +75,13 @@ class AppliedPlan(Step):
 
     def sum_replicated_gradients(self) -> None:
         """Hook every parameter in `summed` (as the module now holds it) to sum its gradient over tp, once per
-        parameter object (see the note above: called after the last step that may replace one)."""
-        hooked: set[int] = set()
+        parameter object: one that already has the hook is skipped (see the note above)."""
         for module, name in self.summed:
             param = module._parameters.get(name)
-            if param is not None and param.requires_grad and id(param) not in hooked:
-                param.register_hook(functools.partial(_sum_over_tp, self.axis))
-                hooked.add(id(param))
+            if param is None or not param.requires_grad:
+                continue
+            if not any(isinstance(hook, SumOverTp) for hook in (param._backward_hooks or {}).values()):
+                param.register_hook(SumOverTp(self.axis))
 
     def origin(self, local: Origin) -> Origin:
         """Where a tensor of this rank's module sits in the unsplit tensor: a slice of the dimension its
@@ -133,12 +134,18 @@ def _forked(tracker: RNGTracker, inner, *args, **kwargs):
         return inner(*args, **kwargs)
 
 
-def _sum_over_tp(axis: Axis, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient this rank computed from its s/tp tokens only, summed over tp before it accumulates (the
-    backward of `copy_to_region`, for a parameter)."""
-    grad = grad.contiguous().clone()
-    all_reduce(grad, axis, tag=GRAD_TAG)
-    return grad
+class SumOverTp:
+    """A parameter hook: the gradient this rank computed from its s/tp tokens only, summed over tp before it
+    accumulates (the backward of `copy_to_region`, for a parameter). A class, so a parameter can be asked
+    whether it has one already; it holds the axis only, so it keeps no engine alive."""
+
+    def __init__(self, axis: Axis):
+        self.axis = axis
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        all_reduce(grad, self.axis, tag=GRAD_TAG)
+        return grad
 
 
 def _region_input_hook(path: str, axis: Axis, sequence_parallel: bool):
@@ -236,6 +243,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
         elif style == "sequence_scatter" and sp:
             module.register_forward_hook(_sequence_scatter_hook(path, axis))
     _record_placements(model, placements)
+    applied.sum_replicated_gradients()
     return applied
 
 
