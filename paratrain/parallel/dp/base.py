@@ -42,23 +42,6 @@ def is_expert(param: torch.Tensor, placements: Placements) -> bool:
     return placements.of(param).get("ep") is not None
 
 
-def broadcast_module_state(module: nn.Module, axis: Axis, src: int = 0, buffers: bool = True,
-                           expert_axis: Axis | None = None, placements: Placements | None = None) -> None:
-    """Make every rank's parameters (and buffers) equal to rank `src`'s: one flat broadcast per dtype (experts,
-    split over ep in `placements`: over `expert_axis`, the ranks that hold the same experts)."""
-    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
-    by_dtype: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
-    for t in tensors:
-        expert = expert_axis is not None and placements is not None and is_expert(t, placements)
-        by_dtype.setdefault((t.dtype, expert), []).append(t)
-    with torch.no_grad():
-        for (_, expert), group in sorted(by_dtype.items(), key=lambda item: (str(item[0][0]), item[0][1])):
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            comm.broadcast(flat, expert_axis if expert else axis, src=src, tag="init")
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
 
 
 def weak_hook(method):
@@ -147,6 +130,23 @@ class GradSync(ABC):
     def axis_of(self, param: torch.Tensor) -> Axis:
         """The axis `param`'s gradient is reduced (and, under ZeRO, sharded) over."""
         return self.expert_axis if self.expert_axis is not None and is_expert(param, self.placements) else self.axis
+
+    def broadcast_state(self, buffers: bool = True) -> None:
+        """Make every rank's parameters (and buffers) equal to those of the first rank of the axis each is
+        reduced over (`axis_of`: experts over the ranks holding the same experts): one flat broadcast per
+        dtype and axis."""
+        tensors = list(self.module.parameters()) + (list(self.module.buffers()) if buffers else [])
+        groups: dict[tuple[str, bool], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((str(t.dtype), self.axis_of(t) is not self.axis), []).append(t)
+        with torch.no_grad():
+            for (_, expert), group in sorted(groups.items()):
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                comm.broadcast(flat, self.expert_axis if expert else self.axis, src=0, tag="init")
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     # ---- lifecycle -------------------------------------------------------------------------------
     @abstractmethod

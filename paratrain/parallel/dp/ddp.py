@@ -25,7 +25,6 @@ from paratrain.parallel.dp.base import (
     GradSync,
     MasterSegment,
     OptimizerFactory,
-    broadcast_module_state,
     optimizer_state_tensors,
     placement_spans,
     tensor_bytes,
@@ -149,8 +148,7 @@ class DistributedDataParallel(GradSync):
         self.pre_divide = predivide_factor
         self.post_divide = axis.size / predivide_factor
         if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
-            broadcast_module_state(module, axis, buffers=broadcast_buffers, expert_axis=expert_axis,
-                                   placements=self.placements)
+            self.broadcast_state(buffers=broadcast_buffers)
         self.buckets: list[GradBucket] = []
 
     # ---- buckets (built with the optimizer, like every strategy's state) -------------------------

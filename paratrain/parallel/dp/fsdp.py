@@ -38,7 +38,6 @@ from paratrain.parallel.dp.base import (
     MasterSegment,
     OptimizerFactory,
     UnusedParametersError,
-    broadcast_module_state,
     on_device_of,
     weak_hook,
 )
@@ -79,7 +78,7 @@ class FullyShardedDataParallel(GradSync):
         self.prefetch_depth = prefetch_depth
         self.allow_unused = allow_unused_parameters
         if sync_initial_state:  # False: meta parameters, filled shard by shard later (deferred init)
-            broadcast_module_state(module, self.axis, expert_axis=expert_axis, placements=self.placements)
+            self.broadcast_state()
         self.root: Unit | None = None
         self.units: list[Unit] = []  # non-root units, in module order
         self.persistent: Unit | None = None

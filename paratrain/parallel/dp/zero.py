@@ -35,7 +35,6 @@ from paratrain.parallel.dp.base import (
     GradSync,
     MasterSegment,
     OptimizerFactory,
-    broadcast_module_state,
     on_device_of,
     optimizer_state_tensors,
     tensor_bytes,
@@ -72,7 +71,7 @@ class ZeroDataParallel(GradSync):
         self.pre_divide = predivide_factor
         self.post_divide = self.axis.size / predivide_factor
         if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
-            broadcast_module_state(module, self.axis, expert_axis=expert_axis, placements=self.placements)
+            self.broadcast_state()
         self.buckets: list[GradBucket] = []
         self.params_full: list[torch.Tensor] = []  # (padded,) compute dtype: the model's parameters are views
         self.masters: list[MasterShard] = []
