@@ -46,7 +46,7 @@ from paratrain.parallel.pp.runtime import PipelineRunner
 from paratrain.parallel.pp.schedules import partial_backwards, placement_of
 from paratrain.parallel.pp.split import PipelineSplit, split_pipeline
 from paratrain.parallel.recompute import checkpoint_activations
-from paratrain.parallel.tp import AppliedPlan, RNGTracker
+from paratrain.parallel.tp import RNGTracker
 from paratrain.parallel.tp import parallelize as tensor_parallelize
 from paratrain.precision import autocast_context
 
@@ -127,7 +127,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     placements = Placements()  # every step records how it laid out the parameters it touched
     if isinstance(model, PipelineModule) and (renamed := _layer_names(model)) is not None:
         steps.append(renamed)
-    tp = config.tensor_parallel
+    tp, applied = config.tensor_parallel, None
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
         applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed,
                                      placements=placements)
@@ -164,8 +164,8 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model),  # 5.
                                sync_initial_state=not deferred, expert_axis=experts[1] if experts else None,
                                placements=placements)
-    for step in (s for s in steps if isinstance(s, AppliedPlan)):  # SP: hook the parameters later steps made
-        step.sum_replicated_gradients()
+    if applied is not None:  # SP: hook the parameters the later steps made
+        applied.sum_replicated_gradients()
     autocast = autocast_context(config.torch_autocast.enabled, device)
     runner = None if split is None else _pipeline_runner(split, mesh, config, device, grad_sync, ring, autocast,  # 6.
                                                          token_mean=spec.loss_is_token_mean(model))

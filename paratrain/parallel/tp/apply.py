@@ -143,7 +143,7 @@ class SumOverTp:
         self.axis = axis
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # a hook must not change its argument
         all_reduce(grad, self.axis, tag=GRAD_TAG)
         return grad
 
