@@ -90,6 +90,22 @@ class ModelSpec:
         whose MoE blocks cannot (Hugging Face's) describes them here."""
         return expert_layers_of(model)
 
+    output_heads = ("head", "lm_head", "output", "classifier", "score")  # module names of an output projection
+
+    def muon_parameters(self, model: nn.Module) -> list[str]:
+        """The parameters Muon takes: the hidden matrices (every trainable 2-d weight except embeddings' and the
+        output head's, `output_heads`) and the stacked (E, rows, columns) weights of expert layers, one matrix
+        per expert. Everything else (embeddings, head, norms, biases) goes to AdamW."""
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        stacks = {id(getattr(owner, attr)) for _, layer in self.expert_layers(model) for owner, attr in layer.stacked}
+        out = []
+        for name, p in model.named_parameters():
+            module = name.rpartition(".")[0].rpartition(".")[2]
+            hidden = p.dim() == 2 and id(p) not in embeddings and module not in self.output_heads
+            if p.requires_grad and (hidden or (p.dim() == 3 and id(p) in stacks)):
+                out.append(name)
+        return out
+
     def after_split(self, model: nn.Module, sizes: Mapping[str, int]) -> None:
         """Called once tensor parallelism has split `model` (`sizes`: axis -> size): adjust what the family's
         modules derived from the full sizes (transformers attention that cuts a packed projection by its

@@ -15,12 +15,23 @@ import torch
 
 from paratrain.config import ConfigError, OptimizerConfig, SchedulerConfig
 from paratrain.config.params import check_optimizer_params, check_scheduler_params, optimizer_class
+from paratrain.muon import Muon
+
+# Which parameters Muon takes is decided when the groups are made (`paratrain.engine.setup.muon_param_groups`).
+MUON_GROUPING_KEYS = ("muon_names", "adamw_names")
 
 
 def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Optimizer:
     params = list(params)
     check_optimizer_params(config.type, config.params)  # again: the params may have changed since loading
     kwargs = dict(config.params)
+    if config.type.lower() == "muon":
+        options = {k: v for k, v in kwargs.items() if k not in MUON_GROUPING_KEYS}
+        if "ns_coefficients" in options:
+            options["ns_coefficients"] = tuple(options["ns_coefficients"])
+        if "betas" in options.get("adamw", {}):
+            options["adamw"] = {**options["adamw"], "betas": tuple(options["adamw"]["betas"])}
+        return Muon(params, **options)
     cls = optimizer_class(config.type, kwargs)
     if config.type.lower() in ("adam", "adamw"):
         kwargs.pop("adam_w_mode", None)

@@ -71,6 +71,16 @@ BETAS = Kind("a pair of numbers in [0, 1)", lambda v: numbers(2).accepts(v) and 
 _ADAM = {"lr": NON_NEGATIVE, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
          "adam_w_mode": BOOL, "torch_adam": BOOL}
 _SGD = {"lr": NON_NEGATIVE, "momentum": NON_NEGATIVE, "weight_decay": NON_NEGATIVE}
+NAME_PATTERNS = Kind("a list of name patterns (strings, fnmatch style)",
+                     lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+# paratrain.muon.Muon: torch's Muon parameters, `adamw` (the AdamW part's options) and which parameters go where.
+_MUON_ADAMW = {"lr": NON_NEGATIVE, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE}
+MUON_PARAMS = {"lr": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "momentum": NON_NEGATIVE, "nesterov": BOOL,
+               "ns_coefficients": numbers(3), "eps": NON_NEGATIVE, "ns_steps": POSITIVE_INTEGER,
+               "adjust_lr_fn": optional(one_of("original", "match_rms_adamw")),
+               "ns_dtype": one_of("bfloat16", "float32"),
+               "adamw": Kind("a dict of AdamW options (lr, betas, eps, weight_decay)", lambda v: isinstance(v, dict)),
+               "muon_names": NAME_PATTERNS, "adamw_names": NAME_PATTERNS}
 _DEEPSPEED_OPTIMIZER_KEYS = ("adam_w_mode", "torch_adam")  # DeepSpeed's switches, read by build_optimizer
 
 # DeepSpeed's schedules (implemented in paratrain.optim, which sits above config): every param, and which are
@@ -101,6 +111,11 @@ def optimizer_class(name: str, params: dict[str, Any]) -> type[torch.optim.Optim
 
 def check_optimizer_params(name: str, params: dict[str, Any]) -> None:
     """Raise a ConfigError naming the first param of `optimizer.params` that `name` does not take as given."""
+    if name.lower() == "muon":
+        _check("Muon", "optimizer.params", params, dict(MUON_PARAMS), set(), open_ended=False)
+        _check("Muon's AdamW part", "optimizer.params.adamw", params.get("adamw", {}), dict(_MUON_ADAMW), set(),
+               open_ended=False)
+        return
     if "adam_w_mode" in params and name.lower() in ("adam", "adamw"):
         _check_value("optimizer.params.adam_w_mode", params["adam_w_mode"], BOOL)  # it picks the class
     cls = optimizer_class(name, params)

@@ -35,9 +35,11 @@ from paratrain.engine.evaluation import Evaluation
 from paratrain.engine.monitor import StepReporter, setup_logging
 from paratrain.engine.pipeline_steps import PipelineSteps
 from paratrain.engine.setup import (
+    bind_muon,
     local_param_groups,
     make_loader,
     make_scheduler,
+    muon_param_groups,
     named_param_groups,
     optimizer_factory,
 )
@@ -75,6 +77,8 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self.tokenizer = None  # from_pretrained's, when the model directory has one; save_pretrained saves it
         template = template_of(model)  # a meta model's structure, before parallelize changes it
         groups = named_param_groups(model, model_parameters)  # by name: tensor parallelism replaces parameters
+        if optimizer is None:
+            groups = muon_param_groups(model, spec_for(model), config, groups)
         self.parallel = parallelize(model, mesh, config, device=self.device)
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
@@ -83,6 +87,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self.optimizer = self.grad_sync.build_optimizer(optimizer_factory(config, optimizer),
                                                         local_param_groups(groups, self.parallel,
                                                                            self.grad_sync.named_params))
+        bind_muon(self.optimizer, self.grad_sync, mesh, self.device)
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
         if template is not None:  # the local state is allocated, not yet written: trim before the writes peak
             return_freed_heap()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 from torch import nn
 
@@ -9,6 +11,7 @@ from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
 from paratrain.data.stream_loader import StreamLoader
 from paratrain.errors import InvalidValueError
+from paratrain.muon import Muon
 from paratrain.optim import build_optimizer, build_scheduler
 
 
@@ -67,6 +70,48 @@ def local_param_groups(groups: list[dict] | None, parallel, named_params: list) 
         if original in group_of:
             out[group_of[original]]["params"].append(param)
     return out
+
+
+def muon_param_groups(model: nn.Module, spec, config: Config, groups: list[dict] | None) -> list[dict] | None:
+    """With `optimizer.type: "Muon"`, the named groups split into a Muon half (`use_muon: true`: the model spec's
+    hidden matrices, `ModelSpec.muon_parameters`) and an AdamW half, as DeepSpeed splits its Muon groups; a
+    parameter tagged `use_muon` (DeepSpeed's attribute) or named by `optimizer.params.muon_names` /
+    `adamw_names` goes where it says. Groups that already say `use_muon` are kept. Other optimizers: `groups`."""
+    if config.optimizer is None or config.optimizer.type.lower() != "muon":
+        return groups
+    params = dict(model.named_parameters())
+    chosen = set(spec.muon_parameters(model))
+    for name, p in params.items():
+        tag = getattr(p, "use_muon", None)
+        if any(fnmatch.fnmatchcase(name, pat) for pat in config.optimizer.params.get("adamw_names", ())):
+            tag = False
+        if any(fnmatch.fnmatchcase(name, pat) for pat in config.optimizer.params.get("muon_names", ())):
+            tag = True
+        if tag is not None:
+            (chosen.add if tag else chosen.discard)(name)
+    for name in chosen:
+        if params[name].dim() < 2:
+            raise InvalidValueError(f"optimizer Muon: parameter '{name}' has shape {tuple(params[name].shape)}; Muon "
+                                    f"takes matrices only: leave it to the AdamW part (optimizer.params.adamw_names)")
+    out = []
+    for group in groups or [{"params": [n for n, p in params.items() if p.requires_grad]}]:
+        if "use_muon" in group:
+            out.append(group)
+            continue
+        options = {k: v for k, v in group.items() if k != "params"}
+        for use_muon in (True, False):
+            half = [n for n in group["params"] if (n in chosen) is use_muon]
+            if half:
+                out.append({**options, "params": half, "use_muon": use_muon})
+    return out
+
+
+def bind_muon(optimizer, grad_sync, mesh, device: torch.device) -> None:
+    """Give a Muon optimizer what each of its tensors holds (whole parameters, tp slices, ZeRO shards), so it
+    orthogonalizes whole matrices (`paratrain.muon.layout`)."""
+    if isinstance(optimizer, Muon):
+        pairs = grad_sync.muon_layouts()
+        optimizer.bind([m for m, _ in pairs], [layout for _, layout in pairs], mesh.axis("tp"), device)
 
 
 def make_scheduler(config: Config, optimizer, lr_scheduler):

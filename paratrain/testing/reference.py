@@ -15,6 +15,10 @@ from torch import nn
 
 from paratrain.config import Config, load_config
 from paratrain.data import DataParallelLoader, DataParallelSampler
+from paratrain.engine.setup import muon_param_groups
+from paratrain.model_spec import spec_for
+from paratrain.muon import Muon
+from paratrain.muon.optimizer import ADAMW_DEFAULTS
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.precision import autocast_context, compute_dtype, make_loss_scaler
 
@@ -102,8 +106,46 @@ def _masters_and_optimizer(model: nn.Module, cfg: Config, param_groups) -> tuple
     if cfg.precision != "fp32":
         masters = {name: nn.Parameter(p.detach().float().clone()) for name, p in model.named_parameters()}
         model.to(compute_dtype(cfg.precision))
+    if cfg.optimizer.type.lower() == "muon":
+        return masters, TorchMuonWithAdamW(model, masters, cfg)
     if param_groups is None:
         return masters, build_optimizer(cfg.optimizer, list(masters.values()))
     master_of = {id(p): masters[name] for name, p in model.named_parameters()}
     return masters, build_optimizer(cfg.optimizer, [{**g, "params": [master_of[id(p)] for p in g["params"]]}
                                                     for g in param_groups(model)])
+
+
+class TorchMuonWithAdamW(torch.optim.Optimizer):
+    """The Muon reference: `torch.optim.Muon` on the model spec's hidden matrices, `torch.optim.AdamW` on the rest
+    (the groups `paratrain.engine.setup.muon_param_groups` makes). torch's Muon takes 2-d parameters and iterates
+    in bfloat16 only: a stacked (E, rows, columns) expert weight, and every matrix under `ns_dtype: "float32"`, is
+    stepped by paratrain's unbound `Muon`, which `tests/unit/test_muon.py` holds bit-equal to torch's Muon (run on
+    each expert's matrix as its own parameter) and differs from it under float32 only by the iteration's dtype."""
+
+    def __init__(self, model: nn.Module, masters: dict[str, nn.Parameter], cfg: Config):
+        groups = muon_param_groups(model, spec_for(model), cfg, None)
+        options = {k: v for k, v in cfg.optimizer.params.items() if k not in ("adamw", "muon_names", "adamw_names")}
+        if "ns_coefficients" in options:
+            options["ns_coefficients"] = tuple(options["ns_coefficients"])
+        adamw = {**ADAMW_DEFAULTS, **cfg.optimizer.params.get("adamw", {})}
+        adamw["betas"] = tuple(adamw["betas"])
+        muon = [masters[n] for g in groups if g["use_muon"] for n in g["params"]]
+        rest = [masters[n] for g in groups if not g["use_muon"] for n in g["params"]]
+        # torch's own Muon where it can: 2-d matrices with its bfloat16 iteration.
+        by_torch = [p for p in muon if p.dim() == 2 and options.get("ns_dtype", "bfloat16") == "bfloat16"]
+        by_us = [p for p in muon if not any(p is q for q in by_torch)]
+        options_torch = {k: v for k, v in options.items() if k != "ns_dtype"}
+        self.parts = [torch.optim.Muon(by_torch, **options_torch) if by_torch else None,
+                      Muon(by_us, **options) if by_us else None,
+                      torch.optim.AdamW(rest, **adamw) if rest else None]
+        self.parts = [part for part in self.parts if part is not None]
+        super().__init__([p for part in self.parts for g in part.param_groups for p in g["params"]], {})
+        self.param_groups = [g for part in self.parts for g in part.param_groups]  # a scheduler reaches them all
+
+    def step(self, closure=None):
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)

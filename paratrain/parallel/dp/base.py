@@ -22,6 +22,7 @@ import paratrain.comm as comm
 from paratrain.errors import Error
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Placement, Placements
+from paratrain.muon import MasterLayout, whole_parameter_layout
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
@@ -207,6 +208,16 @@ class GradSync(ABC):
         them (collective over `self.axis` where parameters are gathered) and start a new window."""
 
     # ---- shared behaviour ------------------------------------------------------------------------
+    def muon_layouts(self) -> list[tuple[torch.Tensor, MasterLayout]]:
+        """What each optimizer tensor holds, for Muon's whole-matrix step (`paratrain.muon.layout`). Here: whole
+        local parameters (each master is one); a strategy updating shards of flat buffers says so instead."""
+        params = dict(self.named_params)
+        out = []
+        for master, (segment, *_) in self.master_segments():
+            param = params[segment.name]
+            out.append((master, whole_parameter_layout(param, self.placements.of(param))))
+        return out
+
     def wait_for_params(self) -> None:  # noqa: B027 - only ZeRO-1/2 defer a write to the parameters
         """Complete whatever still writes the model's parameters (ZeRO-1/2's all-gather after the update runs
         behind the next forward): afterwards every parameter holds its updated value. Reads through the

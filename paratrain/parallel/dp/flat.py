@@ -23,6 +23,7 @@ import paratrain.comm as comm
 from paratrain.errors import InvalidValueError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Placement
+from paratrain.muon import MasterLayout, Piece
 from paratrain.parallel.dp.base import MasterSegment, placement_spans
 
 
@@ -88,6 +89,11 @@ class FlatLayout:
         """The parameter ranges inside this rank's shard, for checkpoints (the shard is the master)."""
         return [MasterSegment(s.name, self.shard_start + lo - s.offset, self.shard_start + hi - s.offset, lo)
                 for s, lo, hi in self.shard_segments()]
+
+    def muon_layout(self, axis: Axis, placement_of: Callable[[torch.Tensor], Placement]) -> MasterLayout:
+        """The buffer for Muon: its parameters (pieces) and, when it is cut into shards, the axis they are over."""
+        pieces = tuple(Piece(s.offset, tuple(s.shape), placement_of(s.param)) for s in self.slots)
+        return MasterLayout(pieces, self.padded, axis if self.shards > 1 else None)
 
     def describe(self) -> dict:
         """Checkpoint metadata: the parameters' offsets and this rank's slice."""

@@ -33,6 +33,7 @@ from paratrain.data.nested import tensors_in
 from paratrain.errors import RunError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Placement, Placements
+from paratrain.muon import MasterLayout
 from paratrain.parallel.dp.base import (
     GradSync,
     MasterSegment,
@@ -41,11 +42,7 @@ from paratrain.parallel.dp.base import (
     on_device_of,
     weak_hook,
 )
-from paratrain.parallel.dp.flat import (
-    OffloadPolicy,
-    cast_untracked,
-    optimizer_groups,
-)
+from paratrain.parallel.dp.flat import OffloadPolicy, cast_untracked, optimizer_groups
 from paratrain.parallel.dp.fsdp_units import (
     FlatParam,
     Unit,
@@ -267,6 +264,9 @@ class FullyShardedDataParallel(GradSync):
     # ---- checkpoint hooks ---------------------------------------------------------------------------
     def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
         return [(f.master.param, f.layout.master_segments()) for f in self._flats()]
+
+    def muon_layouts(self) -> list[tuple[torch.Tensor, MasterLayout]]:
+        return [(f.master.param, f.layout.muon_layout(f.axis, self.placements.of)) for f in self._flats()]
 
     @property
     def masters_replicated(self) -> bool:

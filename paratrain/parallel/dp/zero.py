@@ -31,6 +31,7 @@ from torch import nn
 from paratrain.errors import RunError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Placement, Placements
+from paratrain.muon import MasterLayout
 from paratrain.parallel.dp.base import (
     GradSync,
     MasterSegment,
@@ -152,6 +153,9 @@ class ZeroDataParallel(GradSync):
     def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
         self.wait_for_params()  # a checkpoint reads and writes the masters: none may be in a gather
         return [(m.param, b.layout.master_segments()) for b, m in zip(self.buckets, self.masters)]
+
+    def muon_layouts(self) -> list[tuple[torch.Tensor, MasterLayout]]:
+        return [(m.param, b.layout.muon_layout(b.axis, self.placements.of)) for b, m in zip(self.buckets, self.masters)]
 
     @property
     def masters_replicated(self) -> bool:
