@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.testing.parity import layout_parity
+from paratrain.testing.parity import compare, layout_parity, reference_config, run_layout, summarize
+from paratrain.testing.reference import reference_run
 from tests.cases import corpus_windows, tiny_gpt
 
 pytestmark = pytest.mark.multiprocess
@@ -32,15 +33,123 @@ def _check(results: list[dict]) -> None:
         assert r["losses"][-1] < r["losses"][0], r
 
 
-def _matrix(configs: list[dict]) -> list[dict]:
-    data, references = corpus_windows(), {}
-    return [layout_parity(cfg, tiny_gpt, data, STEPS, references=references) for cfg in configs]
-
-
 WORLD2 = [muon_config(dp=2), muon_config(dp=2, zero=1), muon_config(dp=2, zero=2), muon_config(dp=2, zero=3),
           muon_config(dp=2, zero=3, offload_optimizer={"device": "cpu"})]
 
 
-def test_muon_parity_data_parallel(world2):
-    for results in world2.run(_matrix, WORLD2):
+def _built_under_zero_init():
+    import paratrain
+
+    with paratrain.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        model = tiny_gpt()
+    assert all(p.is_meta for p in model.parameters())
+    return model
+
+
+def _matrix2() -> list[dict]:
+    data, references = corpus_windows(), {}
+    out = [layout_parity(cfg, tiny_gpt, data, STEPS, references=references, inspect=_muon_work) for cfg in WORLD2]
+    # DeepSpeed#8438: a model built under zero.Init (here: on meta, materialized by the engine) gets Muon too.
+    run = run_layout(muon_config(dp=2, zero=3), _built_under_zero_init, data, STEPS, inspect=_muon_work)
+    ref = reference_run(tiny_gpt, reference_config(muon_config(dp=2, zero=3), run), data, STEPS)
+    out.append({"case": run.case + " zero.Init", **summarize(compare(run, ref)), "losses": run.losses, **run.extra})
+    return out
+
+
+def test_muon_parity_data_parallel_and_zero_init(world2):
+    for results in world2.run(_matrix2):
         _check(results)
+        assert [r["case"] for r in results] == ["dp2", "dp2 zero1", "dp2 zero2", "dp2 zero3", "dp2 zero3",
+                                                "dp2 zero3 zero.Init"]
+        for r in results:  # DeepSpeed#8442: stage 0 (dp2, the first) is Muon, not momentum SGD
+            assert r["is_muon"] and r["ns_matrices"] > 0, r
+
+
+def _muon_work(engine) -> dict:
+    """What the step did with Muon on this rank: the optimizer, matrices orthogonalized, Muon's collectives."""
+    from paratrain.muon import Muon
+
+    stats = engine.comm_stats(by_tag=True)
+    muon = {f"{axis}.{op}": tags["muon"]["calls"] for axis, ops in stats.items() for op, tags in ops.items()
+            if "muon" in tags}
+    opt = engine.optimizer
+    return {"optimizer": type(opt).__name__, "is_muon": isinstance(opt, Muon),
+            "ns_matrices": opt.matrices.work.matrices if isinstance(opt, Muon) else 0, "muon_comm": muon}
+
+
+# [Note: the router on AdamW here] A softmax router's gradient has rows summing to zero (a shift shared by all
+# experts changes no probability), so one direction of its (experts, d) matrix is exactly zero but for rounding,
+# and Newton-Schulz scales that direction up ~3.4445^5 = 487x: two correct runs then differ by their rounding
+# noise times 487 (1.3e-5 measured, even dp4 without ep). The router is a dense matrix like any other here
+# (the GPT cases prove those); on AdamW, the comparison weighs the expert matrices.
+ROUTER = ["*.mlp.gate.gate.weight"]
+
+
+def _moe_model():
+    from tests.distributed.test_expert_parallel import moe_model
+
+    return moe_model()
+
+
+def _matrix4() -> list[dict]:
+    data, references, out = corpus_windows(), {}, []
+    for cfg in (muon_config(dp=2, tp=2, sp=True), muon_config(dp=2, tp=2, zero=1, sp=True),
+                muon_config(dp=2, pp=2), muon_config(dp=2, pp=2, zero=2)):
+        out.append(layout_parity(cfg, tiny_gpt, data, STEPS, references=references, inspect=_muon_work))
+    for zero in (0, 1, 3):  # ep2 inside dp4: the experts' matrices sharded over edp2, the rest over dp4
+        cfg = {**muon_config(dp=4, zero=zero, micro_batch=1), "expert_parallel": {"size": 2}}
+        cfg["optimizer"] = {**MUON, "params": {**MUON["params"], "adamw_names": ROUTER}}
+        out.append(layout_parity(cfg, _moe_model, data, STEPS, references=references, inspect=_muon_work))
+    return out
+
+
+def test_muon_parity_tensor_pipeline_and_expert_parallel(world4):
+    for results in world4.run(_matrix4):
+        _check(results)
+        for r in results:
+            assert r["is_muon"] and r["ns_matrices"] > 0, r
+
+
+def _matrix8() -> list[dict]:
+    data = corpus_windows()
+    return [layout_parity(muon_config(dp=2, pp=2, tp=2, zero=zero), tiny_gpt, data, STEPS, inspect=_muon_work)
+            for zero in (0, 1)]
+
+
+def test_muon_parity_dp_pp_tp(world8):
+    for results in world8.run(_matrix8):
+        _check(results)
+
+
+def _legs(legs: list[tuple[str | None, str, dict, int]]) -> list[dict]:
+    """Each leg: load from `src` (None: start fresh), train `steps`, save to `dst`."""
+    import paratrain
+
+    out = []
+    for src, dst, cfg, steps in legs:
+        engine, *_ = paratrain.initialize(model=tiny_gpt(seed=1 if src is None else 5), config=cfg,
+                                          training_data=corpus_windows())
+        if src is not None:
+            engine.load_checkpoint(src)
+        losses = [float(engine.train_batch()) for _ in range(steps)]
+        engine.save_checkpoint(dst)
+        out.append({"losses": losses, "state": engine.full_state_dict(), "layout": engine.mesh.dims.describe()})
+        engine.destroy()
+    return out
+
+
+def test_muon_momentum_reshards_across_layouts(world4, tmp_path):
+    """Two steps in dp2 x tp2 ZeRO-1, one in dp4 ZeRO-3, one in dp2 x pp2 DDP: the losses and weights of four
+    steps in one process (the momentum buffers travel in the checkpoint, resharded like Adam's moments)."""
+    from paratrain.testing import max_rel_diff, rel_diff
+
+    d = [str(tmp_path / f"leg{i}") for i in range(3)]
+    legs = world4.run(_legs, [(None, d[0], muon_config(dp=2, tp=2, zero=1), 2),
+                              (d[0], d[1], muon_config(dp=4, zero=3, micro_batch=1), 1),
+                              (d[1], d[2], muon_config(dp=2, pp=2), 1)])[0]
+    assert [leg["layout"] for leg in legs] == ["dp2 x tp2", "dp4", "dp2 x pp2"]
+    ref = reference_run(tiny_gpt, {**muon_config(), "train_batch_size": GLOBAL_BATCH}, corpus_windows(), STEPS)
+    losses = [x for leg in legs for x in leg["losses"]]
+    errors = [rel_diff(a, b) for a, b in zip(losses, ref.losses)]
+    param_err, where = max_rel_diff(legs[-1]["state"], ref.state)
+    assert max(errors) <= 1e-5 and param_err <= 1e-5, (errors, param_err, where)
