@@ -1,0 +1,122 @@
+"""Muon's one-process arithmetic against torch's, the expert-stack convention, the owners' balance, and the
+config's errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.config import ConfigError, load_config
+from paratrain.layout.placement import Placement
+from paratrain.muon import MasterLayout, Muon, Piece
+from paratrain.muon.layout import assign_owners
+from paratrain.muon.newton_schulz import lr_ratio, ns_flops
+from paratrain.optim import build_optimizer
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 48, bias=False),
+                         nn.Linear(48, 16))
+
+
+def _split(model: nn.Module) -> tuple[list, list]:
+    muon = [model[1].weight, model[3].weight, model[4].weight]
+    return muon, [p for p in model.parameters() if not any(p is q for q in muon)]
+
+
+@pytest.mark.parametrize("options", [{}, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw", "ns_steps": 3}])
+def test_unbound_muon_is_torch_muon_plus_adamw_bit_for_bit(options):
+    model, ref = _model(), None
+    ref = copy.deepcopy(model)
+    mine_muon, mine_rest = _split(model)
+    ref_muon, ref_rest = _split(ref)
+    mine = Muon([{"params": mine_muon, "use_muon": True}, {"params": mine_rest, "use_muon": False}], lr=0.02,
+                adamw={"lr": 3e-3, "weight_decay": 0.02}, **options)
+    theirs = [torch.optim.Muon(ref_muon, lr=0.02, **options), torch.optim.AdamW(ref_rest, lr=3e-3, weight_decay=0.02)]
+    x = torch.randint(0, 50, (4, 8))
+    for _ in range(3):
+        for net, optimizers in ((model, [mine]), (ref, theirs)):
+            net(x).pow(2).mean().backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    state = mine.state_dict()  # one buffer per Muon tensor, AdamW's two (and its step) for the rest
+    assert {k for s in state["state"].values() for k in s} == {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"}
+    assert sum(len(s) for s in state["state"].values()) == 3 * 1 + len(mine_rest) * 3
+
+
+def test_a_stack_of_expert_matrices_is_torch_muon_on_each_matrix():
+    torch.manual_seed(3)
+    stack = nn.Parameter(torch.randn(4, 24, 8))
+    apart = [nn.Parameter(stack.detach()[e].clone()) for e in range(4)]
+    mine, theirs = Muon([stack], lr=0.05), torch.optim.Muon(apart, lr=0.05)
+    for _ in range(3):
+        grad = torch.randn(4, 24, 8)
+        stack.grad = grad.clone()
+        for e, p in enumerate(apart):
+            p.grad = grad[e].clone()
+        mine.step()
+        theirs.step()
+    assert all(torch.equal(stack[e], apart[e]) for e in range(4))
+    assert lr_ratio((4, 24, 8), None) == lr_ratio((24, 8), None) == 3 ** 0.5  # the matrix's shape, not (E, rows)
+
+
+def test_owners_balance_the_newton_schulz_work():
+    from paratrain.layout.mesh import Axis
+
+    axis = Axis("dp", (0, 1, 2), 1, None)
+    shapes = [(64, 16), (16, 64), (32, 32), (8, 8), (48, 16), (16, 16)]
+    pieces, offset = [], 0
+    for shape in shapes:
+        pieces.append(Piece(offset, shape, Placement()))
+        offset += shape[0] * shape[1]
+    stack = Piece(offset, (4, 16, 8), Placement())
+    layout = MasterLayout((*pieces, stack), offset + 4 * 16 * 8 + 1, axis)
+    owners = assign_owners([layout], steps=1)
+    assert len(owners) == len(shapes) + 4  # every matrix once, each expert of the stack on its own
+    load = [0, 0, 0]
+    for (_, pi, _), owner in owners.items():
+        load[owner] += ns_flops(layout.pieces[pi].matrix_shape, 1)
+    biggest = max(ns_flops(s, 1) for s in shapes)
+    assert max(load) - min(load) <= biggest, load  # greedy, largest first: within one matrix of even
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="optimizer.params.adamw.beta"):
+        load_config({"optimizer": {"type": "Muon", "params": {"adamw": {"beta": [0.9, 0.95]}}}})
+    with pytest.raises(ConfigError, match="optimizer.params.ns_dtype"):
+        load_config({"optimizer": {"type": "Muon", "params": {"ns_dtype": "float16"}}})
+    with pytest.raises(ConfigError, match="optimizer.params.adjust_lr_fn"):
+        load_config({"optimizer": {"type": "Muon", "params": {"adjust_lr_fn": "rms"}}})
+    cfg = load_config({"optimizer": {"type": "Muon", "params": {"lr": 0.02, "adamw": {"betas": [0.9, 0.95]},
+                                                                "adamw_names": ["*.bias"]}}})
+    opt = build_optimizer(cfg.optimizer, [{"params": [nn.Parameter(torch.ones(3, 3))], "use_muon": True},
+                                          {"params": [nn.Parameter(torch.ones(3))], "use_muon": False}])
+    assert isinstance(opt, Muon) and opt.param_groups[1]["betas"] == (0.9, 0.95) and opt.param_groups[0]["lr"] == 0.02
+
+
+def test_the_spec_gives_muon_the_hidden_matrices_and_adamw_the_rest():
+    from paratrain.engine.setup import muon_param_groups
+    from paratrain.model_spec import spec_for
+    from paratrain.models.llama_moe.model import LlamaMoE
+    from tests.cases import tiny_gpt
+
+    model = tiny_gpt()
+    cfg = load_config({"optimizer": {"type": "Muon", "params": {"adamw_names": ["blocks.1.*"]}}})
+    muon, adamw = muon_param_groups(model, spec_for(model), cfg, None)
+    assert muon["use_muon"] and not adamw["use_muon"]
+    assert set(muon["params"]) == {f"blocks.0.{m}.weight" for m in ("attn.q", "attn.k", "attn.v", "attn.o",
+                                                                      "mlp.fc", "mlp.proj")}
+    assert {"embed.tok.weight", "embed.pos.weight", "head.weight", "blocks.0.ln1.weight"} <= set(adamw["params"])
+    moe = LlamaMoE("mixtral-tiny")
+    chosen = spec_for(moe).muon_parameters(moe)
+    stacks = [n for n in chosen if dict(moe.named_parameters())[n].dim() == 3]
+    assert stacks and not any("embed" in n or "lm_head" in n or "norm" in n for n in chosen)
+    with pytest.raises(Exception, match="ln1.weight"):
+        bad = load_config({"optimizer": {"type": "Muon", "params": {"muon_names": ["*.ln1.weight"]}}})
+        muon_param_groups(model, spec_for(model), bad, None)
