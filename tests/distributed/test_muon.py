@@ -13,8 +13,10 @@ pytestmark = pytest.mark.multiprocess
 
 STEPS = 4
 GLOBAL_BATCH = 8
-MUON = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.05, "ns_dtype": "float32", "adamw": {"lr": 3e-3, "betas": [0.9, 0.95],
-                                                                              "eps": 1e-6}}}
+# float32 Newton-Schulz: in torch's bfloat16 the iteration flips on float32 rounding of its input (see the note
+# in paratrain/muon/newton_schulz.py), so no two layouts could be compared at 1e-5.
+MUON = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.05, "ns_dtype": "float32",
+                                   "adamw": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-6}}}
 
 
 def muon_config(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False, micro_batch: int = 2,
