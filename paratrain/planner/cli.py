@@ -46,6 +46,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-bandwidth", default="3.35TB/s", help="device memory bandwidth")
     parser.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free")
     parser.add_argument("--offload", action="store_true", help="also consider ZeRO optimizer offload to CPU")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                        help="muon: Muon on the blocks' matrices, AdamW on the rest (dense models)")
     parser.add_argument("--zero", type=_ints, default=(0, 1, 2, 3), help="ZeRO stages to consider, e.g. 1,2")
     parser.add_argument("--schedules", type=_names, default=SCHEDULES, help="pipeline schedules to consider")
     parser.add_argument("--recompute", type=_names, default=RECOMPUTE, help="none,selective,full")
@@ -88,7 +90,7 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
     return SearchSpace(precision=args.precision, zero_stages=args.zero, schedules=args.schedules,
                        recompute=args.recompute, offload_optimizer=(False, True) if args.offload else (False,),
                        max_micro_batch=args.max_micro_batch, flash_attention=not args.unfused_attention,
-                       cp_methods=args.cp_methods, expert_parallel=args.ep)
+                       cp_methods=args.cp_methods, expert_parallel=args.ep, optimizer=args.optimizer)
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import ceil_div, rank_params
 from paratrain.planner.model_specs import ModelSpec, rank_blocks
 from paratrain.planner.moe import all_to_all_elements, count_elements, dense_blocks, moe_blocks, rank_expert_params
+from paratrain.planner.muon import layer_matrix_params, layer_matrix_shapes, muon_params
 
 DP_CP = ("dp", "cp")
 PP_TP = ("pp", "tp")
@@ -234,16 +235,44 @@ def routing_transfer(spec: ModelSpec, layout: Layout, stage: int = 0) -> Transfe
     return Transfer(DP_CP, "all_reduce", blocks * (spec.num_experts + 4), 8, 1, "scalar")
 
 
+def muon_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+    """Muon's collectives (`paratrain.muon.layout`), fp32: under ZeRO each flat buffer of its matrices (per ZeRO-1/2
+    group, per ZeRO-3 block) all-gathers the update and reduce-scatters the orthogonalized one over dp x cp; a
+    tp-split matrix is all-gathered over tp by who orthogonalizes it (all under DDP; its owner under ZeRO: there,
+    with tp > 1, the mean over the dp x cp ranks)."""
+    matrices = muon_params(spec, layout, stage)
+    if not matrices:
+        return []
+    out, n, blocks = [], layout.shard_group, dense_blocks(spec, layout, stage)
+    if layout.zero_stage >= 1 and n > 1:
+        flats = [layer_matrix_params(spec, layout.tp)] * blocks if layout.zero_stage == 3 else [matrices]
+        padded = sum(ceil_div(p, n) * n for p in flats)
+        out += [Transfer(DP_CP, "all_gather", padded, 4, len(flats), "dp_param"),
+                Transfer(DP_CP, "reduce_scatter", padded, 4, len(flats), "dp_grad")]
+    if layout.tp > 1:
+        whole = blocks * layer_matrix_params(spec)  # each whole matrix, gathered from its tp slices
+        share = n if layout.zero_stage >= 1 else 1
+        calls = blocks * len(layer_matrix_shapes(spec)) // share
+        out.append(Transfer(("tp",), "all_gather", whole // share, 4, calls, "tp"))
+    return out
+
+
 def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
     """Everything a rank of pipeline stage `stage` communicates in one optimizer step (`train_batch`)."""
-    sizes = layout.sizes
     units = zero3_units(spec, layout, stage) if layout.zero_stage == 3 else None
     dense = rank_params(spec, layout, stage) + (rank_expert_params(spec, layout, stage) if layout.ep == 1 else 0)
-    transfers = (data_parallel_transfers(layout, dense, units)
+    # Muon's matrices and AdamW's rest are separate groups, so separate flat buffers, padded apart (ZeRO-3: in each
+    # block's unit; zero3_units lists the blocks, gathered twice, then the root, which holds no Muon matrix)
+    matrices = muon_params(spec, layout, stage)
+    block, blocks = layer_matrix_params(spec, layout.tp) if matrices else 0, dense_blocks(spec, layout, stage)
+    rest_units = [(p - block, t) if t == 2 else (p, t) for p, t in units] if units is not None else None
+    data = data_parallel_transfers(layout, dense - matrices, rest_units) + muon_transfers(spec, layout, stage) + \
+        data_parallel_transfers(layout, matrices, [(block, 2)] * blocks if units is not None else None)
+    transfers = (data
                  + tensor_parallel_transfers(spec, layout, stage) + pipeline_transfers(spec, layout, stage)
                  + context_parallel_transfers(spec, layout, stage) + expert_parallel_transfers(spec, layout, stage)
                  + scalar_transfers(spec, layout, stage))
-    return [t for t in transfers if axis_name(sizes, t.axes) is not None and t.elements > 0
+    return [t for t in transfers if axis_name(layout.sizes, t.axes) is not None and t.elements > 0
             and (t.group is None or t.group[1] > 1)]
 
 

@@ -40,6 +40,7 @@ class SearchSpace:
     flash_attention: bool = True
     cp_methods: tuple[str, ...] = CP_METHODS
     expert_parallel: tuple[int, ...] | None = None  # ep sizes to consider (MoE models); None: every valid one
+    optimizer: str = "adamw"  # "muon": Muon on the blocks' matrices (its state and collectives counted)
 
 
 def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str | None:
@@ -119,7 +120,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, global_batch: int, gpus_per_no
                 layout = Layout(dp=dp, micro_batch=mb, grad_accum=per_rank // mb, tp=tp, pp=pp, cp=cp,
                                 zero_stage=zero, offload_optimizer=offload, schedule=schedule, virtual_stages=v,
                                 recompute=recompute, sequence_parallel=sp, precision=space.precision,
-                                cp_method=method, ulysses_size=u, ep=ep)
+                                cp_method=method, ulysses_size=u, ep=ep, optimizer=space.optimizer)
                 if invalid_reason(spec, layout, gpus_per_node) is None:
                     yield layout
 

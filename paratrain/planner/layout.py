@@ -17,6 +17,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal[("none", *SCHEDULES)]  # type: ignore[valid-type] (no pipeline, or a schedule's name)
 Recompute = Literal["none", "selective", "full"]
 CpMethod = Literal["ring", "ulysses", "usp"]
+Optimizer = Literal["adamw", "muon"]
 
 CP_METHODS: tuple[str, ...] = ("ring", "ulysses", "usp")
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
@@ -40,6 +41,7 @@ class Layout:
     cp_method: CpMethod = "ring"
     ulysses_size: int = 1  # usp: the all-to-all degree inside cp (ring attention runs over cp / ulysses_size)
     ep: int = 1  # expert parallelism, folded inside dp x cp (`paratrain.layout.mesh.ParallelDims.expert_subgroups`)
+    optimizer: Optimizer = "adamw"  # "muon": Muon on the blocks' matrices, AdamW on the rest (`paratrain.muon`)
 
     @property
     def world(self) -> int:
@@ -115,6 +117,8 @@ class Layout:
             parts.append("sp")
         if self.recompute != "none":
             parts.append(f"ckpt:{self.recompute}")
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
         return " ".join(parts)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from paratrain.planner.layout import Layout
 from paratrain.planner.model_specs import ModelSpec
 from paratrain.planner.moe import dense_blocks, moe_blocks, moe_mlp_activations, rank_expert_params
+from paratrain.planner.muon import muon_params
 from paratrain.zero import estimate_memory as estimate_model_states
 
 
@@ -54,9 +55,13 @@ class ModelStates:
         return {"params": self.params, "grads": self.grads, "optimizer_state": self.optimizer_state,
                 "total": self.total}
 
+    def __add__(self, other: ModelStates) -> ModelStates:
+        return ModelStates(self.params + other.params, self.grads + other.grads,
+                           self.optimizer_state + other.optimizer_state, self.host + other.host)
+
 
 def model_state_bytes(params: int, shard_group: int, stage: int, precision: str = "fp32",
-                      offload_optimizer: bool = False) -> ModelStates:
+                      offload_optimizer: bool = False, optimizer_state_bytes: int = 8) -> ModelStates:
     """Bytes of parameters, gradients and AdamW state for `params` parameters: `paratrain.zero.estimate_memory`'s
     figures, the ones the engine measures (see the module doc).
 
@@ -64,7 +69,7 @@ def model_state_bytes(params: int, shard_group: int, stage: int, precision: str 
     memory (`host`); `device` is what stays on the accelerator.
     """
     states = estimate_model_states(params, shard_group, stage, "optimizer" if offload_optimizer else "none",
-                                   precision)
+                                   precision, optimizer_state_bytes)
     return ModelStates(states["params"], states["grads"], states["optimizer_state"], states["host"])
 
 
@@ -79,6 +84,15 @@ def rank_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
     if stage == layout.head_rank:
         total += spec.head_params(layout.tp)
     return total
+
+
+def rank_model_states(spec: ModelSpec, layout: Layout, stage: int) -> ModelStates:
+    """`model_state_bytes` of the rank's parameters without the routed experts: AdamW's 8 bytes of state per
+    parameter; under Muon its matrices hold one fp32 momentum buffer (4 bytes) and the rest AdamW's two."""
+    muon = muon_params(spec, layout, stage)
+    args = (layout.shard_group, layout.zero_stage, layout.precision, layout.offload_optimizer)
+    states = model_state_bytes(rank_params(spec, layout, stage) - muon, *args)
+    return states + model_state_bytes(muon, *args, optimizer_state_bytes=4) if muon else states
 
 
 def expert_state_bytes(spec: ModelSpec, layout: Layout, stage: int) -> ModelStates:
@@ -267,8 +281,7 @@ def estimate_memory(spec: ModelSpec, layout: Layout, flash_attention: bool = Tru
     """Per-rank memory of `layout`: the worst of the first and the last pipeline stage."""
     worst = None
     for stage in sorted({0, layout.head_rank, layout.pp - 1}):
-        states = model_state_bytes(rank_params(spec, layout, stage), layout.shard_group, layout.zero_stage,
-                                   layout.precision, layout.offload_optimizer)
+        states = rank_model_states(spec, layout, stage)
         experts = expert_state_bytes(spec, layout, stage)
         est = MemoryEstimate(states.params + experts.params, states.grads + experts.grads,
                              states.optimizer_state + experts.optimizer_state,

@@ -14,6 +14,7 @@ from paratrain.planner.model_specs import ModelSpec
 from paratrain.planner.units import format_bytes, format_seconds
 
 DEFAULT_OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+MUON_OPTIMIZER = {"type": "Muon", "params": {"lr": 0.02, "adamw": DEFAULT_OPTIMIZER["params"]}}
 LAYOUT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
                "zero_optimization", "data_parallel", "tensor_parallel", "pipeline", "context_parallel",
                "activation_checkpointing", "expert_parallel")
@@ -32,6 +33,8 @@ def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> 
         "gradient_accumulation_steps": layout.grad_accum,
     })
     cfg.setdefault("optimizer", copy.deepcopy(DEFAULT_OPTIMIZER))
+    if layout.optimizer == "muon" and cfg["optimizer"]["type"].lower() != "muon":
+        cfg["optimizer"] = copy.deepcopy(MUON_OPTIMIZER)
     cfg.setdefault("gradient_clipping", 1.0)
     if layout.precision == "bf16":
         cfg["bf16"] = {"enabled": True}

@@ -26,7 +26,7 @@ from paratrain.models import GPTConfig
 from paratrain.models.registry import build_model, preset_config
 from paratrain.planner.comm import measured_without_calls, predict_comm
 from paratrain.planner.layout import Layout, axis_name
-from paratrain.planner.memory import expert_state_bytes, model_state_bytes, rank_params
+from paratrain.planner.memory import expert_state_bytes, rank_model_states
 from paratrain.planner.model_specs import spec_from_config
 from paratrain.planner.report import layout_config
 from tests.cases import TINY, corpus_windows
@@ -79,6 +79,19 @@ CALIBRATION = [
                  id="moe-dp4-ep2-zero1"),
     pytest.param(Layout(dp=2, tp=2, ep=2, micro_batch=2, grad_accum=1, precision="bf16"), {},
                  id="moe-dp2-tp2-ep2-bf16"),
+    # Muon: one momentum buffer per matrix element; under ZeRO the gather of the update and the scatter of its
+    # orthogonalized shards per flat buffer, over tp the gather of each whole matrix (every rank, under DDP).
+    pytest.param(Layout(dp=2, micro_batch=2, grad_accum=1, precision="fp32", optimizer="muon"), {}, id="muon-ddp-dp2"),
+    pytest.param(Layout(dp=2, zero_stage=1, micro_batch=2, grad_accum=2, precision="bf16", optimizer="muon"), {},
+                 id="muon-dp2-zero1-bf16"),
+    pytest.param(Layout(dp=4, zero_stage=2, micro_batch=1, grad_accum=2, precision="fp32", optimizer="muon"), {},
+                 id="muon-dp4-zero2"),
+    pytest.param(Layout(dp=2, zero_stage=3, micro_batch=2, grad_accum=1, precision="fp32", optimizer="muon"),
+                 {"zero_optimization": {"stage3_param_persistence_threshold": 0}}, id="muon-dp2-zero3"),
+    pytest.param(Layout(dp=2, tp=2, micro_batch=2, grad_accum=1, sequence_parallel=True, precision="fp32",
+                        optimizer="muon"), {}, id="muon-dp2-tp2-sp"),
+    pytest.param(Layout(dp=2, pp=2, zero_stage=1, schedule="1f1b", micro_batch=1, grad_accum=4, precision="fp32",
+                        optimizer="muon"), {}, id="muon-dp2-pp2-zero1"),
 ]
 
 
@@ -135,8 +148,7 @@ def test_planner_predictions_match_the_engine(request, layout, extra):
     config = _merge(layout_config(spec, layout), extra)
     for rank, got in enumerate(world.run(_measure, config)):
         stage = got["coords"]["pp"]
-        dense = model_state_bytes(rank_params(spec, layout, stage), layout.shard_group, layout.zero_stage,
-                                  layout.precision, layout.offload_optimizer).as_dict()
+        dense = rank_model_states(spec, layout, stage).as_dict()
         experts = expert_state_bytes(spec, layout, stage).as_dict()
         for key, predicted in dense.items():
             measured = got["memory"][key]
