@@ -19,6 +19,35 @@ from paratrain.muon import Muon
 
 # Which parameters Muon takes is decided when the groups are made (`paratrain.engine.setup.muon_param_groups`).
 MUON_GROUPING_KEYS = ("muon_names", "adamw_names")
+# DeepSpeed's Muon config: lr and weight_decay shared by both halves, muon_lr / adam_lr overriding lr, betas and
+# eps the Adam half's, ns_method its Newton-Schulz variant.
+DEEPSPEED_MUON_KEYS = ("muon_lr", "adam_lr", "betas", "ns_method")
+
+
+def muon_options(params: dict) -> tuple[dict, dict]:
+    """(Muon's options, its AdamW part's) from an `optimizer.params` of type Muon: torch's names, `adamw` for the
+    AdamW part; a config with DeepSpeed's keys (`DEEPSPEED_MUON_KEYS`) is read with DeepSpeed's meanings."""
+    muon = {k: v for k, v in params.items() if k not in MUON_GROUPING_KEYS}
+    adamw = dict(muon.pop("adamw", {}))
+    if any(key in muon for key in DEEPSPEED_MUON_KEYS):
+        for key in ("betas", "eps"):
+            if key in muon:
+                adamw.setdefault(key, muon.pop(key))
+        for key in ("lr", "weight_decay"):
+            if key in muon:
+                adamw.setdefault(key, muon[key])
+        if "adam_lr" in muon:
+            adamw["lr"] = muon.pop("adam_lr")
+        if "muon_lr" in muon:
+            muon["lr"] = muon.pop("muon_lr")
+        if muon.pop("ns_method", "standard") != "standard":
+            raise ConfigError("config key 'optimizer.params.ns_method': paratrain runs torch's Newton-Schulz "
+                              "iteration ('standard'); remove the key or set it to 'standard' (its dtype: ns_dtype)")
+    if "ns_coefficients" in muon:
+        muon["ns_coefficients"] = tuple(muon["ns_coefficients"])
+    if "betas" in adamw:
+        adamw["betas"] = tuple(adamw["betas"])
+    return muon, adamw
 
 
 def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Optimizer:
@@ -26,12 +55,8 @@ def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Op
     check_optimizer_params(config.type, config.params)  # again: the params may have changed since loading
     kwargs = dict(config.params)
     if config.type.lower() == "muon":
-        options = {k: v for k, v in kwargs.items() if k not in MUON_GROUPING_KEYS}
-        if "ns_coefficients" in options:
-            options["ns_coefficients"] = tuple(options["ns_coefficients"])
-        if "betas" in options.get("adamw", {}):
-            options["adamw"] = {**options["adamw"], "betas": tuple(options["adamw"]["betas"])}
-        return Muon(params, **options)
+        muon, adamw = muon_options(kwargs)
+        return Muon(params, adamw=adamw, **muon)
     cls = optimizer_class(config.type, kwargs)
     if config.type.lower() in ("adam", "adamw"):
         kwargs.pop("adam_w_mode", None)

@@ -80,7 +80,10 @@ MUON_PARAMS = {"lr": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "momentum": NON
                "adjust_lr_fn": optional(one_of("original", "match_rms_adamw")),
                "ns_dtype": one_of("bfloat16", "float32"),
                "adamw": Kind("a dict of AdamW options (lr, betas, eps, weight_decay)", lambda v: isinstance(v, dict)),
-               "muon_names": NAME_PATTERNS, "adamw_names": NAME_PATTERNS}
+               "muon_names": NAME_PATTERNS, "adamw_names": NAME_PATTERNS,
+               # DeepSpeed's Muon keys (paratrain.optim.muon_options reads a config holding them DeepSpeed's way)
+               "muon_lr": NON_NEGATIVE, "adam_lr": NON_NEGATIVE, "betas": BETAS,
+               "ns_method": one_of("standard", "gram")}
 _DEEPSPEED_OPTIMIZER_KEYS = ("adam_w_mode", "torch_adam")  # DeepSpeed's switches, read by build_optimizer
 
 # DeepSpeed's schedules (implemented in paratrain.optim, which sits above config): every param, and which are

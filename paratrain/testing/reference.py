@@ -19,7 +19,7 @@ from paratrain.engine.setup import muon_param_groups
 from paratrain.model_spec import spec_for
 from paratrain.muon import Muon
 from paratrain.muon.optimizer import ADAMW_DEFAULTS
-from paratrain.optim import build_optimizer, build_scheduler
+from paratrain.optim import build_optimizer, build_scheduler, muon_options
 from paratrain.precision import autocast_context, compute_dtype, make_loss_scaler
 
 
@@ -124,11 +124,8 @@ class TorchMuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, masters: dict[str, nn.Parameter], cfg: Config):
         groups = muon_param_groups(model, spec_for(model), cfg, None)
-        options = {k: v for k, v in cfg.optimizer.params.items() if k not in ("adamw", "muon_names", "adamw_names")}
-        if "ns_coefficients" in options:
-            options["ns_coefficients"] = tuple(options["ns_coefficients"])
-        adamw = {**ADAMW_DEFAULTS, **cfg.optimizer.params.get("adamw", {})}
-        adamw["betas"] = tuple(adamw["betas"])
+        options, adamw = muon_options(cfg.optimizer.params)
+        adamw = {**ADAMW_DEFAULTS, **adamw}
         muon = [masters[n] for g in groups if g["use_muon"] for n in g["params"]]
         rest = [masters[n] for g in groups if not g["use_muon"] for n in g["params"]]
         # torch's own Muon where it can: 2-d matrices with its bfloat16 iteration.

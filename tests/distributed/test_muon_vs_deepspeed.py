@@ -45,15 +45,22 @@ def _train(framework: str, stage: int, clip: float) -> list[float]:
 
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip, "steps_per_print": 10**9,
               "zero_optimization": {"stage": stage}}
+    deepspeed_params = {"lr": LR, "momentum": 0.95, "weight_decay": WD, "adam_lr": ADAM_LR, "betas": [0.9, 0.95],
+                        "eps": 1e-8}
     if framework == "deepspeed":
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        config["optimizer"] = {"type": "Muon", "params": {"lr": LR, "momentum": 0.95, "weight_decay": WD,
-                                                          "adam_lr": ADAM_LR, "betas": [0.9, 0.95], "eps": 1e-8}}
+        config["optimizer"] = {"type": "Muon", "params": deepspeed_params}
         model = _model()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                           dist_init_required=False)
+    elif framework == "paratrain, DeepSpeed's config":  # DeepSpeed's keys, read DeepSpeed's way
+        import paratrain
+
+        config["optimizer"] = {"type": "Muon", "params": {**deepspeed_params, "ns_dtype": "float32",
+                                                          "muon_names": ["head.weight"]}}
+        engine, *_ = paratrain.initialize(model=_model(), config=config)
     else:
         import paratrain
 
@@ -74,8 +81,10 @@ def _train(framework: str, stage: int, clip: float) -> list[float]:
 
 
 def _both_frameworks() -> dict:
-    return {(framework, stage, clip): _train(framework, stage, clip)
+    runs = {(framework, stage, clip): _train(framework, stage, clip)
             for framework in ("deepspeed", "paratrain") for stage in (1, 2) for clip in (0.0, 0.5)}
+    runs[("paratrain, DeepSpeed's config", 1, 0.0)] = _train("paratrain, DeepSpeed's config", 1, 0.0)
+    return runs
 
 
 def _deepspeed_order(clip: float) -> list[float]:
@@ -129,3 +138,5 @@ def test_muon_matches_deepspeed_muon_and_the_clipping_order_explains_the_differe
         assert plain <= 1e-5, runs
         assert _worst(clipped_ours, clipped_ds) > 1e-3, runs  # clipping active: the orders differ ...
         assert _worst(in_deepspeed_order, clipped_ds) <= 1e-5, runs  # ... and DeepSpeed's order is the reason
+    # DeepSpeed's config keys (adam_lr, betas and eps of the Adam half, lr and weight_decay shared) mean the same
+    assert _worst(runs[("paratrain, DeepSpeed's config", 1, 0.0)], runs[("deepspeed", 1, 0.0)]) <= 1e-5, runs

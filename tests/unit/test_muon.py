@@ -133,3 +133,31 @@ def test_the_planner_counts_the_matrices_the_model_spec_gives_muon():
         chosen = sum(params[n].numel() for n in spec_for(model).muon_parameters(model))
         planned = spec_from_config(model.config)
         assert layer_matrix_params(planned) * model.config.n_layer == chosen
+
+
+def test_a_deepspeed_muon_config_reads_with_deepspeeds_meanings():
+    from paratrain.optim import muon_options
+
+    muon, adamw = muon_options({"lr": 0.02, "weight_decay": 0.1, "adam_lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                "momentum": 0.9, "ns_method": "standard"})
+    assert muon == {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
+    assert adamw == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    muon, adamw = muon_options({"lr": 0.02, "eps": 1e-7, "adamw": {"lr": 1e-3}})  # torch's names: eps is Muon's
+    assert muon == {"lr": 0.02, "eps": 1e-7} and adamw == {"lr": 1e-3}
+    with pytest.raises(ConfigError, match="ns_method"):
+        muon_options({"adam_lr": 1e-3, "ns_method": "gram"})
+
+
+def test_deepspeed_style_groups_keep_their_use_muon():
+    from paratrain.engine.setup import muon_param_groups
+    from paratrain.model_spec import spec_for
+    from tests.cases import tiny_gpt
+
+    model = tiny_gpt()
+    cfg = load_config({"optimizer": {"type": "Muon", "params": {}}})
+    groups = [{"params": ["blocks.0.attn.q.weight"], "use_muon": True},
+              {"params": [n for n, _ in model.named_parameters() if n != "blocks.0.attn.q.weight"], "use_muon": False}]
+    assert muon_param_groups(model, spec_for(model), cfg, groups) == groups
+    model.head.weight.use_muon = True  # DeepSpeed's tag on a parameter wins over the spec
+    muon, _ = muon_param_groups(model, spec_for(model), cfg, None)
+    assert "head.weight" in muon["params"]
