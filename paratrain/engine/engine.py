@@ -76,6 +76,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self.model_config = spec_for(model).model_config(model)  # e.g. its config.json: checkpoints keep it
         self.tokenizer = None  # from_pretrained's, when the model directory has one; save_pretrained saves it
         template = template_of(model)  # a meta model's structure, before parallelize changes it
+        factory = optimizer_factory(config, optimizer)  # (its refusals come before any collective)
         groups = named_param_groups(model, model_parameters)  # by name: tensor parallelism replaces parameters
         if optimizer is None:
             groups = muon_param_groups(model, spec_for(model), config, groups)
@@ -84,7 +85,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self.grad_sync = self.parallel.grad_sync
         self.pipeline = self.parallel.pipeline  # set when pipeline.stages > 1: whole steps only
         self._autocast = self.parallel.autocast
-        self.optimizer = self.grad_sync.build_optimizer(optimizer_factory(config, optimizer),
+        self.optimizer = self.grad_sync.build_optimizer(factory,
                                                         local_param_groups(groups, self.parallel,
                                                                            self.grad_sync.named_params))
         bind_muon(self.optimizer, self.grad_sync, mesh, self.device)

@@ -22,6 +22,11 @@ def optimizer_factory(config: Config, optimizer):
             raise InvalidValueError("no optimizer: pass optimizer= to initialize() or set the config's 'optimizer' "
                                     "section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
         return lambda params: build_optimizer(config.optimizer, params)
+    if isinstance(optimizer, torch.optim.Muon):  # it would be re-created over 1-d ZeRO shards and tp slices
+        raise InvalidValueError("initialize(optimizer=torch.optim.Muon(...)): torch's Muon orthogonalizes the tensors "
+                                "it is given, which under ZeRO or tensor parallelism are shards, not matrices; set "
+                                "the config's optimizer to {\"type\": \"Muon\", \"params\": {...}} instead (the "
+                                "same arithmetic on whole matrices in every layout, AdamW for the rest)")
     if isinstance(optimizer, torch.optim.Optimizer):
         # A ready optimizer is re-created over what the strategy updates (a shard under ZeRO).
         return lambda params: optimizer if _same_params(optimizer, params) else \

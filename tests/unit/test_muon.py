@@ -161,3 +161,12 @@ def test_deepspeed_style_groups_keep_their_use_muon():
     model.head.weight.use_muon = True  # DeepSpeed's tag on a parameter wins over the spec
     muon, _ = muon_param_groups(model, spec_for(model), cfg, None)
     assert "head.weight" in muon["params"]
+
+
+def test_a_ready_torch_muon_is_refused_with_the_config_to_use():
+    from paratrain.engine.setup import optimizer_factory
+    from paratrain.errors import InvalidValueError
+
+    ready = torch.optim.Muon([nn.Parameter(torch.ones(3, 3))])
+    with pytest.raises(InvalidValueError, match='"type": "Muon"'):
+        optimizer_factory(load_config({}), ready)
