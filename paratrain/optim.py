@@ -17,7 +17,7 @@ from paratrain.config import ConfigError, OptimizerConfig, SchedulerConfig
 from paratrain.config.params import check_optimizer_params, check_scheduler_params, optimizer_class
 from paratrain.muon import Muon
 
-# Which parameters Muon takes is decided when the groups are made (`paratrain.engine.setup.muon_param_groups`).
+# Which parameters Muon takes is decided when the groups are made (`paratrain.engine.muon_setup.muon_param_groups`).
 MUON_GROUPING_KEYS = ("muon_names", "adamw_names")
 # DeepSpeed's Muon config: lr and weight_decay shared by both halves, muon_lr / adam_lr overriding lr, betas and
 # eps the Adam half's, ns_method its Newton-Schulz variant.

@@ -74,7 +74,7 @@ _SGD = {"lr": NON_NEGATIVE, "momentum": NON_NEGATIVE, "weight_decay": NON_NEGATI
 NAME_PATTERNS = Kind("a list of name patterns (strings, fnmatch style)",
                      lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 # paratrain.muon.Muon: torch's Muon parameters, `adamw` (the AdamW part's options) and which parameters go where.
-_MUON_ADAMW = {"lr": NON_NEGATIVE, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE}
+_MUON_ADAMW = {key: _ADAM[key] for key in ("lr", "betas", "eps", "weight_decay")}
 MUON_PARAMS = {"lr": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "momentum": NON_NEGATIVE, "nesterov": BOOL,
                "ns_coefficients": numbers(3), "eps": NON_NEGATIVE, "ns_steps": POSITIVE_INTEGER,
                "adjust_lr_fn": optional(one_of("original", "match_rms_adamw")),
@@ -116,6 +116,9 @@ def check_optimizer_params(name: str, params: dict[str, Any]) -> None:
     """Raise a ConfigError naming the first param of `optimizer.params` that `name` does not take as given."""
     if name.lower() == "muon":
         _check("Muon", "optimizer.params", params, dict(MUON_PARAMS), set(), open_ended=False)
+        if params.get("ns_method") == "gram":
+            raise ConfigError("optimizer.params.ns_method = 'gram': paratrain runs torch's Newton-Schulz iteration "
+                              "('standard'); remove the key or set it to 'standard' (its dtype: ns_dtype)")
         _check("Muon's AdamW part", "optimizer.params.adamw", params.get("adamw", {}), dict(_MUON_ADAMW), set(),
                open_ended=False)
         return

@@ -33,13 +33,12 @@ from paratrain.engine.checkpoints import EngineCheckpoints
 from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI
 from paratrain.engine.evaluation import Evaluation
 from paratrain.engine.monitor import StepReporter, setup_logging
+from paratrain.engine.muon_setup import bind_muon, muon_param_groups
 from paratrain.engine.pipeline_steps import PipelineSteps
 from paratrain.engine.setup import (
-    bind_muon,
     local_param_groups,
     make_loader,
     make_scheduler,
-    muon_param_groups,
     named_param_groups,
     optimizer_factory,
 )
@@ -78,8 +77,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         template = template_of(model)  # a meta model's structure, before parallelize changes it
         factory = optimizer_factory(config, optimizer)  # (its refusals come before any collective)
         groups = named_param_groups(model, model_parameters)  # by name: tensor parallelism replaces parameters
-        if optimizer is None:
-            groups = muon_param_groups(model, spec_for(model), config, groups)
+        groups = muon_param_groups(model, config, groups, optimizer)  # Muon's halves (other optimizers: as given)
         self.parallel = parallelize(model, mesh, config, device=self.device)
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync

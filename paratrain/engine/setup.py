@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import nn
 
@@ -22,11 +20,13 @@ def optimizer_factory(config: Config, optimizer):
             raise InvalidValueError("no optimizer: pass optimizer= to initialize() or set the config's 'optimizer' "
                                     "section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
         return lambda params: build_optimizer(config.optimizer, params)
-    if isinstance(optimizer, torch.optim.Muon):  # it would be re-created over 1-d ZeRO shards and tp slices
-        raise InvalidValueError("initialize(optimizer=torch.optim.Muon(...)): torch's Muon orthogonalizes the tensors "
-                                "it is given, which under ZeRO or tensor parallelism are shards, not matrices; set "
-                                "the config's optimizer to {\"type\": \"Muon\", \"params\": {...}} instead (the "
-                                "same arithmetic on whole matrices in every layout, AdamW for the rest)")
+    if isinstance(optimizer, (torch.optim.Muon, Muon)):  # re-created over 1-d ZeRO shards and tp slices, it
+        # would orthogonalize shards (torch's) or take them for AdamW's (paratrain's, whose groups say nothing)
+        raise InvalidValueError(f"initialize(optimizer={type(optimizer).__module__}.Muon(...)): a ready Muon would be "
+                                "re-created over the tensors a strategy updates (ZeRO shards, tp slices), which are "
+                                "not matrices; set the config's optimizer to {\"type\": \"Muon\", \"params\": "
+                                "{...}} instead: paratrain makes its groups from the model and orthogonalizes whole "
+                                "matrices in every layout")
     if isinstance(optimizer, torch.optim.Optimizer):
         # A ready optimizer is re-created over what the strategy updates (a shard under ZeRO).
         return lambda params: optimizer if _same_params(optimizer, params) else \
@@ -75,48 +75,6 @@ def local_param_groups(groups: list[dict] | None, parallel, named_params: list) 
         if original in group_of:
             out[group_of[original]]["params"].append(param)
     return out
-
-
-def muon_param_groups(model: nn.Module, spec, config: Config, groups: list[dict] | None) -> list[dict] | None:
-    """With `optimizer.type: "Muon"`, the named groups split into a Muon half (`use_muon: true`: the model spec's
-    hidden matrices, `ModelSpec.muon_parameters`) and an AdamW half, as DeepSpeed splits its Muon groups; a
-    parameter tagged `use_muon` (DeepSpeed's attribute) or named by `optimizer.params.muon_names` /
-    `adamw_names` goes where it says. Groups that already say `use_muon` are kept. Other optimizers: `groups`."""
-    if config.optimizer is None or config.optimizer.type.lower() != "muon":
-        return groups
-    params = dict(model.named_parameters())
-    chosen = set(spec.muon_parameters(model))
-    for name, p in params.items():
-        tag = getattr(p, "use_muon", None)
-        if any(fnmatch.fnmatchcase(name, pat) for pat in config.optimizer.params.get("adamw_names", ())):
-            tag = False
-        if any(fnmatch.fnmatchcase(name, pat) for pat in config.optimizer.params.get("muon_names", ())):
-            tag = True
-        if tag is not None:
-            (chosen.add if tag else chosen.discard)(name)
-    for name in chosen:
-        if params[name].dim() < 2:
-            raise InvalidValueError(f"optimizer Muon: parameter '{name}' has shape {tuple(params[name].shape)}; Muon "
-                                    f"takes matrices only: leave it to the AdamW part (optimizer.params.adamw_names)")
-    out = []
-    for group in groups or [{"params": [n for n, p in params.items() if p.requires_grad]}]:
-        if "use_muon" in group:
-            out.append(group)
-            continue
-        options = {k: v for k, v in group.items() if k != "params"}
-        for use_muon in (True, False):
-            half = [n for n in group["params"] if (n in chosen) is use_muon]
-            if half:
-                out.append({**options, "params": half, "use_muon": use_muon})
-    return out
-
-
-def bind_muon(optimizer, grad_sync, mesh, device: torch.device) -> None:
-    """Give a Muon optimizer what each of its tensors holds (whole parameters, tp slices, ZeRO shards), so it
-    orthogonalizes whole matrices (`paratrain.muon.layout`)."""
-    if isinstance(optimizer, Muon):
-        pairs = grad_sync.muon_layouts()
-        optimizer.bind([m for m, _ in pairs], [layout for _, layout in pairs], mesh.axis("tp"), device)
 
 
 def make_scheduler(config: Config, optimizer, lr_scheduler):

@@ -3,6 +3,7 @@
 `matrices`)."""
 
 from paratrain.muon.layout import MasterLayout, Piece
+from paratrain.muon.newton_schulz import muon_shape_problem
 from paratrain.muon.optimizer import Muon, whole_parameter_layout
 
-__all__ = ["MasterLayout", "Muon", "Piece", "whole_parameter_layout"]
+__all__ = ["MasterLayout", "Muon", "Piece", "muon_shape_problem", "whole_parameter_layout"]

@@ -21,7 +21,7 @@ data-parallel rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -88,11 +88,11 @@ class MasterLayout:
 
 @dataclass
 class NewtonSchulzWork:
-    """What this rank orthogonalized in the last step: matrices and their Newton-Schulz flops (the balance)."""
+    """What this rank has orthogonalized since the optimizer was bound (every step adds): matrices and their
+    Newton-Schulz flops, which show the owners' balance."""
 
     matrices: int = 0
     flops: int = 0
-    per_owner: dict[tuple[str, int], int] = field(default_factory=dict)  # (axis, owner) -> flops, all ranks'
 
 
 def assign_owners(layouts: list[MasterLayout], steps: int) -> dict[tuple[int, int, int], int]:

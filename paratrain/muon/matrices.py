@@ -10,7 +10,7 @@ from paratrain.errors import InvalidValueError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Shard
 from paratrain.muon.layout import MasterLayout, NewtonSchulzWork, Piece, assign_owners
-from paratrain.muon.newton_schulz import ns_flops, orthogonalize
+from paratrain.muon.newton_schulz import muon_shape_problem, ns_flops, orthogonalize
 
 
 class MatrixSet:
@@ -102,9 +102,11 @@ def _matrix_dim(shard: Shard, piece: Piece) -> int:
 
 
 def _check_piece(piece: Piece) -> None:
-    if len(piece.shape) < 2:
-        raise InvalidValueError(f"a Muon parameter of shape {tuple(piece.shape)}: Muon takes matrices (2-d, or a "
-                                f"stack of them); give 1-d parameters to the AdamW part (use_muon: false)")
+    # The engine checks the model's parameters before any collective (`engine/muon_setup.py`, which knows which
+    # 3-d tensors are expert stacks); a Muon bound by hand meets this coarser check.
+    problem = muon_shape_problem(piece.shape, expert_stack=True)
+    if problem:
+        raise InvalidValueError(f"a Muon parameter of {problem}; give it to the AdamW part (use_muon: false)")
     shard = piece.tp
     if shard is not None and shard.packed:
         raise InvalidValueError("Muon on a part of a packed projection split over tp (q, k, v in one weight): torch's "

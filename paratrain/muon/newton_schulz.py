@@ -27,7 +27,7 @@ def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float]
     five iterations spread that over the matrix (measured: 0.2% of an update's norm after one step, 2.4% of a
     weight's after four). `ns_dtype: "float32"` makes every layout agree with one process to float32 rounding."""
     a, b, c = coefficients
-    x = matrix.to(dtype)
+    x = matrix.to(dtype, copy=True)  # normalized in place below: never the caller's tensor
     tall = matrix.size(0) > matrix.size(1)
     if tall:
         x = x.T
@@ -47,6 +47,14 @@ def orthogonalize(tensor: torch.Tensor, coefficients: tuple[float, float, float]
     flat = tensor.reshape(-1, *tensor.shape[-2:])
     out = torch.stack([newton_schulz(m, coefficients, steps, eps, dtype) for m in flat])
     return out.to(tensor.dtype).view(tensor.shape)
+
+
+def muon_shape_problem(shape: tuple[int, ...], expert_stack: bool) -> str | None:
+    """Why a tensor of `shape` cannot be Muon's (None: it can): a matrix, or an expert layer's (E, rows, columns)
+    stack of matrices. A convolution's 4-d weight is neither (torch's Muon refuses it too)."""
+    if len(shape) == 2 or (len(shape) == 3 and expert_stack):
+        return None
+    return f"shape {tuple(shape)}: Muon takes 2-d matrices, or an expert layer's (E, rows, columns) stack of them"
 
 
 def lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str | None) -> float:

@@ -27,7 +27,8 @@ class Muon(torch.optim.Optimizer):
     """Muon (torch's arithmetic) on the `use_muon` groups, AdamW on the rest. Beyond torch's options, `ns_dtype`
     ("bfloat16", torch's, or "float32") is the dtype of the Newton-Schulz iteration (see `newton_schulz`'s note).
 
-    A group without `use_muon` is Muon's when every tensor in it is at least 2-d. An AdamW group's options are
+    A group without `use_muon` is Muon's when every tensor in it is 2-d (one process only: `bind` refuses such
+    groups, since a strategy's shards are 1-d whatever they hold). An AdamW group's options are
     its own, with `adamw` (a dict of AdamW's options: lr, betas, eps, weight_decay) under them: Muon's `eps` and
     `lr` are not AdamW's.
     """
@@ -45,21 +46,27 @@ class Muon(torch.optim.Optimizer):
         self.adamw_defaults = {**ADAMW_DEFAULTS, **(adamw or {})}
         # AdamW's own keys (amsgrad, maximize, foreach, ...) for the AdamW groups, from an AdamW over a stand-in.
         self._adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], **self.adamw_defaults)
+        self._guessed: set[int] = set()  # groups whose use_muon was guessed from their tensors' shapes
         super().__init__(params, {**MUON_DEFAULTS, **muon_options})
         self.matrices: MatrixSet | None = None
-        self._link_adamw()
 
     def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "matrices", None) is not None:
+            raise InvalidValueError("Muon.add_param_group after the engine bound it: its tensors' layouts are fixed "
+                                    "then; pass every group to initialize(model_parameters=...)")
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group = {**param_group, "params": params}
-        group.setdefault("use_muon", all(p.dim() >= 2 for p in params))
+        if "use_muon" not in group:  # one process: a plain matrix is Muon's; a strategy's tensors say nothing
+            group["use_muon"] = all(p.dim() == 2 for p in params)
+            self._guessed.add(len(self.param_groups))
         if group["use_muon"]:
             super().add_param_group(group)
-            return
-        own = {k: group.pop(k) for k in list(group) if k in ADAMW_DEFAULTS}  # not Muon's lr, eps, ...
-        super().add_param_group(group)
-        self.param_groups[-1].update({**self._adamw.defaults, **self.adamw_defaults, **own})
+        else:
+            own = {k: group.pop(k) for k in list(group) if k in ADAMW_DEFAULTS}  # not Muon's lr, eps, ...
+            super().add_param_group(group)
+            self.param_groups[-1].update({**self._adamw.defaults, **self.adamw_defaults, **own})
+        self._link_adamw()
 
     def _link_adamw(self) -> None:
         """The AdamW part steps this optimizer's own AdamW groups (the same dicts: a scheduler's lr reaches
@@ -71,9 +78,23 @@ class Muon(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # new group dicts and a new state: link them again
         self._link_adamw()
 
+    def __getstate__(self) -> dict:  # torch keeps defaults, state and groups only: the AdamW part's options too
+        return {**super().__getstate__(), "adamw_defaults": self.adamw_defaults}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], **self.adamw_defaults)
+        self.matrices, self._guessed = None, set()  # a copy steps whole tensors until bound again
+        self._link_adamw()
+
     def bind(self, masters: list[torch.Tensor], layouts: list[MasterLayout], tp, device: torch.device) -> None:
         """Orthogonalize through `MatrixSet` from now on: `layouts[i]` says what `masters[i]` holds (a strategy
         whose optimizer tensors are not whole parameters calls this after building the optimizer)."""
+        if self._guessed:
+            raise InvalidValueError("a Muon optimizer over a strategy's tensors (ZeRO shards, tp slices) needs "
+                                    "use_muon in every param group, which its tensors cannot tell; set the config's "
+                                    "optimizer to {\"type\": \"Muon\"} and paratrain makes the groups from the model "
+                                    "(or give initialize() groups with use_muon)")
         muon = {id(p) for g in self.param_groups if g["use_muon"] for p in g["params"]}
         kept = [(m, layout) for m, layout in zip(masters, layouts) if id(m) in muon]
         self.matrices = MatrixSet([m for m, _ in kept], [layout for _, layout in kept], tp, device)

@@ -15,10 +15,9 @@ from torch import nn
 
 from paratrain.config import Config, load_config
 from paratrain.data import DataParallelLoader, DataParallelSampler
-from paratrain.engine.setup import muon_param_groups
-from paratrain.model_spec import spec_for
+from paratrain.engine.muon_setup import muon_param_groups
 from paratrain.muon import Muon
-from paratrain.muon.optimizer import ADAMW_DEFAULTS
+from paratrain.muon.optimizer import ADAMW_DEFAULTS, MUON_DEFAULTS
 from paratrain.optim import build_optimizer, build_scheduler, muon_options
 from paratrain.precision import autocast_context, compute_dtype, make_loss_scaler
 
@@ -107,7 +106,7 @@ def _masters_and_optimizer(model: nn.Module, cfg: Config, param_groups) -> tuple
         masters = {name: nn.Parameter(p.detach().float().clone()) for name, p in model.named_parameters()}
         model.to(compute_dtype(cfg.precision))
     if cfg.optimizer.type.lower() == "muon":
-        return masters, TorchMuonWithAdamW(model, masters, cfg)
+        return masters, TorchMuonWithAdamW(model, masters, cfg, param_groups)
     if param_groups is None:
         return masters, build_optimizer(cfg.optimizer, list(masters.values()))
     master_of = {id(p): masters[name] for name, p in model.named_parameters()}
@@ -117,25 +116,33 @@ def _masters_and_optimizer(model: nn.Module, cfg: Config, param_groups) -> tuple
 
 class TorchMuonWithAdamW(torch.optim.Optimizer):
     """The Muon reference: `torch.optim.Muon` on the model spec's hidden matrices, `torch.optim.AdamW` on the rest
-    (the groups `paratrain.engine.setup.muon_param_groups` makes). torch's Muon takes 2-d parameters and iterates
-    in bfloat16 only: a stacked (E, rows, columns) expert weight, and every matrix under `ns_dtype: "float32"`, is
-    stepped by paratrain's unbound `Muon`, which `tests/unit/test_muon.py` holds bit-equal to torch's Muon (run on
-    each expert's matrix as its own parameter) and differs from it under float32 only by the iteration's dtype."""
+    (the groups `paratrain.engine.muon_setup.muon_param_groups` makes, from `param_groups` when given). torch's
+    Muon takes 2-d parameters and iterates in bfloat16 only: a stacked (E, rows, columns) expert weight, and every
+    matrix under `ns_dtype: "float32"`, is stepped by paratrain's unbound `Muon`, which `tests/unit/test_muon.py`
+    holds bit-equal to torch's Muon (run on each expert's matrix as its own parameter) and which differs from it
+    under float32 only by the iteration's dtype."""
 
-    def __init__(self, model: nn.Module, masters: dict[str, nn.Parameter], cfg: Config):
-        groups = muon_param_groups(model, spec_for(model), cfg, None)
+    def __init__(self, model: nn.Module, masters: dict[str, nn.Parameter], cfg: Config, param_groups=None):
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        named = [{**g, "params": [name_of[id(p)] for p in g["params"]]} for g in param_groups(model)] \
+            if param_groups is not None else None
         options, adamw = muon_options(cfg.optimizer.params)
-        adamw = {**ADAMW_DEFAULTS, **adamw}
-        muon = [masters[n] for g in groups if g["use_muon"] for n in g["params"]]
-        rest = [masters[n] for g in groups if not g["use_muon"] for n in g["params"]]
-        # torch's own Muon where it can: 2-d matrices with its bfloat16 iteration.
-        by_torch = [p for p in muon if p.dim() == 2 and options.get("ns_dtype", "bfloat16") == "bfloat16"]
-        by_us = [p for p in muon if not any(p is q for q in by_torch)]
-        options_torch = {k: v for k, v in options.items() if k != "ns_dtype"}
-        self.parts = [torch.optim.Muon(by_torch, **options_torch) if by_torch else None,
-                      Muon(by_us, **options) if by_us else None,
-                      torch.optim.AdamW(rest, **adamw) if rest else None]
-        self.parts = [part for part in self.parts if part is not None]
+        by_torch, by_us, rest = [], [], []
+        for group in muon_param_groups(model, cfg, named):
+            tensors = [masters[n] for n in group["params"]]
+            if not group["use_muon"]:
+                rest.append({**ADAMW_DEFAULTS, **adamw, **{k: v for k, v in group.items() if k in ADAMW_DEFAULTS},
+                             "params": tensors})
+                continue
+            mine = {**options, **{k: v for k, v in group.items() if k in MUON_DEFAULTS}}
+            # torch's own Muon where it can: 2-d matrices with its bfloat16 iteration
+            torch_can = mine.get("ns_dtype", "bfloat16") == "bfloat16"
+            theirs = {k: v for k, v in mine.items() if k != "ns_dtype"}
+            by_torch.append({**theirs, "params": [t for t in tensors if torch_can and t.dim() == 2]})
+            by_us.append({**mine, "params": [t for t in tensors if not (torch_can and t.dim() == 2)]})
+        parts = [(torch.optim.Muon, [g for g in by_torch if g["params"]]), (Muon, [g for g in by_us if g["params"]]),
+                 (torch.optim.AdamW, [{**g, "betas": tuple(g["betas"])} for g in rest])]
+        self.parts = [cls(groups) for cls, groups in parts if groups]
         super().__init__([p for part in self.parts for g in part.param_groups for p in g["params"]], {})
         self.param_groups = [g for part in self.parts for g in part.param_groups]  # a scheduler reaches them all
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ConfigError, load_config
+from paratrain.errors import InvalidValueError
 from paratrain.layout.placement import Placement
 from paratrain.muon import MasterLayout, Muon, Piece
 from paratrain.muon.layout import assign_owners
@@ -54,7 +55,8 @@ def test_a_stack_of_expert_matrices_is_torch_muon_on_each_matrix():
     torch.manual_seed(3)
     stack = nn.Parameter(torch.randn(4, 24, 8))
     apart = [nn.Parameter(stack.detach()[e].clone()) for e in range(4)]
-    mine, theirs = Muon([stack], lr=0.05), torch.optim.Muon(apart, lr=0.05)
+    mine = Muon([{"params": [stack], "use_muon": True}], lr=0.05)  # a 3-d tensor is Muon's when a group says so
+    theirs = torch.optim.Muon(apart, lr=0.05)
     for _ in range(3):
         grad = torch.randn(4, 24, 8)
         stack.grad = grad.clone()
@@ -101,14 +103,14 @@ def test_config_errors_name_the_field():
 
 
 def test_the_spec_gives_muon_the_hidden_matrices_and_adamw_the_rest():
-    from paratrain.engine.setup import muon_param_groups
+    from paratrain.engine.muon_setup import muon_param_groups
     from paratrain.model_spec import spec_for
     from paratrain.models.llama_moe.model import LlamaMoE
     from tests.cases import tiny_gpt
 
     model = tiny_gpt()
     cfg = load_config({"optimizer": {"type": "Muon", "params": {"adamw_names": ["blocks.1.*"]}}})
-    muon, adamw = muon_param_groups(model, spec_for(model), cfg, None)
+    muon, adamw = muon_param_groups(model, cfg, None)
     assert muon["use_muon"] and not adamw["use_muon"]
     assert set(muon["params"]) == {f"blocks.0.{m}.weight" for m in ("attn.q", "attn.k", "attn.v", "attn.o",
                                                                       "mlp.fc", "mlp.proj")}
@@ -119,7 +121,7 @@ def test_the_spec_gives_muon_the_hidden_matrices_and_adamw_the_rest():
     assert stacks and not any("embed" in n or "lm_head" in n or "norm" in n for n in chosen)
     with pytest.raises(Exception, match="ln1.weight"):
         bad = load_config({"optimizer": {"type": "Muon", "params": {"muon_names": ["*.ln1.weight"]}}})
-        muon_param_groups(model, spec_for(model), bad, None)
+        muon_param_groups(model, bad, None)
 
 
 def test_the_planner_counts_the_matrices_the_model_spec_gives_muon():
@@ -149,17 +151,16 @@ def test_a_deepspeed_muon_config_reads_with_deepspeeds_meanings():
 
 
 def test_deepspeed_style_groups_keep_their_use_muon():
-    from paratrain.engine.setup import muon_param_groups
-    from paratrain.model_spec import spec_for
+    from paratrain.engine.muon_setup import muon_param_groups
     from tests.cases import tiny_gpt
 
     model = tiny_gpt()
     cfg = load_config({"optimizer": {"type": "Muon", "params": {}}})
     groups = [{"params": ["blocks.0.attn.q.weight"], "use_muon": True},
               {"params": [n for n, _ in model.named_parameters() if n != "blocks.0.attn.q.weight"], "use_muon": False}]
-    assert muon_param_groups(model, spec_for(model), cfg, groups) == groups
+    assert muon_param_groups(model, cfg, groups) == groups
     model.head.weight.use_muon = True  # DeepSpeed's tag on a parameter wins over the spec
-    muon, _ = muon_param_groups(model, spec_for(model), cfg, None)
+    muon, _ = muon_param_groups(model, cfg, None)
     assert "head.weight" in muon["params"]
 
 
@@ -170,3 +171,42 @@ def test_a_ready_torch_muon_is_refused_with_the_config_to_use():
     ready = torch.optim.Muon([nn.Parameter(torch.ones(3, 3))])
     with pytest.raises(InvalidValueError, match='"type": "Muon"'):
         optimizer_factory(load_config({}), ready)
+    with pytest.raises(InvalidValueError, match='"type": "Muon"'):  # paratrain's own, which would turn AdamW
+        optimizer_factory(load_config({}), Muon([nn.Parameter(torch.ones(3, 3))]))
+
+
+def test_groups_that_say_nothing_cannot_be_bound_to_a_strategys_shards():
+    shard = nn.Parameter(torch.ones(8))  # a ZeRO shard is 1-d whatever it holds
+    opt = Muon([shard])
+    assert opt.param_groups[0]["use_muon"] is False
+    with pytest.raises(InvalidValueError, match="use_muon in every param group"):
+        opt.bind([shard], [MasterLayout((Piece(0, (2, 4), Placement()),), 8)], None, torch.device("cpu"))
+
+
+def test_groups_added_later_step_and_a_copy_still_steps():
+    matrix, vector = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))
+    opt = Muon([{"params": [matrix], "use_muon": True}], lr=0.1, adamw={"lr": 0.5})
+    opt.add_param_group({"params": [vector], "use_muon": False})
+    before = vector.detach().clone()
+    matrix.grad, vector.grad = torch.ones(4, 3), torch.ones(3)
+    opt.step()
+    assert not torch.equal(vector, before) and opt.param_groups[1]["lr"] == 0.5
+    twin = copy.deepcopy(opt)
+    twin.step()  # its AdamW part is rebuilt with the same options
+    assert twin.param_groups[1]["lr"] == 0.5 and twin.adamw_defaults["lr"] == 0.5
+
+
+def test_refusals_name_the_field_before_any_collective():
+    from paratrain.engine.muon_setup import muon_param_groups
+    from tests.cases import tiny_gpt
+
+    model = tiny_gpt()
+    typo = load_config({"optimizer": {"type": "Muon", "params": {"adamw_names": ["router.weight"]}}})
+    with pytest.raises(ConfigError, match=r"optimizer.params.adamw_names\[0\] = 'router.weight' matches no"):
+        muon_param_groups(model, typo, None)
+    conv = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    four_d = load_config({"optimizer": {"type": "Muon", "params": {"muon_names": ["0.weight"]}}})
+    with pytest.raises(InvalidValueError, match=r"'0.weight' has shape \(4, 2, 3, 3\)"):
+        muon_param_groups(conv, four_d, None)
+    with pytest.raises(ConfigError, match="ns_method = 'gram'"):
+        load_config({"optimizer": {"type": "Muon", "params": {"ns_method": "gram"}}})
