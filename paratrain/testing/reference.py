@@ -139,7 +139,7 @@ class TorchMuonWithAdamW(torch.optim.Optimizer):
             torch_can = mine.get("ns_dtype", "bfloat16") == "bfloat16"
             theirs = {k: v for k, v in mine.items() if k != "ns_dtype"}
             by_torch.append({**theirs, "params": [t for t in tensors if torch_can and t.dim() == 2]})
-            by_us.append({**mine, "params": [t for t in tensors if not (torch_can and t.dim() == 2)]})
+            by_us.append({**mine, "use_muon": True, "params": [t for t in tensors if not (torch_can and t.dim() == 2)]})
         parts = [(torch.optim.Muon, [g for g in by_torch if g["params"]]), (Muon, [g for g in by_us if g["params"]]),
                  (torch.optim.AdamW, [{**g, "betas": tuple(g["betas"])} for g in rest])]
         self.parts = [cls(groups) for cls, groups in parts if groups]
