@@ -68,13 +68,14 @@ def markdown(rows: list[dict], command: str, nproc: int, model: str, steps: int)
     return "\n".join(lines)
 
 
-def write_between_markers(path: str | Path, text: str) -> None:
-    """Replace what lies between BEGIN and END in `path` with `text`."""
+def write_between_markers(path: str | Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace what lies between `begin` and `end` (the strategies table's markers by default) in `path` with
+    `text`."""
     path = Path(path)
     doc = path.read_text()
-    if BEGIN not in doc or END not in doc or doc.index(BEGIN) > doc.index(END):
-        raise InvalidValueError(f"{path} has no '{BEGIN}' ... '{END}' block to write the table into; add the two lines "
+    if begin not in doc or end not in doc or doc.index(begin) > doc.index(end):
+        raise InvalidValueError(f"{path} has no '{begin}' ... '{end}' block to write the table into; add the two lines "
                                 f"where it belongs")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
