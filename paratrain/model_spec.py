@@ -25,6 +25,7 @@
   from_pretrained   a model (on the meta device) and its weights from a path: `initialize(model="dir")`
   call              run the model on a token micro-batch (`paratrain.data.micro_batch.MicroBatch`): which of
                     its arguments get the ids, targets, positions and documents
+  adapter_settings  the adapters a model came with (a peft model's), for saving them in peft's format
   loss_is_token_mean  whether the loss the model returns is the mean over the batch's targets (then the
                     "token" loss reduction weights it by their count)
 Every method has a default that fits a plain PyTorch transformer, so a spec overrides only what differs. A new
@@ -151,6 +152,11 @@ class ModelSpec:
     def from_pretrained(self, path: str) -> Pretrained | None:
         """The model saved at `path` (a directory, or a name this family resolves), built on the meta device,
         and where its weights are; None when `path` is not this family's."""
+        return None
+
+    def adapter_settings(self, model: nn.Module):
+        """The adapters the model came with (`paratrain.adapters.AdapterSettings`: a peft model's LoraConfig), or
+        None. Adapters the `peft` config section puts in are the engine's, not the spec's."""
         return None
 
     def loss_is_token_mean(self, model: nn.Module) -> bool:

@@ -26,6 +26,7 @@ from paratrain.config.parallel import (
     PipelineConfig,
     TensorParallelConfig,
 )
+from paratrain.config.peft import PeftConfig
 from paratrain.config.section import Section
 from paratrain.config.training import (
     BF16Config,
@@ -104,6 +105,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    peft: PeftConfig | None = None
+    """Low-rank adapters paratrain puts into the model (LoRA, DoRA); absent: the model is trained as it comes."""
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

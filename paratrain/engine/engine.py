@@ -29,6 +29,7 @@ from paratrain.data.batch_check import BatchChecker
 from paratrain.data.micro_batch import MicroBatch, as_micro_batch, loss_of_output, split_loss
 from paratrain.data.nested import to_device
 from paratrain.distributed import current_device
+from paratrain.engine.adapters import adapted_model
 from paratrain.engine.checkpoints import EngineCheckpoints
 from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI
 from paratrain.engine.evaluation import Evaluation
@@ -49,7 +50,6 @@ from paratrain.errors import InvalidValueError, RunError
 from paratrain.init.replay import return_freed_heap, template_of
 from paratrain.init.sharded import meta_init_source
 from paratrain.layout.mesh import Mesh
-from paratrain.model_spec import spec_for
 from paratrain.parallel.parallelize import parallelize
 from paratrain.precision import make_loss_scaler
 
@@ -71,8 +71,8 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         if mesh.guard is not None:  # every collective below waits at most comm.timeout_s, then reports
             mesh.guard.configure(timeout_s=config.comm.timeout_s, report_dir=config.comm.report_dir or ".")
         self.device = current_device()
-        model = spec_for(model).adapt(model)  # e.g. a transformers model's layered view, same names
-        self.model_config = spec_for(model).model_config(model)  # e.g. its config.json: checkpoints keep it
+        # A transformers model's layered view (same names); its adapters (LoRA, DoRA: a peft model's or the config's)
+        model, self.adapters, self.model_config = adapted_model(model, config)
         self.tokenizer = None  # from_pretrained's, when the model directory has one; save_pretrained saves it
         template = template_of(model)  # a meta model's structure, before parallelize changes it
         factory = optimizer_factory(config, optimizer)  # (its refusals come before any collective)

@@ -154,6 +154,7 @@ class HFCausalLM(nn.Module):
         self.loss_fn = TokenCrossEntropy()
         self.config = hf_model.config
         object.__setattr__(self, "hf_model", hf_model)  # not a child: its parameters are already ours
+        self.adapter_settings = None  # a peft model's adapters (set by its spec's adapt)
         _register_attention(hf_model)
         install_experts(hf_model)  # MoE blocks' experts: paratrain's dispatch and all-to-alls (hf/moe.py)
         for attn in attention_modules(self.layers):

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from paratrain.adapters import convert_peft_model, is_peft_model
 from paratrain.config import ConfigError
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.model_spec import ModelSpec, ModelSpecError, Pretrained, register_model_spec
@@ -102,13 +103,23 @@ class HFSpec(ModelSpec):
     name = "hf"
 
     def matches(self, model: nn.Module) -> bool:
-        return isinstance(model, HFCausalLM) or is_transformers_model(model)
+        return isinstance(model, HFCausalLM) or is_transformers_model(model) or \
+            (is_peft_model(model) and is_transformers_model(model.base_model.model))
 
     def adapt(self, model: nn.Module) -> nn.Module:
         if isinstance(model, HFCausalLM):
             return model
+        settings = None
+        if is_peft_model(model):  # peft's layers become paratrain's, same parameters and names (adapters/from_peft)
+            settings = convert_peft_model(model)
+            model = model.base_model.model
         materialize_buffers(model)  # meta models: rotary inv_freq is in no weights file (hf/pretrained.py)
-        return as_causal_lm(model)
+        view = as_causal_lm(model)
+        view.adapter_settings = settings
+        return view
+
+    def adapter_settings(self, model: HFCausalLM):
+        return getattr(model, "adapter_settings", None)
 
     def from_pretrained(self, path: str) -> Pretrained:
         return load_pretrained(path)

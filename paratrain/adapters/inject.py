@@ -1,0 +1,136 @@
+"""Adapters put into a model by paratrain itself (the `peft` config section), for any model family.
+
+    layers = inject_adapters(model, AdapterSettings(target_modules=["q_proj", "v_proj"], r=8, alpha=16), seed=0)
+
+Every module `target_modules` names must be a linear layer (nn.Linear, or GPT-2's Conv1D): it is replaced, in
+place and under the same name, by a `LoraLinear` holding it as `base_layer`. Then, as peft does, every parameter
+is frozen except the adapters and the modules of `modules_to_save`. Errors name the field and the fix, before
+anything changes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+
+from torch import nn
+
+from paratrain.adapters.lora import LoraLinear, lora_layers
+from paratrain.adapters.settings import AdapterSettings, adapter_generator
+from paratrain.errors import InvalidValueError
+
+WILDCARDS = set("*?[")
+
+
+class AdapterError(InvalidValueError):
+    """An adapter config that cannot apply to the model: the message names the field and the fix."""
+
+
+def is_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear or (type(module).__name__ == "Conv1D" and getattr(module, "weight", None)
+                                         is not None and module.weight.dim() == 2)
+
+
+def _pattern_matches(pattern: str, name: str) -> bool:
+    """A dotted pattern: `*` one name, `**` any number of names, shell wildcards inside a name."""
+
+    def rec(pat: list[str], parts: list[str]) -> bool:
+        if not pat:
+            return not parts
+        if pat[0] == "**":
+            return any(rec(pat[1:], parts[i:]) for i in range(len(parts) + 1))
+        return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and rec(pat[1:], parts[1:])
+
+    return rec(pattern.split("."), name.split("."))
+
+
+def name_matches(entry: str, name: str) -> bool:
+    """peft's rule for one `target_modules` entry (the name, or a suffix after a dot), or a dotted pattern."""
+    if WILDCARDS & set(entry):
+        return _pattern_matches(entry, name) or _pattern_matches(f"**.{entry}", name)
+    return name == entry or name.endswith("." + entry)
+
+
+def matched_modules(model: nn.Module, targets, field_name: str = "peft.target_modules") -> list[str]:
+    """The names of the modules `targets` selects; an entry that selects nothing is refused by name."""
+    names = [n for n, _ in model.named_modules() if n]
+    if isinstance(targets, str):
+        hits = [n for n in names if re.fullmatch(targets, n)]
+        if not hits:
+            raise AdapterError(f"{field_name} = {targets!r} (a regular expression the whole module name must match) "
+                               f"matches no module; module names look like {names[:4]}")
+        return hits
+    if not targets:
+        raise AdapterError(f"{field_name} is empty: name the linear layers to adapt, e.g. [\"q_proj\", \"v_proj\"]")
+    hits = []
+    for entry in targets:
+        found = [n for n in names if name_matches(entry, n)]
+        if not found:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and is_linear(m)})
+            close = difflib.get_close_matches(entry, leaves, n=3)
+            hint = f"did you mean {close}? " if close else ""
+            raise AdapterError(f"{field_name} entry {entry!r} matches no module of {type(model).__name__}; {hint}"
+                               f"its linear layers are named {leaves[:12]}")
+        hits += [n for n in found if n not in hits]
+    return [n for n in names if n in hits]
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def check_settings(settings: AdapterSettings) -> None:
+    if settings.method not in ("lora", "dora"):
+        raise AdapterError(f"peft.method = {settings.method!r}: use \"lora\" or \"dora\"")
+    if settings.r <= 0:
+        raise AdapterError(f"peft.r = {settings.r}: the rank must be a positive integer")
+    if not 0.0 <= settings.dropout < 1.0:
+        raise AdapterError(f"peft.dropout = {settings.dropout}: a probability in [0, 1)")
+    if settings.dora and settings.bias:
+        raise AdapterError("peft.bias with peft.method \"dora\": DoRA's magnitude already rescales each output, and "
+                           "peft refuses the pair too; set bias to false or use method \"lora\"")
+
+
+def inject_adapters(model: nn.Module, settings: AdapterSettings, seed: int) -> list[tuple[str, LoraLinear]]:
+    """Wrap every target linear layer of `model` in a `LoraLinear` with the adapter of `settings` (initialized from
+    `seed` and each tensor's name, the same in every layout), freeze the rest as peft does; in place."""
+    check_settings(settings)
+    targets = matched_modules(model, settings.target_modules)
+    modules = dict(model.named_modules())
+    for name in targets:
+        module = modules[name]
+        if isinstance(module, LoraLinear) or any(name.startswith(f"{t}.") for t in targets if t != name):
+            continue
+        if not is_linear(module):
+            raise AdapterError(f"peft.target_modules selects '{name}', a {type(module).__name__}, which is not a "
+                               f"linear layer: paratrain's adapters wrap nn.Linear (and GPT-2's Conv1D) layers; "
+                               f"expert stacks go in peft.target_parameters. Narrow the entry to the linear layers")
+    to_save = matched_modules(model, settings.modules_to_save, "peft.modules_to_save") \
+        if settings.modules_to_save else []
+    for p in model.parameters():
+        p.requires_grad_(False)
+    name = settings.adapter_name
+    for target in targets:
+        base = modules[target]
+        if not is_linear(base):
+            continue  # a parent of a linear target (refused above unless it is one)
+        layer = LoraLinear(base, name)
+        weight = base.weight
+        layer.add_adapter(name, settings.r, settings.alpha, dropout=settings.dropout, rslora=settings.rslora,
+                          bias=settings.bias, dora=settings.dora, device=weight.device, dtype=weight.dtype)
+        if not weight.is_meta:  # a meta model's adapters are drawn when it is filled (same generator)
+            init_adapter(layer, target, settings, seed)
+        _set_submodule(model, target, layer)
+    for target in to_save:
+        for p in model.get_submodule(target).parameters():
+            p.requires_grad_(True)
+    return lora_layers(model)
+
+
+def init_adapter(layer: LoraLinear, name: str, settings: AdapterSettings, seed: int) -> None:
+    """The adapter's initial values: A from the generator of its own name (`adapter_generator`), B zeros, DoRA's
+    magnitude the row norms of the base weight."""
+    adapter = settings.adapter_name
+    layer.reset_adapter(adapter, adapter_generator(seed, f"{name}.lora_A.{adapter}.weight"), settings.init)

@@ -1,0 +1,44 @@
+"""The `peft` section: low-rank adapters that paratrain puts into the model itself (no peft package needed).
+
+    "peft": {"method": "lora", "r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+
+peft's own names are accepted for the keys they share (`lora_alpha`, `lora_dropout`, `use_rslora`, `lora_bias`).
+A model that already holds adapters (a `peft.PeftModel`) needs no section: its LoraConfig says the same.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field
+
+from paratrain.config.section import Section
+
+
+class PeftConfig(Section):
+    method: Literal["lora", "dora"] = "lora"
+    """"lora" (W + s·B·A) or "dora" (LoRA plus a learned magnitude of each output row)."""
+    r: int = Field(8, ge=1)
+    """The rank of every adapter."""
+    alpha: float = Field(8.0, gt=0.0, validation_alias=AliasChoices("alpha", "lora_alpha"))
+    """The scaling is alpha / r (alpha / sqrt(r) with rslora)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, validation_alias=AliasChoices("dropout", "lora_dropout"))
+    """Dropout on the adapter's input while training (0: none, and the adapters are exact in every layout)."""
+    rslora: bool = Field(False, validation_alias=AliasChoices("rslora", "use_rslora"))
+    """Rank-stabilized scaling alpha / sqrt(r)."""
+    bias: bool = Field(False, validation_alias=AliasChoices("bias", "lora_bias"))
+    """A trainable bias on B (peft's lora_bias)."""
+    init: Literal["default", "gaussian"] = "default"
+    """A's initial values: "default" is nn.Linear's (kaiming-uniform), "gaussian" N(0, 1/r); B starts at zero, so the
+    adapted model starts as the base. Drawn from `seed` and each tensor's name: the same in every layout."""
+    target_modules: list[str] | str = Field(default_factory=list)
+    """The linear layers to adapt, as peft takes them: names ("q_proj" matches every module named so, or whose name
+    ends with ".q_proj"), dotted patterns with wildcards ("model.layers.*.self_attn.q_proj"), or one string that is
+    a regular expression the whole module name must match."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Modules trained whole beside the adapters (a new head, say), saved with them."""
+    adapter_name: str = "default"
+    """The adapter's name (peft's key infix: lora_A.<name>.weight)."""
+    load: str | None = None
+    """An adapter directory (adapter_config.json + adapter_model.safetensors, peft's format) whose adapter
+    weights are loaded into the model's adapters before training, to continue training it in any layout."""

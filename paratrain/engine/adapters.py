@@ -1,0 +1,45 @@
+"""The model's adapters, before anything is split: put in from the `peft` section, or taken from a peft model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paratrain.adapters import AdapterError, AdapterSettings, inject_adapters, lora_layers
+from paratrain.config import Config
+from paratrain.model_spec import ModelSpec, spec_for
+
+
+def settings_of(config: Config) -> AdapterSettings | None:
+    """The `peft` section as the adapters' own settings (None when the config has none)."""
+    section = config.peft
+    if section is None:
+        return None
+    targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)
+    return AdapterSettings(target_modules=targets, method=section.method, r=section.r, alpha=section.alpha,
+                           dropout=section.dropout, rslora=section.rslora, bias=section.bias, init=section.init,
+                           modules_to_save=tuple(section.modules_to_save), adapter_name=section.adapter_name)
+
+
+def prepare_adapters(model: nn.Module, config: Config, spec: ModelSpec) -> AdapterSettings | None:
+    """The adapters of `model` (already adapted by its spec): the peft model's own, or those the `peft` section
+    puts in now (in place, each drawn from the seed and its name); None when it has none."""
+    held = spec.adapter_settings(model)
+    wanted = settings_of(config)
+    if held is not None and wanted is not None:
+        raise AdapterError("the config has a `peft` section but the model already holds adapters (a peft model): "
+                           "remove the section to train the model's own adapters, or pass the base model")
+    if wanted is not None:
+        inject_adapters(model, wanted, config.seed)
+        return wanted
+    if held is None and lora_layers(model):
+        raise AdapterError(f"{type(model).__name__} holds paratrain adapter layers that no spec describes; put them "
+                           f"in with the `peft` config section")
+    return held
+
+
+def adapted_model(model: nn.Module, config: Config) -> tuple[nn.Module, AdapterSettings | None, dict | None]:
+    """The module the engine trains for `model` (its spec's `adapt`: a transformers model's layered view), its
+    adapters (`prepare_adapters`) and its own config (a Hugging Face config.json, which checkpoints keep)."""
+    model = spec_for(model).adapt(model)
+    spec = spec_for(model)
+    return model, prepare_adapters(model, config, spec), spec.model_config(model)
