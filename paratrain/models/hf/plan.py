@@ -32,6 +32,7 @@ import copy
 
 from torch import nn
 
+from paratrain.adapters import LoraLinear
 from paratrain.model_spec import ModelSpecError
 from paratrain.models.hf.model import HFCausalLM, attention_modules
 from paratrain.models.hf.moe import moe_blocks
@@ -86,8 +87,8 @@ def _from_names(model: HFCausalLM) -> dict[str, str]:
     """Every decoder layer's linear layers outside MoE blocks (a dense layer after MoE ones has its own)."""
     prefix = _layer_prefix(model)
     out = {}
-    found = [(n, m) for layer in model.layers for blocks in [moe_blocks(layer)] for n, m in layer.named_modules()
-             if not any(n.startswith(f"{b}.") for b in blocks)]  # each layer's blocks found once
+    found = [(n, m) for layer in model.layers for blocks in [moe_blocks(layer) + _adapter_layers(layer)]
+             for n, m in layer.named_modules() if not any(n.startswith(f"{b}.") for b in blocks)]
     for name, module in found:
         if not name or not _is_linear(module) or f"{prefix}.{name}" in out:
             continue
@@ -133,7 +134,13 @@ def _outside(pattern: str, blocks: list[str], names: list[str]) -> bool:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    """A linear layer, or an adapter layer around one (planned as its base; tp/lora.py splits its adapters)."""
+    return isinstance(module, (nn.Linear, LoraLinear)) or type(module).__name__ == "Conv1D"
+
+
+def _adapter_layers(layer: nn.Module) -> list[str]:
+    """The adapter layers of a decoder layer: planned whole, their insides (base, A, B) never on their own."""
+    return [name for name, module in layer.named_modules() if isinstance(module, LoraLinear)]
 
 
 def _parents(plan: dict[str, str]) -> set[str]:

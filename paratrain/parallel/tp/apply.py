@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paratrain.adapters import LoraLinear
 from paratrain.comm import all_reduce
 from paratrain.comm.autograd import copy_to_region, gather_from_sequence, scatter_to_region
 from paratrain.layout.mesh import Axis, Mesh
@@ -50,11 +51,12 @@ from paratrain.parallel.tp.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from paratrain.parallel.tp.lora import SplitMagnitude, split_adapter_layer
 from paratrain.parallel.tp.loss import VocabParallelCrossEntropy
 from paratrain.parallel.tp.plan import SHARDING, match, packed_parts, plan_for, resolve_plan
 from paratrain.parallel.tp.random import RNGTracker
 
-SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SplitMagnitude)
 SCATTER_TAG = "tp_scatter"  # a 'sequence_scatter' module's split of the sequence (all-gather in backward)
 
 
@@ -213,6 +215,11 @@ def parallelize(model: nn.Module, mesh: Mesh | Axis, plan: dict[str, str] | str 
         if style not in SHARDING:
             continue
         old = model.get_submodule(path)
+        if isinstance(old, LoraLinear):  # split in place: its base and adapters each get their style (tp/lora.py)
+            applied.summed += split_adapter_layer(old, path, style, axis, sp)
+            if style == "colwise" and not any(path.startswith(r + ".") for r in regions):
+                old.register_forward_pre_hook(_region_input_hook(path, axis, sp), with_kwargs=True)
+            continue
         if style == "rowwise":
             new = RowParallelLinear(old, axis, name=path, sequence_parallel=sp)
         elif style in ("vocab", "vocab_scatter"):

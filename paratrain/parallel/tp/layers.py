@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.adapters import LoraLinear
 from paratrain.comm.autograd import (
     copy_to_region,
     gather_from_region,
@@ -78,7 +79,9 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def linear_features(module: nn.Module) -> tuple[int, int, bool]:
-    """(in_features, out_features, transposed) of an nn.Linear or a Conv1D."""
+    """(in_features, out_features, transposed) of an nn.Linear or a Conv1D (an adapter layer: of its base)."""
+    if isinstance(module, LoraLinear):
+        module = module.base_layer
     if is_conv1d(module):
         return module.weight.shape[0], module.weight.shape[1], True
     return module.in_features, module.out_features, False

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from paratrain.adapters import LoraLinear
 from paratrain.model_spec import plan_names, spec_for, spec_named
 from paratrain.parallel.tp.layers import PlanError, is_conv1d, linear_features
+from paratrain.parallel.tp.lora import check_adapter_style
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,9 @@ def _check_types_and_sizes(plan: dict[str, str], modules: dict[str, nn.Module], 
                            packed: dict[str, tuple[int, ...]]) -> None:
     for path, style in plan.items():
         module, want = modules[path], STYLES[style].module_type
-        if want is not None and not isinstance(module, want) and not (want is nn.Linear and is_conv1d(module)):
+        if isinstance(module, LoraLinear):
+            check_adapter_style(path, module, style, packed.get(path))
+        elif want is not None and not isinstance(module, want) and not (want is nn.Linear and is_conv1d(module)):
             raise PlanError(f"'{path}' is a {type(module).__name__}, but style '{style}' applies to "
                             f"{want.__name__} modules; give it a style for any module (e.g. 'sequence') or "
                             f"remove it from the plan")
