@@ -29,6 +29,7 @@ from paratrain.checkpoint.format import (
     tag_dir,
     verify_file,
 )
+from paratrain.checkpoint.pieces import HeldPiece, model_pieces
 from paratrain.checkpoint.reshard import Piece, coverage_problem, pieces_needed, read_region
 from paratrain.checkpoint.state import decode_state, restore_group_options, scalar_value
 from paratrain.checkpoint.target import CheckpointTarget
@@ -65,8 +66,8 @@ class _Plan:
     path: Path
     manifest: dict
     pieces: dict[str, list[Piece]]
-    masters: list[tuple[torch.Tensor, list]] = field(default_factory=list)  # (master, [(segment, origin)])
-    buffers: list[tuple[torch.Tensor, Origin]] = field(default_factory=list)
+    masters: list[tuple[torch.Tensor, list[HeldPiece]]] = field(default_factory=list)  # (master, its pieces)
+    buffers: list[HeldPiece] = field(default_factory=list)  # pieces without optimizer state (buffers, frozen)
     names: set[str] = field(default_factory=set)  # the original tensors this rank holds
     files: set[str] = field(default_factory=set)  # the files this rank reads
     same_layout: bool = False
@@ -86,7 +87,6 @@ def _plan(target: CheckpointTarget, path: Path, optimizer_states: bool) -> _Plan
             raise CheckpointError(f"checkpoint '{path}': {problem}; load another tag")
     parallel = target.model
     gs = parallel.grad_sync
-    local = dict(gs.named_params)
 
     def need(key: str, origin: Origin, start: int, end: int) -> bool:
         if key not in tensors:
@@ -100,21 +100,12 @@ def _plan(target: CheckpointTarget, path: Path, optimizer_states: bool) -> _Plan
                                                         origin.local_shape, start, end))
         return True
 
-    for master, segments in gs.master_segments():
-        held = []
-        for seg in segments:
-            origin = parallel.origin(seg.name, local[seg.name])
-            plan.names.add(origin.name)
-            if need(f"model/{origin.name}", origin, seg.start, seg.end):
-                held.append((seg, origin))
-        plan.masters.append((master, held))
-    trainable = {id(p) for p in local.values()}
-    for name, t in parallel.module.state_dict(keep_vars=True).items():
-        if id(t) not in trainable:
-            origin = parallel.origin(name, t)
-            plan.names.add(origin.name)
-            if need(f"model/{origin.name}", origin, 0, t.numel()):
-                plan.buffers.append((t, origin))
+    held: dict[int, list[HeldPiece]] = {id(master): [] for master, _ in gs.master_segments()}
+    for piece in model_pieces(parallel):
+        plan.names.add(piece.origin.name)
+        if need(piece.key, piece.origin, piece.start, piece.end):
+            (held[id(piece.master)] if piece.master is not None else plan.buffers).append(piece)
+    plan.masters = [(master, held[id(master)]) for master, _ in gs.master_segments()]
     if optimizer_states and manifest["optimizer"] is not None:
         saved, mine = manifest["optimizer"]["type"], type(target.optimizer).__name__
         if saved != mine:
@@ -122,10 +113,10 @@ def _plan(target: CheckpointTarget, path: Path, optimizer_states: bool) -> _Plan
                                   f"{mine}; use the same optimizer, or pass load_optimizer_states=False to start "
                                   f"it fresh")
         states = _optimizer_states(tensors)
-        for _, held in plan.masters:
-            for seg, origin in held:
-                for key in states.get(origin.name, []):
-                    need(f"optim/{key}/{origin.name}", origin, seg.start, seg.end)
+        for _, pieces in plan.masters:
+            for piece in pieces:
+                for key in states.get(piece.origin.name, []):
+                    need(f"optim/{key}/{piece.origin.name}", piece.origin, piece.start, piece.end)
     layout, dims = manifest["layout"], target.mesh.dims
     plan.same_layout = layout["world_size"] == dims.world_size and all(layout[a] == dims.sizes[a] for a in AXES)
     plan.files.add(_rank_entry(plan, target.mesh.rank)["file"])  # this rank's own states
@@ -206,13 +197,13 @@ def _apply(target: CheckpointTarget, plan: _Plan, optimizer_states: bool):
     files = PieceFiles(plan.path)
     manifest = plan.manifest
     with torch.no_grad():
-        for master, held in plan.masters:
+        for master, pieces in plan.masters:
             flat = master.detach().view(-1)
-            for seg, origin in held:
-                flat[seg.offset:seg.offset + seg.end - seg.start] = plan.read(
-                    files, f"model/{origin.name}", origin, seg.start, seg.end, flat.dtype)
-        for t, origin in plan.buffers:
-            t.detach().copy_(plan.read(files, f"model/{origin.name}", origin, 0, t.numel(), t.dtype).view(t.shape))
+            for piece in pieces:
+                flat[piece.offset:piece.offset + piece.end - piece.start] = plan.read(
+                    files, piece.key, piece.origin, piece.start, piece.end, flat.dtype)
+        for piece in plan.buffers:
+            piece.write(plan.read(files, piece.key, piece.origin, piece.start, piece.end, piece.data.dtype))
         if optimizer_states and manifest["optimizer"] is not None:
             _load_optimizer(target.optimizer, plan, files)
     target.model.grad_sync.masters_loaded()
@@ -239,17 +230,17 @@ def _load_optimizer(optimizer, plan: _Plan, files: PieceFiles) -> None:
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     states = _optimizer_states(tensors)
     names_of_group: dict[int, set[str]] = {}
-    for master, held in plan.masters:
-        names = [origin.name for _, origin in held]
+    for master, pieces in plan.masters:
+        names = [piece.origin.name for piece in pieces]
         names_of_group.setdefault(id(group_of[id(master)]), set()).update(names)
         state = {}
         for key in sorted({k for n in names for k in states.get(n, [])}):
             out = torch.zeros(master.shape, dtype=DTYPE_BY_NAME[tensors[f"optim/{key}/{names[0]}"]["dtype"]],
                               device=master.device)
             flat = out.view(-1)
-            for seg, origin in held:
-                flat[seg.offset:seg.offset + seg.end - seg.start] = plan.read(
-                    files, f"optim/{key}/{origin.name}", origin, seg.start, seg.end, flat.dtype)
+            for piece in pieces:
+                flat[piece.offset:piece.offset + piece.end - piece.start] = plan.read(
+                    files, f"optim/{key}/{piece.origin.name}", piece.origin, piece.start, piece.end, flat.dtype)
             state[key] = out
         for key, per_param in saved["scalars"].items():
             entry = next((per_param[n] for n in names if n in per_param), None)

@@ -41,26 +41,49 @@ class HeldPiece:
     master: torch.Tensor | None = None  # the optimizer's tensor these elements are part of (None: a buffer)
     offset: int = 0  # where they start in the flattened master (its optimizer states are cut alike)
     dp_axis: object = None  # the data-parallel axis it is replicated over, if over_dp (None: the strategy's)
+    target: torch.Tensor | None = None  # the module's whole tensor, for a piece that is one (a buffer, say)
+
+    def write(self, value: torch.Tensor) -> None:
+        """Set the piece's elements to `value` (flat, `end - start` elements)."""
+        if self.target is not None:
+            self.target.detach().copy_(value.view(self.target.shape))
+        else:
+            self.data.copy_(value)
+
+
+def _segment_pieces(parallel, tensor: torch.Tensor, segments, params: dict, optimized: bool) -> list[HeldPiece]:
+    """The pieces of one strategy tensor (a master, or a frozen shard) that holds `segments` of parameters."""
+    sync, flat = parallel.grad_sync, tensor.detach().view(-1)
+    out = []
+    for seg in segments:
+        param = params[seg.name]
+        origin = parallel.origin(seg.name, param)
+        data = flat[seg.offset:seg.offset + seg.end - seg.start]
+        replicated = sync.masters_replicated if optimized else False
+        out.append(HeldPiece(f"model/{origin.name}", origin, seg.start, seg.end, data, replicated,
+                             tensor if optimized else None, seg.offset, sync.axis_of(param)))
+    return out
 
 
 def model_pieces(parallel) -> list[HeldPiece]:
-    """This rank's pieces of the model: fp32 masters of trainable parameters, other tensors as they are."""
+    """This rank's pieces of the model (the one walk that checkpoints, `full_state_dict`, weights and loading
+    share): the fp32 masters of trainable parameters, the frozen shards a strategy keeps (ZeRO-3), every other
+    tensor of the module as it is."""
     sync = parallel.grad_sync
-    local = dict(sync.named_params)
+    params = dict(parallel.module.named_parameters())
     out = []
     for master, segments in sync.master_segments():
-        flat = master.detach().reshape(-1)
-        for seg in segments:
-            origin = parallel.origin(seg.name, local[seg.name])
-            data = flat[seg.offset:seg.offset + seg.end - seg.start]
-            out.append(HeldPiece(f"model/{origin.name}", origin, seg.start, seg.end, data, sync.masters_replicated,
-                                 master, seg.offset, sync.axis_of(local[seg.name])))
-    trainable = {id(p) for p in local.values()}
+        out += _segment_pieces(parallel, master, segments, params, optimized=True)
+    frozen = sync.frozen_segments()
+    for shard, segments in frozen:
+        out += _segment_pieces(parallel, shard, segments, params, optimized=False)
+    covered = {id(p) for _, p in [*sync.named_params, *sync.named_frozen]}
     for name, t in parallel.module.state_dict(keep_vars=True).items():
-        if id(t) in trainable:
-            continue  # a parameter (or a tied alias of one): its master is above
+        if id(t) in covered:
+            continue  # a parameter (or a tied alias of one) held above
         origin = parallel.origin(name, t)
-        out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), t.detach().reshape(-1), True))
+        data = t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1)
+        out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), data, True, target=t))
     return out
 
 

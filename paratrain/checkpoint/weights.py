@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from paratrain.checkpoint.format import CheckpointError
+from paratrain.checkpoint.pieces import model_pieces
 from paratrain.comm import all_gather_object
 from paratrain.layout.mesh import AXES, Mesh
 from paratrain.layout.origin import Origin
@@ -49,24 +50,13 @@ class Source(Protocol):
 
 
 def model_regions(parallel) -> dict[str, list[Region]]:
-    """{original name: this rank's regions of it} (`parallel`: a ParallelModel)."""
-    sync = parallel.grad_sync
-    local = dict(sync.named_params)
+    """{original name: this rank's regions of it} (`parallel`: a ParallelModel), from the checkpoints' walk."""
     out: dict[str, list[Region]] = {}
-    for master, segments in sync.master_segments():
-        flat = master.detach().view(-1)
-        for seg in segments:
-            origin = parallel.origin(seg.name, local[seg.name])
-            dest = flat[seg.offset:seg.offset + seg.end - seg.start]
-            out.setdefault(origin.name, []).append(Region(origin, seg.start, seg.end, dest))
-    trainable = {id(p) for p in local.values()}
-    for name, t in parallel.module.state_dict(keep_vars=True).items():
-        if id(t) in trainable:
-            continue  # a parameter (or a tied alias of one): its master is above
-        if not t.is_contiguous():
-            raise WeightsError(f"'{name}' is not contiguous; weights can only be filled into contiguous buffers")
-        origin = parallel.origin(name, t)
-        out.setdefault(origin.name, []).append(Region(origin, 0, t.numel(), t.detach().view(-1)))
+    for piece in model_pieces(parallel):
+        if piece.target is not None and not piece.target.is_contiguous():
+            raise WeightsError(f"'{piece.origin.name}' is not contiguous; weights can only be filled into "
+                               f"contiguous buffers")
+        out.setdefault(piece.origin.name, []).append(Region(piece.origin, piece.start, piece.end, piece.data))
     return out
 
 

@@ -197,6 +197,17 @@ class GradSync(ABC):
         holds. Masters are fp32 (or the model's dtype where the model is its own master); a range of a
         master and the same range of each of its tensor optimizer states belong to the same parameter."""
 
+    def frozen_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
+        """The frozen parameters the strategy keeps in shards of its own (`named_frozen`), as `master_segments`
+        describes masters: each shard with the parameter ranges this rank holds; no optimizer state."""
+        return []
+
+    @property
+    def named_frozen(self) -> list[tuple[str, nn.Parameter]]:
+        """The frozen parameters the strategy shards itself (ZeRO-3: all of them); default none, each frozen
+        parameter then being an ordinary tensor of the module, whole on this rank."""
+        return []
+
     @property
     @abstractmethod
     def masters_replicated(self) -> bool:

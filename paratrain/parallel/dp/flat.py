@@ -286,12 +286,12 @@ def set_data(param: nn.Parameter, data: torch.Tensor) -> None:
 
 
 def allocate_local(module: nn.Module, device: torch.device, parameters: bool) -> None:
-    """Deferred init: give every meta buffer and frozen parameter of `module` (and, with `parameters`, every
-    trainable one) uninitialized storage of its local size on `device`; their values are filled in later."""
+    """Deferred init: give every meta buffer of `module` (and, with `parameters`, every parameter, frozen or not:
+    ZeRO-3 allocates its own shards) uninitialized storage of its local size on `device`; values come later."""
     for sub in module.modules():
         for key, b in sub._buffers.items():
             if b is not None and b.is_meta:
                 sub._buffers[key] = torch.empty_like(b, device=device)
         for p in sub._parameters.values():
-            if p is not None and p.is_meta and (parameters or not p.requires_grad):
+            if p is not None and p.is_meta and parameters:
                 set_data(p, torch.empty_like(p, device=device))

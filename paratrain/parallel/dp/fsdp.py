@@ -43,6 +43,7 @@ from paratrain.parallel.dp.base import (
     weak_hook,
 )
 from paratrain.parallel.dp.flat import OffloadPolicy, cast_untracked, optimizer_groups
+from paratrain.parallel.dp.frozen import FrozenShard
 from paratrain.parallel.dp.fsdp_units import (
     FlatParam,
     Unit,
@@ -100,11 +101,12 @@ class FullyShardedDataParallel(GradSync):
                     slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         self._set_order(list(self.units))
         for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            unit.module.register_forward_pre_hook(lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True)
             unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
         self.module.register_forward_pre_hook(lambda m, a: self._root_pre_forward())
         self.module.register_forward_hook(lambda m, a, out: self._root_post_forward())
-        cast_untracked(self.module, self.dtype, set(self._slot))
+        frozen = {slot.param for shard in self._frozen() for slot in shard.layout.slots}
+        cast_untracked(self.module, self.dtype, set(self._slot) | frozen)
         self.optimizer = factory(optimizer_groups(groups))
         return self.optimizer
 
@@ -129,12 +131,17 @@ class FullyShardedDataParallel(GradSync):
                 unit.wait()
         self._prefetch(self._order)
 
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> None:
         if in_backward():  # activation recomputation: gather, but it is not a step of the forward order
             unit.wait()
             return
         self._recording.append(unit)
         unit.wait()
+        if unit.frozen and torch.is_grad_enabled():  # its backward is over once its inputs have their gradients
+            inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+            unit.expects_inputs = bool(inputs)
+            if inputs:
+                register_multi_grad_hook(inputs, lambda grads, u=unit: self._inputs_ready(u), mode="all")
         i = self._place.get(unit)
         if i is not None:
             self._prefetch(self._order[i + 1:i + 1 + self.prefetch_depth])
@@ -175,7 +182,14 @@ class FullyShardedDataParallel(GradSync):
         if unit.complete and not unit.reduce_launched:
             if self._reducing:
                 self._launch_reduce(unit)
-            unit.reshard()  # its backward is over: every parameter's gradient has been accumulated
+            unit.params_done = True  # every parameter's gradient has been accumulated
+            if unit.backward_over:
+                unit.reshard()
+
+    def _inputs_ready(self, unit: Unit) -> None:
+        unit.inputs_done = True  # the gradients through its frozen weights to its inputs are computed
+        if unit.backward_over:
+            unit.reshard()
 
     def _launch_reduce(self, unit: Unit) -> None:
         # [Note: one reduce-scatter in flight] The previous unit's reduction had this unit's whole backward
@@ -237,6 +251,9 @@ class FullyShardedDataParallel(GradSync):
     def _flats(self) -> list[FlatParam]:
         return [f for u in self._all_units() for f in u.flats]
 
+    def _frozen(self) -> list[FrozenShard]:
+        return [f for u in self._all_units() for f in u.frozen]
+
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
         return [piece for flat in self._flats() for piece in flat.master.grad_pieces(self.placements.of)]
 
@@ -265,6 +282,13 @@ class FullyShardedDataParallel(GradSync):
     def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
         return [(f.master.param, f.layout.master_segments()) for f in self._flats()]
 
+    def frozen_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
+        return [(f.shard, f.segments()) for f in self._frozen()]
+
+    @property
+    def named_frozen(self) -> list[tuple[str, nn.Parameter]]:
+        return [(slot.name, slot.param) for f in self._frozen() for slot in f.layout.slots]
+
     def muon_layouts(self) -> list[tuple[torch.Tensor, MasterLayout]]:
         return [(f.master.param, f.layout.muon_layout(f.axis, self.placements.of)) for f in self._flats()]
 
@@ -291,9 +315,8 @@ class FullyShardedDataParallel(GradSync):
         return sum(f.layout.padded for f in self._flats())
 
     def memory_stats(self) -> dict[str, int]:
-        return units_memory_stats(self._flats(), self.optimizer, self.reduce_at_boundary,
-                                  self.offload.offload_optimizer)
+        return units_memory_stats(self._flats(), self._frozen(), self.optimizer, self.reduce_at_boundary, self.offload)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return units_full_state(self.module, self._flats(), self.offload.device)
+        return units_full_state(self.module, self._flats(), self._frozen(), self.offload.device)
 

@@ -30,6 +30,7 @@ from paratrain.parallel.dp.flat import (
     split_param_groups,
     state_with_gathered,
 )
+from paratrain.parallel.dp.frozen import FrozenShard, split_frozen
 from paratrain.parallel.dp.gradients import StagedGradient
 
 WrapPolicy = Callable[[str, nn.Module], bool]
@@ -60,9 +61,7 @@ def assign_params(root: nn.Module, policy: WrapPolicy, persistence_threshold: in
     units = [name for name, m in root.named_modules() if name and policy(name, m)]
     owned: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], **{u: [] for u in units}}
     persistent: list[tuple[str, nn.Parameter]] = []
-    for pname, p in root.named_parameters():
-        if not p.requires_grad:
-            continue
+    for pname, p in root.named_parameters():  # frozen ones too: sharded like the rest (dp/frozen.py)
         if p.numel() <= persistence_threshold:
             persistent.append((pname, p))
             continue
@@ -153,10 +152,18 @@ class Unit:
     """A module whose parameters are gathered and freed together (one FlatParam per param group)."""
 
     def __init__(self, name: str, module: nn.Module, flats: list[FlatParam], reshard_after_forward: bool,
-                 keep: bool = False):
+                 keep: bool = False, frozen: list[FrozenShard] | None = None):
         self.name = name or "<root>"
         self.module = module
-        self.flats = flats
+        self.flats = flats  # trainable: gathered, reduce-scattered, updated
+        self.frozen = frozen or []  # frozen: only gathered
+        # [Note: when a unit's backward is over] Every weight of a unit of trainable parameters is read by the
+        # node that computes its own gradient, so the unit may be freed once every gradient has arrived
+        # (`params_done`). A frozen weight has no gradient to announce it: the node that carries the gradient
+        # through it to the unit's input may still be waiting then. A unit with frozen weights whose inputs
+        # need a gradient is freed once both have happened (`inputs_done`: a hook on the forward's inputs).
+        self.expects_inputs = False
+        self.params_done = self.inputs_done = False
         self.reshard_after_forward = reshard_after_forward
         self.keep = keep  # persistent: never freed, regathered once after each optimizer step
         self.handles: list[comm.Handle] = []
@@ -168,10 +175,15 @@ class Unit:
     def complete(self) -> bool:
         return all(f.complete for f in self.flats)
 
+    @property
+    def backward_over(self) -> bool:
+        """Both signs of the note have come (a unit without trainable parameters needs only its inputs')."""
+        return (self.params_done or not self.flats) and (self.inputs_done or not self.expects_inputs)
+
     def gather(self) -> None:
         """Start the all-gather (no-op if gathered or already in flight)."""
         if not self.gathered and not self.handles:
-            self.handles = [f.gather() for f in self.flats]
+            self.handles = [f.gather() for f in [*self.flats, *self.frozen]]
 
     def wait(self) -> None:
         self.gather()
@@ -186,12 +198,13 @@ class Unit:
         for h in self.handles:
             h.wait()
         self.handles = []
-        for f in self.flats:
+        for f in [*self.flats, *self.frozen]:
             f.free()
         self.gathered = False
+        self.params_done = self.inputs_done = False
 
     def allocated_bytes(self) -> int:
-        return sum(f.full.untyped_storage().nbytes() for f in self.flats)
+        return sum(f.full.untyped_storage().nbytes() for f in [*self.flats, *self.frozen])
 
 
 def build_units(root: nn.Module, policy: WrapPolicy, persistence_threshold: int, param_groups: list | None,
@@ -205,6 +218,7 @@ def build_units(root: nn.Module, policy: WrapPolicy, persistence_threshold: int,
     by_group: dict[int, tuple[dict, list[MasterShard]]] = {}
 
     def make_unit(name: str, named: list, keep: bool = False) -> Unit:
+        named, frozen = split_frozen(named)
         flats = []
         for gi, (options, part) in enumerate(split_param_groups(named, restrict_param_groups(param_groups, named))):
             by_axis: dict[int, tuple[Axis, list]] = {}
@@ -215,7 +229,12 @@ def build_units(root: nn.Module, policy: WrapPolicy, persistence_threshold: int,
                 flat = FlatParam(same, axis, dtype, offload)
                 flats.append(flat)
                 by_group.setdefault(group_index(param_groups, part, gi), (options, []))[1].append(flat.master)
-        return Unit(name, modules[name], flats, reshard_after_forward and bool(name), keep)
+        by_axis = {}
+        for name_param in frozen:
+            axis = axis_of(name_param[1])
+            by_axis.setdefault(id(axis), (axis, []))[1].append(name_param)
+        shards = [FrozenShard(same, axis, dtype, offload) for axis, same in by_axis.values()]
+        return Unit(name, modules[name], flats, reshard_after_forward and bool(name), keep, shards)
 
     root_unit = make_unit("", owned[""])
     units = [make_unit(name, named) for name, named in owned.items() if name and named]
@@ -230,26 +249,35 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def units_memory_stats(flats: list[FlatParam], optimizer, reduce_at_boundary: bool, offloaded: bool) -> dict[str, int]:
-    """ZeRO-3's model-state bytes on this rank: fp32 master shards (and their device copies), the units gathered
-    right now, sharded gradients (unsharded through the window with reduce_at_boundary), optimizer state."""
+def units_memory_stats(flats: list[FlatParam], frozen: list[FrozenShard], optimizer, reduce_at_boundary: bool,
+                       offload: OffloadPolicy) -> dict[str, int]:
+    """ZeRO-3's model-state bytes on this rank: fp32 master shards (and their device copies), frozen shards, the
+    units gathered right now, sharded gradients (unsharded through the window with reduce_at_boundary),
+    optimizer state."""
     masters = [f.master.param for f in flats]
     master_grads = [f.master.grad for f in flats if f.master.grad is not None]  # none before the first backward
     states = optimizer_state_tensors(optimizer) if optimizer else []
-    gathered = sum(f.full.untyped_storage().nbytes() for f in flats)
-    params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + gathered
+    gathered = sum(f.full.untyped_storage().nbytes() for f in [*flats, *frozen])
+    frozen_bytes = tensor_bytes([f.shard for f in frozen])
+    params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + frozen_bytes \
+        + gathered
     staged = [f.grads.staging for f in flats if f.grads.staging is not None] if reduce_at_boundary else []
     grads = tensor_bytes(master_grads + staged)
     optim = tensor_bytes(states)
-    host = tensor_bytes(masters + master_grads + states) if offloaded else 0
+    host = (tensor_bytes(masters + master_grads + states) if offload.offload_optimizer else 0) + \
+        (frozen_bytes if offload.offload_param else 0)
     total = params + grads + optim
     return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
-            "device": total - host, "gathered_params": gathered}
+            "device": total - host, "gathered_params": gathered, "frozen_params": frozen_bytes}
 
 
-def units_full_state(module: nn.Module, flats: list[FlatParam], device: torch.device) -> dict[str, torch.Tensor]:
-    """The module's full state dict on every rank: each flat's fp32 master gathered (collective)."""
+def units_full_state(module: nn.Module, flats: list[FlatParam], frozen: list[FrozenShard],
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """The module's full state dict on every rank: each flat's fp32 master and each frozen shard gathered
+    (collective)."""
     gathered: dict[int, torch.Tensor] = {}
     for flat in flats:
         gathered.update(flat.layout.views_by_param(gather_master(flat.layout, flat.master, flat.axis, device)))
+    for shard in frozen:
+        gathered.update(shard.full_tensors())
     return state_with_gathered(module, gathered)

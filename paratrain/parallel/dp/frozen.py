@@ -1,0 +1,71 @@
+"""ZeRO-3's frozen weights: sharded like the trainable ones, minus what they do not need (FSDP2's way).
+
+A unit's frozen parameters (a LoRA base, a frozen embedding) live in their own flat buffer per axis, cut into
+equal shards exactly as the trainable ones (`FlatLayout`): each rank keeps its shard, in the compute dtype (no
+fp32 master: nothing updates it), and the unit gathers it with the rest before it runs and frees it after. There
+is no gradient, no reduce-scatter and no optimizer state. Without this, every rank would keep the whole frozen
+base (a 70B LoRA run: ~140 GB of bf16 weights on every rank), the opposite of why people pick ZeRO-3.
+
+Checkpoints read and write the shard through `FrozenShard.segments()` (the same ranges `master_segments` gives
+for trainable shards, without optimizer state), so a frozen base saves, reshards and loads like any weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import paratrain.comm as comm
+from paratrain.layout.mesh import Axis
+from paratrain.parallel.dp.base import MasterSegment
+from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, set_data
+
+
+class FrozenShard:
+    """One unit's frozen parameters over one axis: this rank's shard and the full buffer gathered on demand."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, dtype: torch.dtype, offload: OffloadPolicy):
+        self.axis = axis
+        self.layout = FlatLayout(named, axis.size, axis.rank)
+        self.dtype = dtype
+        home = offload.host if offload.offload_param else offload.device  # offload_param: the shard waits on the host
+        if any(p.is_meta for _, p in named):  # deferred init: only the shard exists, filled in later
+            self.shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=home)
+        else:
+            flat = self.layout.flatten([p.detach() for _, p in named], dtype, offload.device)
+            self.shard = self.layout.shard_of(flat).to(home, copy=True)
+            del flat
+        self.full = torch.empty(self.layout.padded, dtype=dtype, device=offload.device)
+        for slot, view in zip(self.layout.slots, self.layout.views(self.full)):
+            set_data(slot.param, view)
+        self.free()
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def gather(self) -> comm.Handle:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.padded * self.full.element_size())
+        source = self.shard if self.shard.device == self.full.device else self.shard.to(self.full.device)
+        handle = comm.all_gather_into(self.full, source, self.axis, tag="param", async_op=True)
+        handle.source = source  # keep a transient host-to-device copy alive until the gather is done
+        return handle
+
+    def segments(self) -> list[MasterSegment]:
+        """The parameter ranges this rank's shard holds, for checkpoints and weights (as `master_segments`)."""
+        return self.layout.master_segments()
+
+    def gathered_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes()
+
+    def full_tensors(self) -> dict[int, torch.Tensor]:
+        """{id(parameter): its whole value} (collective over the axis: the shard all-gathered into a new buffer)."""
+        full = torch.empty(self.layout.padded, dtype=self.dtype, device=self.full.device)
+        comm.all_gather_into(full, self.shard.to(full.device), self.axis, tag="state_dict")
+        return self.layout.views_by_param(full)
+
+
+def split_frozen(named: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
+    """(trainable, frozen) of a unit's parameters, each in module order."""
+    return [x for x in named if x[1].requires_grad], [x for x in named if not x[1].requires_grad]
