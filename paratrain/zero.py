@@ -13,6 +13,9 @@ dtype, K = optimizer-state bytes per parameter, 8 for Adam/AdamW):
 | 2     | pΨ + 4Ψ/N if the master is a copy | 4Ψ/N (fp32) | KΨ/N     |
 | 3     | 4Ψ/N (+ pΨ/N device shard under optimizer offload) + p·Ψ_persistent | 4Ψ/N | KΨ/N |
 
+Frozen parameters (a LoRA base; F of them) add pF to params at stages 0-2, where every rank holds them whole in
+the compute dtype, and pF/N at stage 3, which shards them like the rest (its own padded flat buffers: pass that
+padded count, `grad_sync.padded_frozen_numel()`, for the byte); they have no master, gradient or optimizer state.
 The master is a copy under mixed precision or optimizer offload; in fp32 without offload it is the model's
 own slice (stages 1-2). fp32 AdamW gives DeepSpeed's figures: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N. Offloaded
 states (master, its gradient at stages 2-3, optimizer state) are counted under "host". Pass the padded
@@ -42,9 +45,14 @@ OFFLOAD = ("none", "optimizer", "optimizer+param")
 
 def estimate_memory(model: nn.Module | int, dp: int, stage: int, offload: str = "none", precision: str = "fp32",
                     optimizer_state_bytes: int = 8, persistent_params: int = 0,
-                    free_grad_buckets: bool = False) -> dict[str, int]:
-    """Per-rank model-state bytes: params, grads, optimizer_state, total, and the host/device split."""
+                    free_grad_buckets: bool = False, frozen_params: int | None = None) -> dict[str, int]:
+    """Per-rank model-state bytes: params (frozen_params of them for frozen weights), grads, optimizer_state,
+    total, and the host/device split. `model`: the module, or its trainable parameter count (then
+    `frozen_params` gives the frozen count; a module's own frozen parameters are counted otherwise)."""
     psi = model if isinstance(model, int) else sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if frozen_params is None:
+        frozen_params = 0 if isinstance(model, int) else sum(p.numel() for p in model.parameters()
+                                                             if not p.requires_grad)
     if stage not in (0, 1, 2, 3):
         raise InvalidValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload not in OFFLOAD:
@@ -70,12 +78,14 @@ def estimate_memory(model: nn.Module | int, dp: int, stage: int, offload: str = 
     if free_grad_buckets and stage <= 1:
         grads = 0  # the buckets (and, mixed, the fp32 gradient copy) exist from a backward to the update only
     optim = k * shard
+    frozen = p * (frozen_params if stage < 3 else -(-frozen_params // dp))
+    params += frozen
     host = 0
     if off:
-        host = 4 * shard + optim + (4 * shard if stage >= 2 else 0)
+        host = 4 * shard + optim + (4 * shard if stage >= 2 else 0) + (frozen if offload == "optimizer+param" else 0)
     total = params + grads + optim
     return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
-            "device": total - host}
+            "device": total - host, "frozen_params": frozen}
 
 
 def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None, pin_memory=False,  # noqa: N802 - DeepSpeed's name

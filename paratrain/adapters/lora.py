@@ -155,21 +155,26 @@ class LoraLinear(nn.Module):
         """peft's initialization: A as nn.Linear's default (kaiming-uniform, a=√5; "gaussian": N(0, 1/r)), B zeros,
         DoRA's magnitude the row norms of W (the adapter starts as the identity)."""
         with torch.no_grad():
-            weight_a = self.lora_A[name].weight
-            if init == "gaussian":
-                weight_a.normal_(0.0, 1.0 / self.ranks[name], generator=generator)
-            else:
-                bound = 1.0 / math.sqrt(weight_a.shape[1])  # kaiming_uniform_(a=sqrt(5)) on (r, in)
-                weight_a.uniform_(-bound, bound, generator=generator)
+            draw_lora_a(self.lora_A[name].weight, generator, init)
             nn.init.zeros_(self.lora_B[name].weight)
             if self.lora_B[name].bias is not None:
                 nn.init.zeros_(self.lora_B[name].bias)
-            if self.is_dora(name):
-                self.lora_magnitude_vector[name].weight.copy_(self.weight_norm(name))
+            if self.is_dora(name):  # B = 0: ‖W + s·B·A‖ = ‖W‖, summed in float64 as the deferred fill does
+                weight = base_weight(self.base_layer).detach()
+                self.lora_magnitude_vector[name].weight.copy_(weight.double().pow(2).sum(1).sqrt())
 
     def extra_repr(self) -> str:
         adapters = ", ".join(f"{n}: r={self.ranks.get(n)}{' dora' if self.is_dora(n) else ''}" for n in self.lora_A)
         return f"adapters [{adapters}], active={self.active!r}"
+
+
+def draw_lora_a(weight: torch.Tensor, generator: torch.Generator | None, init: str = "default") -> torch.Tensor:
+    """A's initial values, in place: nn.Linear's default (kaiming-uniform with a = √5 on (r, in): U(±1/√in)), or
+    "gaussian" N(0, 1/r), peft's two; drawn from `generator` in the same order whatever holds the tensor."""
+    if init == "gaussian":
+        return weight.normal_(0.0, 1.0 / weight.shape[0], generator=generator)
+    bound = 1.0 / math.sqrt(weight.shape[1])
+    return weight.uniform_(-bound, bound, generator=generator)
 
 
 def lora_layers(module: nn.Module) -> list[tuple[str, LoraLinear]]:

@@ -105,11 +105,13 @@ def rows_view(value: torch.Tensor, origin: Origin, start: int, end: int) -> torc
     return value[offsets[0] + first:offsets[0] + last].reshape(-1)[start - first * row:end - first * row]
 
 
-def fill_model(parallel, mesh: Mesh, source: Source, strict: bool = True, names: set[str] | None = None) -> None:
-    """Fill every tensor this rank keeps from `source` (collective over the world). `names`: the tensors the
-    source holds (for `strict`: any the model lacks on every rank is refused)."""
+def fill_model(parallel, mesh: Mesh, source: Source, strict: bool = True, names: set[str] | None = None,
+               skip: set[str] = frozenset()) -> None:
+    """Fill every tensor this rank keeps from `source` (collective over the world), but those named in `skip`
+    (adapters the source does not hold, filled otherwise). `names`: the tensors the source holds (for `strict`:
+    any the model lacks on every rank is refused)."""
     world = mesh.axis(AXES)
-    regions = model_regions(parallel)
+    regions = {name: r for name, r in model_regions(parallel).items() if name not in skip}
     problem = None
     try:
         source.check(regions)

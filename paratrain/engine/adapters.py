@@ -43,3 +43,22 @@ def adapted_model(model: nn.Module, config: Config) -> tuple[nn.Module, AdapterS
     model = spec_for(model).adapt(model)
     spec = spec_for(model)
     return model, prepare_adapters(model, config, spec), spec.model_config(model)
+
+
+def adapted_names(name_map, tensors: list):
+    """The weights' names mapped to an adapted model's (original names): `name_map` first (the user's), then a
+    base tensor's name without adapters to its name under them ("q_proj.weight" -> "q_proj.base_layer.weight").
+    Unchanged for a model without adapters (`tensors`: its `AdapterTensor`s)."""
+    if not tensors:
+        return name_map
+    layers = {t.name.split(".lora_A.")[0] for t in tensors if t.kind == "lora_A"}
+    under = {f"{path}.{leaf}": f"{path}.base_layer.{leaf}" for path in layers for leaf in ("weight", "bias")}
+
+    def mapped(name: str) -> str | None:
+        if callable(name_map):
+            name = name_map(name)
+        elif name_map is not None:
+            name = name_map.get(name, name)
+        return None if name is None else under.get(name, name)
+
+    return mapped

@@ -9,6 +9,9 @@ from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpo
 from paratrain.checkpoint.pretrained import save_pretrained
 from paratrain.checkpoint.sources import open_weights
 from paratrain.checkpoint.weights import fill_model
+from paratrain.engine.adapters import adapted_names
+from paratrain.init.adapters import fill_adapters
+from paratrain.init.sharded import meta_init_source
 from paratrain.precision import compute_dtype
 
 log = logging.getLogger("paratrain")
@@ -46,11 +49,31 @@ class EngineCheckpoints:
         return load_checkpoint(target, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only)
 
-    def load_weights(self, path, name_map=None, strict: bool = True) -> None:
+    def load_weights(self, path, name_map=None, strict: bool = True) -> set[str]:
         """Model weights only, from safetensors (file, directory, HF sharded) or a paratrain checkpoint; each rank
-        reads its slices (collective). `name_map`: {weights' name: model name}, or a function (None: skip)."""
-        source = open_weights(path, name_map)
-        fill_model(self.parallel, self.mesh, source, strict=strict, names=source.names())
+        reads its slices (collective). `name_map`: {weights' name: model name}, or a function (None: skip). An
+        adapted model's base takes the names it has without adapters ("q_proj.weight" fills
+        "q_proj.base_layer.weight"); adapters the weights do not hold keep their values. Returns those names."""
+        source = open_weights(path, adapted_names(name_map, self._adapter_tensors))
+        held = source.names()
+        skipped = {t.name for t in self._adapter_tensors} - held
+        fill_model(self.parallel, self.mesh, source, strict=strict, names=held, skip=skipped)
+        return skipped
+
+    def _fill_initial_values(self, template, init_fn) -> None:
+        """`checkpoint.load_weights`, else a meta model's initialization (`meta_init`); then the adapters of a meta
+        model that neither gave values (drawn from their names, DoRA's magnitude from the base: init/adapters)."""
+        config, adapters = self.config, {t.name for t in self._adapter_tensors}
+        if config.checkpoint.load_weights:
+            missing = self.load_weights(config.checkpoint.load_weights, config.checkpoint.load_weights_map)
+        elif template is not None:  # deferred init: eager construction's values, or sharded draws
+            fill_model(self.parallel, self.mesh, meta_init_source(config.meta_init, template, self.parallel.spec,
+                                                                  init_fn), skip=adapters)
+            missing = adapters
+        if template is not None and adapters and missing:
+            init = config.peft.init if config.peft is not None else "default"
+            fill_adapters(self.parallel, self.mesh, [t for t in self._adapter_tensors if t.name in missing],
+                          config.seed, init)
 
     def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", dtype=None) -> None:
         """The model as a directory `from_pretrained` loads (transformers' too): config files, safetensors

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from paratrain.checkpoint.weights import fill_model
+from paratrain.adapters.tensors import adapter_tensors
 from paratrain.config import Config
 from paratrain.data.agreement import FIRST_STEPS, check_same_batches
 from paratrain.data.batch_check import BatchChecker
@@ -48,7 +48,6 @@ from paratrain.engine.train_state import RandomState, TrainState
 from paratrain.engine.update import OptimizerUpdate
 from paratrain.errors import InvalidValueError, RunError
 from paratrain.init.replay import return_freed_heap, template_of
-from paratrain.init.sharded import meta_init_source
 from paratrain.layout.mesh import Mesh
 from paratrain.parallel.parallelize import parallelize
 from paratrain.precision import make_loss_scaler
@@ -73,6 +72,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self.device = current_device()
         # A transformers model's layered view (same names); its adapters (LoRA, DoRA: a peft model's or the config's)
         model, self.adapters, self.model_config = adapted_model(model, config)
+        self._adapter_tensors = adapter_tensors(model)  # names and full shapes, before anything splits them
         self.tokenizer = None  # from_pretrained's, when the model directory has one; save_pretrained saves it
         template = template_of(model)  # a meta model's structure, before parallelize changes it
         factory = optimizer_factory(config, optimizer)  # (its refusals come before any collective)
@@ -90,10 +90,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
         if template is not None:  # the local state is allocated, not yet written: trim before the writes peak
             return_freed_heap()
-        if config.checkpoint.load_weights:  # weights only; also what a meta model starts from
-            self.load_weights(config.checkpoint.load_weights, config.checkpoint.load_weights_map)
-        elif template is not None:  # deferred init: eager construction's values, or sharded draws (meta_init)
-            fill_model(self.parallel, mesh, meta_init_source(config.meta_init, template, self.parallel.spec, init_fn))
+        self._fill_initial_values(template, init_fn)  # load_weights, a meta model's init; adapters without values
         self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
         sampler = self.training_dataloader.sampler if self.training_dataloader is not None else None

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from paratrain.adapters.tensors import adapter_submodules
 from paratrain.checkpoint.weights import Region, write_regions
 from paratrain.init.empty import RNG_ATTRIBUTE, has_meta_tensors, model_tensors
 from paratrain.model_spec import ModelSpec
@@ -220,17 +221,22 @@ class InitReplay:
         # Sized for the module with the most bytes of its own (a 350M Llama's head: 125 MiB), freed at the end.
         self.scratch = Scratch(max((sum(Scratch.nbytes(t.shape, t.dtype) for t in direct_tensors(m))
                                     for m in self.template.modules()), default=0))
+        # Adapters were put in after construction: their modules' constructors drew nothing in its order, and
+        # their values come from their names (paratrain.init.adapters), so the replay passes them by.
+        adapters = adapter_submodules(self.template)
         if self.init_fn is not None:
             for _, module in post_order(self.template):
-                self._run(module, lambda m=module: self.init_fn(m), regions, written, owned_only=False)
+                if id(module) not in adapters:
+                    self._run(module, lambda m=module: self.init_fn(m), regions, written, owned_only=False)
         else:
             for _, module in post_order(self.template):
                 reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
+                if callable(reset) and id(module) not in adapters:
                     self._run(module, reset, regions, written, owned_only=True)
             for name, module in self.template.named_modules():
-                self._run(module, lambda n=name, m=module: self.spec.init_module(self.template, n, m), regions,
-                          written, owned_only=False)
+                if id(module) not in adapters:
+                    self._run(module, lambda n=name, m=module: self.spec.init_module(self.template, n, m), regions,
+                              written, owned_only=False)
         self.scratch = Scratch()  # the buffer is freed with the fill
         return sorted(n for n in regions if n not in written)
 

@@ -219,6 +219,12 @@ class GradSync(ABC):
         them (collective over `self.axis` where parameters are gathered) and start a new window."""
 
     # ---- shared behaviour ------------------------------------------------------------------------
+    def frozen_param_bytes(self) -> int:
+        """Bytes of the frozen parameters this rank holds whole, as ordinary tensors of the module (every strategy
+        but ZeRO-3, which shards them): counted in memory_stats' params."""
+        trainable = {id(p) for _, p in self.named_params}
+        return tensor_bytes(p for p in self.module.parameters() if id(p) not in trainable)
+
     def muon_layouts(self) -> list[tuple[torch.Tensor, MasterLayout]]:
         """What each optimizer tensor holds, for Muon's whole-matrix step (`paratrain.muon.layout`). Here: whole
         local parameters (each master is one); a strategy updating shards of flat buffers says so instead."""

@@ -221,12 +221,13 @@ class DistributedDataParallel(GradSync):
 
     # ---- introspection ----------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
-        params = tensor_bytes(self.masters.tensors())
+        frozen = self.frozen_param_bytes()
+        params = tensor_bytes(self.masters.tensors()) + frozen
         grads = tensor_bytes(self.grads.tensors() + self.masters.grad_tensors())
         optim = tensor_bytes(optimizer_state_tensors(self.optimizer)) if self.optimizer else 0
         total = params + grads + optim
         return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": 0,
-                "device": total}
+                "device": total, "frozen_params": frozen}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return state_with_gathered(self.module, self.masters.gathered())

@@ -33,10 +33,8 @@ from paratrain.data.nested import tensors_in
 from paratrain.errors import RunError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Placement, Placements
-from paratrain.muon import MasterLayout
 from paratrain.parallel.dp.base import (
     GradSync,
-    MasterSegment,
     OptimizerFactory,
     UnusedParametersError,
     on_device_of,
@@ -44,6 +42,7 @@ from paratrain.parallel.dp.base import (
 )
 from paratrain.parallel.dp.flat import OffloadPolicy, cast_untracked, optimizer_groups
 from paratrain.parallel.dp.frozen import FrozenShard
+from paratrain.parallel.dp.fsdp_state import ShardedState
 from paratrain.parallel.dp.fsdp_units import (
     FlatParam,
     Unit,
@@ -51,13 +50,11 @@ from paratrain.parallel.dp.fsdp_units import (
     build_units,
     config_wrap_policy,
     in_backward,
-    units_full_state,
-    units_memory_stats,
 )
 from paratrain.precision import compute_dtype
 
 
-class FullyShardedDataParallel(GradSync):
+class FullyShardedDataParallel(ShardedState, GradSync):
     def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", offload: OffloadPolicy | None = None,
                  wrap_policy: WrapPolicy | None = None, reshard_after_forward: bool = True,
                  persistence_threshold: int = 100_000, prefetch_depth: int = 1,
@@ -277,46 +274,3 @@ class FullyShardedDataParallel(GradSync):
 
     def zero_grad(self) -> None:
         self._first_in_window = True  # the first reduction of the next window overwrites the shards
-
-    # ---- checkpoint hooks ---------------------------------------------------------------------------
-    def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
-        return [(f.master.param, f.layout.master_segments()) for f in self._flats()]
-
-    def frozen_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:
-        return [(f.shard, f.segments()) for f in self._frozen()]
-
-    @property
-    def named_frozen(self) -> list[tuple[str, nn.Parameter]]:
-        return [(slot.name, slot.param) for f in self._frozen() for slot in f.layout.slots]
-
-    def muon_layouts(self) -> list[tuple[torch.Tensor, MasterLayout]]:
-        return [(f.master.param, f.layout.muon_layout(f.axis, self.placements.of)) for f in self._flats()]
-
-    @property
-    def masters_replicated(self) -> bool:
-        return False
-
-    def masters_loaded(self) -> None:
-        """Refresh the device copies of the shards and drop whatever is gathered: the next forward gathers
-        the loaded values."""
-        self.zero_grad()
-        for flat in self._flats():
-            flat.refresh_device_shard()
-        for unit in self._all_units():
-            unit.reshard()
-            unit.gathered = False
-
-    # ---- introspection ----------------------------------------------------------------------------
-    def gathered_units(self) -> list[str]:
-        """Names of the units whose full parameters are materialized on this rank right now."""
-        return [u.name for u in self._all_units() if u.flats and u.allocated_bytes() > 0]
-
-    def padded_numel(self) -> int:
-        return sum(f.layout.padded for f in self._flats())
-
-    def memory_stats(self) -> dict[str, int]:
-        return units_memory_stats(self._flats(), self._frozen(), self.optimizer, self.reduce_at_boundary, self.offload)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return units_full_state(self.module, self._flats(), self._frozen(), self.offload.device)
-

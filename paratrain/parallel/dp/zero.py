@@ -175,13 +175,14 @@ class ZeroDataParallel(GradSync):
         masters = [m.param for m in self.masters]
         master_grads = [m.grad for m in self.masters if m.grad is not None]
         states = optimizer_state_tensors(self.optimizer) if self.optimizer else []
-        params = tensor_bytes(self.params_full + masters)
+        frozen = self.frozen_param_bytes()
+        params = tensor_bytes(self.params_full + masters) + frozen
         grads = tensor_bytes(self.operation.tensors() + master_grads)
         optim = tensor_bytes(states)
         host = tensor_bytes(masters + master_grads + states) if self.offload.offload_optimizer else 0
         total = params + grads + optim
         return {"params": params, "grads": grads, "optimizer_state": optim, "total": total, "host": host,
-                "device": total - host}
+                "device": total - host, "frozen_params": frozen}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         self.wait_for_params()

@@ -67,14 +67,15 @@ def check_manual(bounds: Sequence[int], num_layers: int, parts: int) -> list[int
 
 
 def parameter_counts(layers: Sequence) -> list[int]:
-    """Trainable parameters per layer (a LayerSpec is built on the meta device to count them)."""
+    """Parameters per layer, frozen ones too: a frozen weight costs a layer the same forward and input-gradient
+    compute, so a LoRA model balances on its base, not its adapters (a LayerSpec is built on the meta device)."""
     out = []
     for layer in layers:
         if hasattr(layer, "build") and not isinstance(layer, nn.Module):
             with torch.device("meta"):
                 layer = layer.build()
         params = layer.parameters() if isinstance(layer, nn.Module) else []
-        out.append(sum(p.numel() for p in params if p.requires_grad))
+        out.append(sum(p.numel() for p in params))
     return out
 
 
