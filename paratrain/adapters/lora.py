@@ -121,10 +121,8 @@ class LoraLinear(nn.Module):
         return (scale - 1) * base_result + scale * lora_result * scaling
 
     def lora_weight(self, name: str) -> torch.Tensor:
-        """B·A (+ B's bias on every column, as peft's product through the layers gives), this rank's block of it."""
-        lora_b = self.lora_B[name]
-        weight = lora_b.weight @ self.lora_A[name].weight  # (out, in) or this rank's block
-        return weight if lora_b.bias is None else weight + lora_b.bias.unsqueeze(1)
+        """B·A, (out, in), or this rank's block of it under tensor parallelism."""
+        return self.lora_B[name].weight @ self.lora_A[name].weight
 
     @torch.no_grad()
     def weight_norm(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -141,15 +139,12 @@ class LoraLinear(nn.Module):
 
     @torch.no_grad()
     def merged_weight(self, name: str | None = None) -> torch.Tensor:
-        """The base weight with the adapter folded in, in the base's own layout (out, in), or (in, out) for a
-        Conv1D: W + s·B·A for LoRA, (m / ‖W + s·B·A‖_row) · (W + s·B·A) for DoRA (peft's merge)."""
+        """The base weight with the adapter folded in (`merge_adapter`), in the base's own layout."""
         name = name or self.active
-        weight = base_weight(self.base_layer)
-        adapted = weight + self.scaling[name] * self.lora_weight(name).to(weight.dtype)
-        if self.is_dora(name):
-            factor = self.lora_magnitude_vector[name].weight / self.weight_norm(name, weight.dtype)
-            adapted = factor.view(-1, 1) * adapted
-        return adapted.t() if adapted.shape != self.base_layer.weight.shape else adapted
+        weight = self.base_layer.weight.detach().clone()
+        magnitude = self.lora_magnitude_vector[name].weight if self.is_dora(name) else None
+        return merge_adapter(weight, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name],
+                             magnitude, transposed=base_weight(self.base_layer) is not self.base_layer.weight)
 
     def reset_adapter(self, name: str, generator: torch.Generator | None = None, init: str = "default") -> None:
         """peft's initialization: A as nn.Linear's default (kaiming-uniform, a=√5; "gaussian": N(0, 1/r)), B zeros,
@@ -166,6 +161,23 @@ class LoraLinear(nn.Module):
     def extra_repr(self) -> str:
         adapters = ", ".join(f"{n}: r={self.ranks.get(n)}{' dora' if self.is_dora(n) else ''}" for n in self.lora_A)
         return f"adapters [{adapters}], active={self.active!r}"
+
+
+@torch.no_grad()
+def merge_adapter(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+                  magnitude: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:
+    """Fold an adapter into the base weight, in place (peft's merge): W + s·B·A for LoRA, and for DoRA each output
+    row then rescaled to its magnitude, (m / ‖W + s·B·A‖_row) · (W + s·B·A). `weight` is (out, in), or (in, out)
+    for a Conv1D (`transposed`); no temporary of its size is made, so a streamed merge holds one weight at a time."""
+    if transposed:
+        weight.addmm_(lora_a.t().to(weight.dtype), lora_b.t().to(weight.dtype), alpha=scaling)  # (in, out)
+    else:
+        weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=scaling)  # (out, in)
+    if magnitude is not None:
+        out_dim = 1 if transposed else 0
+        factor = magnitude.to(weight.dtype) / torch.linalg.norm(weight, dim=1 - out_dim)
+        weight.mul_(factor.unsqueeze(1 - out_dim))
+    return weight
 
 
 def draw_lora_a(weight: torch.Tensor, generator: torch.Generator | None, init: str = "default") -> torch.Tensor:

@@ -24,7 +24,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -64,7 +64,9 @@ class FullTensorStream:
     (a tied tensor has several names); iterating is collective too, and every rank must run it to the end:
     it yields (names, the whole tensor on `dst`, None elsewhere)."""
 
-    def __init__(self, parallel, mesh, device: torch.device, dst: int = WRITER):
+    def __init__(self, parallel, mesh, device: torch.device, dst: int = WRITER,
+                 keep: Callable[[str], bool] | None = None, order: Callable[[str], object] | None = None):
+        """`keep(name)`: stream only those tensors; `order(name)`: in this order (default: by name)."""
         self.mesh, self.device, self.dst = mesh, device, dst
         pieces = model_pieces(parallel)
         everyone, aliases = agree_on_pieces(pieces, parallel, mesh)
@@ -74,18 +76,20 @@ class FullTensorStream:
         for d in everyone:
             if d["owned"]:
                 by_key.setdefault(d["key"], []).append(d)
-        self.owned = {k: sorted(v, key=lambda d: (d["rank"], d["offsets"], d["start"])) for k, v in by_key.items()}
+        self.owned = {k: sorted(v, key=lambda d: (d["rank"], d["offsets"], d["start"])) for k, v in by_key.items()
+                      if keep is None or keep(v[0]["name"])}
+        self.keys = sorted(self.owned, key=lambda k: (order(self.owned[k][0]["name"]), k) if order else k)
         names_of: dict[str, list[str]] = {}
         for alias, name in aliases.items():
             names_of.setdefault(name, []).append(alias)
         self.tensors = []
-        for key in sorted(self.owned):
+        for key in self.keys:
             first = self.owned[key][0]
             self.tensors.append(([first["name"], *sorted(names_of.get(first["name"], []))], tuple(first["shape"]),
                                  getattr(torch, first["dtype"])))
 
     def __iter__(self) -> Iterator[tuple[list[str], torch.Tensor | None]]:
-        for key, (names, shape, dtype) in zip(sorted(self.owned), self.tensors):
+        for key, (names, shape, dtype) in zip(self.keys, self.tensors):
             yield names, self._gather(key, shape, dtype)
 
     def _gather(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -181,7 +185,7 @@ def _fsync_tree(directory: Path) -> None:
     fsync_dir(directory)
 
 
-def _publish(partial: Path, directory: Path) -> None:
+def publish(partial: Path, directory: Path) -> None:
     """Swap the finished `partial` in for `directory` (the previous copy is moved aside, then deleted)."""
     _fsync_tree(partial)
     if directory.exists():
@@ -196,16 +200,18 @@ def _publish(partial: Path, directory: Path) -> None:
         fsync_dir(directory.parent)
 
 
-def _write_all(stream: FullTensorStream, partial: Path, sink: ShardSink | None, cast) -> str | None:
-    """Run the stream to its end (every rank); on the writer, write each tensor under each of its names.
-    Returns the writer's first error (it keeps receiving after one, so no rank is left waiting)."""
+def _write_all(stream: FullTensorStream, partial: Path, sink: ShardSink | None, cast, merger=None) -> str | None:
+    """Run the stream to its end (every rank); on the writer, write each tensor under each of its names (with a
+    `merger`: what it makes of the tensor, under the name it gives). Returns the writer's first error (it keeps
+    receiving after one, so no rank is left waiting)."""
     error = None
     for names, full in stream:
         if sink is None or error is not None:
             continue
         try:
-            for name in names:
-                sink.write(name, cast(full))
+            out = full if merger is None else merger.take(names[0], full)
+            for name in names if out is not None else ():
+                sink.write(merger.rename(name) if merger else name, cast(out))
         except (OSError, CheckpointError) as exc:
             error = f"writing '{names[0]}' into '{partial}': {exc}"
             sink.abort()
@@ -213,10 +219,11 @@ def _write_all(stream: FullTensorStream, partial: Path, sink: ShardSink | None, 
 
 
 def save_pretrained(parallel, mesh, device: torch.device, directory, model_config: dict | None, tokenizer=None,
-                    max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> Path:
+                    max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None, merger=None) -> Path:
     """Write the model to `directory` (collective over the world; rank 0 writes): the family's files
     (`ModelSpec.pretrained_files` of `model_config`) beside its tensors in shards of at most `max_shard_size`,
-    floating tensors cast to `dtype` if given, and the tokenizer's own files."""
+    floating tensors cast to `dtype` if given, and the tokenizer's own files. A `merger`
+    (`paratrain.checkpoint.adapters.Merger`) folds the adapters into their base weights on the way."""
     directory = Path(directory)
     max_bytes = parse_size(max_shard_size)
     try:
@@ -225,13 +232,14 @@ def save_pretrained(parallel, mesh, device: torch.device, directory, model_confi
         raise CheckpointError(str(exc)) from None
     world = mesh.axis(AXES)
     writer = mesh.rank == WRITER
-    stream = FullTensorStream(parallel, mesh, device)
+    stream = FullTensorStream(parallel, mesh, device, order=merger.order if merger else None)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
-    entries = [(name, shape, cast(torch.empty((), dtype=dt)).dtype) for names, shape, dt in stream.tensors
-               for name in names]
+    rename = merger.rename if merger else (lambda name: name)
+    entries = [(rename(name), shape, cast(torch.empty((), dtype=dt)).dtype) for names, shape, dt in stream.tensors
+               for name in names if rename(name) is not None]
     partial = directory.with_name(f".{directory.name}.partial")
     problem = _target_problem(directory) if writer else None
     if writer and problem is None:
@@ -244,7 +252,7 @@ def save_pretrained(parallel, mesh, device: torch.device, directory, model_confi
     if problem:
         raise CheckpointError(f"save_pretrained refused, nothing was written: {problem}")
     sink = ShardSink(partial, entries, max_bytes) if writer else None
-    error = _write_all(stream, partial, sink, cast)
+    error = _write_all(stream, partial, sink, cast, merger)
     if writer and error is None:
         try:
             if len(sink.files) > 1:
@@ -253,7 +261,7 @@ def save_pretrained(parallel, mesh, device: torch.device, directory, model_confi
                 atomic_write_text(partial / name, text)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(partial))
-            _publish(partial, directory)
+            publish(partial, directory)
         except (OSError, ValueError) as exc:
             error = f"finishing '{directory}': {exc}"
     error = all_gather_object(error, world, tag="save_pretrained")[WRITER]

@@ -106,12 +106,13 @@ def rows_view(value: torch.Tensor, origin: Origin, start: int, end: int) -> torc
 
 
 def fill_model(parallel, mesh: Mesh, source: Source, strict: bool = True, names: set[str] | None = None,
-               skip: set[str] = frozenset()) -> None:
+               skip: set[str] = frozenset(), only: set[str] | None = None) -> None:
     """Fill every tensor this rank keeps from `source` (collective over the world), but those named in `skip`
-    (adapters the source does not hold, filled otherwise). `names`: the tensors the source holds (for `strict`:
-    any the model lacks on every rank is refused)."""
+    (adapters the source does not hold, filled otherwise), or only those named in `only` (an adapter's tensors).
+    `names`: the tensors the source holds (for `strict`: any the model lacks on every rank is refused)."""
     world = mesh.axis(AXES)
-    regions = {name: r for name, r in model_regions(parallel).items() if name not in skip}
+    regions = {name: r for name, r in model_regions(parallel).items()
+               if name not in skip and (only is None or name in only)}
     problem = None
     try:
         source.check(regions)

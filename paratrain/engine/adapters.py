@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from paratrain.adapters import AdapterError, AdapterSettings, inject_adapters, lora_layers
+from paratrain.adapters.peft_format import settings_from_config
+from paratrain.checkpoint.adapters import read_adapter_config
 from paratrain.config import Config
 from paratrain.model_spec import ModelSpec, spec_for
 
@@ -15,9 +19,14 @@ def settings_of(config: Config) -> AdapterSettings | None:
     if section is None:
         return None
     targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)
-    return AdapterSettings(target_modules=targets, method=section.method, r=section.r, alpha=section.alpha,
-                           dropout=section.dropout, rslora=section.rslora, bias=section.bias, init=section.init,
-                           modules_to_save=tuple(section.modules_to_save), adapter_name=section.adapter_name)
+    given = dict(target_modules=targets, method=section.method, r=section.r, alpha=section.alpha,
+                 dropout=section.dropout, rslora=section.rslora, bias=section.bias, init=section.init,
+                 modules_to_save=tuple(section.modules_to_save), adapter_name=section.adapter_name)
+    if section.load is None:
+        return AdapterSettings(**given)
+    # peft.load: the directory's adapters, but for the keys the section sets (which must then agree with it)
+    saved = settings_from_config(read_adapter_config(section.load), section.adapter_name)
+    return replace(saved, **{k: v for k, v in given.items() if k in section.model_fields_set})
 
 
 def prepare_adapters(model: nn.Module, config: Config, spec: ModelSpec) -> AdapterSettings | None:
@@ -62,3 +71,13 @@ def adapted_names(name_map, tensors: list):
         return None if name is None else under.get(name, name)
 
     return mapped
+
+
+def check_same_adapters(config: dict, settings: AdapterSettings, directory) -> None:
+    """Refuse an adapter directory whose adapter_config.json describes other adapters than the model's."""
+    theirs = settings_from_config(config, settings.adapter_name)
+    for field in ("method", "r", "alpha", "rslora", "bias"):
+        if getattr(theirs, field) != getattr(settings, field):
+            raise AdapterError(f"the adapter in '{directory}' has {field} = {getattr(theirs, field)!r} but the model's "
+                               f"adapters have {getattr(settings, field)!r}; set peft.{field} to "
+                               f"{getattr(theirs, field)!r} (or leave it out: peft.load takes the directory's)")

@@ -4,12 +4,16 @@ it hands the checkpoint code (a `CheckpointTarget` of stateful objects, never it
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from paratrain.adapters import AdapterError
+from paratrain.adapters.peft_format import ADAPTER_WEIGHTS, model_name
 from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
+from paratrain.checkpoint.adapters import Merger, merge_plan, read_adapter_config, save_adapter
 from paratrain.checkpoint.pretrained import save_pretrained
 from paratrain.checkpoint.sources import open_weights
 from paratrain.checkpoint.weights import fill_model
-from paratrain.engine.adapters import adapted_names
+from paratrain.engine.adapters import adapted_names, check_same_adapters
 from paratrain.init.adapters import fill_adapters
 from paratrain.init.sharded import meta_init_source
 from paratrain.precision import compute_dtype
@@ -74,13 +78,36 @@ class EngineCheckpoints:
             init = config.peft.init if config.peft is not None else "default"
             fill_adapters(self.parallel, self.mesh, [t for t in self._adapter_tensors if t.name in missing],
                           config.seed, init)
+        if config.peft is not None and config.peft.load:
+            self.load_adapter(config.peft.load)
 
-    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", dtype=None) -> None:
+    def load_adapter(self, directory) -> None:
+        """An adapter directory's weights (peft's format: adapter_model.safetensors) into the model's adapters, each
+        rank reading its slices (collective); its adapter_config.json must describe the same adapters."""
+        if self.adapters is None:
+            raise AdapterError(f"load_adapter('{directory}'): the model has no adapters; put them in with the `peft` "
+                               f"config section (peft.load loads a directory into them)")
+        check_same_adapters(read_adapter_config(directory), self.adapters, directory)
+        adapter = self.adapters.adapter_name
+        source = open_weights(Path(directory) / ADAPTER_WEIGHTS, lambda key: model_name(key, adapter))
+        fill_model(self.parallel, self.mesh, source, strict=True, names=source.names(), only=source.names())
+
+    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", dtype=None,
+                        merged: bool = False) -> None:
         """The model as a directory `from_pretrained` loads (transformers' too): config files, safetensors
         shards of at most `max_shard_size` (+ index), the tokenizer; from any layout (collective: a tensor at
-        a time, rank 0 writes, atomic). `dtype` ("bf16", torch.bfloat16): cast floating tensors (default fp32)."""
+        a time, rank 0 writes, atomic). `dtype` ("bf16", torch.bfloat16): cast floating tensors (default fp32).
+        A model with adapters writes the adapter in peft's format (`PeftModel.from_pretrained` loads it), or,
+        `merged`, the model with every adapter folded into its base weight (`merge_peak_bytes`: what rank 0 held
+        at most for it, counted)."""
+        dtype = compute_dtype(dtype) if isinstance(dtype, str) else dtype
+        if self.adapters is not None and not merged:
+            save_adapter(self.parallel, self.mesh, self.device, save_directory, self.adapters, dtype)
+            return
+        merger = Merger(merge_plan(self.parallel, self.mesh)) if self.adapters is not None else None
         save_pretrained(self.parallel, self.mesh, self.device, save_directory, self.model_config, self.tokenizer,
-                        max_shard_size, compute_dtype(dtype) if isinstance(dtype, str) else dtype)
+                        max_shard_size, dtype, merger)
+        self.merge_peak_bytes = merger.peak_bytes if merger is not None else 0
         if self.global_rank == 0:
             log.info("saved pretrained model %s", save_directory)
 

@@ -1,0 +1,188 @@
+"""Adapters out, from any layout, a tensor at a time (collective): in peft's format, or merged into the base.
+
+    save_adapter(parallel, mesh, device, "out", settings)      # out/adapter_config.json, out/adapter_model.safetensors
+    save_pretrained(..., merger=Merger(merge_plan(parallel, mesh)))   # the base with every adapter folded in
+
+Both ride on `FullTensorStream` (pretrained.py): the ranks that keep a tensor's pieces send them, rank 0
+assembles it, writes it and drops it. The adapter save streams the trainable tensors only (the adapters and the
+modules peft calls `modules_to_save`), under peft's keys (`paratrain.adapters.peft_format`). The merged save
+streams each adapted layer's A, B and magnitude just before its base weight (`Merger.order`): rank 0 holds those
+small tensors until the weight arrives, folds them into it in place (`merge_adapter`: no second weight-sized
+tensor) and writes it under the name it has without adapters. `Merger.peak_bytes` counts what it held at most.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paratrain.adapters.lora import lora_layers, merge_adapter
+from paratrain.adapters.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, is_adapter_name, peft_key
+from paratrain.adapters.settings import AdapterSettings
+from paratrain.checkpoint.format import CheckpointError, SafetensorsWriter, atomic_write_text
+from paratrain.checkpoint.pretrained import WRITER, FullTensorStream, publish
+from paratrain.comm import all_gather_object
+from paratrain.layout.mesh import AXES
+
+
+@dataclass(frozen=True)
+class LayerMerge:
+    scaling: float
+    adapter: str
+    dora: bool
+    transposed: bool  # a Conv1D base: its weight is (in, out)
+
+
+def merge_plan(parallel, mesh) -> dict[str, LayerMerge]:
+    """{original path of every adapted layer: how to fold its adapter in}, on every rank (collective: a pipeline
+    stage knows only its own layers). A layer that cannot be merged is refused on every rank alike."""
+    mine, problem = {}, None
+    for path, layer in lora_layers(parallel.module):
+        weight = layer.lora_A[layer.active].weight
+        original = parallel.origin(f"{path}.lora_A.{layer.active}.weight", weight).name.split(".lora_A.")[0]
+        transposed = type(layer.base_layer).__name__ == "Conv1D" or getattr(layer.base_layer, "transposed", False)
+        if layer.lora_B[layer.active].bias is not None and getattr(layer.base_layer, "bias", None) is None:
+            problem = (f"save_pretrained(merged=True): '{original}' has a bias on its LoRA B (peft.bias) but its base "
+                       f"layer has none to fold it into; save the adapter unmerged")
+        mine[original] = LayerMerge(layer.scaling[layer.active], layer.active, layer.is_dora(), transposed)
+    everyone = all_gather_object((mine, problem), mesh.axis(AXES), tag="save_pretrained")
+    problem = next((p for _, p in everyone if p), None)
+    if problem:
+        raise CheckpointError(problem)
+    return {k: v for part, _ in everyone for k, v in part.items()}
+
+
+def trainable_names(parallel, mesh) -> set[str]:
+    """The original names of every trainable tensor, over every rank (collective)."""
+    mine = {parallel.origin(n, p).name for n, p in parallel.grad_sync.named_params}
+    return set().union(*all_gather_object(mine, mesh.axis(AXES), tag="save_pretrained"))
+
+
+class Merger:
+    """What the merged save does to the stream (see the module note), on the writing rank."""
+
+    def __init__(self, layers: dict[str, LayerMerge]):
+        self.layers = layers
+        self.held: dict[str, torch.Tensor] = {}
+        self.peak_bytes = 0
+
+    def _layer_of(self, name: str) -> str | None:
+        for marker in (".lora_A.", ".lora_B.", ".lora_magnitude_vector.", ".base_layer."):
+            if marker in name and name.split(marker)[0] in self.layers:
+                return name.split(marker)[0]
+        return None
+
+    def order(self, name: str) -> tuple:
+        """A layer's adapters right before its base weight; everything else by name."""
+        layer = self._layer_of(name)
+        return (layer, 1 if ".base_layer." in name else 0) if layer is not None else (name, 0)
+
+    def rename(self, name: str) -> str | None:
+        """The name in the merged model: a base tensor's without `base_layer`; adapters are not written (None)."""
+        if is_adapter_name(name):
+            return None
+        return name.replace(".base_layer.", ".") if self._layer_of(name) is not None else name
+
+    def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The tensor to write for `name` (None: an adapter tensor, held for its layer's base weight)."""
+        layer = self._layer_of(name)
+        if layer is None:
+            return tensor
+        if is_adapter_name(name):
+            self.held[name] = tensor
+            self._count(tensor)
+            return None
+        plan, held = self.layers[layer], self.held
+        prefix = f"{layer}.lora_"
+        if name.endswith(".base_layer.weight"):
+            self._count(tensor)
+            magnitude = held.get(f"{prefix}magnitude_vector.{plan.adapter}.weight") if plan.dora else None
+            merged = merge_adapter(tensor.float(), held[f"{prefix}A.{plan.adapter}.weight"],  # fp32: in place
+                                   held[f"{prefix}B.{plan.adapter}.weight"], plan.scaling, magnitude,
+                                   plan.transposed)
+            if merged is not tensor:  # a low-precision base was merged in an fp32 copy
+                self._count(tensor, merged)
+            tensor = merged.to(tensor.dtype)
+        elif name.endswith(".base_layer.bias") and f"{prefix}B.{plan.adapter}.bias" in held:
+            tensor = tensor + plan.scaling * held[f"{prefix}B.{plan.adapter}.bias"]
+        if name.endswith(".base_layer.weight"):  # (its bias, sorted before it, is done)
+            self.held = {k: v for k, v in held.items() if not k.startswith(prefix)}
+        return tensor
+
+    def _count(self, *tensors: torch.Tensor) -> None:
+        held = sum(t.numel() * t.element_size() for t in self.held.values())
+        self.peak_bytes = max(self.peak_bytes, held + sum(t.numel() * t.element_size() for t in tensors))
+
+
+def save_adapter(parallel, mesh, device: torch.device, directory, settings: AdapterSettings,
+                 dtype: torch.dtype | None = None) -> Path:
+    """The adapter in peft's format (collective; rank 0 writes, into a partial directory renamed into place):
+    every trainable tensor (adapters, modules_to_save) under peft's keys, and adapter_config.json."""
+    directory, world, writer = Path(directory), mesh.axis(AXES), mesh.rank == WRITER
+    keep = trainable_names(parallel, mesh)
+    adapted = sorted(merge_plan(parallel, mesh))
+    stream = FullTensorStream(parallel, mesh, device, keep=keep.__contains__)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    entries = [(peft_key(name, settings.adapter_name), shape, cast(torch.empty((), dtype=dt)).dtype)
+               for names, shape, dt in stream.tensors for name in names]
+    empty = [key for key, shape, _ in entries if not all(shape)]
+    partial = directory.with_name(f".{directory.name}.partial")
+    problem = _prepare(directory, partial, empty) if writer else None
+    problem = all_gather_object(problem, world, tag="save_pretrained")[WRITER]
+    if problem:
+        raise CheckpointError(f"save_pretrained (adapter) refused, nothing was written: {problem}")
+    sink = SafetensorsWriter(partial / ADAPTER_WEIGHTS, entries, {"format": "pt"}) if writer else None
+    error = None
+    for names, full in stream:
+        if sink is not None and error is None:
+            try:
+                for name in names:
+                    sink.write(peft_key(name, settings.adapter_name), cast(full))
+            except (OSError, CheckpointError) as exc:
+                error = f"writing '{names[0]}': {exc}"
+                sink.abort()
+    if writer and error is None:
+        try:
+            sink.close()
+            atomic_write_text(partial / ADAPTER_CONFIG, adapter_config(settings, adapted))
+            publish(partial, directory)
+        except (OSError, ValueError) as exc:
+            error = f"finishing '{directory}': {exc}"
+    error = all_gather_object(error, world, tag="save_pretrained")[WRITER]
+    if error:
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"save_pretrained (adapter) to '{directory}' failed: {error}")
+    return directory
+
+
+def _prepare(directory: Path, partial: Path, empty: list[str]) -> str | None:
+    """Why the adapter cannot be written to `directory` (None: the partial directory is ready)."""
+    if empty:  # an empty LoRA tensor is what a save of unsharded ZeRO-3 shards looks like (peft#2500)
+        return f"tensors {empty[:4]} would be empty"
+    if directory.is_file():
+        return f"'{directory}' is a file; pass a directory to save the adapter into"
+    if directory.is_dir() and any(directory.iterdir()) and not (directory / ADAPTER_CONFIG).is_file():
+        return (f"'{directory}' is not empty and holds no adapter ({ADAPTER_CONFIG}); save_pretrained replaces the "
+                f"whole directory, so pass a new or empty one")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    except OSError as exc:
+        return f"cannot create '{partial}': {exc}"
+    return None
+
+
+def read_adapter_config(directory) -> dict:
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"'{directory}' holds no {ADAPTER_CONFIG}: pass a directory an adapter was saved to "
+                              f"(engine.save_pretrained of an adapter model, or peft's save_pretrained)")
+    return json.loads(path.read_text())
