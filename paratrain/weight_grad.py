@@ -49,7 +49,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Sequence[torch.Tensor], bias:
     weight, its gradient waits for W (the note)."""
     parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
     deferral = _DEFERRAL_OF.get(id(parts[0]))
-    if deferral is not None and deferral.active and torch.is_grad_enabled() and parts[0].requires_grad:
+    # An input without a gradient (a frozen embedding's output, the first LoRA layer's input) leaves no dx to
+    # hurry and no autograd node to stash (x, dy) from: the weight gradient is then computed in B as usual.
+    if deferral is not None and deferral.active and torch.is_grad_enabled() and parts[0].requires_grad \
+            and x.requires_grad:
         detached = parts[0].detach() if len(parts) == 1 else torch.cat([p.detach() for p in parts], dim)
         return _InputGradOnly.apply(x, detached, bias, (deferral, parts, dim, transposed))
     whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim)

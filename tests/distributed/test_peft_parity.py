@@ -1,0 +1,104 @@
+"""LoRA and DoRA, exact in every layout: a peft model as it comes against the same peft model in one process.
+
+peft's LoRA and DoRA on every linear layer of a transformers Llama (grouped-query attention) and Qwen2 (q/k/v
+biases in the frozen base) train 3 AdamW steps on rows with masked prompts (and packed documents in a few
+layouts), fp32, clipping active (asserted on the reference), with no plan written: DDP, ZeRO-1/2/3, ZeRO-3 with
+optimizer offload, and with the model built on the meta device and its base loaded from a Hugging Face
+directory (the adapters then start as paratrain draws them), tp2 with and without sequence parallelism,
+dp2·tp2 ZeRO-3 SP, pp2 (1F1B, ZB-H1), cp2 (ring, Ulysses) on 4 ranks, dp2·pp2·tp2 on 8. Per step the loss and
+the global gradient norm (what sees a wrongly weighted loss) and at the end every adapter and base tensor must
+be within 1e-5 of the reference, which runs each document alone through peft's own layers
+(`tests/real_data.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch.distributed as dist
+
+from paratrain.testing.parity import compare, reference_config, run_layout, summarize
+from paratrain.testing.reference import reference_run
+from tests.cases import import_or_skip, tiny_hf
+from tests.distributed.test_real_data import ROWS, STEPS, real_layout
+from tests.peft_cases import peft_hf
+from tests.real_data import RealRows, documents_loss
+
+import_or_skip("peft")
+
+CLIP = 0.05  # below every reference step's gradient norm (asserted): clipping is active
+
+LAYOUTS_4 = {"ddp": real_layout(1, 4), "zero1": real_layout(1, 4, zero=1), "zero2": real_layout(1, 4, zero=2),
+             "zero3": real_layout(1, 4, zero=3), "zero3 offload": real_layout(1, 4, zero=3, offload=True),
+             "zero3 meta": real_layout(1, 4, zero=3), "tp2": real_layout(2, 2, tp=2),
+             "tp2 sp": real_layout(2, 2, tp=2, sp=True), "dp2·tp2 zero3 sp": real_layout(2, 2, tp=2, sp=True, zero=3),
+             "pp2 1f1b": real_layout(2, 2, pp=2), "pp2 zb-h1": real_layout(2, 2, pp=2, schedule="zb-h1"),
+             "cp2 ring": real_layout(2, 2, cp=2), "cp2 ulysses": real_layout(2, 2, cp=2, cp_method="ulysses")}
+LAYOUTS_8 = {"dp2·pp2·tp2": real_layout(2, 2, pp=2, tp=2)}
+MODELS = [("llama", "lora"), ("llama", "dora"), ("qwen2", "lora"), ("qwen2", "dora")]
+PACKED = ("ddp", "tp2 sp", "pp2 1f1b", "cp2 ring")  # also on packed documents (llama LoRA)
+MATRIX_4 = [(family, method, "masked", name) for family, method in MODELS for name in LAYOUTS_4] + \
+    [("llama", "lora", "packed", name) for name in PACKED]
+MATRIX_8 = [(family, method, "masked", "dp2·pp2·tp2") for family, method in MODELS]
+
+
+def config_of(name: str, weights: str | None = None) -> dict:
+    cfg = {**{**LAYOUTS_4, **LAYOUTS_8}[name], "gradient_clipping": CLIP}
+    if name.endswith("meta"):  # the base from a model directory, the adapters from their names
+        cfg["checkpoint"] = {"load_weights": weights}
+    return cfg
+
+
+def base_directories(root) -> dict[str, str]:
+    """Each family's base model saved as transformers saves it (what `load_weights` of a meta model reads)."""
+    out = {}
+    for family in {family for family, _ in MODELS}:
+        tiny_hf(family).save_pretrained(root / family)
+        out[family] = str(root / family)
+    return out
+
+
+def factory(family: str, method: str, name: str, reference: bool = False):
+    return functools.partial(peft_hf, family, method, meta=name.endswith("meta"), reference=reference)
+
+
+def _run(matrix: list[tuple[str, str, str, str]], weights: dict[str, str]) -> list:
+    runs = []
+    for family, method, kind, name in matrix:
+        start = time.perf_counter()
+        run = run_layout(config_of(name, weights[family]), factory(family, method, name), RealRows(kind), STEPS,
+                         keep_state=dist.get_rank() == 0)
+        run.extra["seconds"] = time.perf_counter() - start
+        runs.append(run)
+    return runs
+
+
+def _check(per_rank: list[list], matrix: list[tuple[str, str, str, str]]) -> list[str]:
+    refs, lines = {}, []
+    for i, (family, method, kind, name) in enumerate(matrix):
+        run = per_rank[0][i]
+        assert run.train_batch_size == ROWS, (family, method, name)
+        key = (family, method, kind, name.endswith("meta"))
+        if key not in refs:
+            refs[key] = reference_run(factory(family, method, name, reference=True),
+                                      reference_config(config_of(name), run), RealRows(kind), STEPS,
+                                      loss_of=documents_loss)
+            assert all(norm > CLIP for norm in refs[key].grad_norms), (key, refs[key].grad_norms)
+        summary = summarize(compare(run, refs[key]))
+        assert summary["passed"], (family, method, kind, name, run.case, summary)
+        assert all(other[i].losses == run.losses for other in per_rank[1:]), (family, method, name)
+        lines.append(f"{family} {method} {kind} {name} ({run.case}): loss {summary['loss_err']:.1e} norm "
+                     f"{summary['norm_err']:.1e} param {summary['param_err']:.1e} ({run.extra['seconds']:.1f}s)")
+    return lines
+
+
+def test_peft_lora_and_dora_in_every_layout_4_ranks(world4, tmp_path):
+    lines = _check(world4.run(_run, MATRIX_4, base_directories(tmp_path)), MATRIX_4)
+    print("\n".join(lines))
+    assert len(lines) == len(MATRIX_4) == 56
+
+
+def test_peft_lora_and_dora_dp2_pp2_tp2_8_ranks(world8):
+    lines = _check(world8.run(_run, MATRIX_8, {}), MATRIX_8)
+    print("\n".join(lines))

@@ -1,0 +1,55 @@
+"""Adapter models for the tests: transformers models wrapped by peft, and their one-process references.
+
+The engine trains the `PeftModel` as it comes; the reference is the same peft model's inner transformers model,
+whose LoRA layers are peft's own (the engine's are paratrain's), so every comparison also checks paratrain's
+adapter layer against peft's forward. B starts away from zero (peft starts it at zero), so a wrong B·A, a wrong
+DoRA norm or a missing gradient sum over tp shows from the first step.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from tests.cases import tiny_hf
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def peft_hf(family: str = "llama", method: str = "lora", meta: bool = False, seed: int = 7,
+            reference: bool = False):
+    """A tiny transformers `family` model with LoRA (or DoRA) on every linear layer of its decoder; `meta`: built on
+    the meta device (the engine fills it: the base as eager construction, the adapters from their names), whose
+    reference gets the adapters paratrain draws with `seed`. `reference`: the inner transformers model instead."""
+    import peft
+
+    import paratrain
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL_LINEAR), use_dora=method == "dora")
+    if meta and not reference:
+        with paratrain.init_empty():
+            return peft.get_peft_model(tiny_hf(family), config)
+    model = peft.get_peft_model(tiny_hf(family), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+    if meta:
+        _paratrain_init(model.base_model.model, seed)
+    return model.base_model.model if reference else model
+
+
+def _paratrain_init(inner, seed: int) -> None:
+    """The adapters as paratrain fills a meta model's: A from the generator of its name, B zero, m = ‖W‖ rows."""
+    from paratrain.adapters.tensors import AdapterTensor, initial_value
+
+    with torch.no_grad():
+        for name, p in inner.named_parameters():
+            if ".lora_A." in name:
+                p.copy_(initial_value(AdapterTensor(name, "lora_A", tuple(p.shape)), seed))
+            elif ".lora_B." in name:
+                p.zero_()
+            elif "lora_magnitude_vector" in name:
+                layer = inner.get_submodule(name.split(".lora_magnitude_vector")[0])
+                p.copy_(layer.base_layer.weight.double().pow(2).sum(1).sqrt())
