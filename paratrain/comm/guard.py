@@ -63,6 +63,7 @@ class PeerFailed(CollectiveTimeout):
 
 FIRST_WAIT_S = 1.0  # a collective's first wait before the guard looks for a failed peer
 POLL_S = 0.5  # then, how often it looks
+P2P_OPS = ("send", "recv")  # waited in one slice (`_timed_wait` says why)
 
 
 @dataclass
@@ -170,9 +171,15 @@ class CommGuard:
         self.end(key)
 
     def _timed_wait(self, work, record: CallRecord) -> None:
-        """Wait at most the timeout, looking for a failed peer between slices (see the note above)."""
+        """Wait at most the timeout, looking for a failed peer between slices (see the note above).
+
+        A point-to-point op is waited in one slice: gloo closes the connection of a send or recv whose timed
+        wait expires ("Application timeout caused pair closure"), so a second slice could never complete it,
+        and its work says nothing while pending (`is_completed` stays False until waited). A pipeline's p2p
+        wait is therefore bounded by the timeout but does not look for a failed peer; the collectives every
+        step also runs (the gradient reductions, the loss) do."""
         deadline = time.monotonic() + self.timeout_s
-        slice_s = min(FIRST_WAIT_S, self.timeout_s)
+        slice_s = self.timeout_s if record.op in P2P_OPS else min(FIRST_WAIT_S, self.timeout_s)
         while True:
             try:
                 if work.wait(timeout=timedelta(seconds=slice_s)) is False:
