@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 import paratrain.comm as comm
+from paratrain.checkpoint.fingerprint import fingerprint_problem, frozen_fingerprint
 from paratrain.checkpoint.format import (
     DTYPE_BY_NAME,
     CheckpointError,
@@ -178,8 +179,16 @@ def load_checkpoint(target: CheckpointTarget, load_dir, tag=None, load_module_st
     errors = [e for e, _ in everyone if e]
     if errors:
         raise CheckpointError(errors[0])
+    excluded = plan.manifest.get("frozen_excluded")  # saved without its frozen base: this model's must be it
+    if excluded is not None:
+        problem = fingerprint_problem(excluded["fingerprint"], frozen_fingerprint(target.model, target.mesh))
+        if problem:
+            raise CheckpointError(f"checkpoint '{path}' was saved without its frozen base "
+                                  f"(exclude_frozen_parameters), and this model's base is not that base: {problem}; "
+                                  f"build the model from the base the run started from (the same weights)")
     if load_module_strict:  # names over every rank (a pipeline stage alone does not hold the whole model)
         held = set().union(*(set(names) for _, names in everyone))
+        held -= set(excluded["fingerprint"]) if excluded is not None else set()
         saved = {k[len("model/"):] for k in plan.manifest["tensors"] if k.startswith("model/")}
         missing, extra = sorted(held - saved), sorted(saved - held)
         if missing:

@@ -21,6 +21,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from paratrain.checkpoint.format import CheckpointError
 from paratrain.checkpoint.reshard import Piece, coverage_problem, read_full
@@ -42,6 +43,7 @@ class HeldPiece:
     offset: int = 0  # where they start in the flattened master (its optimizer states are cut alike)
     dp_axis: object = None  # the data-parallel axis it is replicated over, if over_dp (None: the strategy's)
     target: torch.Tensor | None = None  # the module's whole tensor, for a piece that is one (a buffer, say)
+    frozen: bool = False  # of a frozen parameter (a LoRA base): no gradient, no optimizer state
 
     def write(self, value: torch.Tensor) -> None:
         """Set the piece's elements to `value` (flat, `end - start` elements)."""
@@ -61,7 +63,7 @@ def _segment_pieces(parallel, tensor: torch.Tensor, segments, params: dict, opti
         data = flat[seg.offset:seg.offset + seg.end - seg.start]
         replicated = sync.masters_replicated if optimized else False
         out.append(HeldPiece(f"model/{origin.name}", origin, seg.start, seg.end, data, replicated,
-                             tensor if optimized else None, seg.offset, sync.axis_of(param)))
+                             tensor if optimized else None, seg.offset, sync.axis_of(param), frozen=not optimized))
     return out
 
 
@@ -83,7 +85,8 @@ def model_pieces(parallel) -> list[HeldPiece]:
             continue  # a parameter (or a tied alias of one) held above
         origin = parallel.origin(name, t)
         data = t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1)
-        out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), data, True, target=t))
+        out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), data, True, target=t,
+                             frozen=isinstance(t, nn.Parameter) and not t.requires_grad))
     return out
 
 

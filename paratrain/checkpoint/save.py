@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import paratrain.comm as comm
+from paratrain.checkpoint.fingerprint import frozen_fingerprint
 from paratrain.checkpoint.format import (
     DTYPE_NAMES,
     FORMAT,
@@ -106,11 +107,7 @@ def _pieces_to_save(target: CheckpointTarget, exclude_frozen: bool) -> tuple[lis
     parallel = target.model
     pieces = model_pieces(parallel)
     if exclude_frozen:
-        module = parallel.module
-        frozen = {id(p) for p in module.parameters() if not p.requires_grad}
-        keys = {f"model/{parallel.origin(n, t).name}" for n, t in module.state_dict(keep_vars=True).items()
-                if id(t) in frozen}
-        pieces = [p for p in pieces if p.key not in keys]
+        pieces = [p for p in pieces if not p.frozen]
     everyone, _ = agree_on_pieces(pieces, parallel, target.mesh)
     mine = [d["owned"] for d in everyone if d["rank"] == target.mesh.rank]
     return pieces, mine
@@ -140,6 +137,8 @@ def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=N
     tag = _agree_on_tag(check_tag(tag), world, target.config.checkpoint.tag_validation)
     try:
         pieces, owned = _pieces_to_save(target, exclude_frozen_parameters)
+        # the base left out: what it was, so that resuming on another base is refused (checkpoint/fingerprint.py)
+        frozen = {"fingerprint": frozen_fingerprint(target.model, mesh)} if exclude_frozen_parameters else None
     except CheckpointError as exc:
         raise CheckpointError(f"saving checkpoint '{tag}' in '{save_dir}' refused, nothing was written: "
                               f"{exc}") from None
@@ -170,7 +169,7 @@ def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=N
     error = next((s["error"] for s in everyone if s["error"]), None)
     if error is None and mesh.rank == 0:
         try:
-            _publish(target, directory, tag, partial, everyone, save_latest)
+            _publish(target, directory, tag, partial, everyone, save_latest, frozen)
         except (CheckpointError, OSError) as exc:
             error = f"rank 0: {exc}"
     error = comm.all_gather_object(error, world, tag="checkpoint")[0] or error
@@ -183,7 +182,7 @@ def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=N
     return directory / tag
 
 
-def _manifest(target: CheckpointTarget, tag: str, everyone: list[dict]) -> dict:
+def _manifest(target: CheckpointTarget, tag: str, everyone: list[dict], frozen: dict | None = None) -> dict:
     tensors, pieces, scalars, groups = {}, {}, {}, {}
     for s in everyone:
         tensors.update(s["tensors"])
@@ -213,6 +212,7 @@ def _manifest(target: CheckpointTarget, tag: str, everyone: list[dict]) -> dict:
         "optimizer": {"type": type(target.optimizer).__name__, "groups": [groups[k] for k in sorted(groups, key=int)],
                       "scalars": scalars},
         "client_state": everyone[0]["client_state"],
+        "frozen_excluded": frozen,  # exclude_frozen_parameters: the base's fingerprint (None: the base is in)
         "tensors": dict(sorted(tensors.items())),
         "pieces": dict(sorted(pieces.items())),
         "files": {s["file"]: {"rank": s["rank"], **s["record"]} for s in everyone},
@@ -222,9 +222,9 @@ def _manifest(target: CheckpointTarget, tag: str, everyone: list[dict]) -> dict:
 
 
 def _publish(target: CheckpointTarget, directory: Path, tag: str, partial: Path, everyone: list[dict],
-             save_latest: bool) -> None:
+             save_latest: bool, frozen: dict | None = None) -> None:
     """Rank 0, once every rank's file is durable: manifest, atomic rename of the tag, then `latest`."""
-    write_manifest(partial, _manifest(target, tag, everyone))
+    write_manifest(partial, _manifest(target, tag, everyone, frozen))
     fsync_dir(partial)
     final = directory / tag
     if final.exists():  # overwrite: move the old copy aside (tag_dir() falls back to it), swap, delete it

@@ -53,6 +53,10 @@ class CheckpointConfig(Section):
     """After each save, delete all but the N newest complete checkpoints in the directory (0 keeps all)."""
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     """DeepSpeed's: when ranks pass different tags to save_checkpoint, warn (and use rank 0's), fail, or ignore."""
+    exclude_frozen_parameters: bool = False
+    """The checkpoints the engine saves by itself (save_every, the trainer's) leave the frozen parameters out
+    (DeepSpeed's save_checkpoint argument): a LoRA run stores its adapters and their state, not the base; a
+    fingerprint of the base is kept, and resuming on a different base is refused."""
     load_universal: bool = False
     """Accepted for DeepSpeed compatibility: every paratrain checkpoint loads under any layout."""
     load_weights: str | None = None

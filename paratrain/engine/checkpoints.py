@@ -34,8 +34,11 @@ class EngineCheckpoints:
                                 {"random": self.random_state} if states else {}, self.model_config)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
-        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N}."""
+                        exclude_frozen_parameters: bool | None = None) -> bool:
+        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N};
+        `exclude_frozen_parameters` to the config's checkpoint.exclude_frozen_parameters."""
+        if exclude_frozen_parameters is None:
+            exclude_frozen_parameters = self.config.checkpoint.exclude_frozen_parameters
         if self.train_state.window_micro_steps:
             raise CheckpointError(f"save_checkpoint was called in the middle of a gradient-accumulation window "
                                   f"(micro step {self.micro_steps}, {self.gradient_accumulation_steps()} per step): "
