@@ -18,7 +18,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def peft_hf(family: str = "llama", method: str = "lora", meta: bool = False, seed: int = 7,
-            reference: bool = False):
+            reference: bool = False, base_seed: int = 1):
     """A tiny transformers `family` model with LoRA (or DoRA) on every linear layer of its decoder; `meta`: built on
     the meta device (the engine fills it: the base as eager construction, the adapters from their names), whose
     reference gets the adapters paratrain draws with `seed`. `reference`: the inner transformers model instead."""
@@ -29,8 +29,8 @@ def peft_hf(family: str = "llama", method: str = "lora", meta: bool = False, see
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL_LINEAR), use_dora=method == "dora")
     if meta and not reference:
         with paratrain.init_empty():
-            return peft.get_peft_model(tiny_hf(family), config)
-    model = peft.get_peft_model(tiny_hf(family), config)
+            return peft.get_peft_model(tiny_hf(family, base_seed), config)
+    model = peft.get_peft_model(tiny_hf(family, base_seed), config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
