@@ -14,9 +14,11 @@ import difflib
 import fnmatch
 import re
 
+import torch
 from torch import nn
 
-from paratrain.adapters.lora import LoraLinear, lora_layers
+from paratrain.adapters.experts import ExpertLora
+from paratrain.adapters.lora import LoraLinear, draw_lora_a, lora_layers
 from paratrain.adapters.settings import AdapterSettings, adapter_generator
 from paratrain.errors import InvalidValueError
 
@@ -97,7 +99,8 @@ def inject_adapters(model: nn.Module, settings: AdapterSettings, seed: int) -> l
     """Wrap every target linear layer of `model` in a `LoraLinear` with the adapter of `settings` (initialized from
     `seed` and each tensor's name, the same in every layout), freeze the rest as peft does; in place."""
     check_settings(settings)
-    targets = matched_modules(model, settings.target_modules)
+    only_stacks = settings.target_parameters and not settings.target_modules
+    targets = [] if only_stacks else matched_modules(model, settings.target_modules)
     modules = dict(model.named_modules())
     for name in targets:
         module = modules[name]
@@ -109,6 +112,7 @@ def inject_adapters(model: nn.Module, settings: AdapterSettings, seed: int) -> l
                                f"expert stacks go in peft.target_parameters. Narrow the entry to the linear layers")
     to_save = matched_modules(model, settings.modules_to_save, "peft.modules_to_save") \
         if settings.modules_to_save else []
+    stacks = _matched_stacks(model, settings)
     for p in model.parameters():
         p.requires_grad_(False)
     name = settings.adapter_name
@@ -126,7 +130,50 @@ def inject_adapters(model: nn.Module, settings: AdapterSettings, seed: int) -> l
     for target in to_save:
         for p in model.get_submodule(target).parameters():
             p.requires_grad_(True)
+    for path, owner, attr, param in stacks:
+        _adapt_stack(path, owner, attr, param, settings, seed)
     return lora_layers(model)
+
+
+def _matched_stacks(model: nn.Module, settings: AdapterSettings) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """(path, owner, attribute, parameter) of every expert stack `target_parameters` selects (peft's rule: a
+    parameter's full name, or a suffix of it after a dot); anything else is refused by name."""
+    params = dict(model.named_parameters())
+    out = []
+    for entry in settings.target_parameters:
+        found = [n for n in params if n == entry or n.endswith("." + entry)]
+        if not found:
+            stacks = sorted({n.split(".")[-2] + "." + n.split(".")[-1] for n, p in params.items() if p.dim() == 3})
+            raise AdapterError(f"peft.target_parameters entry {entry!r} matches no parameter of "
+                               f"{type(model).__name__}; its stacked (3-d) parameters end in {stacks[:8] or 'nothing'}")
+        for name in found:
+            path, _, attr = name.rpartition(".")
+            owner = model.get_submodule(path)
+            if params[name].dim() != 3 or attr not in getattr(owner, "PROJECTIONS", ()) or \
+                    not isinstance(getattr(owner, "adapters", None), nn.ModuleDict):
+                raise AdapterError(f"peft.target_parameters selects '{name}' ({type(owner).__name__}, shape "
+                                   f"{list(params[name].shape)}), which is not an expert stack paratrain adapts: "
+                                   f"the (E, out, in) projections of paratrain's MoE experts (GroupedSwiGLU); "
+                                   f"linear layers go in peft.target_modules")
+            out.append((path, owner, attr, params[name]))
+    if out and settings.dora:
+        raise AdapterError("peft.method \"dora\" with peft.target_parameters: DoRA's magnitude on expert stacks is "
+                           "not built (peft refuses it too); use method \"lora\" for the experts")
+    return out
+
+
+def _adapt_stack(path: str, owner: nn.Module, attr: str, param: nn.Parameter, settings: AdapterSettings,
+                 seed: int) -> None:
+    """LoRA on one expert stack (`paratrain.adapters.experts`), A drawn from its own name, B zero."""
+    experts, out_features, in_features = param.shape
+    adapter = ExpertLora(experts, in_features, out_features, settings.adapter_name)
+    adapter.add_adapter(settings.adapter_name, settings.r, settings.alpha, settings.rslora, device=param.device,
+                        dtype=param.dtype)
+    owner.adapters[attr] = adapter
+    if not param.is_meta:
+        name = f"{path}.adapters.{attr}.lora_A.{settings.adapter_name}.weight"
+        with torch.no_grad():
+            draw_lora_a(adapter.lora_A[settings.adapter_name].weight, adapter_generator(seed, name), settings.init)
 
 
 def init_adapter(layer: LoraLinear, name: str, settings: AdapterSettings, seed: int) -> None:

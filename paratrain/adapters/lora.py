@@ -183,9 +183,9 @@ def merge_adapter(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
 def draw_lora_a(weight: torch.Tensor, generator: torch.Generator | None, init: str = "default") -> torch.Tensor:
     """A's initial values, in place: nn.Linear's default (kaiming-uniform with a = √5 on (r, in): U(±1/√in)), or
     "gaussian" N(0, 1/r), peft's two; drawn from `generator` in the same order whatever holds the tensor."""
-    if init == "gaussian":
-        return weight.normal_(0.0, 1.0 / weight.shape[0], generator=generator)
-    bound = 1.0 / math.sqrt(weight.shape[1])
+    if init == "gaussian":  # (an expert stack's A is (E, r, in): the last two dimensions)
+        return weight.normal_(0.0, 1.0 / weight.shape[-2], generator=generator)
+    bound = 1.0 / math.sqrt(weight.shape[-1])
     return weight.uniform_(-bound, bound, generator=generator)
 
 

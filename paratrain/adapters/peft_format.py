@@ -63,6 +63,7 @@ def adapter_config(settings: AdapterSettings, adapted: list[str]) -> str:
                   "lora_bias": settings.bias, "bias": "none", "fan_in_fan_out": False,
                   "init_lora_weights": "gaussian" if settings.init == "gaussian" else True,
                   "target_modules": sorted(adapted), "modules_to_save": list(settings.modules_to_save) or None,
+                  "target_parameters": list(settings.target_parameters) or None,
                   "base_model_name_or_path": settings.base_model_name_or_path, "inference_mode": True,
                   "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
@@ -78,4 +79,5 @@ def settings_from_config(config: dict, adapter: str = "default") -> AdapterSetti
         rslora=bool(config.get("use_rslora")), bias=bool(config.get("lora_bias")),
         init="gaussian" if config.get("init_lora_weights") == "gaussian" else "default",
         modules_to_save=tuple(config.get("modules_to_save") or ()), adapter_name=adapter,
+        target_parameters=tuple(config.get("target_parameters") or ()),
         base_model_name_or_path=config.get("base_model_name_or_path"))

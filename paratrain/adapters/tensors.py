@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.adapters.experts import expert_adapters
 from paratrain.adapters.lora import LoraLinear, base_weight, draw_lora_a, lora_layers
 from paratrain.adapters.settings import adapter_generator
 
@@ -40,6 +41,10 @@ def adapter_tensors(model: nn.Module) -> list[AdapterTensor]:
         for adapter, module in layer.lora_magnitude_vector.items():
             out.append(AdapterTensor(f"{path}.lora_magnitude_vector.{adapter}.weight", "magnitude",
                                      tuple(module.weight.shape), f"{path}.base_layer.weight", out_dim))
+    for path, adapter in expert_adapters(model):
+        for name, store in (("lora_A", adapter.lora_A), ("lora_B", adapter.lora_B)):
+            out += [AdapterTensor(f"{path}.{name}.{a}.weight", name if name == "lora_A" else "zeros",
+                                  tuple(m.weight.shape)) for a, m in store.items()]
     return out
 
 
@@ -58,6 +63,8 @@ def adapter_submodules(model: nn.Module) -> set[int]:
     for _, layer in lora_layers(model):
         for store in (layer.lora_A, layer.lora_B, layer.lora_magnitude_vector, layer.lora_dropout):
             out.update(id(m) for m in store.modules())
+    for _, adapter in expert_adapters(model):
+        out.update(id(m) for m in adapter.modules())
     return out
 
 

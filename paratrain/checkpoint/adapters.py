@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.adapters.experts import expert_adapters
 from paratrain.adapters.lora import lora_layers, merge_adapter
 from paratrain.adapters.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, is_adapter_name, peft_key
 from paratrain.adapters.settings import AdapterSettings
@@ -49,6 +50,9 @@ def merge_plan(parallel, mesh) -> dict[str, LayerMerge]:
             problem = (f"save_pretrained(merged=True): '{original}' has a bias on its LoRA B (peft.bias) but its base "
                        f"layer has none to fold it into; save the adapter unmerged")
         mine[original] = LayerMerge(layer.scaling[layer.active], layer.active, layer.is_dora(), transposed)
+    if expert_adapters(parallel.module):
+        problem = ("save_pretrained(merged=True) with adapters on expert stacks (peft.target_parameters): folding "
+                   "them into the stacked weights is not built; save the adapter unmerged")
     everyone = all_gather_object((mine, problem), mesh.axis(AXES), tag="save_pretrained")
     problem = next((p for _, p in everyone if p), None)
     if problem:

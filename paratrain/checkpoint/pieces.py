@@ -85,8 +85,9 @@ def model_pieces(parallel) -> list[HeldPiece]:
             continue  # a parameter (or a tied alias of one) held above
         origin = parallel.origin(name, t)
         data = t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1)
-        out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), data, True, target=t,
-                             frozen=isinstance(t, nn.Parameter) and not t.requires_grad))
+        # replicated over the axis the strategy reduces it over: an expert's over the ranks holding its experts
+        out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), data, True, dp_axis=sync.axis_of(t),
+                             target=t, frozen=isinstance(t, nn.Parameter) and not t.requires_grad))
     return out
 
 

@@ -35,6 +35,9 @@ class PeftConfig(Section):
     """The linear layers to adapt, as peft takes them: names ("q_proj" matches every module named so, or whose name
     ends with ".q_proj"), dotted patterns with wildcards ("model.layers.*.self_attn.q_proj"), or one string that is
     a regular expression the whole module name must match."""
+    target_parameters: list[str] = Field(default_factory=list)
+    """Expert stacks (E, out, in) to adapt, by parameter name as peft's `target_parameters` takes them
+    ("mlp.experts.gate_proj"): each expert gets its own A and B (paratrain's MoE experts; LoRA only)."""
     modules_to_save: list[str] = Field(default_factory=list)
     """Modules trained whole beside the adapters (a new head, say), saved with them."""
     adapter_name: str = "default"

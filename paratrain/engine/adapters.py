@@ -21,7 +21,8 @@ def settings_of(config: Config) -> AdapterSettings | None:
     targets = section.target_modules if isinstance(section.target_modules, str) else tuple(section.target_modules)
     given = dict(target_modules=targets, method=section.method, r=section.r, alpha=section.alpha,
                  dropout=section.dropout, rslora=section.rslora, bias=section.bias, init=section.init,
-                 modules_to_save=tuple(section.modules_to_save), adapter_name=section.adapter_name)
+                 modules_to_save=tuple(section.modules_to_save), adapter_name=section.adapter_name,
+                 target_parameters=tuple(section.target_parameters))
     if section.load is None:
         return AdapterSettings(**given)
     # peft.load: the directory's adapters, but for the keys the section sets (which must then agree with it)

@@ -43,7 +43,13 @@ class SwiGLU(nn.Module):
 
 
 class GroupedSwiGLU(nn.Module):
-    """E SwiGLU experts (down(silu(gate x) · up x)): `gate_proj`, `up_proj` (E, d_ff, d), `down_proj` (E, d, d_ff)."""
+    """E SwiGLU experts (down(silu(gate x) · up x)): `gate_proj`, `up_proj` (E, d_ff, d), `down_proj` (E, d, d_ff).
+
+    `adapters` maps a projection's name to a module that adds to it, (E, C, in) -> (E, C, out): LoRA on the
+    stacked weights (`paratrain.adapters.experts`), whose own stacked tensors `stacked_parameters` lists with the
+    weights, so expert parallelism keeps each rank's experts of both."""
+
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int):
         super().__init__()
@@ -51,15 +57,28 @@ class GroupedSwiGLU(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.up_proj = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.adapters = nn.ModuleDict()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         for weight in (self.gate_proj, self.up_proj, self.down_proj):
             _linear_init(weight)
 
+    def stacked_parameters(self) -> list[tuple[nn.Module, str]]:
+        """(owner, attribute) of every (E, ...) tensor: the three weights and their adapters' stacks."""
+        out = [(self, name) for name in self.PROJECTIONS]
+        for adapter in self.adapters.values():
+            out += adapter.stacked_parameters()
+        return out
+
+    def _project(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        out = _bmm_t(x, getattr(self, name))
+        return out + self.adapters[name](x) if name in self.adapters else out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (E, C, d) -> (E, C, d); the zero padding rows stay zero (no bias) and are never combined."""
-        return _bmm_t(F.silu(_bmm_t(x, self.gate_proj)) * _bmm_t(x, self.up_proj), self.down_proj)
+        hidden = F.silu(self._project(x, "gate_proj")) * self._project(x, "up_proj")
+        return self._project(hidden, "down_proj")
 
 
 # Modules without parameters that act element by element: applied to the whole (E, C, d) buffer they do to

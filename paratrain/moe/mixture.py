@@ -94,9 +94,8 @@ class MoELayer(RoutedLayer):
         self.step_totals: StepTotals | None = None  # this step's training forwards (stats.take_routing resets)
 
     def expert_layer(self) -> ExpertLayer:
-        """For expert parallelism: the three stacked (E, ...) projections of `experts`."""
-        return ExpertLayer(self.num_experts, [(self.experts, name) for name in ("gate_proj", "up_proj", "down_proj")],
-                           self._keep_experts)
+        """For expert parallelism: the three stacked (E, ...) projections of `experts` and their adapters'."""
+        return ExpertLayer(self.num_experts, self.experts.stacked_parameters(), self._keep_experts)
 
     def _keep_experts(self, group: ExpertGroup) -> None:
         self.experts.num_experts = group.local
