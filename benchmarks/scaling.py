@@ -40,7 +40,7 @@ from benchmarks.common import (
 from benchmarks.scaling_plot import plot
 from benchmarks.suite import DOC, RESULTS, ROOT, machine
 from paratrain.models import GPTConfig, gpt_config
-from paratrain.planner.memory import ceil_div, model_state_bytes
+from paratrain.planner.states import ceil_div, model_state_bytes
 
 STRATEGIES = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "TP", "PP"]
 ZERO_STAGE = {"DDP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3}

@@ -7,10 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+from paratrain.planner.adapters import LoraPlan, projections
 from paratrain.planner.enumerate import SearchSpace, plan
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES
-from paratrain.planner.model_specs import PlannerError, config_batch_size, model_spec
+from paratrain.planner.model_specs import PlannerError, config_batch_size, model_spec, with_adapters
 from paratrain.planner.report import compact_json, render
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
@@ -48,6 +49,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="store_true", help="also consider ZeRO optimizer offload to CPU")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                         help="muon: Muon on the blocks' matrices, AdamW on the rest (dense models)")
+    parser.add_argument("--lora-r", type=int, default=None,
+                        help="train LoRA adapters of this rank over a frozen base (the config's peft section)")
+    parser.add_argument("--lora-targets", type=_names, default=None,
+                        help="the projections to adapt (default: all of a block's), e.g. q_proj,v_proj or q,v")
+    parser.add_argument("--dora", action="store_true", help="DoRA adapters (with --lora-r)")
     parser.add_argument("--zero", type=_ints, default=(0, 1, 2, 3), help="ZeRO stages to consider, e.g. 1,2")
     parser.add_argument("--schedules", type=_names, default=SCHEDULES, help="pipeline schedules to consider")
     parser.add_argument("--recompute", type=_names, default=RECOMPUTE, help="none,selective,full")
@@ -79,6 +85,18 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
                     memory_headroom=args.headroom)
 
 
+def adapted_spec(spec, args: argparse.Namespace):
+    """The model trained through adapters (--lora-r), or as it is."""
+    if args.lora_r is None:
+        if args.lora_targets or args.dora:
+            raise PlannerError("--lora-targets / --dora need --lora-r, the adapters' rank")
+        return spec
+    if args.lora_r < 1:
+        raise PlannerError(f"--lora-r {args.lora_r}: the rank must be >= 1")
+    targets = args.lora_targets or tuple(projections(spec))
+    return with_adapters(spec, LoraPlan(args.lora_r, targets, args.dora))
+
+
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
     bad = [s for s in args.schedules if s not in SCHEDULES] + [r for r in args.recompute if r not in RECOMPUTE] + \
         [m for m in args.cp_methods if m not in CP_METHODS]
@@ -95,7 +113,7 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        spec = model_spec(args.model, args.seq)
+        spec = adapted_spec(model_spec(args.model, args.seq), args)
         hw = hardware_from_args(args)
         global_batch = args.global_batch or config_batch_size(args.model) or DEFAULT_GLOBAL_BATCH
         result = plan(spec, args.gpus, global_batch, hw, space_from_args(args))

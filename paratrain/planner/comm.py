@@ -43,33 +43,18 @@ prediction can equal a measurement exactly.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
+from paratrain.planner.adapters import adapter_tp_transfers, lora_units
 from paratrain.planner.layout import Layout, axis_name
-from paratrain.planner.memory import ceil_div, rank_params
-from paratrain.planner.model_specs import ModelSpec, rank_blocks
+from paratrain.planner.memory import rank_params
+from paratrain.planner.model_specs import ModelSpec
 from paratrain.planner.moe import all_to_all_elements, count_elements, dense_blocks, moe_blocks, rank_expert_params
-from paratrain.planner.muon import layer_matrix_params, layer_matrix_shapes, muon_params
+from paratrain.planner.muon import layer_matrix_params, muon_params, muon_transfers
+from paratrain.planner.stages import rank_blocks
+from paratrain.planner.states import ceil_div
+from paratrain.planner.transfer import DP_CP, Transfer
 
-DP_CP = ("dp", "cp")
 PP_TP = ("pp", "tp")
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Collectives of one kind a rank issues per optimizer step."""
-
-    axes: tuple[str, ...]  # mesh axes of the group
-    op: str  # all_reduce | all_gather | reduce_scatter | send | recv
-    elements: int  # payload elements per optimizer step (all calls together)
-    element_size: int
-    calls: int  # collectives per step (a bucketed reduction counts as one)
-    kind: str  # what the time model overlaps it with: dp_grad, dp_param, zero3_param, tp, pp, cp, ep, scalar
-    group: tuple[str, int] | None = None  # a sub-axis of `axes` (cp_ring, cp_ulysses, ep, edp): name and size
-
-    @property
-    def bytes(self) -> int:
-        return self.elements * self.element_size
 
 
 def zero3_units(spec: ModelSpec, layout: Layout, stage: int) -> list[tuple[int, int]]:
@@ -108,6 +93,22 @@ def data_parallel_transfers(layout: Layout, params: int, units: list[tuple[int, 
             Transfer(DP_CP, "reduce_scatter", m * reduced, size, m * len(units), "dp_grad", group)]
 
 
+def lora_data_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+    """With adapters (planner/adapters.py) the reductions move the trainable adapters only. ZeRO-3 gathers each
+    unit's frozen and trainable buffers (padded apart) and reduce-scatters the trainable ones; a root holding only
+    frozen tensors is never freed by a backward, so it is gathered once per step, not per micro-batch."""
+    units = lora_units(spec, layout, stage, rank_params(spec, layout, stage))
+    n, m, size = layout.shard_group, layout.grad_accum, layout.param_bytes
+    if layout.zero_stage < 3 or n == 1:
+        return data_parallel_transfers(layout, sum(t for t, _, _ in units))
+    padded = [((ceil_div(t, n) + ceil_div(f, n)) * n, times, t) for t, f, times in units]
+    gathered = sum(p * times * (m if t else 1) for p, times, t in padded)
+    reduced = [ceil_div(t, n) * n for t, _, _ in units if t]
+    return [Transfer(DP_CP, "all_gather", gathered, size, sum(times * (m if t else 1) for _, times, t in padded),
+                     "zero3_param"),
+            Transfer(DP_CP, "reduce_scatter", m * sum(reduced), size, m * len(reduced), "dp_grad")]
+
+
 def expert_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
     """The ep all-to-alls (token rows, and the forward's per-expert counts) and the routed experts' gradient
     reduction over edp (under ZeRO-3 one unit per MoE block: E/ep experts, gathered forward and backward)."""
@@ -135,11 +136,15 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
     bsh = layout.micro_batch * s_local * spec.d_model
     per_layer = 6 if layout.recompute == "full" else 4  # collectives of b s h per layer (see module doc)
     first, last = stage == 0, stage == layout.head_rank
+    # Through adapters the embedding is frozen: its output needs no gradient, so the first block's region entry
+    # (and, with SP, the embedding's split to s/tp) skips its backward collective; the norms, frozen, sum none.
+    frozen_input = int(spec.lora is not None and first)
     out = []
     if layout.sequence_parallel:
         # Each all-reduce becomes an all-gather + a reduce-scatter; the embedding's all-reduced output is
         # split to s/tp (its gradient gathered), the head's input gathered (its gradient scattered).
-        gathers, scatters = layers * per_layer + int(first) + int(last), layers * per_layer + int(last)
+        gathers = layers * per_layer + int(first) + int(last) - frozen_input
+        scatters = layers * per_layer + int(last) - frozen_input
         out += [Transfer(("tp",), "all_gather", m * gathers * bsh, e, m * gathers, "tp"),
                 Transfer(("tp",), "reduce_scatter", m * scatters * bsh, e, m * scatters, "tp")]
         if first:
@@ -148,12 +153,13 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
         # in every backward (the sum is an autograd op on the parameter).
         norm_grads = layers * spec.layernorm_params_per_layer() + (spec.final_norm_params() if last else 0)
         calls = layers * 4 + (2 if last else 0)
-        out.append(Transfer(("tp",), "all_reduce", m * norm_grads, layout.param_bytes, m * calls, "tp"))
+        if spec.lora is None:
+            out.append(Transfer(("tp",), "all_reduce", m * norm_grads, layout.param_bytes, m * calls, "tp"))
     else:
         # A MoE block's MLP stays whole on every tp rank (its plan marks it 'sequence'): only its attention's
         # half of a layer's all-reduces. (Under sequence parallelism that block is not calibrated.)
         moe = moe_blocks(spec, layout, stage) if spec.moe else 0
-        reduces = (layers - moe) * per_layer + moe * per_layer // 2 + int(first) + int(last)
+        reduces = (layers - moe) * per_layer + moe * per_layer // 2 + int(first) + int(last) - frozen_input
         out.append(Transfer(("tp",), "all_reduce", m * reduces * bsh, e, m * reduces, "tp"))
     if last:  # vocab-parallel cross-entropy: max, sum of exponentials, target logit, per token, fp32
         out.append(Transfer(("tp",), "all_reduce", m * 3 * layout.micro_batch * s_local, 4, 3 * m, "tp"))
@@ -235,28 +241,6 @@ def routing_transfer(spec: ModelSpec, layout: Layout, stage: int = 0) -> Transfe
     return Transfer(DP_CP, "all_reduce", blocks * (spec.num_experts + 4), 8, 1, "scalar")
 
 
-def muon_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
-    """Muon's collectives (`paratrain.muon.layout`), fp32: under ZeRO each flat buffer of its matrices (per ZeRO-1/2
-    group, per ZeRO-3 block) all-gathers the update and reduce-scatters the orthogonalized one over dp x cp; a
-    tp-split matrix is all-gathered over tp by who orthogonalizes it (all under DDP; its owner under ZeRO: there,
-    with tp > 1, the mean over the dp x cp ranks)."""
-    matrices = muon_params(spec, layout, stage)
-    if not matrices:
-        return []
-    out, n, blocks = [], layout.shard_group, dense_blocks(spec, layout, stage)
-    if layout.zero_stage >= 1 and n > 1:
-        flats = [layer_matrix_params(spec, layout.tp)] * blocks if layout.zero_stage == 3 else [matrices]
-        padded = sum(ceil_div(p, n) * n for p in flats)
-        out += [Transfer(DP_CP, "all_gather", padded, 4, len(flats), "dp_param"),
-                Transfer(DP_CP, "reduce_scatter", padded, 4, len(flats), "dp_grad")]
-    if layout.tp > 1:
-        whole = blocks * layer_matrix_params(spec)  # each whole matrix, gathered from its tp slices
-        share = n if layout.zero_stage >= 1 else 1
-        calls = blocks * len(layer_matrix_shapes(spec)) // share
-        out.append(Transfer(("tp",), "all_gather", whole // share, 4, calls, "tp"))
-    return out
-
-
 def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
     """Everything a rank of pipeline stage `stage` communicates in one optimizer step (`train_batch`)."""
     units = zero3_units(spec, layout, stage) if layout.zero_stage == 3 else None
@@ -268,6 +252,9 @@ def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Tran
     rest_units = [(p - block, t) if t == 2 else (p, t) for p, t in units] if units is not None else None
     data = data_parallel_transfers(layout, dense - matrices, rest_units) + muon_transfers(spec, layout, stage) + \
         data_parallel_transfers(layout, matrices, [(block, 2)] * blocks if units is not None else None)
+    if spec.lora is not None:  # adapters train, the base is frozen
+        data = lora_data_transfers(spec, layout, stage) + \
+            adapter_tp_transfers(spec, layout, rank_blocks(spec, layout, stage))
     transfers = (data
                  + tensor_parallel_transfers(spec, layout, stage) + pipeline_transfers(spec, layout, stage)
                  + context_parallel_transfers(spec, layout, stage) + expert_parallel_transfers(spec, layout, stage)

@@ -26,7 +26,6 @@ its routed experts (`expert_block_params`, split over ep, never over tp). See do
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,8 +38,7 @@ from paratrain.models.llama.model import LlamaConfig
 from paratrain.models.llama_moe.model import PRESETS as LLAMA_MOE_PRESETS
 from paratrain.models.llama_moe.model import LlamaMoEConfig
 from paratrain.models.registry import preset_config
-from paratrain.parallel.pp.v_partition import v_balanced_boundaries
-from paratrain.planner.layout import V_SCHEDULES, Layout
+from paratrain.planner.adapters import LoraPlan, layer_adapter_params, projections
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS, **LLAMA_MOE_PRESETS}
 
@@ -55,6 +53,7 @@ class ModelSpec:
     name: str  # preset the config's trainer.model names
     config: GPTConfig | LlamaConfig | LlamaMoEConfig
     overrides: dict = field(default_factory=dict)  # trainer.model_overrides relative to the preset
+    lora: LoraPlan | None = None  # adapters over a frozen base (planner/adapters.py), or full training
 
     # ---- dimensions (the letters of Korthikanti et al.: s, h, a, L, V) ----------------------------
     @property
@@ -200,8 +199,13 @@ class ModelSpec:
     # ---- FLOPs ------------------------------------------------------------------------------------
     @property
     def flops_per_token(self) -> int:
-        """6 per parameter (forward + backward) + attention scores/values: `GPTConfig.flops_per_token`."""
-        return self.config.flops_per_token()
+        """6 per parameter (forward + backward) + attention scores/values: `GPTConfig.flops_per_token`. Through
+        adapters the frozen base needs no weight gradient (4 per parameter) and the adapters all 6."""
+        flops = self.config.flops_per_token()
+        if self.lora is None:
+            return flops
+        matmul = (flops - 12 * self.n_layer * self.d_model * self.seq_len) // 6
+        return flops - 2 * matmul + 6 * self.n_layer * layer_adapter_params(self)
 
     def attention_flops_per_token_per_layer(self) -> int:
         """QK^T and AV: 2*s*h each forward, times 3 for forward + backward (the 12*s*h of flops_per_token)."""
@@ -216,35 +220,15 @@ class ModelSpec:
             shared = self.config.shared_experts
             moe = (f", {self.n_moe_layers} MoE blocks of {self.num_experts} experts top-{self.top_k} d_expert "
                    f"{self.config.d_expert}" + (f" +{shared} shared" if shared else ""))
+        lora = f"; {'DoRA' if self.lora.dora else 'LoRA'} r={self.lora.r} on {','.join(self.lora.targets)}: " \
+            f"{format_count(self.n_layer * layer_adapter_params(self))} trainable, the base frozen" if self.lora else ""
         return (f"{self.name}{'*' if self.overrides else ''}: {count}, "
                 f"{self.n_layer} layers, d_model {self.d_model}, {self.n_head} heads{kv}, d_ff {self.d_ff}, "
-                f"seq {self.seq_len}, vocab {self.vocab_size}{moe}")
+                f"seq {self.seq_len}, vocab {self.vocab_size}{moe}{lora}")
 
 
 def format_count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def stage_layers(n_layer: int, stages: int) -> list[int]:
-    """Blocks per pipeline stage for a uniform split: the first `n_layer % stages` stages take one more."""
-    base, extra = divmod(n_layer, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)]
-
-
-def rank_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:
-    """Transformer blocks a pp rank holds: `stage_layers` for the loop placement; under a V schedule those of
-    its two chunks (rank and 2p - 1 - rank) in the pipeline's uniform split of the n_layer + 2 pipeline layers
-    (embedding, blocks, head) into 2p chunks balanced per rank (`v_balanced_boundaries`)."""
-    if layout.schedule not in V_SCHEDULES:
-        return stage_layers(spec.n_layer, layout.pp)[rank]
-    return _v_blocks(spec.n_layer, layout.pp)[rank]
-
-
-@functools.lru_cache(maxsize=256)
-def _v_blocks(n_layer: int, pp: int) -> tuple[int, ...]:
-    bounds = v_balanced_boundaries([1.0] * (n_layer + 2), pp)
-    per_chunk = [len(set(range(bounds[c], bounds[c + 1])) & set(range(1, n_layer + 1))) for c in range(2 * pp)]
-    return tuple(per_chunk[r] + per_chunk[2 * pp - 1 - r] for r in range(pp))
 
 
 def spec_from_config(config: GPTConfig | LlamaConfig | LlamaMoEConfig, name: str = "custom") -> ModelSpec:
@@ -298,3 +282,14 @@ def config_batch_size(model: str) -> int | None:
         return None
     value = json.loads(path.read_text()).get("train_batch_size")
     return int(value) if isinstance(value, int) else None
+
+
+def with_adapters(spec: ModelSpec, plan: LoraPlan) -> ModelSpec:
+    """`spec` trained through adapters (`paratrain plan --lora-r`); targets it has no projection of are refused."""
+    unknown = [t for t in plan.targets if t not in projections(spec)]
+    if unknown:
+        raise PlannerError(f"--lora-targets {unknown} are not projections of {spec.name}; use some of "
+                           f"{list(projections(spec))}")
+    if spec.moe:
+        raise PlannerError(f"--lora-r with {spec.name}: the planner costs adapters on dense models only")
+    return ModelSpec(spec.name, spec.config, spec.overrides, plan)

@@ -24,7 +24,8 @@ import functools
 
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import V_SCHEDULES, Layout
-from paratrain.planner.model_specs import ModelSpec, rank_blocks, stage_layers
+from paratrain.planner.model_specs import ModelSpec
+from paratrain.planner.stages import rank_blocks, stage_layers
 
 
 def dense_blocks(spec: ModelSpec, layout: Layout, rank: int) -> int:

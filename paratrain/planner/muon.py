@@ -1,12 +1,14 @@
 """Muon in the planner: which parameters it updates (the blocks' 2-d weights, `paratrain.muon`; norms, biases,
 embeddings and the head stay on AdamW). Its state (one fp32 buffer per element, `memory.rank_model_states`) and
-collectives (`comm.muon_transfers`) are counted from these."""
+collectives (`muon_transfers`) are counted from these."""
 
 from __future__ import annotations
 
 from paratrain.planner.layout import Layout
 from paratrain.planner.model_specs import ModelSpec, PlannerError
 from paratrain.planner.moe import dense_blocks
+from paratrain.planner.states import ceil_div
+from paratrain.planner.transfer import DP_CP, Transfer
 
 
 def layer_matrix_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
@@ -33,3 +35,25 @@ def muon_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
         raise PlannerError("the planner does not model Muon on a mixture-of-experts model yet; plan it with AdamW "
                            "(its Muon state is one fp32 buffer per matrix element instead of AdamW's two)")
     return dense_blocks(spec, layout, stage) * layer_matrix_params(spec, layout.tp)
+
+
+def muon_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+    """Muon's collectives (`paratrain.muon.layout`), fp32: under ZeRO each flat buffer of its matrices (per ZeRO-1/2
+    group, per ZeRO-3 block) all-gathers the update and reduce-scatters the orthogonalized one over dp x cp; a
+    tp-split matrix is all-gathered over tp by who orthogonalizes it (all under DDP; its owner under ZeRO: there,
+    with tp > 1, the mean over the dp x cp ranks)."""
+    matrices = muon_params(spec, layout, stage)
+    if not matrices:
+        return []
+    out, n, blocks = [], layout.shard_group, dense_blocks(spec, layout, stage)
+    if layout.zero_stage >= 1 and n > 1:
+        flats = [layer_matrix_params(spec, layout.tp)] * blocks if layout.zero_stage == 3 else [matrices]
+        padded = sum(ceil_div(p, n) * n for p in flats)
+        out += [Transfer(DP_CP, "all_gather", padded, 4, len(flats), "dp_param"),
+                Transfer(DP_CP, "reduce_scatter", padded, 4, len(flats), "dp_grad")]
+    if layout.tp > 1:
+        whole = blocks * layer_matrix_params(spec)  # each whole matrix, gathered from its tp slices
+        share = n if layout.zero_stage >= 1 else 1
+        calls = blocks * len(layer_matrix_shapes(spec)) // share
+        out.append(Transfer(("tp",), "all_gather", whole // share, 4, calls, "tp"))
+    return out

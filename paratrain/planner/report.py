@@ -64,6 +64,8 @@ def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> 
     trainer = dict(cfg.get("trainer", {}))
     trainer.update(model=spec.name, model_overrides=dict(spec.overrides))
     cfg["trainer"] = trainer
+    if spec.lora is not None:  # the adapters the plan costs (its base frozen)
+        cfg["peft"] = spec.lora.section()
     load_config(cfg)  # the promise: what we print is a valid config
     return cfg
 

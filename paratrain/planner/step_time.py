@@ -27,12 +27,15 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from paratrain.planner.adapters import layer_adapter_params
 from paratrain.planner.comm import Transfer, rank_transfers
 from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds, measured_seconds
 from paratrain.planner.layout import Layout, axis_name
-from paratrain.planner.memory import ceil_div, rank_params
-from paratrain.planner.model_specs import ModelSpec, rank_blocks
+from paratrain.planner.memory import rank_params
+from paratrain.planner.model_specs import ModelSpec
 from paratrain.planner.moe import dense_blocks, expert_bandwidth, moe_blocks, rank_expert_params
+from paratrain.planner.stages import rank_blocks
+from paratrain.planner.states import ceil_div
 
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW reads p, g, m, v and writes p, m, v (fp32 or 16-bit + fp32 master)
 
@@ -77,15 +80,18 @@ def stage_flops_per_token(spec: ModelSpec, layout: Layout, stage: int, recompute
     attention = spec.attention_flops_per_token_per_layer()
     matmul = 4 / 3 if recompute == "full" else 1.0  # full recompute: one more forward of every matmul
     attention *= 4 / 3 if recompute in ("full", "selective") else 1.0
-    total = dense_blocks(spec, layout, stage) * (6 * spec.layer_params() * matmul + attention)
+    # a frozen base costs forward and input gradient (4 per parameter), its adapters all three (6)
+    per_param = 4 if spec.lora is not None else 6
+    adapters = 6 * layer_adapter_params(spec) if spec.lora is not None else 0
+    total = dense_blocks(spec, layout, stage) * ((per_param * spec.layer_params() + adapters) * matmul + attention)
     if spec.moe:  # the MoE MLP is whole on every tp rank: each repeats it on all tokens without SP
         repeat = 1 if layout.sequence_parallel else layout.tp
         per_block = 6 * (spec.active_moe_block_params() + (repeat - 1) * spec.moe_mlp_params()) * matmul
         total += moe_blocks(spec, layout, stage) * (per_block + attention)
     if stage == 0:
-        total += 6 * spec.embed_params()
+        total += per_param * spec.embed_params()
     if stage == layout.head_rank:
-        total += 6 * spec.head_params()
+        total += per_param * spec.head_params()
     return total
 
 

@@ -24,10 +24,11 @@ from paratrain.comm import build_mesh
 from paratrain.layout.mesh import AXES, COMBINED_AXES, ParallelDims
 from paratrain.models import GPTConfig
 from paratrain.models.registry import build_model, preset_config
+from paratrain.planner.adapters import GPT_TARGETS, LoraPlan
 from paratrain.planner.comm import measured_without_calls, predict_comm
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import expert_state_bytes, rank_model_states
-from paratrain.planner.model_specs import spec_from_config
+from paratrain.planner.model_specs import spec_from_config, with_adapters
 from paratrain.planner.report import layout_config
 from tests.cases import TINY, corpus_windows
 
@@ -143,8 +144,37 @@ def _measure(config: dict) -> dict:
 
 @pytest.mark.parametrize("layout,extra", CALIBRATION)
 def test_planner_predictions_match_the_engine(request, layout, extra):
-    spec = MOE_SPEC if layout.ep > 1 else SPEC
-    world = request.getfixturevalue(f"world{layout.world}")
+    _check(request.getfixturevalue(f"world{layout.world}"), MOE_SPEC if layout.ep > 1 else SPEC, layout, extra)
+
+
+# Adapters over a frozen base (planner/adapters.py): LoRA on q, v, o, fc, proj of the GPT, DoRA on all six; the
+# adapters' states and reductions, the frozen base whole or in ZeRO-3's shards, the adapters' tp collectives.
+LORA = with_adapters(SPEC, LoraPlan(4, ("q", "v", "o", "fc", "proj")))
+DORA = with_adapters(SPEC, LoraPlan(4, GPT_TARGETS, dora=True))
+NO_PERSIST = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+ADAPTERS = [
+    pytest.param(LORA, Layout(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), {}, id="lora-ddp-dp2"),
+    pytest.param(LORA, Layout(dp=4, zero_stage=1, micro_batch=1, grad_accum=2, precision="bf16"), {},
+                 id="lora-dp4-zero1-bf16"),
+    pytest.param(DORA, Layout(dp=4, zero_stage=2, micro_batch=1, grad_accum=2, precision="fp32"), {},
+                 id="dora-dp4-zero2"),
+    pytest.param(LORA, Layout(dp=4, zero_stage=3, micro_batch=1, grad_accum=2, precision="fp32"), NO_PERSIST,
+                 id="lora-dp4-zero3"),
+    pytest.param(DORA, Layout(dp=2, tp=2, zero_stage=3, micro_batch=2, grad_accum=1, sequence_parallel=True,
+                              precision="fp32"), NO_PERSIST, id="dora-dp2-tp2-sp-zero3"),
+    pytest.param(DORA, Layout(dp=2, tp=2, micro_batch=2, grad_accum=2, recompute="full", precision="fp32"), {},
+                 id="dora-dp2-tp2-full"),
+    pytest.param(LORA, Layout(dp=2, pp=2, zero_stage=1, schedule="1f1b", micro_batch=1, grad_accum=4,
+                              precision="fp32"), {}, id="lora-dp2-pp2-zero1"),
+]
+
+
+@pytest.mark.parametrize("spec,layout,extra", ADAPTERS)
+def test_planner_predictions_match_the_engine_with_adapters(request, spec, layout, extra):
+    _check(request.getfixturevalue(f"world{layout.world}"), spec, layout, extra)
+
+
+def _check(world, spec, layout: Layout, extra: dict) -> None:
     config = _merge(layout_config(spec, layout), extra)
     for rank, got in enumerate(world.run(_measure, config)):
         stage = got["coords"]["pp"]

@@ -15,10 +15,10 @@ from paratrain.planner.memory import (
     estimate_memory,
     in_flight,
     layer_activations,
-    model_state_bytes,
     rank_params,
 )
 from paratrain.planner.model_specs import spec_from_config
+from paratrain.planner.states import model_state_bytes
 from paratrain.testing.activations import saved_activation_bytes
 from paratrain.zero import estimate_memory as zero_estimate_memory
 

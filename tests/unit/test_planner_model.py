@@ -12,7 +12,8 @@ from paratrain.models.gpt.model import GPT, PRESETS, GPTConfig
 from paratrain.models.gpt.spec import GPT_PLAN
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
-from paratrain.planner.model_specs import PlannerError, model_spec, spec_from_config, stage_layers
+from paratrain.planner.model_specs import PlannerError, model_spec, spec_from_config
+from paratrain.planner.stages import stage_layers
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
 

@@ -14,7 +14,7 @@ from paratrain.planner.cli import add_plan_arguments, run_plan
 from paratrain.planner.comm import predict_comm, routing_transfer
 from paratrain.planner.enumerate import enumerate_layouts, invalid_reason
 from paratrain.planner.hardware import collective_seconds
-from paratrain.planner.memory import expert_state_bytes, model_state_bytes, rank_params
+from paratrain.planner.memory import expert_state_bytes, rank_params
 from paratrain.planner.model_specs import spec_from_config
 from paratrain.planner.moe import (
     all_to_all_elements,
@@ -23,6 +23,7 @@ from paratrain.planner.moe import (
     moe_blocks,
     rank_expert_params,
 )
+from paratrain.planner.states import model_state_bytes
 
 MIXTRAL = model_spec("mixtral-8x7b")
 H, D_EXPERT, LAYERS, SEQ = 4096, 14336, 32, 4096

@@ -1,0 +1,126 @@
+"""Adapters in the plan: LoRA (or DoRA) on the blocks' projections, over a frozen base (`paratrain plan --lora-r`).
+
+Per block and tensor-parallel rank, an adapted projection of `in` inputs and `out` outputs adds (tp/lora.py):
+
+    column-parallel (q, k, v, fc / gate, up)   A r·in whole, B r·out/tp (+ DoRA's m out/tp)
+    row-parallel (o, proj / o, down)            A r·in/tp, B r·out whole (+ m out whole)
+
+The adapters are the trainable parameters Ψ_a: their gradients, masters and optimizer state follow the ZeRO
+stage's formulas (`paratrain.zero.estimate_memory`); the whole base is frozen, F parameters, held in the compute
+dtype whole (stages 0-2) or sharded per ZeRO-3 unit (each unit's frozen and trainable buffers padded apart).
+Communication: the data-parallel reductions move Ψ_a; ZeRO-3 gathers each unit's frozen and trainable buffers
+(twice for a block, once for the root) and reduce-scatters the trainable ones. Over tp, per adapted block and
+micro-batch: the column-parallel A's gradient summed (r·in, an all-reduce in every backward), the row-parallel A's
+output reduced like the base's (b·s·r, all-reduced forward, or reduce-scattered forward and all-gathered backward
+under SP), under SP the row-parallel B's and m's gradients summed, and DoRA's row norms of a row-parallel layer
+all-reduced (out per forward). Compute: the base costs forward and input gradient only (4 per parameter and token),
+the adapters all three (6). tests/distributed/test_planner_calibration.py holds these equal to the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.planner.layout import Layout
+from paratrain.planner.stages import rank_blocks
+from paratrain.planner.states import ModelStates, ceil_div, model_state_bytes
+from paratrain.planner.transfer import Transfer
+
+GPT_TARGETS = ("q", "k", "v", "o", "fc", "proj")
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    r: int
+    targets: tuple[str, ...]  # the family's projection names (GPT_TARGETS, LLAMA_TARGETS)
+    dora: bool = False
+
+    def section(self) -> dict:
+        """The config's `peft` section putting these adapters in."""
+        return {"method": "dora" if self.dora else "lora", "r": self.r, "alpha": 2 * self.r,
+                "target_modules": list(self.targets)}
+
+
+def projections(spec) -> dict[str, tuple[int, int, str]]:
+    """{name: (in, out, "colwise" | "rowwise")} of one block's projections (TP plans of the families)."""
+    h, f = spec.d_model, spec.d_ff
+    if not spec.llama:
+        return {"q": (h, h, "colwise"), "k": (h, h, "colwise"), "v": (h, h, "colwise"), "o": (h, h, "rowwise"),
+                "fc": (h, f, "colwise"), "proj": (f, h, "rowwise")}
+    hd = spec.config.head_dim
+    q, kv = spec.n_head * hd, spec.n_kv_head * hd
+    return {"q_proj": (h, q, "colwise"), "k_proj": (h, kv, "colwise"), "v_proj": (h, kv, "colwise"),
+            "o_proj": (q, h, "rowwise"), "gate_proj": (h, f, "colwise"), "up_proj": (h, f, "colwise"),
+            "down_proj": (f, h, "rowwise")}
+
+
+def adapted(spec) -> list[tuple[int, int, str]]:
+    """(in, out, style) of every adapted projection of one block."""
+    shapes = projections(spec)
+    return [shapes[name] for name in spec.lora.targets] if spec.lora else []
+
+
+def layer_adapter_params(spec, tp: int = 1) -> int:
+    """Adapter parameters of one block on one tp rank (the module note)."""
+    r, dora, total = spec.lora.r, spec.lora.dora, 0
+    for n_in, n_out, style in adapted(spec):
+        if style == "colwise":
+            total += r * n_in + r * n_out // tp + (n_out // tp if dora else 0)
+        else:
+            total += r * n_in // tp + r * n_out + (n_out if dora else 0)
+    return total
+
+
+def adapter_tp_transfers(spec, layout: Layout, blocks: int) -> list:
+    """The adapters' tensor-parallel collectives of `blocks` adapted blocks per optimizer step (the module note)."""
+    if layout.tp == 1 or not spec.lora or not blocks:
+        return []
+    m, e, p, r = layout.grad_accum, layout.activation_bytes, layout.param_bytes, spec.lora.r
+    forwards = 2 if layout.recompute == "full" else 1
+    bsr = layout.micro_batch * (spec.seq_len // layout.cp) * r
+    col = [(n_in, n_out) for n_in, n_out, style in adapted(spec) if style == "colwise"]
+    row = [(n_in, n_out) for n_in, n_out, style in adapted(spec) if style == "rowwise"]
+    grads = sum(r * n_in for n_in, _ in col)  # column-parallel A, summed in every backward
+    calls = len(col)
+    out = []
+    if layout.sequence_parallel:
+        grads += sum(r * n_out + (n_out if spec.lora.dora else 0) for _, n_out in row)  # B and m on s/tp tokens
+        calls += len(row) * (2 if spec.lora.dora else 1)
+        out += [Transfer(("tp",), "reduce_scatter", m * blocks * len(row) * forwards * bsr, e,
+                         m * blocks * len(row) * forwards, "tp"),
+                Transfer(("tp",), "all_gather", m * blocks * len(row) * bsr, e, m * blocks * len(row), "tp")]
+    else:
+        out.append(Transfer(("tp",), "all_reduce", m * blocks * len(row) * forwards * bsr, e,
+                            m * blocks * len(row) * forwards, "tp"))
+    out.append(Transfer(("tp",), "all_reduce", m * blocks * grads, p, m * blocks * calls, "tp"))
+    if spec.lora.dora and row:  # each forward's row norms of a row-parallel layer (the compute dtype)
+        norms = sum(n_out for _, n_out in row)
+        out.append(Transfer(("tp",), "all_reduce", m * blocks * forwards * norms, p,
+                            m * blocks * forwards * len(row), "tp"))
+    return out
+
+
+def lora_units(spec, layout: Layout, stage: int, base: int) -> list[tuple[int, int, int]]:
+    """(trainable, frozen, all-gathers per micro-batch) of each ZeRO-3 unit of a rank: its blocks (their adapters
+    and base, gathered forward and backward) and the root (the rest of the base: embedding, final norm, head,
+    gathered once)."""
+    blocks = rank_blocks(spec, layout, stage)
+    trainable, frozen = layer_adapter_params(spec, layout.tp), spec.layer_params(layout.tp)
+    root = base - blocks * frozen
+    return [(trainable, frozen, 2)] * blocks + ([(0, root, 1)] if root else [])
+
+
+def lora_model_states(spec, layout: Layout, stage: int, base: int) -> ModelStates:
+    """Model-state bytes of a rank with adapters: the adapters' states by the ZeRO stage's formula and the frozen
+    `base` (this rank's parameters of the model) in the compute dtype, whole or, under ZeRO-3, one shard of each
+    unit's padded frozen buffer."""
+    n = layout.shard_group
+    if layout.zero_stage == 3:
+        units = lora_units(spec, layout, stage, base)
+        trainable = sum(ceil_div(t, n) * n for t, _, _ in units)
+        frozen = sum(ceil_div(f, n) * n for _, f, _ in units)
+    else:
+        trainable, frozen = rank_blocks(spec, layout, stage) * layer_adapter_params(spec, layout.tp), base
+    return model_state_bytes(trainable, n, layout.zero_stage, layout.precision, layout.offload_optimizer,
+                             frozen_params=frozen)
