@@ -67,6 +67,7 @@ class Step:
     """
 
     name = "step"
+    relabels = False  # True: the step only gives the model's tensors other names and changes nothing in it
 
     def origin(self, found: Origin) -> Origin:
         """Coordinates after this step -> coordinates before it (no communication)."""
@@ -89,6 +90,7 @@ class Renamed(Step):
     """The model's own names -> the names it is known by (a PipelineModule's `layer_names`)."""
 
     name = "names"
+    relabels = True
 
     def __init__(self, to_original: dict[str, str]):
         self.to_original = to_original
