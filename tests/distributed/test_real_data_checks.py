@@ -142,21 +142,25 @@ def test_peers_fed_different_micro_batches_are_named_on_every_rank(world4):
 
 
 def _disagreeing_peer(variant: str) -> str:
-    """tp2 (one replica of two ranks), two micro-batches a step: rank 1's differ from rank 0's in one way only."""
-    cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2, tensor_parallel={"size": 2})
+    """One replica of two ranks (tp2; pp2 for the order of micro-batches, which a pipeline checks as one list),
+    two micro-batches a step: rank 1's differ from rank 0's in one way only. The labels of positions 7 and 8 are
+    -100, so moving the document boundary from 8 to 7 masks no other target."""
+    layout = {"pipeline": {"stages": 2}} if variant == "micro-batch order" else {"tensor_parallel": {"size": 2}}
+    cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2, **layout)
     engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg)
     data = corpus_windows()
     ids = [torch.stack([data[2 * k + i][0] for i in range(2)]) for k in range(2)]
-    batches = [{"input_ids": x, "labels": x.clone(), "position_ids": torch.arange(16).repeat(2, 1),
+    batches = [{"input_ids": x, "labels": x.masked_fill((torch.arange(16) == 7) | (torch.arange(16) == 8), -100),
+                "position_ids": torch.arange(16).repeat(2, 1),
                 "document_ids": torch.tensor([[0] * 8 + [1] * 8, [0] * 16])} for x in ids]
     if dist.get_rank() == 1:
         first = batches[0]
         if variant == "two tokens swapped":
             first["input_ids"] = first["input_ids"].clone()
             first["input_ids"][0, [3, 9]] = first["input_ids"][0, [9, 3]]
-            first["labels"] = first["input_ids"].clone()
+            first["labels"] = first["input_ids"].masked_fill(first["labels"] == -100, -100)
         elif variant == "targets only":
-            first["labels"] = first["labels"].masked_fill(torch.arange(16) == 5, -100)
+            first["labels"] = first["labels"].masked_fill(torch.arange(16) == 5, -100)  # one target fewer
         elif variant == "positions only":
             first["position_ids"] = torch.cat([torch.arange(8), torch.arange(8)]).repeat(2, 1)
         elif variant == "documents only":
