@@ -88,6 +88,27 @@ def test_owners_balance_the_newton_schulz_work():
     assert max(load) - min(load) <= biggest, load  # greedy, largest first: within one matrix of even
 
 
+def test_owners_balance_a_shape_mix_that_round_robin_would_not():
+    """Big and small matrices alternating in the buffer, two ranks: dealt in turn, rank 0 would get every big
+    one (loads 3B and 3s); largest first to the least loaded gives 2B and B + 3s, within one matrix of even."""
+    from paratrain.layout.mesh import Axis
+
+    shapes = [(32, 32), (8, 8)] * 3
+    pieces, offset = [], 0
+    for shape in shapes:
+        pieces.append(Piece(offset, shape, Placement()))
+        offset += shape[0] * shape[1]
+    layout = MasterLayout(tuple(pieces), offset, Axis("dp", (0, 1), 0, None))
+    owners = assign_owners([layout], steps=5)
+    big, small = ns_flops((32, 32), 5), ns_flops((8, 8), 5)
+    load = [0, 0]
+    for (_, pi, _), owner in owners.items():
+        load[owner] += ns_flops(layout.pieces[pi].matrix_shape, 5)
+    assert sorted(load) == sorted([2 * big, big + 3 * small]), load
+    assert max(load) - min(load) <= big
+    assert [owners[(0, pi, 0)] for pi in (0, 2, 4)] == [0, 1, 0]  # the big ones spread over both ranks
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="optimizer.params.adamw.beta"):
         load_config({"optimizer": {"type": "Muon", "params": {"adamw": {"beta": [0.9, 0.95]}}}})
