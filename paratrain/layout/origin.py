@@ -102,5 +102,9 @@ class Renamed(Step):
     def forward_name(self, name: str) -> str:
         return self.from_original.get(name, name)
 
+    def explain(self, name: str) -> str | None:
+        own = self.from_original.get(name)
+        return None if own is None else f"the PipelineModule's layer_names call its tensor '{own}' '{name}'"
+
     def note(self) -> str:
         return f"layer names: {len(self.to_original)} tensors known by the model's layer_names"
