@@ -60,7 +60,11 @@ class Documents:
         return self.ids.shape[1]
 
     def to(self, device: torch.device) -> Documents:
-        return self if self.ids.device == device else Documents(self.ids.to(device))
+        """The ids on `device`; the runs, once read (from host memory, `paratrain.data.token_layout`), come along."""
+        if self.ids.device == device:
+            return self
+        return Documents(self.ids.to(device, non_blocking=True),
+                         {"runs": self._masks["runs"]} if "runs" in self._masks else {})
 
     def runs(self) -> list[list[tuple[int, int]]] | None:
         """Per row, the (start, end) of each run of equal ids; None when some id has more than one run."""

@@ -24,7 +24,7 @@ untimed; NCCL's watchdog enforces the same timeout (`init_process_group(timeout=
 A rank that raises inside a step (bad data on one rank, say) never reaches the next collective, and its peers
 would wait there for the whole timeout. The engine publishes such an error in the process group's key-value
 store (`publish_failure`); a timed wait that has not completed after `FIRST_WAIT_S` looks there every
-`POLL_S` and raises `PeerFailed`, naming the rank and its error, so every rank stops within about a second.
+`POLL_S` and raises `PeerFailed`, naming the rank and its error, so no rank waits for the timeout.
 The fast path (a collective that completes at once) never touches the store.
 
 [Note: stopping]

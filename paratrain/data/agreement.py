@@ -3,8 +3,9 @@ ranks) must all run on the same samples, and a loader seeded by the global rank 
 
     check_same_batches([batch, ...], mesh)   # collective over the world: every rank raises the same error
 
-Each rank reduces its micro-batches to one 64-bit fingerprint (shapes, dtypes and every element, weighted by a
-fixed pseudo-random sequence so that swapped elements count), the world all-gathers one (fingerprint, dp
+Each rank reduces its micro-batches to one 64-bit fingerprint (shapes, dtypes and every element of the ids,
+targets, positions and documents, weighted by a fixed pseudo-random sequence so that swapped elements count, the
+tensors chained in order so that swapped micro-batches count), the world all-gathers one (fingerprint, dp
 coordinate) pair per rank, and every rank compares the fingerprints within each replica. All ranks see the same
 gathered numbers, so they raise together, before the step's first collective could pair up wrong tensors. The
 engine runs it on the first steps, or on every step with `batch_agreement: "every_step"` (a debug mode: one
@@ -44,13 +45,15 @@ def _tensors(batch) -> list[torch.Tensor]:
 
 
 def fingerprint(batches: list) -> int:
-    """One 64-bit number for a list of micro-batches (integer arithmetic wraps the same way everywhere)."""
+    """One 64-bit number for a list of micro-batches (integer arithmetic wraps the same way everywhere). Each
+    tensor's elements are weighted by position, and the tensors are chained in order (total * a prime + next), so
+    swapped tokens and micro-batches taken in another order count too."""
     total = torch.zeros((), dtype=torch.int64)
     for i, batch in enumerate(batches):
         for j, t in enumerate(_tensors(batch)):
             values = t.detach().cpu().reshape(-1)
             values = values.double().view(torch.int64) if values.is_floating_point() else values.long()
-            total += _header(i, j, t) + (values * _weights(values.numel())).sum()
+            total = total * 1_000_000_007 + _header(i, j, t) + (values * _weights(values.numel())).sum()
     return int(total)
 
 

@@ -21,21 +21,20 @@ So a padded row trains exactly as its real tokens alone, and a packed row as its
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from paratrain.attention import PADDING, Documents
-from paratrain.errors import Error, InvalidValueError
+from paratrain.attention import Documents
+from paratrain.data.host import host_reads, on_host
+from paratrain.data.token_layout import IGNORE, MicroBatchError, describe, is_token_tensor, refuse_if, with_layout
+from paratrain.errors import InvalidValueError
 
-IGNORE = -100  # the target of a position that predicts nothing (torch's and transformers' ignore_index)
 KNOWN_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids", "document_ids",
               "cu_seq_lens_q", "cu_seqlens")
-
-
-class MicroBatchError(Error, ValueError):
-    """Token data whose form paratrain cannot train exactly (a mask that is not padding, unshifted targets)."""
+__all__ = ["IGNORE", "KNOWN_KEYS", "MicroBatch", "MicroBatchError", "as_micro_batch", "loss_of_output", "split_loss"]
 
 
 @dataclass
@@ -81,156 +80,38 @@ class MicroBatch:
 
 def as_micro_batch(args: tuple, kwargs: dict) -> MicroBatch | None:
     """The normal form of a call `(*args, **kwargs)` or a loader's micro-batch (a tuple: args; a dict: kwargs),
-    or None when it is not token data (then it goes to the model unchanged, as before)."""
+    or None when it is not token data (then it goes to the model unchanged, as before). Tensors in host memory
+    are checked and their layout read there (`token_layout`'s note); tensors on an accelerator are not read."""
     if len(args) > 2 or any(k not in KNOWN_KEYS for k in kwargs):
         return None
     ids = args[0] if args else kwargs.get("input_ids")
-    if not _is_token_tensor(ids) or (args and "input_ids" in kwargs):
+    if not is_token_tensor(ids) or (args and "input_ids" in kwargs):
         return None
     targets = args[1] if len(args) == 2 else kwargs.get("targets")
     labels = kwargs.get("labels")
-    if targets is not None and not (_is_token_tensor(targets) and targets.shape == ids.shape):
+    if targets is not None and not (is_token_tensor(targets) and targets.shape == ids.shape):
         return None  # e.g. one class per row: not a language-model batch
     if targets is not None and labels is not None:
         raise MicroBatchError("a micro-batch with both `targets` (already shifted) and `labels` (shifted inside): "
                               "give one of them")
-    if targets is not None and targets.numel() and torch.equal(targets, ids):
-        raise MicroBatchError(
-            f"the targets equal the inputs token for token (shape {tuple(ids.shape)}): paratrain's (inputs, "
+    if labels is not None and not (is_token_tensor(labels) and labels.shape == ids.shape):
+        raise MicroBatchError(f"`labels` must be an integer tensor shaped like input_ids {tuple(ids.shape)}, "
+                              f"got {describe(labels)}")
+    host = on_host(ids, targets, labels, *(v for v in kwargs.values() if isinstance(v, torch.Tensor)))
+    with host_reads() if host else nullcontext():
+        if targets is not None and targets.numel():
+            refuse_if((targets == ids).all(), host, lambda: _unshifted(ids))
+        if labels is not None:
+            targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # position t predicts token t + 1
+        batch = MicroBatch(ids, targets, labels_form=labels is not None, labels=labels)
+        return with_layout(batch, kwargs, host)
+
+
+def _unshifted(ids: torch.Tensor) -> str:
+    return (f"the targets equal the inputs token for token (shape {tuple(ids.shape)}): paratrain's (inputs, "
             f"targets) form takes targets already shifted (targets[:, t] = inputs[:, t + 1]), so this would train "
             f"the model to copy its input. Shift them, or pass a dict with transformers' `labels` (shifted "
             f"inside, once, before any split)")
-    if labels is not None:
-        if not (_is_token_tensor(labels) and labels.shape == ids.shape):
-            raise MicroBatchError(f"`labels` must be an integer tensor shaped like input_ids {tuple(ids.shape)}, "
-                                  f"got {_describe(labels)}")
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # position t predicts token t + 1
-    batch = MicroBatch(ids, targets, labels_form=labels is not None, labels=labels)
-    return _with_layout(batch, kwargs)
-
-
-def _with_layout(batch: MicroBatch, kwargs: dict) -> MicroBatch:
-    """Positions, documents and the targets they mask, from attention_mask / position_ids / cu_seq_lens /
-    document_ids."""
-    ids = batch.input_ids
-    positions = _positions_arg(kwargs.get("position_ids"), ids)
-    docs = _document_ids(kwargs, positions, ids)
-    real = _real_tokens(kwargs.get("attention_mask"), ids)
-    left_padded = False
-    if real is not None:
-        left_padded = bool((~real[:, 0] & real.any(dim=1)).any())
-        if positions is None and left_padded:  # real tokens count from 0, as they would alone
-            positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
-        if docs is not None or left_padded:
-            base = docs if docs is not None else torch.zeros_like(ids)
-            docs = torch.where(real, base, torch.full_like(base, PADDING))
-    targets = batch.targets
-    if targets is not None:
-        targets = _mask_targets(targets, docs, real)
-    return replace(batch, targets=targets, position_ids=positions,
-                   documents=Documents(docs) if docs is not None else None)
-
-
-def _mask_targets(targets: torch.Tensor, docs: torch.Tensor | None, real: torch.Tensor | None) -> torch.Tensor:
-    """No target on padding, and none that crosses into the next document or into padding."""
-    keep = torch.ones_like(targets, dtype=torch.bool)
-    if real is not None:
-        keep &= real
-        keep[:, :-1] &= real[:, 1:]
-    if docs is not None:
-        keep[:, :-1] &= docs[:, 1:] == docs[:, :-1]
-    return targets.masked_fill(~keep, IGNORE)  # unconditionally: asking whether any is masked reads the device
-
-
-def _positions_arg(positions, ids: torch.Tensor) -> torch.Tensor | None:
-    if positions is None:
-        return None
-    if not _is_token_tensor(positions, dims=(1, 2)) or positions.shape[-1] != ids.shape[1]:
-        raise MicroBatchError(f"`position_ids` must be integers of shape {tuple(ids.shape)} or ({ids.shape[1]},), "
-                              f"got {_describe(positions)}")
-    return positions.expand(ids.shape) if positions.dim() == 1 else positions
-
-
-def _document_ids(kwargs: dict, positions: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:
-    """(b, s) document ids from explicit ids, boundaries (cu_seq_lens: one flattened row) or position resets
-    (a document starts where its position is 0); None when every row is one document."""
-    explicit = kwargs.get("document_ids")
-    bounds = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
-    if explicit is not None:
-        if not (_is_token_tensor(explicit) and explicit.shape == ids.shape):
-            raise MicroBatchError(f"`document_ids` must be integers shaped like input_ids {tuple(ids.shape)}, got "
-                                  f"{_describe(explicit)}")
-        return explicit
-    if bounds is not None:
-        return _from_boundaries(bounds, ids)
-    if positions is None:
-        return None
-    starts = positions == 0
-    starts[:, 0] = True
-    if not bool(starts[:, 1:].any()):
-        return None
-    return starts.long().cumsum(dim=1) - 1
-
-
-def _from_boundaries(bounds, ids: torch.Tensor) -> torch.Tensor:
-    b, s = ids.shape
-    ok = _is_token_tensor(bounds, dims=(1,)) and b == 1 and bounds.numel() >= 2 and int(bounds[0]) == 0 \
-        and int(bounds[-1]) == s and bool((bounds[1:] >= bounds[:-1]).all())
-    if not ok:
-        raise MicroBatchError(f"`cu_seq_lens` must be the increasing document boundaries [0, ..., {s}] of one "
-                              f"flattened row (input_ids of shape (1, {s})), got {_describe(bounds)} for input_ids "
-                              f"{tuple(ids.shape)}")
-    index = torch.arange(s, device=ids.device)
-    return (torch.bucketize(index, bounds[1:].to(ids.device), right=True)).unsqueeze(0)
-
-
-def _real_tokens(mask, ids: torch.Tensor) -> torch.Tensor | None:
-    """The attention_mask as (b, s) bool, checked to be right or left padding; None when it masks nothing."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
-        raise MicroBatchError(f"`attention_mask` must be a (b, s) tensor of 0/1 shaped like input_ids "
-                              f"{tuple(ids.shape)}, got {_describe(mask)}; 4-d masks are not accepted: give "
-                              f"padding as a 2-d mask and packed documents by position_ids or cu_seq_lens")
-    real = mask.bool()
-    if bool(real.all()):
-        return None
-    count = real.sum(dim=1)
-    s = ids.shape[1]
-    index = torch.arange(s, device=real.device)
-    first = torch.where(real, index, s).min(dim=1).values
-    last = torch.where(real, index, -1).max(dim=1).values
-    padding = (count > 0) & ((last - first + 1 != count) | ((first != 0) & (last != s - 1)))
-    if bool(padding.any()):
-        row = int(padding.nonzero()[0, 0])
-        runs = _runs(real[row].tolist())
-        raise MicroBatchError(f"attention_mask row {row} is neither right- nor left-padding: its real tokens are at "
-                              f"positions {runs} of {s}. paratrain trains rows padded on one side, or packed "
-                              f"documents given by position_ids (restarting at 0) or cu_seq_lens with no padding "
-                              f"between them; fix the collator")
-    return real
-
-
-def _runs(flags: list[bool]) -> str:
-    runs, start = [], None
-    for i, flag in enumerate([*flags, False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            runs.append(f"{start}..{i - 1}")
-            start = None
-    return ", ".join(runs)
-
-
-def _is_token_tensor(value, dims=(2,)) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() in dims and not value.dtype.is_floating_point \
-        and not value.dtype.is_complex and value.dtype != torch.bool
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
 
 
 def split_loss(output) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -164,7 +164,12 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         normal form (`paratrain.data.micro_batch`), split for context parallelism, and given to the model by its
         spec; anything else goes to the model as it is."""
         self._not_in_pipeline("forward()")
-        batch = as_micro_batch(inputs, kwargs)
+        return self._forward(as_micro_batch(inputs, kwargs), inputs, kwargs)
+
+    __call__ = forward
+
+    def _forward(self, batch: MicroBatch | None, inputs: tuple, kwargs: dict):
+        """Run token data (`batch`, already on the device) through the model's spec, anything else as given."""
         self._last_batch = None
         with self._timed("forward"), self._autocast():
             self._check_agreement([batch if batch is not None else (inputs, kwargs)])
@@ -174,8 +179,6 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
             batch = self.parallel.prepare_batch(batch)
             self._last_batch = batch
             return self.parallel.spec.call(self.module, batch)
-
-    __call__ = forward
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """`loss`: the forward's scalar loss, or a model's `(sum, count)`. Under the "token" reduction a loss
@@ -235,13 +238,15 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
                             state.skipped_steps)
 
     def _run_micro_batch(self, batch) -> torch.Tensor:
-        batch = self._checked(batch, self._check_train_batch if self.module.training else self._check_eval_batch)
-        if isinstance(batch, dict):
-            out = self(**batch)
-        elif isinstance(batch, (tuple, list)):
-            out = self(*batch)
+        (self._check_train_batch if self.module.training else self._check_eval_batch)(batch)
+        inputs, kwargs = ((), batch) if isinstance(batch, dict) else \
+            (tuple(batch), {}) if isinstance(batch, (tuple, list)) else ((batch,), {})
+        token = as_micro_batch(inputs, kwargs)  # from the loader's tensors, before the copy (token_layout's note)
+        if token is not None:
+            out = self._forward(token.to(self.device), (), {})
         else:
-            out = self(batch)
+            inputs, kwargs = to_device((inputs, kwargs), self.device)
+            out = self._forward(None, inputs, kwargs)
         return out if split_loss(out) is not None else loss_of_output(out)
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
@@ -273,10 +278,6 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         mode = self.config.batch_agreement
         if mode == "every_step" or (mode == "first_steps" and self.train_state.global_steps < FIRST_STEPS):
             check_same_batches(batches, self.mesh, self.train_state.global_steps + 1, self.device)
-
-    def _checked(self, batch, check: BatchChecker):
-        check(batch)
-        return to_device(batch, self.device)
 
     # ---- changing the engine's state -----------------------------------------------------------
     def set_accumulation(self, steps: int) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from paratrain.data.batch_check import BatchChecker
 from paratrain.data.micro_batch import as_micro_batch
+from paratrain.data.nested import to_device
 from paratrain.engine.token_loss import target_positions
 from paratrain.errors import InvalidValueError
 
@@ -40,14 +41,15 @@ class PipelineSteps:
 
     def _pipeline_batch(self, batch, check: BatchChecker):
         """A pipeline micro-batch: token data in its normal form (transformers' dicts too), else the pair."""
-        batch = self._checked(batch, check)
+        check(batch)
+        # token data in its normal form from the loader's tensors, before the copy (data/token_layout.py's note)
         token = as_micro_batch((), batch) if isinstance(batch, dict) else \
             as_micro_batch(tuple(batch), {}) if isinstance(batch, (tuple, list)) else None
         if token is None and isinstance(batch, dict):
             raise InvalidValueError(f"a pipeline micro-batch dict must be token data (input_ids with labels or "
                                     f"targets, optionally attention_mask, position_ids, cu_seq_lens_q), got keys "
                                     f"{sorted(batch)}")
-        return batch if token is None else token
+        return to_device(batch, self.device) if token is None else token.to(self.device)
 
     def _eval_pipeline(self, data_iter, count: int) -> torch.Tensor:
         batches = [self._pipeline_batch(next(data_iter), self._check_eval_batch) for _ in range(count)]

@@ -8,7 +8,7 @@ from torch import nn
 from paratrain.config import Config
 from paratrain.data import DataParallelLoader, DataParallelSampler
 from paratrain.data.stream_loader import StreamLoader
-from paratrain.errors import InvalidValueError
+from paratrain.errors import InvalidValueError, RunError
 from paratrain.muon import Muon
 from paratrain.optim import build_optimizer, build_scheduler
 
@@ -46,34 +46,51 @@ def param_groups(model_parameters):
 
 def named_param_groups(model: nn.Module, model_parameters) -> list[dict] | None:
     """The param groups with each parameter replaced by its name in `model` (before any strategy runs: tensor
-    parallelism and deferred initialization replace parameter objects, names survive)."""
+    parallelism, expert parallelism and deferred initialization replace parameter objects, names survive).
+    Every trainable parameter must be in exactly one group: refused here, on every rank, before any collective."""
     groups = param_groups(model_parameters)
     if groups is None:
         return None
     name_of = {id(p): n for n, p in model.named_parameters()}
-    out = []
+    out, seen = [], set()
     for gi, group in enumerate(groups):
-        stray = [tuple(p.shape) for p in group["params"] if id(p) not in name_of]
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        stray = [tuple(p.shape) for p in params if id(p) not in name_of]
         if stray:
             raise InvalidValueError(f"initialize(model_parameters=...): group {gi} holds {len(stray)} tensor(s) that "
                                     f"are not parameters of the model (shapes {stray[:3]}); pass groups of "
                                     f"model.parameters() only")
-        out.append({**group, "params": [name_of[id(p)] for p in group["params"]]})
+        names = [name_of[id(p)] for p in params]
+        twice = [n for n in names if n in seen]
+        if twice:
+            raise InvalidValueError(f"initialize(model_parameters=...): parameter '{twice[0]}' is in two groups "
+                                    f"(again in group {gi}); put each parameter in exactly one group")
+        seen.update(names)
+        out.append({**group, "params": names})
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in seen]
+    if missing:
+        raise InvalidValueError(f"initialize(model_parameters=...): {len(missing)} trainable parameter(s) in no "
+                                f"group: {missing[:4]}; put every parameter with requires_grad in a group (or "
+                                f"freeze it: requires_grad_(False))")
     return out
 
 
 def local_param_groups(groups: list[dict] | None, parallel, named_params: list) -> list[dict] | None:
-    """The named groups over the parameters the strategy holds here (`named_params`), each found by the
-    original tensor it is (a packed layer's parts all join their tensor's group); a parameter another
-    pipeline stage keeps is left out."""
+    """The named groups over the parameters the strategy holds here (`named_params`), each found by its name in
+    the model initialize() was given (`ParallelModel.model_name`: tensor parallelism's slices, a packed
+    layer's parts, expert parallelism's local stacks and a pipeline stage's layers all answer with the tensor
+    they came from, so each keeps the options of its group)."""
     if groups is None:
         return None
     group_of = {name: gi for gi, g in enumerate(groups) for name in g["params"]}
     out = [{**g, "params": []} for g in groups]
     for name, param in named_params:
-        original = parallel.origin(name, param).name
-        if original in group_of:
-            out[group_of[original]]["params"].append(param)
+        model_name = parallel.model_name(name, param)
+        if model_name not in group_of:  # every trainable parameter was checked to be in a group: a step lost it
+            raise RunError(f"parameter '{name}' of the parallel model came from '{model_name}', which no param "
+                           f"group holds; {parallel.explain(parallel.origin(name, param).name)}")
+        out[group_of[model_name]]["params"].append(param)
     return out
 
 

@@ -67,6 +67,7 @@ class Step:
     """
 
     name = "step"
+    relabels = False  # True: the step only gives the model's tensors other names and changes nothing in it
 
     def origin(self, found: Origin) -> Origin:
         """Coordinates after this step -> coordinates before it (no communication)."""
@@ -89,6 +90,7 @@ class Renamed(Step):
     """The model's own names -> the names it is known by (a PipelineModule's `layer_names`)."""
 
     name = "names"
+    relabels = True
 
     def __init__(self, to_original: dict[str, str]):
         self.to_original = to_original
@@ -99,6 +101,10 @@ class Renamed(Step):
 
     def forward_name(self, name: str) -> str:
         return self.from_original.get(name, name)
+
+    def explain(self, name: str) -> str | None:
+        own = self.from_original.get(name)
+        return None if own is None else f"the PipelineModule's layer_names call its tensor '{own}' '{name}'"
 
     def note(self) -> str:
         return f"layer names: {len(self.to_original)} tensors known by the model's layer_names"

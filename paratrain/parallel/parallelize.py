@@ -90,6 +90,16 @@ class ParallelModel:
             found = step.origin(found)
         return found
 
+    def model_name(self, local_name: str, tensor: torch.Tensor) -> str:
+        """The name a tensor of the local module has in the model `parallelize` was given: `origin`'s name
+        without the steps that only relabel (a PipelineModule's `layer_names`). initialize's param groups and
+        Muon's choices are written in these names, before any step replaced a parameter."""
+        found = Origin.local(local_name, tensor, self.placements.of(tensor))
+        for step in reversed(self.steps):
+            if not step.relabels:
+                found = step.origin(found)
+        return found.name
+
     def local_name(self, name: str) -> str:
         """The local module's name of the original tensor `name` (the steps' renamings, first first)."""
         for step in self.steps:

@@ -163,7 +163,8 @@ def layout_parity(config: dict, make_model: Callable[[], nn.Module], dataset, st
     norms. `references` caches reference runs by their config within one process."""
     run = run_layout(config, make_model, dataset, steps, inspect=inspect, model_parameters=model_parameters)
     ref_cfg = reference_config(config, run)
-    key = (id(make_model), id(dataset), repr(sorted((k, repr(v)) for k, v in ref_cfg.items() if k in REFERENCE_KEYS)))
+    key = (id(make_model), id(dataset), id(model_parameters),
+           repr(sorted((k, repr(v)) for k, v in ref_cfg.items() if k in REFERENCE_KEYS)))
     if references is None or key not in references:
         ref = reference_run(make_model, ref_cfg, dataset, steps, param_groups=model_parameters)
         if references is not None:

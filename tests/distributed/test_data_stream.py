@@ -75,6 +75,19 @@ def test_streamed_windows_hold_every_token_of_every_row_once_per_epoch(records):
     assert stream.summary.records == 120  # every window tokenized (the next epoch's first ones again)
 
 
+def test_each_epoch_deals_its_own_order_the_samplers_when_one_window_holds_the_file(records):
+    """The permutation is drawn from (seed, epoch, window): epoch 1 is dealt in another order than epoch 0, and in
+    the in-memory sampler's epoch-1 order when one window holds the file."""
+    memory = _data(records, streaming=False).train
+    n = len(memory)
+    stream = _data(records, streaming=True).train
+    rows = _rows(stream, 2 * n)
+    sampler = DataParallelSampler(n, 1, 1, 0, 1, seed=SEED)
+    epochs = [[sample for epoch, sample, _ in rows if epoch == e] for e in (0, 1)]
+    assert epochs == [sampler._order_of(0), sampler._order_of(1)]
+    assert epochs[0] != epochs[1] and sorted(epochs[1]) == list(range(n))
+
+
 def test_a_stream_resumed_under_any_global_batch_continues_at_the_next_row(records):
     stream = _data(records, streaming=True, window=10).train
     reference = _rows(stream, 160)  # row by row, past the first epoch's end (131 rows)

@@ -106,9 +106,13 @@ def _tuple_case(schedule: str) -> dict:
     cfg = adamw_config(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4,
                        pipeline={"stages": 2, "schedule": schedule})
     engine, *_ = paratrain.initialize(model=_tuple_model(), config=cfg, training_data=data)
-    losses = [float(engine.train_batch()) for _ in range(STEPS)]
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(float(engine.train_batch()))
+        norms.append(engine.get_global_grad_norm())
     ref = reference_run(lambda: _tuple_model().materialize(), {**cfg, "train_batch_size": 16}, data, STEPS)
     return {"loss_err": max(rel_diff(a, b) for a, b in zip(losses, ref.losses)),
+            "norm_err": max(rel_diff(a, b) for a, b in zip(norms, ref.grad_norms)),
             "param_err": max_rel_diff(engine.full_state_dict(), ref.state)[0]}
 
 
@@ -175,7 +179,7 @@ def test_every_schedule_matches_the_reference_on_4_stages_and_dp2_x_pp2(p4_and_d
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_tuples_of_tensors_cross_stage_boundaries(world2, schedule):
     for r in world2.run(_tuple_case, schedule):
-        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+        assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
 
 
 def test_timeline_and_report(p2, tmp_path):

@@ -141,6 +141,53 @@ def test_peers_fed_different_micro_batches_are_named_on_every_rank(world4):
     assert "shard the data by the data-parallel rank" in errors[0]
 
 
+def _disagreeing_peer(variant: str) -> str:
+    """One replica of two ranks (tp2; pp2 for the order of micro-batches, which a pipeline checks as one list),
+    two micro-batches a step: rank 1's differ from rank 0's in one way only. The labels of positions 7 and 8 are
+    -100, so moving the document boundary from 8 to 7 masks no other target."""
+    layout = {"pipeline": {"stages": 2}} if variant == "micro-batch order" else {"tensor_parallel": {"size": 2}}
+    cfg = adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2, **layout)
+    engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg)
+    data = corpus_windows()
+    ids = [torch.stack([data[2 * k + i][0] for i in range(2)]) for k in range(2)]
+    batches = [{"input_ids": x, "labels": x.masked_fill((torch.arange(16) == 7) | (torch.arange(16) == 8), -100),
+                "position_ids": torch.arange(16).repeat(2, 1),
+                "document_ids": torch.tensor([[0] * 8 + [1] * 8, [0] * 16])} for x in ids]
+    if dist.get_rank() == 1:
+        first = batches[0]
+        if variant == "two tokens swapped":
+            first["input_ids"] = first["input_ids"].clone()
+            first["input_ids"][0, [3, 9]] = first["input_ids"][0, [9, 3]]
+            first["labels"] = first["input_ids"].masked_fill(first["labels"] == -100, -100)
+        elif variant == "targets only":
+            first["labels"] = first["labels"].masked_fill(torch.arange(16) == 5, -100)  # one target fewer
+        elif variant == "positions only":
+            first["position_ids"] = torch.cat([torch.arange(8), torch.arange(8)]).repeat(2, 1)
+        elif variant == "documents only":
+            first["document_ids"] = torch.tensor([[0] * 7 + [1] * 9, [0] * 16])
+        else:  # the same micro-batches, in another order
+            batches.reverse()
+    try:
+        engine.train_batch(iter(batches))
+    except paratrain.Error as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "trained"
+
+
+DISAGREEMENTS = ("two tokens swapped", "targets only", "positions only", "documents only", "micro-batch order")
+
+
+def _disagreeing_peers() -> list[str]:
+    return [_disagreeing_peer(variant) for variant in DISAGREEMENTS]
+
+
+def test_peers_that_differ_only_in_order_targets_positions_or_documents_fail_at_the_first_step(world2):
+    for errors in world2.run(_disagreeing_peers):
+        for variant, error in zip(DISAGREEMENTS, errors):
+            assert error.startswith("BatchAgreementError: step 1: the ranks of data-parallel replica 0 (ranks "
+                                    "[0, 1]: "), (variant, error)
+
+
 def _one_rank_fails() -> str:
     cfg = adamw_config(train_micro_batch_size_per_gpu=2, comm={"timeout_s": 120.0})
     engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg)

@@ -153,7 +153,7 @@ def _param_group_matrix() -> list[dict]:
 def test_param_groups_keep_their_options_in_every_stage(world2):
     for r in world2.run(_param_group_matrix)[0]:
         assert r["groups"] == [0.1, 0.0], r
-        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+        assert r["loss_err"] <= 1e-5 and r["norm_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
 
 
 class _WithUnused(torch.nn.Module):

@@ -137,3 +137,83 @@ def test_the_documented_real_data_numbers_are_the_committed_json():
     assert f"range from {low:.2f}x to {high:.2f}x" in prose
     assert f"and {training['packed_vs_padded_to_the_row']['median']:.1f}x padding to the row" in prose
     assert f"met at {attention['documents_vs_causal']:.2f}x" in prose
+
+
+def _device_form(monkeypatch) -> None:
+    """What tensors already on an accelerator get (`token_layout`'s note), taken here by CPU tensors."""
+    import paratrain.data.micro_batch as micro_batch
+
+    monkeypatch.setattr(micro_batch, "on_host", lambda *tensors: False)
+
+
+@pytest.mark.parametrize("family", ["llama", "builtin-gpt"])
+@pytest.mark.parametrize("kind", ["right", "left", "packed"])
+def test_the_device_form_reads_nothing_and_trains_the_documents_alone(family, kind, monkeypatch):
+    """Token data already on the device is not read (the layout's general form: documents and positions from any
+    mask or position_ids), and trains exactly what the host form trains: each document alone."""
+    from paratrain.model_spec import spec_for
+    from paratrain.testing import HostSyncs
+
+    make = tiny_gpt if family == "builtin-gpt" else (lambda: tiny_hf(family))
+    rows = RealRows(kind, count=4)
+    batch = {key: torch.stack([rows[i][key] for i in range(4)]) for key in rows[0]}
+    reference, ours = make(), make()
+    expected = documents_loss(reference, batch)
+    expected.backward()
+    _device_form(monkeypatch)
+    with HostSyncs() as syncs:
+        normal = as_micro_batch((), batch)
+    assert syncs.sites == {} and syncs.host_sites == {}
+    assert normal.documents is not None and "runs" not in normal.documents._masks  # read later, where needed
+    view = spec_for(ours).adapt(ours)
+    loss = spec_for(view).call(view, normal)
+    loss = loss.loss if hasattr(loss, "loss") else loss
+    loss.backward()
+    assert torch.allclose(loss, expected, rtol=1e-6, atol=0)
+    for (name, p), (_, q) in zip(reference.named_parameters(), ours.named_parameters()):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_the_device_form_asserts_on_the_device_what_the_host_form_raises(monkeypatch):
+    _device_form(monkeypatch)  # on a CPU a device-side assert raises at once, with the message
+    with pytest.raises(RuntimeError, match=r"paratrain micro-batch: the targets equal the inputs token for token"):
+        as_micro_batch((IDS, IDS.clone()), {})
+    with pytest.raises(RuntimeError, match=r"paratrain micro-batch: an attention_mask row is neither right- nor "
+                                           r"left-padding: paratrain trains rows padded on one side"):
+        as_micro_batch((), {"input_ids": IDS.repeat(2, 1),
+                            "attention_mask": torch.tensor([[1] * 6, [1, 1, 0, 0, 1, 1]])})
+    with pytest.raises(RuntimeError, match=r"paratrain micro-batch: `cu_seq_lens` must be the increasing document "):
+        as_micro_batch((), {"input_ids": IDS, "cu_seq_lens_q": torch.tensor([0, 4, 3, 6])})
+
+
+def test_token_data_on_an_accelerator_is_never_read():
+    """Meta tensors stand in for device memory: reading one raises, so the normal form of every layout is made
+    without a read, and the counter sees none."""
+    from paratrain.testing import HostSyncs
+
+    meta = {key: t.to("meta") for key, t in RealRows("packed", count=2)[0].items()}
+    forms = [((), {k: t.unsqueeze(0) for k, t in meta.items()}), ((IDS.to("meta"), IDS.to("meta")), {}),
+             ((), {"input_ids": IDS.to("meta"), "attention_mask": torch.ones_like(IDS, device="meta")}),
+             ((), {"input_ids": IDS.to("meta"), "cu_seq_lens_q": torch.tensor([0, 3, 6], device="meta")})]
+    with HostSyncs() as syncs:
+        batches = [as_micro_batch(args, kwargs) for args, kwargs in forms]
+    assert syncs.sites == {} and syncs.host_sites == {}
+    assert all(b.targets is None or b.targets.is_meta for b in batches)
+    assert [b.documents is not None for b in batches] == [True, False, True, True]
+
+
+def test_host_memory_is_read_once_per_micro_batch_and_counted_apart():
+    """On the host the layout is read (checks, the simplest form, the documents' runs), counted as host reads;
+    the runs come along to the device, so attention reads nothing."""
+    from paratrain.testing import HostSyncs
+
+    rows = RealRows("left", count=4)
+    batch = {key: torch.stack([rows[i][key] for i in range(4)]) for key in rows[0]}
+    with HostSyncs() as syncs:
+        normal = as_micro_batch((), batch)
+        moved = normal.to(torch.device("meta"))
+        runs = moved.documents.runs()
+    assert syncs.sites == {}, syncs.sites
+    assert syncs.host_sites and all("paratrain/data/" in site or "paratrain/attention.py" in site
+                                    for site in syncs.host_sites), syncs.host_sites
+    assert runs == normal.documents.runs() and moved.documents.ids.is_meta

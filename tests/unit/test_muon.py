@@ -88,6 +88,27 @@ def test_owners_balance_the_newton_schulz_work():
     assert max(load) - min(load) <= biggest, load  # greedy, largest first: within one matrix of even
 
 
+def test_owners_balance_a_shape_mix_that_round_robin_would_not():
+    """Big and small matrices alternating in the buffer, two ranks: dealt in turn, rank 0 would get every big
+    one (loads 3B and 3s); largest first to the least loaded gives 2B and B + 3s, within one matrix of even."""
+    from paratrain.layout.mesh import Axis
+
+    shapes = [(32, 32), (8, 8)] * 3
+    pieces, offset = [], 0
+    for shape in shapes:
+        pieces.append(Piece(offset, shape, Placement()))
+        offset += shape[0] * shape[1]
+    layout = MasterLayout(tuple(pieces), offset, Axis("dp", (0, 1), 0, None))
+    owners = assign_owners([layout], steps=5)
+    big, small = ns_flops((32, 32), 5), ns_flops((8, 8), 5)
+    load = [0, 0]
+    for (_, pi, _), owner in owners.items():
+        load[owner] += ns_flops(layout.pieces[pi].matrix_shape, 5)
+    assert sorted(load) == sorted([2 * big, big + 3 * small]), load
+    assert max(load) - min(load) <= big
+    assert [owners[(0, pi, 0)] for pi in (0, 2, 4)] == [0, 1, 0]  # the big ones spread over both ranks
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="optimizer.params.adamw.beta"):
         load_config({"optimizer": {"type": "Muon", "params": {"adamw": {"beta": [0.9, 0.95]}}}})
@@ -210,3 +231,35 @@ def test_refusals_name_the_field_before_any_collective():
         muon_param_groups(conv, four_d, None)
     with pytest.raises(ConfigError, match="ns_method = 'gram'"):
         load_config({"optimizer": {"type": "Muon", "params": {"ns_method": "gram"}}})
+
+
+def _sci(x: float) -> str:
+    return f"{x:.1e}".replace("e-0", "e-")  # 1.6e-5, as the docs write it
+
+
+def test_the_documented_muon_numbers_are_the_committed_json():
+    """docs/muon.md's parity, bf16 and owners' numbers are benchmarks/results/muon_parity.json's (written by
+    `python -m benchmarks.muon_parity` from the same functions test_muon.py asserts)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = json.loads((root / "benchmarks" / "results" / "muon_parity.json").read_text())
+    doc = " ".join((root / "docs" / "muon.md").read_text().split())
+    cases, other = result["cases"], {c["case"]: c for c in result["other"]}
+    worst = {k: _sci(max(c[k] for c in cases)) for k in ("loss_err", "norm_err", "param_err")}
+    assert (f"losses within {worst['loss_err']}, gradient norms within {worst['norm_err']}, parameters within "
+            f"{worst['param_err']} (the test's bound is 1e-5)") in doc and result["tolerance"] == 1e-5
+    groups, real = other["dp2 zero2 deepspeed groups"], other["dp2 zero1 masked rows"]
+    assert f"(parameters within {_sci(groups['param_err'])} and {_sci(real['param_err'])})" in doc
+    bf16, default = other["dp2 zero1 bf16"], other["dp2 zero1 ns_dtype bfloat16"]
+    assert (f"losses within {_sci(default['loss_err'])}, gradient norms within {_sci(default['norm_err'])} and "
+            f"weights within {_sci(default['param_err'])} after four steps") in doc
+    assert (f"the loss is within {_sci(bf16['loss_err'])} of one process in bf16, where one process in fp32 is "
+            f"{_sci(bf16['fp32_loss_err'])} away") in doc
+    assert (f"gradient norms within {_sci(bf16['norm_err'])}; the weights are within {_sci(bf16['param_err'])} "
+            f"only, farther than one process in fp32 is from one in bf16 ({_sci(bf16['fp32_param_err'])})") in doc
+    per_step = {c["case"]: {n // result["steps"] for n in c["ns_matrices_per_rank"]} for c in cases}
+    (ddp,), (zero1,), (ep,) = per_step["dp2"], per_step["dp2 zero1"], per_step["dp4 (ep2 folded in dp x cp) zero1"]
+    assert (f"in dp2 ZeRO-1 each rank orthogonalizes {zero1} of the tiny GPT's {ddp} matrices per step (DDP: all "
+            f"{ddp} on each); on the tiny Mixtral in dp4·ep2 ZeRO-1, {ep} per rank per step") in doc

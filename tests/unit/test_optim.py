@@ -74,3 +74,21 @@ def test_torch_scheduler_by_name_and_unknown():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
     with pytest.raises(ConfigError, match="OneCycle and LRRangeTest are not implemented"):
         build_scheduler(SchedulerConfig(type="OneCycle"), opt)
+
+
+def test_initialize_refuses_groups_that_miss_or_repeat_a_parameter_by_name():
+    """Checked against the model before any strategy runs (so on every rank alike, before any collective)."""
+    from paratrain.engine.setup import named_param_groups
+    from tests.cases import tiny_gpt
+
+    model = tiny_gpt()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2 and n != "blocks.1.ln2.weight"]
+    with pytest.raises(ValueError, match=r"1 trainable parameter\(s\) in no group: \['blocks.1.ln2.weight'\]; put "
+                                         r"every parameter with requires_grad in a group \(or freeze it"):
+        named_param_groups(model, [{"params": matrices}, {"params": rest}])
+    with pytest.raises(ValueError, match="parameter 'embed.tok.weight' is in two groups"):
+        named_param_groups(model, [{"params": matrices}, {"params": list(model.parameters())}])
+    model.blocks[1].ln2.weight.requires_grad_(False)  # a frozen parameter may stay out
+    assert [len(g["params"]) for g in named_param_groups(model, [{"params": matrices}, {"params": rest}])] == \
+        [len(matrices), len(rest)]

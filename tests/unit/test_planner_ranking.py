@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from benchmarks.planner_ranking import LAYOUTS, SPEC, TARGETS, hardware_for_this
 from paratrain.planner import estimate_time
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEARMAN_FLOOR = 0.8  # what docs/planner.md states as reached (runs measured 0.82 to 0.91)
+SPEARMAN_FLOOR = 0.8  # what docs/planner.md states the test asserts (the committed run: 0.86)
 RESULT = json.loads((ROOT / "benchmarks" / "results" / "planner_ranking.json").read_text())
 
 
@@ -30,17 +31,26 @@ def _kind(layout) -> str:
     return "one process"
 
 
+def _current_predictions() -> tuple[list[list[float]], list[float]]:
+    """Each layout's step time predicted by the planner as it is now, from each repeat's recorded calibration
+    (per repeat, and the medians the ranking compares with the measurements)."""
+    hardware = [hardware_for_this_cpu(c["compute"], c["comm"]) for c in RESULT["calibrations"]]
+    runs = [[estimate_time(SPEC, lay, hw).total for hw in hardware] for lay in LAYOUTS]
+    return runs, [statistics.median(r) for r in runs]
+
+
 def test_the_result_is_the_benchmarks_layouts_and_the_current_planners_predictions():
     assert RESULT["layouts"] == [lay.describe() for lay in LAYOUTS]
-    for r, calibration in enumerate(RESULT["calibrations"]):
-        hw = hardware_for_this_cpu(calibration["compute"], calibration["comm"])
-        for i, lay in enumerate(LAYOUTS):
-            assert estimate_time(SPEC, lay, hw).total == pytest.approx(RESULT["predicted_runs"][i][r], rel=1e-9), \
-                f"{lay.describe()} repeat {r}: the planner changed since the JSON; rerun benchmarks.planner_ranking"
+    runs, medians = _current_predictions()
+    for lay, now, recorded in zip(LAYOUTS, runs, RESULT["predicted_runs"]):
+        assert now == pytest.approx(recorded, rel=1e-9), \
+            f"{lay.describe()}: the planner changed since the JSON; rerun benchmarks.planner_ranking"
+    assert medians == pytest.approx(RESULT["predicted_s"], rel=1e-9)  # the predictions ranked below are these
 
 
 def test_at_least_12_layouts_of_3_kinds_within_the_worst_error_target():
-    predicted, measured = RESULT["predicted_s"], RESULT["measured_s"]
+    _, predicted = _current_predictions()  # the current planner's, never the JSON's copy
+    measured = RESULT["measured_s"]
     assert len(LAYOUTS) >= 12 and len({_kind(lay) for lay in LAYOUTS}) >= 3
     rho = spearman(predicted, measured)
     worst = max(max(p / m, m / p) for p, m in zip(predicted, measured))
@@ -56,3 +66,14 @@ def test_docs_state_the_measured_correlation_and_worst_error():
     assert float(stated.group(1)) == round(RESULT["spearman"], 2)
     assert float(stated.group(2)) == round(RESULT["worst_ratio"], 2)
     assert f"at least {SPEARMAN_FLOOR}" in text and f"target {TARGETS['spearman']}" in text
+    prose = " ".join(text.split())
+    ratios = [p / m for p, m in zip(RESULT["predicted_s"], RESULT["measured_s"])]
+    assert f"(every layout within {min(ratios):.2f}–{max(ratios):.2f}× of its measurement)" in prose
+    tp = [r for r, lay in zip(ratios, LAYOUTS) if lay.tp > 1]
+    assert f"The most under-predicted layouts are TP's ({min(tp):.2f}–{max(tp):.2f}×)" in prose
+    low, high, n = re.search(r"(\d+) of the 14 layouts are measured between (\d\.\d\d) and (\d\.\d\d) s",
+                             prose).group(2, 3, 1)
+    close = sum(float(low) <= round(m, 2) <= float(high) for m in RESULT["measured_s"])
+    assert int(n) == close, close
+    spread = max(max(r) / min(r) for r in RESULT["measured_runs"])
+    assert f"three repeats differ by up to {round((spread - 1) * 100)}%" in prose
