@@ -103,6 +103,9 @@ class TrainerConfig(Section):
     save_pretrained: str | None = None
     """A directory the trained model is written to at the end (`engine.save_pretrained`: what transformers'
     from_pretrained loads), and every `save_pretrained_every` steps."""
+    save_merged: bool = False
+    """With adapters (the `peft` section, or a peft model): save_pretrained writes the model with every adapter folded
+    into its base weight (what transformers loads alone) instead of the adapter in peft's format."""
     save_pretrained_every: int = Field(0, ge=0)
     """Also write save_pretrained every N steps (0: only at the end)."""
     progress_bar: bool = True

@@ -8,16 +8,19 @@ stand-in.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from paratrain.checkpoint.pieces import gather_full_state
+from paratrain.comm import all_gather_object
 from paratrain.compat.names import DOCS, ENGINE, DeepSpeedNotSupported, refuse
 from paratrain.config import Config
 from paratrain.distributed import local_rank
 from paratrain.engine.train_state import TrainState
 from paratrain.errors import InvalidValueError
-from paratrain.layout.mesh import Mesh
+from paratrain.layout.mesh import AXES, Mesh
 from paratrain.precision import LossScaler
 
 
@@ -210,6 +213,15 @@ class DeepSpeedEngineAPI:
         if reset:
             self.mesh.stats.reset()
         return out
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Elements of the whole model, trainable (adapters, under LoRA) and frozen, over every rank (collective)."""
+        mine = {self.parallel.origin(n, p).name: (p.requires_grad, math.prod(self.parallel.origin(n, p).shape))
+                for n, p in self.module.named_parameters()}
+        everyone = {k: v for part in all_gather_object(mine, self.mesh.axis(AXES), tag="introspection")
+                    for k, v in part.items()}
+        return {"trainable": sum(n for grad, n in everyone.values() if grad),
+                "frozen": sum(n for grad, n in everyone.values() if not grad)}
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds: params, grads, optimizer_state, total."""

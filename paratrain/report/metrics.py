@@ -53,6 +53,10 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path]) -> str:
         lines.append(f"- layout {summary.get('layout', '?')} on {summary.get('world_size', '?')} process(es)"
                      + (f", {params / 1e6:.2f}M parameters" if params else "")
                      + f", {len(rows)} steps" + (f" in {summary['wall_s']:.1f} s" if "wall_s" in summary else ""))
+    if summary.get("frozen_params"):  # trained through adapters (or with frozen parts)
+        lines.append(f"- parameters: {summary['trainable_params']:,} trainable, {summary['frozen_params']:,} frozen "
+                     f"({summary['trainable_params'] / (summary['trainable_params'] + summary['frozen_params']):.2%} "
+                     f"trained)")
     val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     lines.append(f"- loss {rows[0]['loss']:.4f} (step 1) -> {rows[-1]['loss']:.4f} (step {rows[-1]['step']})"
                  + (f", last validation loss {val[-1]:.4f}" if val else ""))

@@ -208,15 +208,17 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     redirect.close()
     metrics.close()
     _finish(engine, out, steps, done)
-    if save_pretrained:  # a directory transformers loads (collective)
-        engine.save_pretrained(save_pretrained)
+    if save_pretrained:  # a directory transformers (or peft, for an adapter) loads (collective)
+        engine.save_pretrained(save_pretrained, merged=cfg.trainer.save_merged)
+    counts = engine.parameter_counts()  # (collective)
     total = time.perf_counter() - start
     val_losses = [r["val_loss"] for r in rows if "val_loss" in r]
     summary = {"steps": steps, "first_loss": rows[0]["loss"] if rows else None,
                "last_loss": rows[-1]["loss"] if rows else None, "val_loss": val_losses[-1] if val_losses else None,
                "resumed_at": done, "tokens_per_s": (steps - done) * tokens_per_step / max(total, 1e-9),
                "wall_s": total, "world_size": engine.world_size, "layout": engine.mesh.dims.describe(),
-               "params": model["params"], "run_dir": str(out)}
+               "params": model["params"], "trainable_params": counts["trainable"],
+               "frozen_params": counts["frozen"], "run_dir": str(out)}
     if "data" in model:  # the data section: what reading and tokenizing did, and the rows' padding
         summary |= {"data": model["data"], "padding_fraction": _mean(r.get("padding_fraction") for r in rows),
                     "loader_wait_s": _mean(r.get("loader_wait_s") for r in rows)}
@@ -240,7 +242,7 @@ def _run_steps(engine, loader: TimedLoader, val_data, steps: range, tokens_per_s
         rows.append({k: row[k] for k in ("loss", "val_loss", "padding_fraction", "loader_wait_s") if k in row})
         metrics.write(row)
         if save_pretrained and every and step % every == 0 and step != steps[-1]:
-            engine.save_pretrained(save_pretrained)  # collective
+            engine.save_pretrained(save_pretrained, merged=engine.config.trainer.save_merged)  # collective
         if bar is not None:
             padding = {"pad": f"{row['padding_fraction']:.0%}"} if "padding_fraction" in row else {}
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", **padding,
