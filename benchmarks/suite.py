@@ -30,7 +30,7 @@ import torch
 from benchmarks.common import check_same_setup, run_case
 from paratrain.testing import World
 
-SUITES = ["ddp", "zero", "tp", "pp", "cp", "ckpt", "cp_methods", "v_schedules", "overhead"]
+SUITES = ["ddp", "zero", "tp", "pp", "cp", "ckpt", "cp_methods", "v_schedules", "overhead", "peft"]
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "benchmarks" / "results"

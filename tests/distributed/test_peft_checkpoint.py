@@ -83,3 +83,58 @@ def test_an_adapter_run_resumes_exactly_and_in_other_layouts_without_its_base(wo
         assert rank_out["other_base"] is not None and "saved without its frozen base" in rank_out["other_base"]
         assert "is not the one the checkpoint was saved with" in rank_out["other_base"]
 
+
+
+class _Marked(torch.autograd.Function):
+    """Identity whose autograd node (its ctx) a test can hold a weak reference to."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _graph_nodes_alive() -> list[int]:
+    """After each step, how many of the autograd nodes upstream of a ZeRO-3 unit's input (a unit of frozen
+    weights only, which only its inputs' gradients free) are alive: none may outlive its step's backward."""
+    import gc
+    import weakref
+
+    import peft
+    import transformers
+
+    from paratrain import initialize
+    from tests.cases import corpus_windows
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}  # the default persistence: adapters whole, the MLPs in units
+    engine, *_ = initialize(model=model, config=config, training_data=corpus_windows(seq_len=32))
+    nodes = []
+
+    def mark(module, args, output):  # inside the first block: upstream of the later blocks' inputs
+        x = _Marked.apply(output[0])
+        nodes.append(weakref.ref(x.grad_fn))
+        return (x, *output[1:])
+
+    engine.module.model.layers[0].self_attn.register_forward_hook(mark)
+    alive = []
+    for _ in range(3):
+        engine.train_batch()
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in nodes))
+    return alive
+
+
+def test_zero3_over_a_frozen_base_frees_every_steps_graph(world2):
+    """A unit with frozen weights waits for its inputs' gradients before it is freed; what tells it must not keep
+    the step's graph alive (a multi-tensor hook holding the inputs' nodes once leaked every step's graph)."""
+    for alive in world2.run(_graph_nodes_alive):
+        assert alive == [0, 0, 0], alive

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import paratrain.comm as comm
 from paratrain.layout.mesh import Axis
@@ -69,3 +70,33 @@ class FrozenShard:
 def split_frozen(named: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
     """(trainable, frozen) of a unit's parameters, each in module order."""
     return [x for x in named if x[1].requires_grad], [x for x in named if not x[1].requires_grad]
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward, run once autograd has every gradient of them, says so: the
+    unit's backward is then over (FSDP2's post-backward function). An autograd node and not a tensor hook: a
+    multi-tensor hook that keeps the inputs' nodes would keep every step's graph alive through the hook."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def watch_inputs(unit, args: tuple, kwargs: dict, ready) -> tuple[tuple, dict] | None:
+    """A unit's forward arguments with every tensor that needs a gradient passed through `_InputsDone`, which
+    calls `ready(unit)` in the backward (None: no input needs one, the unit waits for its gradients only)."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    unit.expects_inputs = bool(positions)
+    if not positions:
+        return None
+    watched = _InputsDone.apply(lambda: ready(unit), *(flat[i] for i in positions))
+    for i, t in zip(positions, watched):
+        flat[i] = t
+    return tree_unflatten(flat, spec)

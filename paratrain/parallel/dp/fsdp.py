@@ -41,7 +41,7 @@ from paratrain.parallel.dp.base import (
     weak_hook,
 )
 from paratrain.parallel.dp.flat import OffloadPolicy, cast_untracked, optimizer_groups
-from paratrain.parallel.dp.frozen import FrozenShard
+from paratrain.parallel.dp.frozen import FrozenShard, watch_inputs
 from paratrain.parallel.dp.fsdp_state import ShardedState
 from paratrain.parallel.dp.fsdp_units import (
     FlatParam,
@@ -128,20 +128,18 @@ class FullyShardedDataParallel(ShardedState, GradSync):
                 unit.wait()
         self._prefetch(self._order)
 
-    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> None:
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
         if in_backward():  # activation recomputation: gather, but it is not a step of the forward order
             unit.wait()
-            return
+            return None
         self._recording.append(unit)
         unit.wait()
-        if unit.frozen and torch.is_grad_enabled():  # its backward is over once its inputs have their gradients
-            inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-            unit.expects_inputs = bool(inputs)
-            if inputs:
-                register_multi_grad_hook(inputs, lambda grads, u=unit: self._inputs_ready(u), mode="all")
         i = self._place.get(unit)
         if i is not None:
             self._prefetch(self._order[i + 1:i + 1 + self.prefetch_depth])
+        if unit.frozen and torch.is_grad_enabled():  # its backward is over once its inputs have their gradients
+            return watch_inputs(unit, args, kwargs, weak_hook(self._inputs_ready))
+        return None
 
     def _post_forward(self, unit: Unit, output) -> None:
         if in_backward():
