@@ -1,7 +1,8 @@
 """Adapters out and back in, from sharded layouts: peft loads what paratrain saves, transformers loads the merged
 model, and an adapter directory continues training in another layout.
 
-A peft model trains 2 steps in dp2·tp2 ZeRO-3 SP (Llama, DoRA) and in pp2·tp2 (Qwen2, LoRA), then writes its adapter
+A peft model trains 2 steps in dp2·tp2 ZeRO-3 SP (Llama, DoRA; and one DeepSpeed-style step, `engine(input_ids=,
+labels=).loss`) and in pp2·tp2 (Qwen2, LoRA), then writes its adapter
 (`engine.save_pretrained`) and the merged model (`merged=True`). In the test process: `PeftModel.from_pretrained`
 of the adapter on the same base gives the logits of the trained model (its full state loaded into a fresh peft
 model) within 1e-5, with the key set of peft's own save of that model and no empty tensor; transformers'
@@ -37,6 +38,13 @@ def _train_and_save(root: str) -> dict:
         engine, *_ = initialize(model=peft_hf(family, method), config=cfg, training_data=RealRows("masked"))
         for _ in range(2):
             engine.train_batch()
+        if name == "tp_zero3":  # a DeepSpeed script's step: transformers' labels by keyword, .loss back
+            ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+            for _ in range(cfg["gradient_accumulation_steps"]):
+                out = engine(input_ids=ids, labels=ids)
+                engine.backward(out.loss)
+                engine.step()
+            assert torch.isfinite(out.loss)
         engine.save_pretrained(f"{root}/{name}")
         engine.save_pretrained(f"{root}/{name}_merged", merged=True)
         state = engine.full_state_dict()

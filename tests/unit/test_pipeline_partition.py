@@ -166,3 +166,12 @@ def test_v_chunks_balance_each_rank_against_brute_force():
         assert max(rank_loads(weights, bounds)) == pytest.approx(best, rel=1e-9), (weights, p, bounds)
     with pytest.raises(PartitionError, match="cannot cut 3 layers into the 4 chunks of a V over 2 ranks"):
         v_balanced_boundaries([1.0] * 3, 2)
+
+
+def test_the_parameter_partition_counts_frozen_weights():
+    """A LoRA model balances on its base: a frozen weight costs its layer the same forward and input gradient."""
+    from paratrain.parallel.pp.partition import parameter_counts
+
+    frozen, trained = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    frozen.requires_grad_(False)
+    assert parameter_counts([frozen, trained]) == [72, 18]
