@@ -41,10 +41,10 @@ def _train_and_save(root: str) -> dict:
         if name == "tp_zero3":  # a DeepSpeed script's step: transformers' labels by keyword, .loss back
             ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
             for _ in range(cfg["gradient_accumulation_steps"]):
-                out = engine(input_ids=ids, labels=ids)
-                engine.backward(out.loss)
+                output = engine(input_ids=ids, labels=ids)
+                engine.backward(output.loss)
                 engine.step()
-            assert torch.isfinite(out.loss)
+            assert torch.isfinite(output.loss)
         engine.save_pretrained(f"{root}/{name}")
         engine.save_pretrained(f"{root}/{name}_merged", merged=True)
         state = engine.full_state_dict()
