@@ -11,7 +11,6 @@ anything changes.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import re
 
 import torch
@@ -21,6 +20,7 @@ from paratrain.adapters.experts import ExpertLora
 from paratrain.adapters.lora import LoraLinear, draw_lora_a, lora_layers
 from paratrain.adapters.settings import AdapterSettings, adapter_generator
 from paratrain.errors import InvalidValueError
+from paratrain.layout.patterns import match
 
 WILDCARDS = set("*?[")
 
@@ -34,23 +34,10 @@ def is_linear(module: nn.Module) -> bool:
                                          is not None and module.weight.dim() == 2)
 
 
-def _pattern_matches(pattern: str, name: str) -> bool:
-    """A dotted pattern: `*` one name, `**` any number of names, shell wildcards inside a name."""
-
-    def rec(pat: list[str], parts: list[str]) -> bool:
-        if not pat:
-            return not parts
-        if pat[0] == "**":
-            return any(rec(pat[1:], parts[i:]) for i in range(len(parts) + 1))
-        return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and rec(pat[1:], parts[1:])
-
-    return rec(pattern.split("."), name.split("."))
-
-
 def name_matches(entry: str, name: str) -> bool:
     """peft's rule for one `target_modules` entry (the name, or a suffix after a dot), or a dotted pattern."""
     if WILDCARDS & set(entry):
-        return _pattern_matches(entry, name) or _pattern_matches(f"**.{entry}", name)
+        return match(entry, name) or match(f"**.{entry}", name)
     return name == entry or name.endswith("." + entry)
 
 

@@ -25,7 +25,7 @@ from paratrain.adapters.lora import lora_layers, merge_adapter
 from paratrain.adapters.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, is_adapter_name, peft_key
 from paratrain.adapters.settings import AdapterSettings
 from paratrain.checkpoint.format import CheckpointError, SafetensorsWriter, atomic_write_text
-from paratrain.checkpoint.pretrained import WRITER, FullTensorStream, publish
+from paratrain.checkpoint.pretrained import WRITER, FullTensorStream, publish, raise_on_every_rank
 from paratrain.comm import all_gather_object
 from paratrain.layout.mesh import AXES
 
@@ -159,11 +159,7 @@ def save_adapter(parallel, mesh, device: torch.device, directory, settings: Adap
             publish(partial, directory)
         except (OSError, ValueError) as exc:
             error = f"finishing '{directory}': {exc}"
-    error = all_gather_object(error, world, tag="save_pretrained")[WRITER]
-    if error:
-        if writer:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"save_pretrained (adapter) to '{directory}' failed: {error}")
+    raise_on_every_rank(error, world, partial, f"save_pretrained (adapter) to '{directory}'")
     return directory
 
 

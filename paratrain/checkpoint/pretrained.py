@@ -264,9 +264,14 @@ def save_pretrained(parallel, mesh, device: torch.device, directory, model_confi
             publish(partial, directory)
         except (OSError, ValueError) as exc:
             error = f"finishing '{directory}': {exc}"
+    raise_on_every_rank(error, world, partial, f"save_pretrained to '{directory}'")
+    return directory
+
+
+def raise_on_every_rank(error: str | None, world, partial: Path, what: str) -> None:
+    """The writer's error (or None) raised on every rank alike, its partial directory removed first."""
     error = all_gather_object(error, world, tag="save_pretrained")[WRITER]
     if error:
-        if writer:
+        if world.rank == WRITER:
             shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"save_pretrained to '{directory}' failed: {error}")
-    return directory
+        raise CheckpointError(f"{what} failed: {error}")

@@ -22,7 +22,27 @@ from paratrain.parallel.dp.base import MasterSegment
 from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, set_data
 
 
-class FrozenShard:
+class ShardedBuffer:
+    """A flat buffer of a unit's parameters over `axis`: the parameters are views of `full`, whose storage exists
+    only while the unit is gathered (freed to zero bytes in between); one all-gather of the shards fills it."""
+
+    full: torch.Tensor
+    layout: FlatLayout
+    axis: Axis
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def gather_from(self, source: torch.Tensor) -> comm.Handle:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.padded * self.full.element_size())
+        handle = comm.all_gather_into(self.full, source, self.axis, tag="param", async_op=True)
+        handle.source = source  # keep a transient input (a cast, a host-to-device copy) alive until it is done
+        return handle
+
+
+class FrozenShard(ShardedBuffer):
     """One unit's frozen parameters over one axis: this rank's shard and the full buffer gathered on demand."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, dtype: torch.dtype, offload: OffloadPolicy):
@@ -41,17 +61,9 @@ class FrozenShard:
             set_data(slot.param, view)
         self.free()
 
-    def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
-
     def gather(self) -> comm.Handle:
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.layout.padded * self.full.element_size())
-        source = self.shard if self.shard.device == self.full.device else self.shard.to(self.full.device)
-        handle = comm.all_gather_into(self.full, source, self.axis, tag="param", async_op=True)
-        handle.source = source  # keep a transient host-to-device copy alive until the gather is done
-        return handle
+        shard = self.shard
+        return self.gather_from(shard if shard.device == self.full.device else shard.to(self.full.device))
 
     def segments(self) -> list[MasterSegment]:
         """The parameter ranges this rank's shard holds, for checkpoints and weights (as `master_segments`)."""

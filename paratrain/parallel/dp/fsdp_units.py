@@ -30,7 +30,7 @@ from paratrain.parallel.dp.flat import (
     split_param_groups,
     state_with_gathered,
 )
-from paratrain.parallel.dp.frozen import FrozenShard, split_frozen
+from paratrain.parallel.dp.frozen import FrozenShard, ShardedBuffer, split_frozen
 from paratrain.parallel.dp.gradients import StagedGradient
 
 WrapPolicy = Callable[[str, nn.Module], bool]
@@ -70,7 +70,7 @@ def assign_params(root: nn.Module, policy: WrapPolicy, persistence_threshold: in
     return owned, persistent
 
 
-class FlatParam:
+class FlatParam(ShardedBuffer):
     """One unit's parameters of one param group: a flat buffer gathered on demand, and this rank's shard.
 
     The module's parameters are views of `full`; while the unit is sharded, `full`'s storage is resized to
@@ -113,13 +113,7 @@ class FlatParam:
     def complete(self) -> bool:
         return len(self.ready) == len(self.layout.slots)
 
-    def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
-
     def gather(self) -> comm.Handle:
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.layout.padded * self.full.element_size())
         master = self.master.param.detach()
         if self.device_shard is not None:
             source = self.device_shard
@@ -127,9 +121,7 @@ class FlatParam:
             source = master
         else:
             source = master.to(self.full.device, self.dtype)  # cast, or copy from the host (offload_param)
-        handle = comm.all_gather_into(self.full, source, self.axis, tag="param", async_op=True)
-        handle.source = source  # keep a transient input alive until the gather is done
-        return handle
+        return self.gather_from(source)
 
     def add_grad(self, index: int, grad: torch.Tensor, accumulate: bool = False) -> None:
         self.grads.add(index, grad, accumulate)

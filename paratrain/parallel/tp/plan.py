@@ -12,13 +12,13 @@ write a plan for your own model.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
 from paratrain.adapters import LoraLinear
+from paratrain.layout.patterns import match
 from paratrain.model_spec import plan_names, spec_for, spec_named
 from paratrain.parallel.tp.layers import PlanError, is_conv1d, linear_features
 from paratrain.parallel.tp.lora import check_adapter_style
@@ -54,19 +54,6 @@ STYLES: dict[str, Style] = {
 }
 SHARDING = {"colwise", "colwise_gather", "colwise_vocab", "rowwise", "vocab", "vocab_scatter"}
 COLWISE = {"colwise", "colwise_gather"}
-
-def match(pattern: str, path: str) -> bool:
-    """Whether the dotted module `path` matches `pattern` (`*` one component, `**` any number)."""
-
-    def rec(pat: list[str], parts: list[str]) -> bool:
-        if not pat:
-            return not parts
-        if pat[0] == "**":
-            return any(rec(pat[1:], parts[i:]) for i in range(len(parts) + 1))
-        return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and rec(pat[1:], parts[1:])
-
-    return rec(pattern.split("."), path.split("."))
-
 
 def check_plan_syntax(plan, where: str = "tensor_parallel.plan") -> dict[str, str] | None:
     """Validate a plan's form without a model: a built-in name, or {pattern: style}. Returns the dict."""
