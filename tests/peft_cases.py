@@ -55,10 +55,13 @@ def _paratrain_init(inner, seed: int) -> None:
                 p.copy_(layer.base_layer.weight.double().pow(2).sum(1).sqrt())
 
 
-# paratrain's own adapters (the `peft` config section): LoRA or DoRA on the built-in Llama's linear layers, LoRA on
-# the attention and on every expert stack of the built-in Mixtral-like MoE (its router losses off: the reference's
-# objective is the token loss alone)
+# paratrain's own adapters (the `peft` config section): LoRA or DoRA on the built-in Llama's linear layers (LoRA also
+# under Muon, which orthogonalizes each adapter matrix whole), LoRA on the built-in GPT's, on the attention and on
+# every expert stack of the built-in Mixtral-like MoE (its router losses off: the reference's objective is the token
+# loss alone)
 SECTIONS = {"llama lora": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR)},
+            "llama lora muon": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR)},
+            "gpt lora": {"r": 4, "alpha": 8, "target_modules": ["q", "k", "v", "o", "fc", "proj"]},
             "llama dora": {"method": "dora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
             "moe experts": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj"],
                             "target_parameters": ["experts.gate_proj", "experts.up_proj", "experts.down_proj"]}}
@@ -68,9 +71,11 @@ def section_model(name: str, reference: bool = False, seed: int = 7):
     """The built-in model of a `SECTIONS` entry; `reference`: with the section's adapters put in (as the engine
     puts them in, from the same seed)."""
     from paratrain.models.registry import build_model
-    from tests.cases import tiny_llama
+    from tests.cases import tiny_gpt, tiny_llama
 
-    if name.startswith("moe"):
+    if name.startswith("gpt"):
+        model = tiny_gpt()
+    elif name.startswith("moe"):
         torch.manual_seed(1)
         model = build_model("mixtral-tiny", seq_len=16, vocab_size=256, aux_loss_coef=0.0, z_loss_coef=0.0)
     else:

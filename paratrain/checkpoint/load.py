@@ -179,13 +179,15 @@ def load_checkpoint(target: CheckpointTarget, load_dir, tag=None, load_module_st
     errors = [e for e, _ in everyone if e]
     if errors:
         raise CheckpointError(errors[0])
-    excluded = plan.manifest.get("frozen_excluded")  # saved without its frozen base: this model's must be it
-    if excluded is not None:
+    # saved without its frozen base: a strict load needs this model's to be it (non-strict keeps whatever it has)
+    excluded = plan.manifest.get("frozen_excluded")
+    if excluded is not None and load_module_strict:
         problem = fingerprint_problem(excluded["fingerprint"], frozen_fingerprint(target.model, target.mesh))
         if problem:
             raise CheckpointError(f"checkpoint '{path}' was saved without its frozen base "
                                   f"(exclude_frozen_parameters), and this model's base is not that base: {problem}; "
-                                  f"build the model from the base the run started from (the same weights)")
+                                  f"build the model from the base the run started from (the same weights), or "
+                                  f"pass load_module_strict=False to keep this model's frozen tensors as they are")
     if load_module_strict:  # names over every rank (a pipeline stage alone does not hold the whole model)
         held = set().union(*(set(names) for _, names in everyone))
         held -= set(excluded["fingerprint"]) if excluded is not None else set()

@@ -161,8 +161,9 @@ def test_every_case_of_every_suite_builds_the_common_setup(world1, world2, monke
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as benchmarks.suite sets it, before that world is spawned
     with World(2, timeout_s=600) as world:
         setups |= world.run(setups_in_one_call, deepspeed)[0]
-    assert len(setups) == len(pairs) + len(_cases(1)) and len(deepspeed) == 5
+    assert len(setups) == len(pairs) + len(_cases(1)) and len(deepspeed) == 6
     assert {"zero: DeepSpeed ZeRO-3", "ddp: torch DDP", "tp: torch TP+SP", "pp: torch interleaved v2 p2",
             "zero: torch FSDP2", "zero: reference (1 process)", "cp: one process", "moe: DeepSpeed-MoE ep_size=2",
-            "moe: paratrain ep2", "overhead: DeepSpeed ZeRO-1"} <= set(setups)
+            "moe: paratrain ep2", "overhead: DeepSpeed ZeRO-1", "peft: DeepSpeed ZeRO-3 + peft LoRA",
+            "peft: torch FSDP2 + peft LoRA", "peft: reference LoRA (1 process)"} <= set(setups)
     check_same_setup({"expected": expected_setup(), **setups})

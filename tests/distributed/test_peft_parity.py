@@ -8,7 +8,8 @@ directory (the adapters then start as paratrain draws them), tp2 with and withou
 dp2·tp2 ZeRO-3 SP, pp2 (1F1B, ZB-H1), cp2 (ring, Ulysses) on 4 ranks, dp2·pp2·tp2 on 8. Per step the loss and
 the global gradient norm (what sees a wrongly weighted loss) and at the end every adapter and base tensor must
 be within 1e-5 of the reference, which runs each document alone through peft's own layers
-(`tests/real_data.py`).
+(`tests/real_data.py`). paratrain's own `peft` section is checked the same way on its built-in Llama (LoRA, DoRA,
+LoRA under Muon), GPT and MoE (LoRA on every expert, ep2 with ZeRO and tp).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from paratrain.testing.parity import compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
-from tests.cases import import_or_skip, tiny_hf
+from tests.cases import STABLE_EPS, import_or_skip, tiny_hf
 from tests.distributed.test_real_data import ROWS, STEPS, real_layout
 from tests.peft_cases import SECTIONS, peft_hf, section_model
 from tests.real_data import RealRows, documents_loss
@@ -44,7 +45,11 @@ MATRIX_8 = [(family, method, "masked", "dp2·pp2·tp2") for family, method in MO
 # paratrain's `peft` section on its own Llama and MoE (no peft package): "section" as the family
 SECTION_4 = [("section", "llama lora", "masked", name) for name in ("ddp", "zero3", "tp2 sp", "pp2 zb-h1")] + \
     [("section", "llama dora", "packed", name) for name in ("zero2", "dp2·tp2 zero3 sp", "cp2 ring")] + \
-    [("section", "moe experts", "masked", name) for name in ("ep2", "ep2 zero1", "ep2 zero3", "tp2 ep2")]
+    [("section", "moe experts", "masked", name) for name in ("ep2", "ep2 zero1", "ep2 zero3", "tp2 ep2")] + \
+    [("section", "gpt lora", "packed", name) for name in ("zero3", "tp2 sp")] + \
+    [("section", "llama lora muon", "masked", name) for name in ("ddp", "dp2·tp2 zero3 sp", "pp2 1f1b")]
+MUON = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.05, "ns_dtype": "float32",
+                                   "adamw": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": STABLE_EPS}}}
 LAYOUTS_4.update({"ep2": real_layout(1, 4, ep=2), "ep2 zero1": real_layout(1, 4, ep=2, zero=1),
                   "ep2 zero3": real_layout(1, 4, ep=2, zero=3), "tp2 ep2": real_layout(2, 2, tp=2, ep=2)})
 
@@ -73,6 +78,8 @@ def factory(family: str, method: str, name: str, reference: bool = False):
 
 def run_config(family: str, method: str, name: str, weights: dict[str, str]) -> dict:
     cfg = config_of(name, weights.get(family))
+    if method.endswith("muon"):
+        cfg["optimizer"] = MUON
     return {**cfg, "peft": SECTIONS[method]} if family == "section" else cfg
 
 
