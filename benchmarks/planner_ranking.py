@@ -1,22 +1,20 @@
 """Does the planner rank layouts the way this machine does? Calibrate, predict, measure, compare.
 
-    python -m benchmarks.planner_ranking                       # writes docs/benchmarks.md's section
-    python -m benchmarks.planner_ranking --repeats 1 --steps 3 --no-doc
+    python -m benchmarks.planner_ranking              # writes docs/benchmarks.md's section (--no-doc: print only)
+    python -m benchmarks.planner_ranking --repredict  # the committed run, predicted by the planner as it is now
 
-1. Calibrate `Hardware` for this CPU on one process and two: one process times an engine step on 8
-   sequences as one micro-batch and as 8 accumulated ones (-> a fixed per-micro-batch overhead from the
-   difference, FLOP/s from the rest) and an AdamW step (-> memory bandwidth); two processes time gloo
-   all-reduces of 1 and of Psi floats (-> latency and bandwidth), each collective the layouts use through
-   `paratrain.comm` after a stretch of compute, at three payloads (-> seconds per call and bytes per second,
-   `Hardware.op_costs`), and a forward + backward on both processes at once (-> how much they slow each
-   other, `Hardware.shared_host_slowdown`). Communication is not overlapped (overlap = 0): gloo's threads
-   share the cores with compute.
+1. Calibrate `Hardware` for this CPU on one process and two: one process times an engine step on 8 sequences as
+   one micro-batch and as 8 accumulated ones (-> a per-micro-batch overhead from the difference, FLOP/s from the
+   rest) and an AdamW step (-> memory bandwidth); two processes time gloo all-reduces of 1 and of Psi floats (->
+   latency and bandwidth), each collective the layouts use through `paratrain.comm` after a stretch of compute, at
+   three payloads (-> `Hardware.op_costs`), and a forward + backward on both at once (-> how much they slow each
+   other, `Hardware.shared_host_slowdown`). Communication is not overlapped: gloo's threads share the cores.
 2. Predict the step time of 14 layouts of one global batch (one process, DDP with different micro-batch /
-   accumulation splits, ZeRO-1/3, TP with and without SP, 1F1B and GPipe pipelines, ring context
-   parallelism) with `paratrain.planner.estimate_time`.
+   accumulation splits, ZeRO-1/3, TP with and without SP, 1F1B and GPipe pipelines, ring context parallelism)
+   with `paratrain.planner.estimate_time`.
 3. Measure each layout's step time with the engine (fresh world per case, cases interleaved, medians).
 4. Report both rankings, Spearman's rho, Kendall's tau, and whether the predicted best is the measured best.
-The machine is shared and noisy: no test asserts any of this; the numbers are reported in docs/benchmarks.md.
+The machine is shared and noisy: the tests check the result is the current planner's and its stated bounds.
 """
 
 from __future__ import annotations
@@ -42,20 +40,16 @@ SPEC = spec_from_config(GPTConfig(**BENCH_MODEL), "gpt-small")
 GLOBAL_BATCH = 16
 # 14 layouts of one global batch, of 6 kinds: one process and DDP (micro-batch / accumulation splits),
 # ZeRO-1 and ZeRO-3, tensor parallelism (with and without sequence parallelism), pipelines, context parallelism.
-LAYOUTS = [Layout(dp=1, micro_batch=16, grad_accum=1, precision="fp32"),
-           Layout(dp=1, micro_batch=4, grad_accum=4, precision="fp32"),
-           Layout(dp=1, micro_batch=1, grad_accum=16, precision="fp32"),
-           Layout(dp=2, micro_batch=8, grad_accum=1, precision="fp32"),
-           Layout(dp=2, micro_batch=2, grad_accum=4, precision="fp32"),
-           Layout(dp=2, micro_batch=1, grad_accum=8, precision="fp32"),
-           Layout(dp=2, zero_stage=1, micro_batch=4, grad_accum=2, precision="fp32"),
-           Layout(dp=2, zero_stage=3, micro_batch=4, grad_accum=2, precision="fp32"),
-           Layout(dp=1, tp=2, micro_batch=8, grad_accum=2, precision="fp32"),
-           Layout(dp=1, tp=2, sequence_parallel=True, micro_batch=4, grad_accum=4, precision="fp32"),
-           Layout(dp=1, pp=2, schedule="1f1b", micro_batch=4, grad_accum=4, precision="fp32"),
-           Layout(dp=1, pp=2, schedule="gpipe", micro_batch=2, grad_accum=8, precision="fp32"),
-           Layout(dp=1, cp=2, micro_batch=8, grad_accum=2, precision="fp32"),
-           Layout(dp=1, cp=2, micro_batch=2, grad_accum=8, precision="fp32")]
+LAYOUTS = [Layout(precision="fp32", **kw) for kw in (
+    dict(dp=1, micro_batch=16, grad_accum=1), dict(dp=1, micro_batch=4, grad_accum=4),
+    dict(dp=1, micro_batch=1, grad_accum=16), dict(dp=2, micro_batch=8, grad_accum=1),
+    dict(dp=2, micro_batch=2, grad_accum=4), dict(dp=2, micro_batch=1, grad_accum=8),
+    dict(dp=2, zero_stage=1, micro_batch=4, grad_accum=2), dict(dp=2, zero_stage=3, micro_batch=4, grad_accum=2),
+    dict(dp=1, tp=2, micro_batch=8, grad_accum=2),
+    dict(dp=1, tp=2, sequence_parallel=True, micro_batch=4, grad_accum=4),
+    dict(dp=1, pp=2, schedule="1f1b", micro_batch=4, grad_accum=4),
+    dict(dp=1, pp=2, schedule="gpipe", micro_batch=2, grad_accum=8),
+    dict(dp=1, cp=2, micro_batch=8, grad_accum=2), dict(dp=1, cp=2, micro_batch=2, grad_accum=8))]
 TARGETS = {"spearman": 0.9, "worst_ratio": 1.5}  # issue: rank correlation at least, worst prediction error at most
 
 
@@ -219,15 +213,28 @@ def run(repeats: int, steps: int, warmup: int) -> dict:
     median_hw["op_costs"] = [[op, statistics.median(h["op_costs"][i][1] for h in hardware),
                               statistics.median(h["op_costs"][i][2] for h in hardware)]
                              for i, (op, *_) in enumerate(hardware[0]["op_costs"])]
-    return {"hardware": median_hw, "calibrations": calibrations, "layouts": [lay.describe() for lay in LAYOUTS],
-            "predicted_s": predicted, "measured_s": measured, "predicted_runs": predicted_runs,
-            "measured_runs": measured_runs, "spearman": spearman(predicted, measured),
-            "kendall": kendall(predicted, measured),
+    return _scored({"hardware": median_hw, "calibrations": calibrations, "layouts": [lay.describe() for lay in LAYOUTS],
+                    "predicted_s": predicted, "measured_s": measured, "predicted_runs": predicted_runs,
+                    "measured_runs": measured_runs, "repeats": repeats, "steps": steps, "targets": TARGETS})
+
+
+def _scored(result: dict) -> dict:
+    """`result` with how its predictions rank against its measurements."""
+    predicted, measured = result["predicted_s"], result["measured_s"]
+    return {**result, "spearman": spearman(predicted, measured), "kendall": kendall(predicted, measured),
             "decisive_pairs": decisive_agreement(predicted, measured),
             "worst_ratio": max(max(p / m, m / p) for p, m in zip(predicted, measured)),
             # The measured best is among the layouts the model predicts within 1% of its best.
-            "best_agrees": predicted[measured.index(min(measured))] <= 1.01 * min(predicted),
-            "repeats": repeats, "steps": steps, "targets": TARGETS}
+            "best_agrees": predicted[measured.index(min(measured))] <= 1.01 * min(predicted)}
+
+
+def repredict(result: dict) -> dict:
+    """`result` with every prediction recomputed by the current planner from the repeats' recorded calibrations
+    (the measurements kept): for a change of the cost model that leaves the measured code alone."""
+    hardware = [hardware_for_this_cpu(c["compute"], c["comm"]) for c in result["calibrations"]]
+    predicted_runs = [[estimate_time(SPEC, lay, hw).total for hw in hardware] for lay in LAYOUTS]
+    return _scored({**result, "repredicted": time.strftime("%Y-%m-%d"), "predicted_runs": predicted_runs,
+                    "predicted_s": [statistics.median(runs) for runs in predicted_runs]})
 
 
 def targets_met(result: dict) -> bool:
@@ -250,6 +257,9 @@ def table(result: dict) -> str:
              "|---|---:|---:|---:|---:|---:|"]
     for name, p, m, a, b in zip(result["layouts"], result["predicted_s"], result["measured_s"], pr, mr):
         lines.append(f"| {name} | {p * 1e3:.1f} | {m * 1e3:.1f} | {p / m:.2f} | {a:g} | {b:g} |")
+    if "repredicted" in result:
+        lines.insert(1, f"Predictions recomputed {result['repredicted']} by the planner as it is then, from the "
+                        f"repeats' recorded calibrations (`--repredict`); the measurements are the run's.")
     agree, total = result["decisive_pairs"]
     lines += ["", f"Spearman rho {result['spearman']:.2f}, Kendall tau-b {result['kendall']:.2f} (ties share ranks); "
                   f"worst prediction off by {result['worst_ratio']:.2f}x; "
@@ -267,15 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-doc", action="store_true", help="print the table, do not touch docs/benchmarks.md")
+    parser.add_argument("--repredict", action="store_true",
+                        help="measure nothing: recompute the committed result's predictions with the current planner")
     args = parser.parse_args(argv)
-    result = run(args.repeats, args.steps, args.warmup)
+    if args.repredict:
+        result = repredict(json.loads((RESULTS / "planner_ranking.json").read_text()))
+        args.repeats, args.steps = result["repeats"], result["steps"]
+    else:
+        result = run(args.repeats, args.steps, args.warmup)
+        result["measured"] = time.strftime("%Y-%m-%d")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "planner_ranking.json").write_text(json.dumps(result, indent=1))
     body = table(result)
     print(body)
     if not args.no_doc:
         write_doc("planner_ranking", body, f"python -m benchmarks.planner_ranking --repeats {args.repeats} "
-                                           f"--steps {args.steps} --warmup {args.warmup}")
+                                           f"--steps {args.steps} --warmup {args.warmup}", result.get("measured"))
     return 0
 
 

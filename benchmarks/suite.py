@@ -127,10 +127,12 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(name: str, body: str, command: str) -> None:
+def write_doc(name: str, body: str, command: str, measured: str | None = None) -> None:
+    """Write suite `name`'s section of docs/benchmarks.md (`measured`: the date the numbers were taken, when not
+    today)."""
     DOC.parent.mkdir(parents=True, exist_ok=True)
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    stamp = time.strftime("%Y-%m-%d")
+    stamp = measured or time.strftime("%Y-%m-%d")
     section = (f"<!-- suite:{name} -->\n### {name}\n\nMeasured {stamp} on {machine()}.\n\nCommand: `{command}`\n\n"
                f"{body}\n<!-- /suite:{name} -->")
     pattern = re.compile(rf"<!-- suite:{name} -->.*?<!-- /suite:{name} -->", re.S)

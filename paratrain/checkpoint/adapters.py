@@ -27,7 +27,6 @@ from paratrain.adapters.settings import AdapterSettings
 from paratrain.checkpoint.format import CheckpointError, SafetensorsWriter, atomic_write_text
 from paratrain.checkpoint.pretrained import WRITER, FullTensorStream, publish, raise_on_every_rank
 from paratrain.comm import all_gather_object
-from paratrain.layout.mesh import AXES
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ def merge_plan(parallel, mesh) -> dict[str, LayerMerge]:
     if expert_adapters(parallel.module):
         problem = ("save_pretrained(merged=True) with adapters on expert stacks (peft.target_parameters): folding "
                    "them into the stacked weights is not built; save the adapter unmerged")
-    everyone = all_gather_object((mine, problem), mesh.axis(AXES), tag="save_pretrained")
+    everyone = all_gather_object((mine, problem), mesh.world, tag="save_pretrained")
     problem = next((p for _, p in everyone if p), None)
     if problem:
         raise CheckpointError(problem)
@@ -63,7 +62,7 @@ def merge_plan(parallel, mesh) -> dict[str, LayerMerge]:
 def trainable_names(parallel, mesh) -> set[str]:
     """The original names of every trainable tensor, over every rank (collective)."""
     mine = {parallel.origin(n, p).name for n, p in parallel.grad_sync.named_params}
-    return set().union(*all_gather_object(mine, mesh.axis(AXES), tag="save_pretrained"))
+    return set().union(*all_gather_object(mine, mesh.world, tag="save_pretrained"))
 
 
 class Merger:
@@ -126,7 +125,7 @@ def save_adapter(parallel, mesh, device: torch.device, directory, settings: Adap
                  dtype: torch.dtype | None = None) -> Path:
     """The adapter in peft's format (collective; rank 0 writes, into a partial directory renamed into place):
     every trainable tensor (adapters, modules_to_save) under peft's keys, and adapter_config.json."""
-    directory, world, writer = Path(directory), mesh.axis(AXES), mesh.rank == WRITER
+    directory, world, writer = Path(directory), mesh.world, mesh.rank == WRITER
     keep = trainable_names(parallel, mesh)
     adapted = sorted(merge_plan(parallel, mesh))
     stream = FullTensorStream(parallel, mesh, device, keep=keep.__contains__)

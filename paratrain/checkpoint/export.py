@@ -36,7 +36,7 @@ from paratrain.checkpoint.format import (
 from paratrain.checkpoint.load import PieceFiles
 from paratrain.checkpoint.reshard import Piece, coverage_problem, read_full
 from paratrain.checkpoint.state import tensor_keys
-from paratrain.layout.mesh import AXES
+from paratrain.layout.mesh import ParallelDims
 from paratrain.model_spec import ModelSpecError, spec_named
 
 
@@ -134,9 +134,9 @@ def convert(reader: CheckpointReader, out_dir, tag: str | None = None) -> Path:
     keys = tensor_keys([first["states"], m["states"], m["client_state"]])
     extra = [(k, reader.files.tensor(first["file"], k)) for k in keys]
     record = write_safetensors(partial / file, tensors + extra)
-    layout = {**m["layout"], "world_size": 1, **{a: 1 for a in AXES}, "describe": "single process"}
+    layout = {**m["layout"], "world_size": 1, **ParallelDims(1).layout(), "describe": "single process"}
     manifest = {**m, "tag": tag, "layout": layout, "pieces": pieces, "files": {file: {"rank": 0, **record}},
-                "ranks": [{**first, "rank": 0, "coords": {a: 0 for a in AXES}, "file": file}]}
+                "ranks": [{**first, "rank": 0, "coords": ParallelDims(1).grid_coords(0), "file": file}]}
     manifest.pop("checksum", None)
     write_manifest(partial, manifest)
     fsync_dir(partial)

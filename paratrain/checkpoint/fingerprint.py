@@ -17,7 +17,6 @@ import torch
 
 from paratrain.checkpoint.pieces import agree_on_pieces, model_pieces
 from paratrain.comm import all_reduce
-from paratrain.layout.mesh import AXES
 
 TOLERANCE = 1e-9
 CHUNK = 1 << 20  # elements whose indices are computed at once (8 bytes each)
@@ -60,7 +59,7 @@ def frozen_fingerprint(parallel, mesh) -> dict[str, list[float]]:
         if owned:
             sums[index[piece.origin.name]] += torch.tensor(_piece_sums(piece), dtype=torch.float64)
     if names:
-        all_reduce(sums, mesh.axis(AXES), tag="checkpoint")
+        all_reduce(sums, mesh.world, tag="checkpoint")
     return {name: sums[i].tolist() for name, i in index.items()}
 
 

@@ -34,7 +34,6 @@ from paratrain.checkpoint.pieces import HeldPiece, model_pieces
 from paratrain.checkpoint.reshard import Piece, coverage_problem, pieces_needed, read_region
 from paratrain.checkpoint.state import decode_state, restore_group_options, scalar_value
 from paratrain.checkpoint.target import CheckpointTarget
-from paratrain.layout.mesh import AXES
 from paratrain.layout.origin import Origin
 
 log = logging.getLogger("paratrain")
@@ -119,7 +118,8 @@ def _plan(target: CheckpointTarget, path: Path, optimizer_states: bool) -> _Plan
                 for key in states.get(piece.origin.name, []):
                     need(f"optim/{key}/{piece.origin.name}", piece.origin, piece.start, piece.end)
     layout, dims = manifest["layout"], target.mesh.dims
-    plan.same_layout = layout["world_size"] == dims.world_size and all(layout[a] == dims.sizes[a] for a in AXES)
+    plan.same_layout = layout["world_size"] == dims.world_size and \
+        all(layout.get(k, 1) == v for k, v in dims.layout().items())
     plan.files.add(_rank_entry(plan, target.mesh.rank)["file"])  # this rank's own states
     plan.files.add(manifest["ranks"][0]["file"])  # the tensors of the job's states and the client state
     for name, record in manifest["files"].items():
@@ -160,7 +160,7 @@ def load_checkpoint(target: CheckpointTarget, load_dir, tag=None, load_module_st
     `load_optimizer_states`, and each of its stateful objects the checkpoint holds a state for); returns
     (path, client_state), or (None, None) when `load_dir` holds no complete checkpoint (DeepSpeed's contract).
     Collective over every rank."""
-    rank, world = target.mesh.rank, target.mesh.axis(AXES)
+    rank, world = target.mesh.rank, target.mesh.world
     tag = resolve_tag(world, load_dir, tag)
     if tag is None:
         if rank == 0:

@@ -26,7 +26,7 @@ from torch import nn
 from paratrain.checkpoint.format import CheckpointError
 from paratrain.checkpoint.reshard import Piece, coverage_problem, read_full
 from paratrain.comm import all_gather_object, broadcast
-from paratrain.layout.mesh import AXES, Mesh
+from paratrain.layout.mesh import Mesh
 from paratrain.layout.origin import Origin
 from paratrain.layout.placement import Shard
 
@@ -38,10 +38,9 @@ class HeldPiece:
     start: int
     end: int
     data: torch.Tensor  # the piece's `end - start` elements, flat (a view of the live tensor where possible)
-    over_dp: bool  # every rank of the data-parallel axis holds the same piece
+    copies: tuple = ()  # the data-parallel axes whose ranks all hold this same piece (`GradSync.replicas`)
     master: torch.Tensor | None = None  # the optimizer's tensor these elements are part of (None: a buffer)
     offset: int = 0  # where they start in the flattened master (its optimizer states are cut alike)
-    dp_axis: object = None  # the data-parallel axis it is replicated over, if over_dp (None: the strategy's)
     target: torch.Tensor | None = None  # the module's whole tensor, for a piece that is one (a buffer, say)
     frozen: bool = False  # of a frozen parameter (a LoRA base): no gradient, no optimizer state
 
@@ -61,9 +60,9 @@ def _segment_pieces(parallel, tensor: torch.Tensor, segments, params: dict, opti
         param = params[seg.name]
         origin = parallel.origin(seg.name, param)
         data = flat[seg.offset:seg.offset + seg.end - seg.start]
-        replicated = sync.masters_replicated if optimized else False
-        out.append(HeldPiece(f"model/{origin.name}", origin, seg.start, seg.end, data, replicated,
-                             tensor if optimized else None, seg.offset, sync.axis_of(param), frozen=not optimized))
+        copies = sync.replicas(param, sharded=not (optimized and sync.masters_replicated))
+        out.append(HeldPiece(f"model/{origin.name}", origin, seg.start, seg.end, data, copies,
+                             tensor if optimized else None, seg.offset, frozen=not optimized))
     return out
 
 
@@ -85,8 +84,8 @@ def model_pieces(parallel) -> list[HeldPiece]:
             continue  # a parameter (or a tied alias of one) held above
         origin = parallel.origin(name, t)
         data = t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1)
-        # replicated over the axis the strategy reduces it over: an expert's over the ranks holding its experts
-        out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), data, True, dp_axis=sync.axis_of(t),
+        # replicated over the axes the strategy reduces it over: an expert's over the ranks holding its experts
+        out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), data, sync.replicas(t, sharded=False),
                              target=t, frozen=isinstance(t, nn.Parameter) and not t.requires_grad))
     return out
 
@@ -105,11 +104,12 @@ def placement_problem(pieces: list[HeldPiece], parallel) -> str | None:
     return None
 
 
-def owns(origin: Origin, over_dp: bool, mesh: Mesh, dp_axis) -> bool:
-    """Whether this rank keeps a piece held as copies by several ranks: the one whose index on each replicated
-    axis is crc32(name) mod the axis size (spreads replicated tensors over the ranks instead of rank 0)."""
+def owns(origin: Origin, copies: tuple, mesh: Mesh) -> bool:
+    """Whether this rank keeps a piece held as copies by several ranks: the one whose index on each axis of
+    copies (data-parallel, `copies`; model-parallel, the origin's) is crc32(name) mod the axis size (spreads
+    replicated tensors over the ranks instead of rank 0)."""
     h = zlib.crc32(origin.name.encode())
-    axes = ([dp_axis] if over_dp else []) + [mesh.axis(a) for a in origin.replicated]
+    axes = [*copies, *(mesh.axis(a) for a in origin.replicated)]
     return all(axis.rank == h % axis.size for axis in axes)
 
 
@@ -167,10 +167,9 @@ def tied_aliases(parallel) -> dict[str, str]:
 def agree_on_pieces(pieces: list[HeldPiece], parallel, mesh: Mesh) -> tuple[list[dict], dict[str, str]]:
     """Every rank's piece descriptions and tied aliases (collective over the world), checked on every rank;
     a problem found on any rank raises the same error on every rank (no rank is left waiting)."""
-    dp_axis = parallel.grad_sync.axis
-    mine = [describe(p, owns(p.origin, p.over_dp, mesh, p.dp_axis or dp_axis), mesh.rank) for p in pieces]
+    mine = [describe(p, owns(p.origin, p.copies, mesh), mesh.rank) for p in pieces]
     local = placement_problem(pieces, parallel)
-    gathered = all_gather_object((mine, tied_aliases(parallel), local), mesh.axis(AXES), tag="checkpoint")
+    gathered = all_gather_object((mine, tied_aliases(parallel), local), mesh.world, tag="checkpoint")
     everyone = [d for part, _, _ in gathered for d in part]
     aliases = {k: v for _, part, _ in gathered for k, v in part.items()}
     problem = next((p for _, _, p in gathered if p), None) or check_pieces(everyone, parallel.explain)
@@ -184,7 +183,7 @@ def gather_full_state(parallel, mesh: Mesh, device: torch.device) -> dict[str, t
     broadcasts the pieces it keeps, one message per rank and dtype, and every rank assembles them."""
     pieces = model_pieces(parallel)
     everyone, aliases = agree_on_pieces(pieces, parallel, mesh)
-    world = mesh.axis(AXES)
+    world = mesh.world
     mine = [p for p, d in zip(pieces, (d for d in everyone if d["rank"] == mesh.rank)) if d["owned"]]
     received: dict[tuple[str, int, tuple, int], torch.Tensor] = {}
     for rank in range(world.size):

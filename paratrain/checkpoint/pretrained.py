@@ -38,7 +38,6 @@ from paratrain.checkpoint.format import (
 from paratrain.checkpoint.pieces import agree_on_pieces, model_pieces
 from paratrain.checkpoint.reshard import Piece, read_full
 from paratrain.comm import all_gather_object, broadcast
-from paratrain.layout.mesh import AXES
 from paratrain.model_spec import ModelSpecError
 
 INDEX = "model.safetensors.index.json"
@@ -93,7 +92,7 @@ class FullTensorStream:
             yield names, self._gather(key, shape, dtype)
 
     def _gather(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        rank, world = self.mesh.rank, self.mesh.axis(AXES)
+        rank, world = self.mesh.rank, self.mesh.world
         received = {}
         for d in self.owned[key]:
             where = (key, tuple(d["offsets"]), d["start"])
@@ -230,7 +229,7 @@ def save_pretrained(parallel, mesh, device: torch.device, directory, model_confi
         files = parallel.spec.pretrained_files(model_config, str(dtype or torch.float32).split(".")[-1])
     except ModelSpecError as exc:
         raise CheckpointError(str(exc)) from None
-    world = mesh.axis(AXES)
+    world = mesh.world
     writer = mesh.rank == WRITER
     stream = FullTensorStream(parallel, mesh, device, order=merger.order if merger else None)
 

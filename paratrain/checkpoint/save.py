@@ -46,7 +46,6 @@ from paratrain.checkpoint.pieces import HeldPiece, agree_on_pieces, model_pieces
 from paratrain.checkpoint.reshard import Piece, coverage_problem
 from paratrain.checkpoint.state import encode_state, group_options, scalar_entry
 from paratrain.checkpoint.target import CheckpointTarget
-from paratrain.layout.mesh import AXES
 from paratrain.version import __version__
 
 log = logging.getLogger("paratrain")
@@ -133,7 +132,7 @@ def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=N
     """Write a complete checkpoint of `target` to `save_dir/tag` (collective over every rank). Frozen
     parameters are left out with `exclude_frozen_parameters` (load such a checkpoint with
     load_module_strict=False)."""
-    mesh, world = target.mesh, target.mesh.axis(AXES)
+    mesh, world = target.mesh, target.mesh.world
     tag = _agree_on_tag(check_tag(tag), world, target.config.checkpoint.tag_validation)
     try:
         pieces, owned = _pieces_to_save(target, exclude_frozen_parameters)
@@ -201,7 +200,7 @@ def _manifest(target: CheckpointTarget, tag: str, everyone: list[dict], frozen: 
     return {
         "format": FORMAT, "version": VERSION, "tag": tag, "created": time.time(), "paratrain_version": __version__,
         "torch_version": torch.__version__,
-        "layout": {"world_size": dims.world_size, **{a: dims.sizes[a] for a in AXES}, "describe": dims.describe(),
+        "layout": {"world_size": dims.world_size, **dims.layout(), "describe": dims.describe(),
                    "zero_stage": config.zero_optimization.stage, "precision": config.precision,
                    "gradient_accumulation_steps": config.gradient_accumulation_steps,
                    "train_batch_size": config.train_batch_size},

@@ -25,7 +25,7 @@ import torch
 from paratrain.checkpoint.format import CheckpointError
 from paratrain.checkpoint.pieces import model_pieces
 from paratrain.comm import all_gather_object
-from paratrain.layout.mesh import AXES, Mesh
+from paratrain.layout.mesh import Mesh
 from paratrain.layout.origin import Origin
 
 
@@ -110,7 +110,7 @@ def fill_model(parallel, mesh: Mesh, source: Source, strict: bool = True, names:
     """Fill every tensor this rank keeps from `source` (collective over the world), but those named in `skip`
     (adapters the source does not hold, filled otherwise), or only those named in `only` (an adapter's tensors).
     `names`: the tensors the source holds (for `strict`: any the model lacks on every rank is refused)."""
-    world = mesh.axis(AXES)
+    world = mesh.world
     regions = {name: r for name, r in model_regions(parallel).items()
                if name not in skip and (only is None or name in only)}
     problem = None

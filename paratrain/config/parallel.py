@@ -20,6 +20,11 @@ class DataParallelConfig(Section):
     """paratrain's own DDP knobs. `size=-1` means world / (pp*cp*tp)."""
 
     size: int = -1
+    replicate: int = Field(1, ge=1)
+    """HSDP: of the data-parallel ranks, groups of `replicate` hold the same ZeRO shards (ZeRO shards over the
+    other dp / replicate, and dp x cp with context parallelism); gradients are reduce-scattered inside a shard
+    group and the shards all-reduced across the replicas. Needs zero_optimization.stage >= 1 (DeepSpeed's
+    zero_optimization.mics_shard_size sets it too)."""
     bucket_cap_mb: float = Field(25.0, gt=0.0)
     """DDP gradient bucket size; a bucket's all-reduce starts as soon as it is full."""
     allow_unused_parameters: bool = False

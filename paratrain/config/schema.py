@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from paratrain.config.data import DataConfig
+from paratrain.config.errors import ConfigError
 from paratrain.config.outputs import (
     CheckpointConfig,
     CommConfig,
@@ -38,7 +39,7 @@ from paratrain.config.training import (
     ZeroConfig,
 )
 from paratrain.errors import InvalidValueError
-from paratrain.layout.mesh import ParallelDims
+from paratrain.layout.dims import ParallelDims
 
 
 class Config(Section):
@@ -109,6 +110,16 @@ class Config(Section):
     """Low-rank adapters paratrain puts into the model (LoRA, DoRA); absent: the model is trained as it comes."""
 
     @model_validator(mode="after")
+    def _replicas_shard(self) -> Config:
+        hsdp = self.data_parallel.replicate > 1 or self.zero_optimization.mics_shard_size > 0
+        if hsdp and self.zero_optimization.stage == 0:
+            raise InvalidValueError("data_parallel.replicate (or zero_optimization.mics_shard_size) shards ZeRO's "
+                                    "states inside groups of ranks and replicates across them, but "
+                                    "zero_optimization.stage is 0 (DDP replicates everything already); set "
+                                    "zero_optimization.stage to 1, 2 or 3, or remove it")
+        return self
+
+    @model_validator(mode="after")
     def _one_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise InvalidValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
@@ -133,7 +144,25 @@ class Config(Section):
         """The layout on `world_size` ranks (raises MeshError, naming the sizes, when they do not fit)."""
         return ParallelDims(world_size, dp=self.dp_size(world_size), pp=self.pipeline.stages,
                             cp=self.context_parallel.size, tp=self.tensor_parallel.size,
-                            cp_ulysses=self.context_parallel.cp_ulysses, ep=self.expert_parallel.size)
+                            cp_ulysses=self.context_parallel.cp_ulysses, ep=self.expert_parallel.size,
+                            dp_replicate=self.dp_replicate(world_size))
+
+    def dp_replicate(self, world_size: int) -> int:
+        """HSDP's replicas: data_parallel.replicate, or DeepSpeed's MiCS group size read DeepSpeed's way (ZeRO
+        shards over mics_shard_size ranks of dp x cp, the rest replicate)."""
+        shard, replicate = self.zero_optimization.mics_shard_size, self.data_parallel.replicate
+        if shard <= 0:
+            return replicate
+        cp, ranks = self.context_parallel.size, self.dp_size(world_size) * self.context_parallel.size
+        if shard % cp or ranks % shard:
+            raise ConfigError(f"zero_optimization.mics_shard_size {shard} must be a multiple of context_parallel.size "
+                              f"{cp} that divides dp x cp = {ranks}; use one of "
+                              f"{[s for s in range(cp, ranks + 1, cp) if ranks % s == 0]}")
+        if "replicate" in self.data_parallel.model_fields_set and replicate != ranks // shard:
+            raise ConfigError(f"zero_optimization.mics_shard_size {shard} means data_parallel.replicate "
+                              f"{ranks // shard} on {world_size} ranks, but data_parallel.replicate is {replicate}; "
+                              f"give one of the two")
+        return ranks // shard
 
     @property
     def precision(self) -> Literal["fp32", "bf16", "fp16"]:

@@ -124,6 +124,14 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
+    mics_shard_size: int = -1
+    """DeepSpeed's MiCS: ZeRO shards over groups of this many data-parallel ranks (x cp) and replicates across
+    the groups, which is HSDP: it sets data_parallel.replicate to dp x cp / mics_shard_size. -1: off."""
+    mics_hierarchical_params_gather: bool = False
+    """DeepSpeed's two-level all-gather inside a MiCS group spanning nodes; not built (only false is accepted)."""
+    zero_hpz_partition_size: int = Field(1, ge=1)
+    """DeepSpeed ZeRO++'s secondary partition of the parameters (hpZ); not built: only 1 is accepted (HSDP,
+    data_parallel.replicate or mics_shard_size, keeps parameter gathers inside a shard group instead)."""
     sub_group_size: int = Field(1_000_000_000, ge=1)
     """DeepSpeed steps the optimizer over groups of this many elements to bound its temporaries; accepted for
     compatibility (Hugging Face's ZeRO-3 example sets it): paratrain steps each shard's parameter group at once,
@@ -175,6 +183,13 @@ class ZeroConfig(Section):
         stages = {"overlap_param_gather": ((1, 2), "stage 3 gathers each unit before its forward anyway"),
                   "reduce_at_boundary": ((2, 3), "stages 0-1 already reduce once per accumulation window"),
                   "free_grad_buckets": ((0, 1), "stages 2-3 keep no gradient buckets between steps")}
+        if self.mics_hierarchical_params_gather:
+            raise InvalidValueError("zero_optimization.mics_hierarchical_params_gather is not built: paratrain gathers "
+                                    "parameters over the shard group in one all-gather; set it to false")
+        if self.zero_hpz_partition_size > 1:
+            raise InvalidValueError(f"zero_optimization.zero_hpz_partition_size {self.zero_hpz_partition_size} (ZeRO++ "
+                                    f"hpZ) is not built; shard inside a node with data_parallel.replicate or "
+                                    f"zero_optimization.mics_shard_size (HSDP) instead, or set it to 1")
         for key, (valid, why) in stages.items():
             if key in self.model_fields_set and getattr(self, key) and self.stage not in valid:
                 raise InvalidValueError(f"zero_optimization.{key} applies to stages {valid[0]}-{valid[1]} and stage is "

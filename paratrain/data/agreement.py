@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 import paratrain.comm as comm
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.errors import Error
-from paratrain.layout.mesh import AXES, Mesh
+from paratrain.layout.mesh import Mesh
 
 FIRST_STEPS = 1  # optimizer steps checked with batch_agreement "first_steps": the first one
 _WEIGHTS: dict[int, torch.Tensor] = {}
@@ -68,7 +68,7 @@ def check_same_batches(batches: list, mesh: Mesh, step: int, device: torch.devic
     if mesh.dims.world_size == mesh.dims.sample_parallel_size:  # every rank is its own replica
         return
     mine = torch.tensor([fingerprint(batches), mesh.local_rank("dp")], dtype=torch.int64, device=device)
-    world = mesh.axis(AXES)
+    world = mesh.world
     gathered = torch.zeros(world.size, 2, dtype=torch.int64, device=device)
     comm.all_gather_into(gathered.view(-1), mine, world, tag="batch_check")
     gathered = gathered.cpu()

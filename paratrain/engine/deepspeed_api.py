@@ -20,7 +20,7 @@ from paratrain.config import Config
 from paratrain.distributed import local_rank
 from paratrain.engine.train_state import TrainState
 from paratrain.errors import InvalidValueError
-from paratrain.layout.mesh import AXES, Mesh
+from paratrain.layout.mesh import Mesh
 from paratrain.precision import LossScaler
 
 
@@ -99,7 +99,7 @@ class DeepSpeedEngineAPI:
     @property
     def seq_data_parallel_group(self):
         """The torch process group gradients are averaged over, dp x cp (None on one rank)."""
-        return self.mesh.axis(("dp", "cp")).group
+        return self.mesh.axis("dp_cp").group
 
     def get_data_parallel_rank(self) -> int:
         return self.mesh.local_rank("dp")
@@ -218,7 +218,7 @@ class DeepSpeedEngineAPI:
         """Elements of the whole model, trainable (adapters, under LoRA) and frozen, over every rank (collective)."""
         mine = {self.parallel.origin(n, p).name: (p.requires_grad, math.prod(self.parallel.origin(n, p).shape))
                 for n, p in self.module.named_parameters()}
-        everyone = {k: v for part in all_gather_object(mine, self.mesh.axis(AXES), tag="introspection")
+        everyone = {k: v for part in all_gather_object(mine, self.mesh.world, tag="introspection")
                     for k, v in part.items()}
         return {"trainable": sum(n for grad, n in everyone.values() if grad),
                 "frozen": sum(n for grad, n in everyone.values() if not grad)}

@@ -96,20 +96,20 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         sampler = self.training_dataloader.sampler if self.training_dataloader is not None else None
         # (not a bound method of the engine: a cycle would keep a finished engine and its groups alive until gc)
         self.train_state = TrainState(lambda: config.gradient_accumulation_steps, sampler)
-        self.random_state = RandomState(self.parallel.random_streams, {"sizes": dict(mesh.dims.sizes),
+        self.random_state = RandomState(self.parallel.random_streams, {"sizes": mesh.dims.layout(),
                                                                        "coords": dict(mesh.coords)})
         self.loss_scaler = make_loss_scaler(config)  # fp16 only
         self._update = OptimizerUpdate(self.grad_sync, mesh, self.device, self.loss_scaler, config.nonfinite_loss,
                                        check_every=config.steps_per_print)
         self._grad_norm: torch.Tensor | None = None
         # "token" reduction: each window's losses and target counts, divided by the global count at the boundary
-        self._window = LossWindow(mesh.axis(("dp", "cp")), self.device, token_loss=config.loss.reduction == "token"
+        self._window = LossWindow(mesh.axis("dp_cp"), self.device, token_loss=config.loss.reduction == "token"
                                   and self.parallel.spec.loss_is_token_mean(self.module))
         self._last_batch: MicroBatch | None = None  # the token micro-batch of the last forward, for its count
         self._window_loss: torch.Tensor | None = None  # the last window's global token mean
         self._times: dict[str, float] = defaultdict(float)
         self._step_applied = False
-        self._reporter = StepReporter(config, mesh.rank, self.module, mesh.axis(("dp", "cp")))  # (+ MoE routing)
+        self._reporter = StepReporter(config, mesh.rank, self.module, mesh.axis("dp_cp"))  # (+ MoE routing)
         self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled)
         self._check_train_batch = BatchChecker(config.batch_check, "training")
         self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")

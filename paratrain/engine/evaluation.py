@@ -44,11 +44,11 @@ class Evaluation:
         """An evaluation's mean from this rank's (loss sum, weight): over every rank's target tokens when
         token-weighted, else the mean of the ranks' means."""
         if token_weighted:
-            comm.all_reduce(sums, self.mesh.axis(("dp", "cp")), tag="metrics")
+            comm.all_reduce(sums, self.mesh.axis("dp_cp"), tag="metrics")
             return (sums[0] / sums[1].clamp(min=1)).float()
         return self._mean_over_dp((sums[0] / sums[1]).float())
 
     def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        axis = self.mesh.axis(("dp", "cp"))
+        axis = self.mesh.axis("dp_cp")
         comm.all_reduce(value, axis, tag="metrics")
         return value / axis.size

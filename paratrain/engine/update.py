@@ -70,7 +70,7 @@ class OptimizerUpdate:
         `grad_scale` multiplies the averaged gradients first (the token-weighted loss's division by the global
         count, `paratrain.engine.token_loss`), in the same pass as the unscaling and clipping."""
         sync = self.grad_sync
-        norm = global_grad_norm(sync.grad_pieces(), self.mesh, sync.axis, sync.shards_gradients, self.device)
+        norm = global_grad_norm(sync.grad_pieces(), self.mesh, self.device)
         norm = norm * grad_scale
         factor = grad_scale  # a host float until something on the device (the token count, clipping) joins it
         if self.loss_scaler is not None:

@@ -21,7 +21,7 @@ from paratrain.adapters.tensors import AdapterTensor, initial_value
 from paratrain.checkpoint.pieces import agree_on_pieces, model_pieces
 from paratrain.checkpoint.weights import model_regions, write_regions
 from paratrain.comm import all_reduce
-from paratrain.layout.mesh import AXES, Mesh
+from paratrain.layout.mesh import Mesh
 
 NORM_TAG = "adapter_init"
 
@@ -57,7 +57,7 @@ def fill_adapters(parallel, mesh: Mesh, tensors: list[AdapterTensor], seed: int,
         device = next((p.data.device for p in pieces), torch.device("cpu"))
         squares = torch.cat([_row_squares([p for p in owned if p.key == f"model/{t.base}"], t, t.shape[0], device)
                              for t in magnitudes])
-        all_reduce(squares, mesh.axis(AXES), tag=NORM_TAG)
+        all_reduce(squares, mesh.world, tag=NORM_TAG)
         for tensor, norms in zip(magnitudes, squares.sqrt().split([t.shape[0] for t in magnitudes])):
             write_regions(norms.to(torch.float32).cpu(), regions.get(tensor.name, []))
     parallel.grad_sync.masters_loaded()

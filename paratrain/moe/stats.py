@@ -1,7 +1,7 @@
 """Per-step routing metrics of the `MoELayer`s of a model: what every training forward of a step routed.
 
     totals = take_routing(model)                 # per layer: the step's running totals, reset (no host sync)
-    step = reduce_routing(totals, mesh.axis(("dp", "cp")))   # one all_reduce (tag "metrics"), one host copy
+    step = reduce_routing(totals, mesh.axis("dp_cp"))   # one all_reduce (tag "metrics"), one host copy
     step.layers["model.layers.0.mlp"].counts      # choices routed to each expert over the step, all ranks
     step.dropped_fraction, step.aux_loss, step.load_max, step.load_min
 

@@ -171,7 +171,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     if deferred:  # ZeRO-3 allocates its parameters' shards itself; the others hold this rank's whole tensors
         allocate_local(module, device, parameters=config.zero_optimization.stage < 3)
     experts = mesh.expert_axes()
-    grad_sync = _data_parallel(module, mesh.axis(("dp", "cp")), config, device, spec.blocks(model),  # 5.
+    grad_sync = _data_parallel(module, mesh, config, device, spec.blocks(model),  # 5.
                                sync_initial_state=not deferred, expert_axis=experts[1] if experts else None,
                                placements=placements)
     if applied is not None:  # SP: hook the parameters the later steps made
@@ -201,14 +201,17 @@ def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh
     return context_parallelize_stages(module, mesh, cores, first, method)
 
 
-def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.device,
+def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device,
                    blocks: list[nn.Module], sync_initial_state: bool = True,
                    expert_axis: Axis | None = None, placements: Placements | None = None) -> GradSync:
-    """Step 5: DDP (stage 0, any precision), ZeRO-1/2 over flat buckets, or FSDP, over
-    `axis` (dp x cp: every rank of it saw different tokens); parameters split over ep (experts) over
-    `expert_axis` (edp) instead. ZeRO-3's units are the spec's blocks unless the config names other modules."""
+    """Step 5: DDP (stage 0, any precision) over dp x cp (every rank of it saw different tokens), or ZeRO-1/2
+    over flat buckets or FSDP sharded over dp_shard x cp and replicated over dp_replicate (HSDP; all of dp x cp
+    without replicas); parameters split over ep (experts) sharded over `expert_axis` (edp) instead. ZeRO-3's
+    units are the spec's blocks unless the config names other modules."""
     dp, zero = config.data_parallel, config.zero_optimization
-    predivide = axis.size if config.prescale_gradients else config.gradient_predivide_factor
+    axis = mesh.axis("dp_cp") if zero.stage == 0 else mesh.axis("dp_shard_cp")
+    hsdp = {} if zero.stage == 0 else {"replicate": mesh.axis("dp_replicate")}
+    predivide = mesh.size("dp_cp") if config.prescale_gradients else config.gradient_predivide_factor
     if zero.stage == 0:
         return DistributedDataParallel(
             model, axis, precision=config.precision, bucket_cap_mb=dp.bucket_cap_mb,
@@ -227,7 +230,7 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
                                        predivide_factor=predivide,
                                        overlap_param_gather=zero.overlap_param_gather is not False,  # unset: on
                                        sync_initial_state=sync_initial_state, expert_axis=expert_axis,
-                                       placements=placements, **stage_option)
+                                       placements=placements, **hsdp, **stage_option)
     units = {id(b) for b in blocks}
     policy = config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names) \
         if zero.wrap_module_classes or zero.wrap_module_names else (lambda name, module: id(module) in units)
@@ -237,4 +240,4 @@ def _data_parallel(model: nn.Module, axis: Axis, config: Config, device: torch.d
         persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
         allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
         reduce_at_boundary=zero.reduce_at_boundary, sync_initial_state=sync_initial_state, expert_axis=expert_axis,
-        placements=placements)
+        placements=placements, **hsdp)

@@ -44,17 +44,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from paratrain.layout.dims import ParallelDims
 from paratrain.planner.adapters import adapter_tp_transfers, lora_units
-from paratrain.planner.layout import Layout, axis_name
+from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
 from paratrain.planner.model_specs import ModelSpec
 from paratrain.planner.moe import all_to_all_elements, count_elements, dense_blocks, moe_blocks, rank_expert_params
 from paratrain.planner.muon import layer_matrix_params, muon_params, muon_transfers
 from paratrain.planner.stages import rank_blocks
 from paratrain.planner.states import ceil_div
-from paratrain.planner.transfer import DP_CP, Transfer
-
-PP_TP = ("pp", "tp")
+from paratrain.planner.transfer import DP_CP, SHARD, Transfer
 
 
 def zero3_units(spec: ModelSpec, layout: Layout, stage: int) -> list[tuple[int, int]]:
@@ -69,28 +68,39 @@ def zero3_units(spec: ModelSpec, layout: Layout, stage: int) -> list[tuple[int, 
 
 
 def data_parallel_transfers(layout: Layout, params: int, units: list[tuple[int, int]] | None = None,
-                            group: tuple[str, int] | None = None) -> list[Transfer]:
-    """Gradient reductions (and ZeRO's gathers) of `params` over dp x cp, or over the sub-axis `group` of it
-    (the routed experts over edp)."""
-    n, m, size = group[1] if group else layout.shard_group, layout.grad_accum, layout.param_bytes
-    if n == 1 or params == 0:
+                            dim: str | None = None) -> list[Transfer]:
+    """Gradient reductions (and ZeRO's gathers) of `params`: DDP over dp x cp, ZeRO over its shard group
+    (`SHARD`) and, under HSDP, each gradient shard summed over the replicas once a step (`replica_sums`); the
+    routed experts over `dim` = edp."""
+    dim = dim or (DP_CP[0] if layout.zero_stage == 0 else SHARD[0])
+    n, m, size, on = layout.dims.size(dim), layout.grad_accum, layout.param_bytes, (dim,)
+    if params == 0:
         return []
     if layout.zero_stage == 0:
-        return [Transfer(DP_CP, "all_reduce", params, size, 1, "dp_grad", group)]
+        return [Transfer(on, "all_reduce", params, size, 1, "dp_grad")] if n > 1 else []
     padded = ceil_div(params, n) * n
-    if layout.zero_stage == 1:
-        return [Transfer(DP_CP, "reduce_scatter", padded, size, 1, "dp_grad", group),
-                Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param", group)]
+    if layout.zero_stage == 1:  # the reduced slice of the gradient bucket, in the compute dtype
+        return [Transfer(on, "reduce_scatter", padded, size, 1, "dp_grad"),
+                Transfer(on, "all_gather", padded, size, 1, "dp_param")] + replica_sums(layout, [padded // n], size)
     if layout.zero_stage == 2:
         m = 1 if layout.partial_backwards else m  # then once per step (Layout.partial_backwards)
-        return [Transfer(DP_CP, "reduce_scatter", m * padded, size, m, "dp_grad", group),
-                Transfer(DP_CP, "all_gather", padded, size, 1, "dp_param", group)]
+        return [Transfer(on, "reduce_scatter", m * padded, size, m, "dp_grad"),
+                Transfer(on, "all_gather", padded, size, 1, "dp_param")] + replica_sums(layout, [padded // n])
     units = units if units is not None else [(params, 2)]
     gathered = sum(ceil_div(p, n) * n * times for p, times in units)
     reduced = sum(ceil_div(p, n) * n for p, _ in units)
     gathers = sum(times for _, times in units)
-    return [Transfer(DP_CP, "all_gather", m * gathered, size, m * gathers, "zero3_param", group),
-            Transfer(DP_CP, "reduce_scatter", m * reduced, size, m * len(units), "dp_grad", group)]
+    return [Transfer(on, "all_gather", m * gathered, size, m * gathers, "zero3_param"),
+            Transfer(on, "reduce_scatter", m * reduced, size, m * len(units), "dp_grad")] + \
+        replica_sums(layout, [ceil_div(p, n) for p, _ in units])
+
+
+def replica_sums(layout: Layout, shards: list[int], element_size: int = 4) -> list[Transfer]:
+    """HSDP: each gradient shard (fp32 masters' gradients; ZeRO-1: the reduced bucket slice) all-reduced over the
+    replicas once a step, after the backward (exposed)."""
+    if layout.dp_replicate == 1 or not shards:
+        return []
+    return [Transfer(("dp_replicate",), "all_reduce", sum(shards), element_size, len(shards), "dp_replicate")]
 
 
 def lora_data_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
@@ -104,9 +114,10 @@ def lora_data_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Tra
     padded = [((ceil_div(t, n) + ceil_div(f, n)) * n, times, t) for t, f, times in units]
     gathered = sum(p * times * (m if t else 1) for p, times, t in padded)
     reduced = [ceil_div(t, n) * n for t, _, _ in units if t]
-    return [Transfer(DP_CP, "all_gather", gathered, size, sum(times * (m if t else 1) for _, times, t in padded),
+    return [Transfer(SHARD, "all_gather", gathered, size, sum(times * (m if t else 1) for _, times, t in padded),
                      "zero3_param"),
-            Transfer(DP_CP, "reduce_scatter", m * sum(reduced), size, m * len(reduced), "dp_grad")]
+            Transfer(SHARD, "reduce_scatter", m * sum(reduced), size, m * len(reduced), "dp_grad")] + \
+        replica_sums(layout, [r // n for r in reduced])
 
 
 def expert_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
@@ -116,15 +127,13 @@ def expert_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
         return []
     blocks, m = moe_blocks(spec, layout, stage), layout.grad_accum
     forwards = 2 if layout.recompute == "full" else 1
-    ep = ("ep", layout.ep)
-    out = [Transfer(DP_CP, "all_to_all", all_to_all_elements(spec, layout, stage), layout.activation_bytes,
-                    2 * (forwards + 1) * m * blocks, "ep", ep),
-           Transfer(DP_CP, "all_to_all", count_elements(spec, layout, stage), 8, forwards * m * blocks, "ep", ep)]
-    if layout.ep == 1:  # no edp sub-axis: the experts are reduced with the dense parameters over dp x cp
+    out = [Transfer(("ep",), "all_to_all", all_to_all_elements(spec, layout, stage), layout.activation_bytes,
+                    2 * (forwards + 1) * m * blocks, "ep"),
+           Transfer(("ep",), "all_to_all", count_elements(spec, layout, stage), 8, forwards * m * blocks, "ep")]
+    if layout.ep == 1:  # edp is dp x cp: the experts are reduced with the dense parameters
         return out
     units = [(spec.expert_block_params(layout.ep), 2)] * blocks if layout.zero_stage == 3 else None
-    return out + data_parallel_transfers(layout, rank_expert_params(spec, layout, stage), units,
-                                         ("edp", layout.expert_shard_group))
+    return out + data_parallel_transfers(layout, rank_expert_params(spec, layout, stage), units, "edp")
 
 
 def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
@@ -200,12 +209,13 @@ def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> l
         block = layout.micro_batch * (spec.seq_len // layout.cp) * spec.d_model // layout.tp  # one K (or V) block
         per_layer = (c - 1) * block * (2 * forward_passes + 4)  # K, V per forward; K, V, dK, dV backward
         calls = (c - 1) * (2 * forward_passes + 4)
-        ring = ("cp_ring", c) if usp else None
-        out += [Transfer(("cp",), "send", m * layers * per_layer, e, m * layers * calls, "cp", ring),
-                Transfer(("cp",), "recv", m * layers * per_layer, e, m * layers * calls, "cp", ring)]
+        ring = ("cp_ring",) if usp else ("cp",)
+        out += [Transfer(ring, "send", m * layers * per_layer, e, m * layers * calls, "cp"),
+                Transfer(ring, "recv", m * layers * per_layer, e, m * layers * calls, "cp")]
     if u > 1:
-        out.append(Transfer(("cp",), "all_to_all", m * layers * (forward_passes + 1) * ulysses_elements(spec, layout),
-                            e, m * layers * 4 * (forward_passes + 1), "cp", ("cp_ulysses", u) if usp else None))
+        out.append(Transfer(("cp_ulysses",) if usp else ("cp",), "all_to_all",
+                            m * layers * (forward_passes + 1) * ulysses_elements(spec, layout),
+                            e, m * layers * 4 * (forward_passes + 1), "cp"))
     return out
 
 
@@ -223,14 +233,12 @@ def ulysses_elements(spec: ModelSpec, layout: Layout) -> int:
 def scalar_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
     """The scalars of a step: the token-weighted loss's sum and target count over dp x cp (two fp64; from the
     last pipeline stage to every pp rank first: sum, weight and two flags, four fp64), the squared grad norm
-    summed over pp x tp (and over dp x cp when ZeRO shards gradients or experts are split over ep; fp16's
-    overflow shows in that norm, so it adds nothing). A step that reports MoE routing (a monitor on, a
-    steps_per_print step) adds `routing_transfer`; the others do not reduce it."""
-    out = [Transfer(DP_CP, "all_reduce", 2, 8, 1, "scalar"), Transfer(PP_TP, "all_reduce", 1, 4, 1, "scalar")]
+    summed over the world (one fp32; fp16's overflow shows in that norm, so it adds nothing). A step that
+    reports MoE routing (a monitor on, a steps_per_print step) adds `routing_transfer`; the others do not
+    reduce it."""
+    out = [Transfer(DP_CP, "all_reduce", 2, 8, 1, "scalar"), Transfer(("world",), "all_reduce", 1, 4, 1, "scalar")]
     if layout.pp > 1:
         out.append(Transfer(("pp",), "all_reduce", 4, 8, 1, "scalar"))
-    if layout.zero_stage >= 1 or layout.ep > 1:
-        out.append(Transfer(DP_CP, "all_reduce", 1, 4, 1, "scalar"))
     return out
 
 
@@ -259,15 +267,14 @@ def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Tran
                  + tensor_parallel_transfers(spec, layout, stage) + pipeline_transfers(spec, layout, stage)
                  + context_parallel_transfers(spec, layout, stage) + expert_parallel_transfers(spec, layout, stage)
                  + scalar_transfers(spec, layout, stage))
-    return [t for t in transfers if axis_name(layout.sizes, t.axes) is not None and t.elements > 0
-            and (t.group is None or t.group[1] > 1)]
+    return [t for t in transfers if layout.dims.axis_name(t.axes) is not None and t.elements > 0]
 
 
-def by_axis(transfers: list[Transfer], sizes: dict[str, int]) -> dict[str, dict[str, dict[str, int]]]:
+def by_axis(transfers: list[Transfer], dims: ParallelDims) -> dict[str, dict[str, dict[str, int]]]:
     """{axis name: {op: {elements, bytes}}}: `engine.comm_stats()` without the call counts."""
     out: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
     for t in transfers:
-        name = t.group[0] if t.group else axis_name(sizes, t.axes)
+        name = dims.axis_name(t.axes)
         if name is None:
             continue
         entry = out[name].setdefault(t.op, {"elements": 0, "bytes": 0})
@@ -277,7 +284,7 @@ def by_axis(transfers: list[Transfer], sizes: dict[str, int]) -> dict[str, dict[
 
 
 def predict_comm(spec: ModelSpec, layout: Layout, stage: int = 0) -> dict[str, dict[str, dict[str, int]]]:
-    return by_axis(rank_transfers(spec, layout, stage), layout.sizes)
+    return by_axis(rank_transfers(spec, layout, stage), layout.dims)
 
 
 def measured_without_calls(snapshot: dict) -> dict[str, dict[str, dict[str, int]]]:

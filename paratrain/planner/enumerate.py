@@ -8,7 +8,9 @@ A layout is valid when (`invalid_reason` says which rule fails otherwise):
   the V schedules run two chunks per rank (2 pp <= layers); DualPipeV needs m >= 2 pp
   ZeRO-3 is not combined with pipeline parallelism (every micro-batch would re-gather every stage)
   optimizer offload needs ZeRO >= 1
-  ep > 1 only for an MoE model, dividing dp * cp (it is folded inside) and the number of experts
+  ep > 1 only for an MoE model, dividing ZeRO's shard group (it is folded inside) and the number of experts
+  HSDP (dp_replicate > 1) needs ZeRO >= 1 and dp_replicate dividing dp; the search tries, for every ZeRO layout
+  whose shard group spans nodes, the fewest replicas that keep each shard group inside a node
 Variants that cannot differ are enumerated once: ZeRO stages when dp * cp = 1, sequence parallelism when
 tp = 1, selective recompute when attention is fused (flash attention keeps no s^2 scores to drop).
 """
@@ -18,9 +20,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from paratrain.planner.hardware import Hardware
+from paratrain.planner.hardware import Hardware, spans_nodes
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES, V_SCHEDULES, Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory
 from paratrain.planner.model_specs import ModelSpec, PlannerError
@@ -41,6 +43,7 @@ class SearchSpace:
     cp_methods: tuple[str, ...] = CP_METHODS
     expert_parallel: tuple[int, ...] | None = None  # ep sizes to consider (MoE models); None: every valid one
     optimizer: str = "adamw"  # "muon": Muon on the blocks' matrices (its state and collectives counted)
+    hsdp: bool = True  # also try each ZeRO layout with replicas across nodes and shards inside (`hsdp_variants`)
 
 
 def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str | None:
@@ -61,7 +64,10 @@ def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str |
          "virtual stages need 'interleaved', 'zb-v' or 'dualpipev'"),
         (layout.cp > 1 or layout.cp_method == "ring", "a context-parallel method needs cp > 1"),
         (layout.ep == 1 or spec.moe, f"ep={layout.ep} needs a mixture-of-experts model"),
-        (layout.shard_group % layout.ep == 0, f"ep={layout.ep} does not divide dp x cp = {layout.shard_group}"),
+        (layout.dp % layout.dp_replicate == 0, f"dp_replicate={layout.dp_replicate} does not divide dp={layout.dp}"),
+        (layout.dp_replicate == 1 or layout.zero_stage >= 1, "HSDP (dp_replicate > 1) needs ZeRO stage >= 1"),
+        (layout.shard_group % layout.ep == 0, f"ep={layout.ep} does not divide ZeRO's shard group (dp x cp / "
+                                              f"dp_replicate) = {layout.shard_group}"),
         (not spec.moe or spec.num_experts % layout.ep == 0,
          f"ep={layout.ep} does not divide the {spec.num_experts} experts"),
     ]
@@ -121,8 +127,23 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, global_batch: int, gpus_per_no
                                 zero_stage=zero, offload_optimizer=offload, schedule=schedule, virtual_stages=v,
                                 recompute=recompute, sequence_parallel=sp, precision=space.precision,
                                 cp_method=method, ulysses_size=u, ep=ep, optimizer=space.optimizer)
-                if invalid_reason(spec, layout, gpus_per_node) is None:
-                    yield layout
+                for candidate in [layout] + hsdp_variants(layout, gpus_per_node, space):
+                    if invalid_reason(spec, candidate, gpus_per_node) is None:
+                        yield candidate
+
+
+def hsdp_variants(layout: Layout, gpus_per_node: int, space: SearchSpace) -> list[Layout]:
+    """`layout` as HSDP when its ZeRO shard group spans nodes: with the fewest replicas that keep every shard
+    group inside a node (replicas across nodes, shards inside; none when no replica count does)."""
+    if not space.hsdp or layout.zero_stage == 0 or layout.dp == 1 or \
+            not spans_nodes(layout.dims, ("dp_shard_cp",), gpus_per_node):
+        return []
+    for replicate in divisors(layout.dp)[1:]:
+        candidate = replace(layout, dp_replicate=replicate)
+        if candidate.shard_group % layout.ep == 0 and \
+                not spans_nodes(candidate.dims, ("dp_shard_cp",), gpus_per_node):
+            return [candidate]
+    return []
 
 
 def expert_sizes(spec: ModelSpec, folded: int, space: SearchSpace) -> list[int]:

@@ -28,7 +28,7 @@ import functools
 from dataclasses import dataclass
 
 from paratrain.errors import InvalidValueError
-from paratrain.layout.mesh import AXES
+from paratrain.layout.dims import ParallelDims
 
 GiB = 2**30
 
@@ -106,26 +106,12 @@ def collective_seconds(op: str, payload_bytes: float, group_size: int, bandwidth
 
 
 @functools.lru_cache(maxsize=4096)
-def spans_nodes(shape: tuple[int, ...], axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    """True when some group along `axes` contains ranks of two different nodes (ranks fill nodes in order).
-
-    `shape` is (dp, pp, cp, tp); groups are translates of rank 0's group, so checking every group's first
-    and last member is exact.
-    """
-    sizes = dict(zip(AXES, shape))
-    strides, stride = {}, 1
-    for a in reversed(AXES):
-        strides[a] = stride
-        stride *= sizes[a]
-    span = sum((sizes[a] - 1) * strides[a] for a in axes)  # last member minus first member of any group
-    world = stride
-    others = [a for a in AXES if a not in axes]
-    bases = [0]
-    for a in others:
-        bases = [b + i * strides[a] for b in bases for i in range(sizes[a])]
-    return any(b // gpus_per_node != (b + span) // gpus_per_node for b in bases if b < world)
+def spans_nodes(dims: ParallelDims, axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    """True when some group along `axes` (named dims) contains ranks of two different nodes (ranks fill nodes
+    in order)."""
+    return any(min(g) // gpus_per_node != max(g) // gpus_per_node for g in dims.groups(axes))
 
 
-def axis_bandwidth(hw: Hardware, shape: tuple[int, ...], axes: tuple[str, ...]) -> float:
+def axis_bandwidth(hw: Hardware, dims: ParallelDims, axes: tuple[str, ...]) -> float:
     """The bandwidth a group along `axes` runs at: NVLink if every group stays in a node, else the network."""
-    return hw.inter_node_bandwidth if spans_nodes(shape, axes, hw.gpus_per_node) else hw.intra_node_bandwidth
+    return hw.inter_node_bandwidth if spans_nodes(dims, axes, hw.gpus_per_node) else hw.intra_node_bandwidth

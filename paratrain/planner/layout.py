@@ -6,11 +6,12 @@ with `engine.comm_stats()`, which is keyed by those names.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
 from paratrain.config.parallel import SCHEDULES, V_SCHEDULES
-from paratrain.layout.mesh import AXES
+from paratrain.layout.dims import ParallelDims
 from paratrain.parallel.pp.schedules import partial_backwards
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -40,8 +41,9 @@ class Layout:
     precision: Precision = "bf16"
     cp_method: CpMethod = "ring"
     ulysses_size: int = 1  # usp: the all-to-all degree inside cp (ring attention runs over cp / ulysses_size)
-    ep: int = 1  # expert parallelism, folded inside dp x cp (`paratrain.layout.mesh.ParallelDims.expert_subgroups`)
+    ep: int = 1  # expert parallelism, folded inside dp x cp (`paratrain.layout.dims`: ep and edp split dp_shard_cp)
     optimizer: Optimizer = "adamw"  # "muon": Muon on the blocks' matrices, AdamW on the rest (`paratrain.muon`)
+    dp_replicate: int = 1  # HSDP: ZeRO shards over dp x cp / dp_replicate ranks and replicates across them
 
     @property
     def world(self) -> int:
@@ -54,6 +56,14 @@ class Layout:
     @property
     def sizes(self) -> dict[str, int]:
         return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+
+    @functools.cached_property
+    def dims(self) -> ParallelDims:
+        """The mesh's named dims, as the engine builds them from this layout's config (the names comm stats
+        are keyed by)."""
+        return ParallelDims(self.world, dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep,
+                            cp_ulysses=self.ulysses_size if self.cp_method == "usp" else 1,
+                            dp_replicate=self.dp_replicate)
 
     @property
     def head_rank(self) -> int:
@@ -85,14 +95,14 @@ class Layout:
 
     @property
     def shard_group(self) -> int:
-        """Ranks ZeRO shards over and gradients are averaged over: dp x cp (cp ranks see other tokens)."""
-        return self.dp * self.cp
+        """Ranks ZeRO shards over: dp x cp (cp ranks see other tokens), over dp_replicate replicas under HSDP."""
+        return self.dp * self.cp // self.dp_replicate
 
     @property
     def expert_shard_group(self) -> int:
-        """The expert-data-parallel group (edp): ranks holding the same experts, dp x cp / ep. Expert gradients
-        are reduced over it and ZeRO shards expert states over it."""
-        return self.dp * self.cp // self.ep
+        """The expert-data-parallel group (edp): ranks of a shard group holding the same experts. Expert
+        gradients are reduced over it (and the replicas) and ZeRO shards expert states over it."""
+        return self.shard_group // self.ep
 
     # ---- byte sizes -------------------------------------------------------------------------------
     @property
@@ -105,8 +115,9 @@ class Layout:
         return self.param_bytes
 
     def describe(self) -> str:
-        mesh = " ".join(f"{a}{self.sizes[a]}" for a in AXES)
+        mesh = " ".join(f"{a}{size}" for a, size in self.sizes.items())
         mesh += f" ep{self.ep}" if self.ep > 1 else ""
+        mesh += f" replicate{self.dp_replicate}" if self.dp_replicate > 1 else ""
         parts = [mesh, f"zero{self.zero_stage}" + ("+offload" if self.offload_optimizer else "")]
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))
@@ -120,22 +131,4 @@ class Layout:
         if self.optimizer != "adamw":
             parts.append(self.optimizer)
         return " ".join(parts)
-
-
-def axis_name(sizes: dict[str, int], axes: tuple[str, ...]) -> str | None:
-    """The name `build_mesh` gives the group over `axes` (canonical order), or None when it has size 1
-    (collectives on it are skipped and not counted).
-
-    All four axes are "world"; a combination with exactly one axis of size > 1 is that axis (e.g.
-    ("dp", "cp") is "dp" when cp = 1); otherwise it is the combination's names joined by "_".
-    """
-    axes = tuple(a for a in AXES if a in axes)
-    real = [a for a in axes if sizes[a] > 1]
-    if not real:
-        return None
-    if axes == AXES:
-        return "world"
-    if len(real) == 1:
-        return real[0]
-    return "_".join(axes)
 

@@ -20,9 +20,6 @@ each block's (E,) int64 per-expert row counts, (ep - 1)/ep of them leaving the r
 
 from __future__ import annotations
 
-import functools
-
-from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import V_SCHEDULES, Layout
 from paratrain.planner.model_specs import ModelSpec
 from paratrain.planner.stages import rank_blocks, stage_layers
@@ -101,25 +98,3 @@ def moe_mlp_activations(spec: ModelSpec, layout: Layout) -> float:
     swiglu = spec.mlp_intermediates * t * (spec.top_k + cfg.shared_experts) * cfg.d_expert
     return e * (swiglu + 2 * t * spec.top_k * spec.d_model) + 8 * t * spec.num_experts
 
-
-@functools.lru_cache(maxsize=4096)
-def expert_groups_span_nodes(shape: tuple[int, int, int, int], ep: int, sub: str, gpus_per_node: int) -> bool:
-    """True when some ep group (sub="ep": runs of ep consecutive dp x cp members) or edp group (sub="edp":
-    members with the same index mod ep) holds ranks of two nodes. shape = (dp, pp, cp, tp), ranks filling
-    nodes in mesh order (dp outermost, tp innermost)."""
-    dp, pp, cp, tp = shape
-    for p in range(pp):
-        for t in range(tp):
-            members = [((d * pp + p) * cp + c) * tp + t for d in range(dp) for c in range(cp)]
-            groups = [members[i:i + ep] for i in range(0, len(members), ep)] if sub == "ep" else \
-                [members[j::ep] for j in range(ep)]
-            if any(len({r // gpus_per_node for r in g}) > 1 for g in groups):
-                return True
-    return False
-
-
-def expert_bandwidth(hw: Hardware, layout: Layout, sub: str) -> float:
-    """The bandwidth of the ep or edp groups: NVLink if every group stays in a node, else the network."""
-    shape = (layout.dp, layout.pp, layout.cp, layout.tp)
-    spans = expert_groups_span_nodes(shape, layout.ep, sub, hw.gpus_per_node)
-    return hw.inter_node_bandwidth if spans else hw.intra_node_bandwidth

@@ -8,7 +8,7 @@ from paratrain.planner.layout import Layout
 from paratrain.planner.model_specs import ModelSpec, PlannerError
 from paratrain.planner.moe import dense_blocks
 from paratrain.planner.states import ceil_div
-from paratrain.planner.transfer import DP_CP, Transfer
+from paratrain.planner.transfer import SHARD, Transfer
 
 
 def layer_matrix_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
@@ -49,8 +49,8 @@ def muon_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer
     if layout.zero_stage >= 1 and n > 1:
         flats = [layer_matrix_params(spec, layout.tp)] * blocks if layout.zero_stage == 3 else [matrices]
         padded = sum(ceil_div(p, n) * n for p in flats)
-        out += [Transfer(DP_CP, "all_gather", padded, 4, len(flats), "dp_param"),
-                Transfer(DP_CP, "reduce_scatter", padded, 4, len(flats), "dp_grad")]
+        out += [Transfer(SHARD, "all_gather", padded, 4, len(flats), "dp_param"),
+                Transfer(SHARD, "reduce_scatter", padded, 4, len(flats), "dp_grad")]
     if layout.tp > 1:
         whole = blocks * layer_matrix_params(spec)  # each whole matrix, gathered from its tp slices
         share = n if layout.zero_stage >= 1 else 1

@@ -45,6 +45,8 @@ def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> 
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     cfg["zero_optimization"] = zero
     cfg["data_parallel"] = {"size": layout.dp}
+    if layout.dp_replicate > 1:
+        cfg["data_parallel"]["replicate"] = layout.dp_replicate
     cfg["tensor_parallel"] = {"size": layout.tp, "sequence_parallel": layout.sequence_parallel}
     pipeline: dict = {"stages": layout.pp}
     if layout.pp > 1:

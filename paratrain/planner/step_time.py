@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from paratrain.planner.adapters import layer_adapter_params
 from paratrain.planner.comm import Transfer, rank_transfers
 from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds, measured_seconds
-from paratrain.planner.layout import Layout, axis_name
+from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
 from paratrain.planner.model_specs import ModelSpec
-from paratrain.planner.moe import dense_blocks, expert_bandwidth, moe_blocks, rank_expert_params
+from paratrain.planner.moe import dense_blocks, moe_blocks, rank_expert_params
 from paratrain.planner.stages import rank_blocks
 from paratrain.planner.states import ceil_div
 
@@ -95,15 +95,9 @@ def stage_flops_per_token(spec: ModelSpec, layout: Layout, stage: int, recompute
     return total
 
 
-def _seconds(t: Transfer, layout: Layout, hw: Hardware, shape: tuple[int, ...]) -> float:
-    group = 1
-    for a in t.axes:
-        group *= layout.sizes[a]
-    bandwidth = axis_bandwidth(hw, shape, t.axes)
-    if t.group is not None:  # a sub-axis (USP's, ep, edp): its own ranks, on the wires of its parent axis
-        group = t.group[1]
-        if t.group[0] in ("ep", "edp"):  # expert groups: NVLink only when each stays in a node
-            bandwidth = expert_bandwidth(hw, layout, t.group[0])
+def _seconds(t: Transfer, layout: Layout, hw: Hardware) -> float:
+    group = layout.dims.size(t.axes)
+    bandwidth = axis_bandwidth(hw, layout.dims, t.axes)
     if group > 1 and t.bytes:
         measured = measured_seconds(hw, t.op, t.bytes, group, t.calls)
         if measured is not None:
@@ -112,12 +106,11 @@ def _seconds(t: Transfer, layout: Layout, hw: Hardware, shape: tuple[int, ...]) 
 
 
 def _key(t: Transfer, layout: Layout) -> str | None:
-    """The axis name the exposed time is reported under: the sub-axis's (ep, edp) or the mesh group's."""
-    return t.group[0] if t.group and t.group[0] in ("ep", "edp") else axis_name(layout.sizes, t.axes)
+    """The axis name the exposed time is reported under (the mesh group's)."""
+    return layout.dims.axis_name(t.axes)
 
 
 def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate:
-    shape = (layout.dp, layout.pp, layout.cp, layout.tp)
     m, p = layout.grad_accum, layout.pp
     tokens_mb = layout.micro_batch * spec.seq_len
     rate = hw.peak_flops * hw.mfu
@@ -133,7 +126,7 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
 
     transfers = rank_transfers(spec, layout, stage)
     exposed: dict[str, float] = defaultdict(float)
-    seconds = {id(t): _seconds(t, layout, hw, shape) for t in transfers}
+    seconds = {id(t): _seconds(t, layout, hw) for t in transfers}
     by_kind: dict[str, list[Transfer]] = defaultdict(list)
     for t in transfers:
         by_kind[t.kind].append(t)
@@ -145,7 +138,7 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb
     bubble = bubble_factor(layout) * t_mb
     for t in by_kind["tp"]:  # the bubble (in units of t_mb) already holds the idle share of these
-        exposed[axis_name(layout.sizes, t.axes)] += seconds[id(t)]
+        exposed[layout.dims.axis_name(t.axes)] += seconds[id(t)]
     if by_kind["cp"]:
         exposed["cp"] += m * cp_mb
     if by_kind["ep"]:
@@ -154,7 +147,7 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
     if p > 1:  # one message per forward and backward slot on the critical path
         message = next(t for t in by_kind["pp"] if t.op == "send")
         one = collective_seconds("send", message.bytes / message.calls, p,
-                                 axis_bandwidth(hw, shape, ("pp",)), hw.latency)
+                                 axis_bandwidth(hw, layout.dims, ("pp",)), hw.latency)
         exposed["pp"] += 2 * (m * layout.virtual_stages + p - 1) * one
 
     _add_data_parallel_exposure(exposed, by_kind, seconds, layout, hw, compute_mb)
@@ -176,7 +169,7 @@ def _add_data_parallel_exposure(exposed: dict[str, float], by_kind: dict[str, li
     for t in by_kind["dp_grad"]:  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
         each = seconds[id(t)] / t.calls
         exposed[_key(t, layout)] += t.calls * max(0.0, each - hw.overlap * backward_mb)
-    for t in by_kind["dp_param"]:
+    for t in by_kind["dp_param"] + by_kind["dp_replicate"]:  # after the update; after the backward (HSDP)
         exposed[_key(t, layout)] += seconds[id(t)]
     for t in by_kind["zero3_param"]:  # about half the gathered bytes feed forwards, half feed backwards
         each = seconds[id(t)] / (2 * m)

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DP_CP = ("dp", "cp")  # the data-parallel reductions' axes
+DP_CP = ("dp_cp",)  # the ranks that saw different tokens: DDP's reductions, the loss's
+SHARD = ("dp_shard_cp",)  # ZeRO's: dp x cp, or one shard group of it under HSDP (then summed over dp_replicate)
 
 
 @dataclass(frozen=True)
 class Transfer:
     """Collectives of one kind a rank issues per optimizer step."""
 
-    axes: tuple[str, ...]  # mesh axes of the group
+    axes: tuple[str, ...]  # the named dims of the group (`paratrain.layout.dims`)
     op: str  # all_reduce | all_gather | reduce_scatter | send | recv
     elements: int  # payload elements per optimizer step (all calls together)
     element_size: int
     calls: int  # collectives per step (a bucketed reduction counts as one)
-    kind: str  # what the time model overlaps it with: dp_grad, dp_param, zero3_param, tp, pp, cp, ep, scalar
-    group: tuple[str, int] | None = None  # a sub-axis of `axes` (cp_ring, cp_ulysses, ep, edp): name and size
+    kind: str  # what the time model overlaps it with: dp_grad, dp_param, zero3_param, dp_replicate, tp, pp, cp,
+    # ep, scalar
 
     @property
     def bytes(self) -> int:

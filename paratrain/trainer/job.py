@@ -156,8 +156,7 @@ def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_p
         engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
     if step % cfg.steps_per_print == 0 or step == steps:
         # Every rank's model-state bytes and peak RSS (a small all-gather, counted under the "metrics" tag).
-        per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.axis(
-            ("dp", "pp", "cp", "tp")), tag="metrics")
+        per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
         row["state_bytes_per_rank"] = [state for state, _ in per_rank]
         row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
         engine.comm_stats(reset=True)
@@ -226,7 +225,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
         summary["corpus"] = cfg.trainer.text or corpus_fingerprint()
     if rank0:
         _report(summary, out)
-    comm.barrier(engine.mesh.axis(("dp", "pp", "cp", "tp")))  # guarded like every other collective
+    comm.barrier(engine.mesh.world)  # guarded like every other collective
     return summary
 
 

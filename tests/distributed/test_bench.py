@@ -37,13 +37,15 @@ def test_bench_counts_are_exact_and_the_table_lands_between_markers(tmp_path):
     rows = {r["case"]: r for r in json.loads(out.read_text())}
     psi = GPT("gpt-small", **MODELS["tiny"]).num_params()
     assert all(r["params"] == psi for r in rows.values())
-    # DDP: 16 bytes per parameter on every rank, one all-reduce of Ψ fp32 elements per step on dp
-    assert rows["ddp"]["state_per_rank"] == [16 * psi] * 2 and rows["ddp"]["comm_per_step"] == {"dp": 4 * psi}
+    # DDP: 16 bytes per parameter on every rank, one all-reduce of Ψ fp32 elements per step on dp (and the
+    # squared gradient norm's one fp32 sum over the world)
+    assert rows["ddp"]["state_per_rank"] == [16 * psi] * 2
+    assert rows["ddp"]["comm_per_step"] == {"dp": 4 * psi, "world": 4}
     assert rows["dp"]["state_per_rank"] == [16 * psi] and rows["dp"]["comm_per_step"] == {}
     # ZeRO-1: reduce-scatter + all-gather of the padded Ψ; 8Ψ + 8Ψ/N (+ padding) per rank
     zero1 = rows["zero1"]
     ops = zero1["comm_ops"]["dp"]
-    assert set(ops) == {"reduce_scatter", "all_gather", "all_reduce"} and ops["all_reduce"] == 4  # + the norm
+    assert set(ops) == {"reduce_scatter", "all_gather"} and zero1["comm_ops"]["world"] == {"all_reduce": 4}
     assert all(4 * psi <= ops[op] < 4 * (psi + 2 * 8) for op in ("reduce_scatter", "all_gather"))
     assert all(8 * psi + 4 * psi <= s < 8 * psi + 4 * psi + 12 * 8 for s in zero1["state_per_rank"])
     # the same weights and batches everywhere: the same losses (threads, DDP and ZeRO-1, fp32)

@@ -21,12 +21,12 @@ import torch
 
 import paratrain
 from paratrain.comm import build_mesh
-from paratrain.layout.mesh import AXES, COMBINED_AXES, ParallelDims
+from paratrain.layout.dims import ParallelDims
 from paratrain.models import GPTConfig
 from paratrain.models.registry import build_model, preset_config
 from paratrain.planner.adapters import GPT_TARGETS, LoraPlan
 from paratrain.planner.comm import measured_without_calls, predict_comm
-from paratrain.planner.layout import Layout, axis_name
+from paratrain.planner.layout import Layout
 from paratrain.planner.memory import expert_state_bytes, rank_model_states
 from paratrain.planner.model_specs import spec_from_config, with_adapters
 from paratrain.planner.report import layout_config
@@ -93,6 +93,15 @@ CALIBRATION = [
                         optimizer="muon"), {}, id="muon-dp2-tp2-sp"),
     pytest.param(Layout(dp=2, pp=2, zero_stage=1, schedule="1f1b", micro_batch=1, grad_accum=4, precision="fp32",
                         optimizer="muon"), {}, id="muon-dp2-pp2-zero1"),
+    # HSDP: ZeRO's states over a shard group of 2, the shards' gradients summed over 2 replicas once a step.
+    pytest.param(Layout(dp=4, dp_replicate=2, zero_stage=1, micro_batch=1, grad_accum=2, precision="bf16"), {},
+                 id="hsdp-r2-zero1-bf16"),
+    pytest.param(Layout(dp=4, dp_replicate=2, zero_stage=2, micro_batch=1, grad_accum=2, precision="fp32"), {},
+                 id="hsdp-r2-zero2"),
+    pytest.param(Layout(dp=2, tp=2, dp_replicate=2, zero_stage=3, micro_batch=2, grad_accum=1, precision="fp32"),
+                 {"zero_optimization": {"stage3_param_persistence_threshold": 0}}, id="hsdp-r2-tp2-zero3"),
+    pytest.param(Layout(dp=4, dp_replicate=2, ep=2, zero_stage=3, micro_batch=1, grad_accum=2, precision="fp32"),
+                 {"zero_optimization": {"stage3_param_persistence_threshold": 0}}, id="moe-hsdp-r2-ep2-zero3"),
 ]
 
 
@@ -166,6 +175,8 @@ ADAPTERS = [
                  id="dora-dp2-tp2-full"),
     pytest.param(LORA, Layout(dp=2, pp=2, zero_stage=1, schedule="1f1b", micro_batch=1, grad_accum=4,
                               precision="fp32"), {}, id="lora-dp2-pp2-zero1"),
+    pytest.param(LORA, Layout(dp=4, dp_replicate=2, zero_stage=3, micro_batch=1, grad_accum=2, precision="fp32"),
+                 NO_PERSIST, id="lora-hsdp-r2-zero3"),
 ]
 
 
@@ -188,16 +199,23 @@ def _check(world, spec, layout: Layout, extra: dict) -> None:
         assert predicted == measured, f"rank {rank}"
 
 
-def _mesh_axis_names(shape: tuple[int, ...]) -> dict:
-    dims = ParallelDims(4, *shape)
-    mesh = build_mesh(dims)
-    return {combo: mesh.axis(combo).name for combo in [*((a,) for a in AXES), *COMBINED_AXES, AXES]
-            if mesh.axis(combo).size > 1}
+def _mesh_axis_names(layouts: list[dict]) -> list[dict]:
+    out = []
+    for sizes in layouts:
+        dims = ParallelDims(4, **sizes)
+        mesh = build_mesh(dims)
+        out.append({n: mesh.axis(n).name for n in dims.dims if mesh.axis(n).size > 1})
+        mesh.destroy()
+    return out
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1, 2), (1, 2, 2, 1), (2, 1, 2, 1)])
-def test_planner_axis_names_are_the_meshs(world4, shape):
-    measured = world4.run(_mesh_axis_names, shape)[0]
-    sizes = dict(zip(AXES, shape))
-    predicted = {combo: axis_name(sizes, combo) for combo in [*((a,) for a in AXES), *COMBINED_AXES, AXES]}
-    assert {k: v for k, v in predicted.items() if v is not None} == measured
+MESHES = [dict(dp=2, tp=2), dict(dp=1, pp=2, cp=2), dict(dp=2, cp=2), dict(dp_replicate=2), dict(ep=2),
+          dict(dp_replicate=2, ep=2), dict(dp=1, cp=4, cp_ulysses=2)]
+
+
+def test_planner_axis_names_are_the_meshs(world4):
+    """Every named dim's group is counted under the name the rank math gives it (the planner's keys)."""
+    for sizes, measured in zip(MESHES, world4.run(_mesh_axis_names, MESHES)[0]):
+        dims = ParallelDims(4, **sizes)
+        predicted = {n: dims.axis_name(n) for n in dims.dims}
+        assert {k: v for k, v in predicted.items() if v is not None} == measured, sizes

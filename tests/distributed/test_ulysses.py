@@ -49,7 +49,7 @@ def _core_against_dense(method: str, ulysses: int | None, kv_heads: int) -> dict
     split = SequenceSplit.for_method(method, cp.size, cp.rank, ulysses)
     mine = [split.split(t.detach(), dim=2).requires_grad_() for t in (q, k, v)]
     if method == "usp":
-        core = UlyssesAttentionCore(mesh.sub_axes["cp_ulysses"], RingAttentionCore(mesh.sub_axes["cp_ring"]))
+        core = UlyssesAttentionCore(mesh.axis("cp_ulysses"), RingAttentionCore(mesh.axis("cp_ring")))
     else:
         core = UlyssesAttentionCore(cp)
     got = core(*mine)

@@ -45,7 +45,7 @@ def test_each_error_keeps_its_builtin_base():
         "paratrain.config.errors.ConfigError": ValueError,
         "paratrain.parallel.tp.layers.PlanError": ValueError,
         "paratrain.planner.model_specs.PlannerError": ValueError,
-        "paratrain.layout.mesh.MeshError": ValueError,
+        "paratrain.layout.dims.MeshError": ValueError,
         "paratrain.compat.names.DeepSpeedNotSupported": AttributeError,
         "paratrain.checkpoint.format.CheckpointError": RuntimeError,
         "paratrain.comm.guard.CollectiveTimeout": RuntimeError,

@@ -10,7 +10,7 @@ import pytest
 from paratrain.models.gpt.model import GPTConfig
 from paratrain.planner.comm import predict_comm, rank_transfers
 from paratrain.planner.hardware import RING_MOVED
-from paratrain.planner.layout import Layout, axis_name
+from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
 from paratrain.planner.model_specs import spec_from_config
 
@@ -23,14 +23,15 @@ def _ops(layout: Layout, axis: str, stage: int = 0, kinds=None) -> dict:
     """{op: elements} on `axis`, without the bookkeeping scalars."""
     out: dict[str, int] = {}
     for t in rank_transfers(SPEC, layout, stage):
-        if axis_name(layout.sizes, t.axes) == axis and t.kind != "scalar" and (kinds is None or t.kind in kinds):
+        if layout.dims.axis_name(t.axes) == axis and t.kind != "scalar" and (kinds is None or t.kind in kinds):
             out[t.op] = out.get(t.op, 0) + t.elements
     return out
 
 
-def test_ddp_one_all_reduce_of_psi_plus_the_loss_sum_and_count():
+def test_ddp_one_all_reduce_of_psi_plus_the_loss_sum_and_count_and_the_norm():
     layout = Layout(dp=4, micro_batch=2, grad_accum=3, precision="fp32")  # the token loss's two fp64 numbers
-    assert predict_comm(SPEC, layout) == {"dp": {"all_reduce": {"elements": PSI + 2, "bytes": 4 * PSI + 16}}}
+    assert predict_comm(SPEC, layout) == {"dp": {"all_reduce": {"elements": PSI + 2, "bytes": 4 * PSI + 16}},
+                                          "world": {"all_reduce": SCALAR}}  # the squared norm's sum
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -53,6 +54,29 @@ def test_zero_stages(n):
     assert _ops(replace(base, zero_stage=1, grad_accum=4), "dp")["reduce_scatter"] == padded
     assert _ops(replace(base, zero_stage=2, grad_accum=4), "dp")["reduce_scatter"] == 4 * padded
     assert _ops(replace(base, zero_stage=3, grad_accum=4), "dp")["all_gather"] == 4 * (2 * blocks + root)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hsdp_shards_over_the_shard_group_and_sums_each_shard_over_the_replicas_once(stage):
+    """dp 8 = 2 replicas x 4 shards: ZeRO's collectives over the shard group, padded to 4, plus one all-reduce of
+    each gradient shard over dp_replicate per step (whatever the accumulation)."""
+    layout = Layout(dp=8, dp_replicate=2, zero_stage=stage, micro_batch=1, grad_accum=3, precision="fp32")
+    flat = Layout(dp=4, zero_stage=stage, micro_batch=1, grad_accum=3, precision="fp32")  # one shard group alone
+    assert _ops(layout, "dp_shard") == _ops(flat, "dp")
+    shards = [-(-PSI // 4)] if stage < 3 else \
+        [-(-SPEC.layer_params() // 4)] * SPEC.n_layer + [-(-(SPEC.embed_params() + SPEC.head_params()) // 4)]
+    assert _ops(layout, "dp_replicate") == {"all_reduce": sum(shards)}
+    assert layout.dims.axis_name("dp_shard_cp") == "dp_shard" and flat.dims.axis_name("dp_shard_cp") == "dp"
+
+
+def test_the_search_puts_replicas_across_nodes_and_shards_inside():
+    from paratrain.planner.enumerate import SearchSpace, hsdp_variants
+
+    zero3 = Layout(dp=16, zero_stage=3, micro_batch=1, grad_accum=1)
+    assert [v.dp_replicate for v in hsdp_variants(zero3, 8, SearchSpace())] == [2]  # two nodes of 8: shard 8
+    assert hsdp_variants(zero3, 16, SearchSpace()) == []  # one node: nothing to gain
+    assert hsdp_variants(replace(zero3, zero_stage=0), 8, SearchSpace()) == []  # DDP replicates already
+    assert [v.dp_replicate for v in hsdp_variants(replace(zero3, dp=8, tp=2), 8, SearchSpace())] == [2]
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -113,16 +137,16 @@ def test_gradients_reduce_over_dp_and_cp_and_shards_follow_the_stage():
     comm = predict_comm(SPEC, layout, stage=1)
     padded = -(-rank_params(SPEC, layout, 1) // 4) * 4
     assert comm["dp_cp"]["reduce_scatter"]["elements"] == padded
-    assert comm["pp_tp"]["all_reduce"] == SCALAR
+    assert comm["world"]["all_reduce"] == SCALAR  # the squared gradient norm, summed once over every rank
 
 
-@pytest.mark.parametrize("sizes,axes,name", [
-    ({"dp": 2, "pp": 1, "cp": 1, "tp": 1}, ("dp", "cp"), "dp"),
-    ({"dp": 1, "pp": 1, "cp": 2, "tp": 1}, ("dp", "cp"), "cp"),
-    ({"dp": 2, "pp": 1, "cp": 2, "tp": 1}, ("dp", "cp"), "dp_cp"),
-    ({"dp": 2, "pp": 1, "cp": 1, "tp": 2}, ("dp", "cp", "tp"), "dp_cp_tp"),
-    ({"dp": 1, "pp": 1, "cp": 1, "tp": 1}, ("dp", "cp"), None),
-    ({"dp": 2, "pp": 1, "cp": 1, "tp": 1}, ("dp", "pp", "cp", "tp"), "world"),
+@pytest.mark.parametrize("layout,axes,name", [
+    (Layout(dp=2, micro_batch=1, grad_accum=1), ("dp_cp",), "dp"),
+    (Layout(dp=1, cp=2, micro_batch=1, grad_accum=1), ("dp_cp",), "cp"),
+    (Layout(dp=2, cp=2, micro_batch=1, grad_accum=1), ("dp_cp",), "dp_cp"),
+    (Layout(dp=2, tp=2, micro_batch=1, grad_accum=1), ("dp_cp", "tp"), "dp_cp_tp"),
+    (Layout(dp=1, micro_batch=1, grad_accum=1), ("dp_cp",), None),
+    (Layout(dp=2, micro_batch=1, grad_accum=1), ("world",), "world"),
 ])
-def test_axis_names_follow_build_mesh(sizes, axes, name):
-    assert axis_name(sizes, axes) == name
+def test_axis_names_follow_build_mesh(layout, axes, name):
+    assert layout.dims.axis_name(axes) == name

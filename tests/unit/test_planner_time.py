@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from paratrain.layout.dims import ParallelDims
 from paratrain.models.gpt.model import GPTConfig
 from paratrain.planner.hardware import Hardware, collective_seconds, spans_nodes
 from paratrain.planner.layout import Layout
@@ -30,14 +31,20 @@ def test_ring_collective_costs():
 
 
 def test_groups_inside_or_across_nodes():
-    # (dp, pp, cp, tp) with tp innermost: tp=8 groups fill a node of 8, dp groups cross nodes.
-    assert not spans_nodes((4, 1, 1, 8), ("tp",), 8)
-    assert spans_nodes((4, 1, 1, 8), ("dp",), 8)
-    assert not spans_nodes((2, 1, 2, 2), ("dp", "cp"), 8)  # 8 ranks in all: one node
-    assert spans_nodes((2, 1, 1, 8), ("dp",), 8)
-    assert spans_nodes((1, 1, 1, 16), ("tp",), 8)
-    assert not spans_nodes((3, 1, 1, 2), ("tp",), 4)  # groups {0,1} {2,3} {4,5}: none straddles a node
-    assert spans_nodes((3, 1, 1, 2), ("dp",), 4)
+    # tp innermost: tp=8 groups fill a node of 8, dp groups cross nodes.
+    assert not spans_nodes(ParallelDims(32, tp=8), ("tp",), 8)
+    assert spans_nodes(ParallelDims(32, tp=8), ("dp",), 8)
+    assert not spans_nodes(ParallelDims(8, cp=2, tp=2), ("dp", "cp"), 8)  # 8 ranks in all: one node
+    assert spans_nodes(ParallelDims(16, tp=8), ("dp",), 8)
+    assert spans_nodes(ParallelDims(16, tp=16), ("tp",), 8)
+    assert not spans_nodes(ParallelDims(6, tp=2), ("tp",), 4)  # groups {0,1} {2,3} {4,5}: none straddles a node
+    assert spans_nodes(ParallelDims(6, tp=2), ("dp",), 4)
+    # HSDP: shard inside a node, replicate across; experts inside the shard group stay in it
+    assert not spans_nodes(ParallelDims(16, dp_replicate=2), ("dp_shard",), 8)
+    assert spans_nodes(ParallelDims(16, dp_replicate=2), ("dp_replicate",), 8)
+    assert not spans_nodes(ParallelDims(16, ep=8), ("ep",), 8)  # 8 consecutive ranks: one node
+    assert spans_nodes(ParallelDims(16, ep=8), ("edp",), 8)  # ranks i, i + 8: two nodes
+    assert spans_nodes(ParallelDims(32, tp=2, ep=8), ("ep",), 8)  # tp inside: an ep group spans 16 ranks
 
 
 def test_single_gpu_step_is_flops_over_peak_times_mfu_plus_the_optimizer():

@@ -132,13 +132,13 @@ def _core_factory(mesh: Mesh | Axis, method: str) -> tuple[Axis, Callable[[], nn
         sub = None
     else:
         axis = mesh.axis("cp")
-        sub = mesh.sub_axes
+        sub = {n: mesh.axis(n) for n in ("cp_ring", "cp_ulysses") if 1 < mesh.size(n) < axis.size}
     if method == "ring":
         return axis, lambda: RingAttentionCore(axis), SequenceSplit.for_method("ring", axis.size, axis.rank)
     if method == "ulysses":
         return axis, lambda: UlyssesAttentionCore(axis), SequenceSplit.for_method("ulysses", axis.size, axis.rank)
     if not sub or "cp_ulysses" not in sub:
-        raise ConfigError("context_parallel.method 'usp' needs the mesh's cp_ring and cp_ulysses sub-axes: build "
+        raise ConfigError("context_parallel.method 'usp' needs the mesh's cp_ring and cp_ulysses dims: build "
                           "the mesh from a config with method 'usp' and its ulysses_size")
     ring, uly = sub["cp_ring"], sub["cp_ulysses"]
     split = SequenceSplit.for_method("usp", axis.size, axis.rank, uly.size)

@@ -21,7 +21,7 @@ from torch import nn
 import paratrain.comm as comm
 from paratrain.errors import Error
 from paratrain.layout.mesh import Axis
-from paratrain.layout.placement import Placement, Placements
+from paratrain.layout.placement import Partition, Placement, Placements
 from paratrain.muon import MasterLayout, whole_parameter_layout
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -114,7 +114,7 @@ class GradSync(ABC):
     """A data-parallel strategy: owns gradient reduction, optimizer placement and the update."""
 
     def __init__(self, module: nn.Module, axis: Axis, expert_axis: Axis | None = None,
-                 placements: Placements | None = None):
+                 placements: Placements | None = None, replicate: Axis | None = None):
         self.module = module
         # How the earlier steps laid each parameter out (the parallel model's records; none: all replicated):
         # what an expert is, and how the gradient norm weighs each gradient.
@@ -123,10 +123,36 @@ class GradSync(ABC):
         # cp: context-parallel ranks saw other tokens of the same samples). The strategy knows no other axis.
         self.axis = axis
         # Parameters split over ep (experts) are summed over this one instead (edp: the ranks holding the same
-        # experts), and still divided by the size of `axis` (`paratrain.parallel.ep.split` says why).
+        # experts), and still divided by the ranks that saw different tokens (`paratrain.parallel.ep.split`).
         self.expert_axis = expert_axis
+        # HSDP: the ranks of `axis` shard, and groups of them replicate over this axis (dp_replicate): each
+        # replica holds the same shards, so its gradients are summed over it once a step (`sum_over_replicas`).
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    @property
+    def average_size(self) -> int:
+        """Ranks whose gradients are averaged (they saw different tokens): dp x cp, replicas included."""
+        return self.axis.size * (self.replicate.size if self.replicate is not None else 1)
+
+    def replicas(self, tensor: torch.Tensor, sharded: bool) -> tuple[Axis, ...]:
+        """The data-parallel axes whose ranks hold the same values of `tensor` as this rank: the axis it is
+        reduced over, unless this rank holds a shard of it there (`sharded`), and the replicate axis (HSDP)."""
+        out = () if sharded else (self.axis_of(tensor),)
+        return out + ((self.replicate,) if self.replicate is not None else ())
+
+    def sum_over_replicas(self, grads: list[torch.Tensor], device: torch.device) -> None:
+        """HSDP: every gradient shard summed over the replicas (one all-reduce each, in flight together), once a
+        step after the window's last reduce-scatter; a shard held elsewhere (offloaded) is reduced on `device`."""
+        if self.replicate is None:
+            return
+        staged = [g if g.device == device else g.to(device) for g in grads]
+        handles = [comm.all_reduce(g, self.replicate, tag="grad", async_op=True) for g in staged]
+        for grad, on, handle in zip(grads, staged, handles):
+            handle.wait()
+            if on is not grad:
+                grad.copy_(on)
 
     def axis_of(self, param: torch.Tensor) -> Axis:
         """The axis `param`'s gradient is reduced (and, under ZeRO, sharded) over."""
@@ -144,6 +170,8 @@ class GradSync(ABC):
             for (_, expert), group in sorted(groups.items()):
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
                 comm.broadcast(flat, self.expert_axis if expert else self.axis, src=0, tag="init")
+                if self.replicate is not None:  # then every replica from the first one's
+                    comm.broadcast(flat, self.replicate, src=0, tag="init")
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -171,6 +199,12 @@ class GradSync(ABC):
     @abstractmethod
     def shards_gradients(self) -> bool:
         """True when the ranks of `self.axis` hold disjoint slices of the averaged gradient (ZeRO)."""
+
+    def held_placement(self, param: torch.Tensor) -> Placement:
+        """`param`'s placement with the data-parallel dim its gradient is held over: a sharding strategy's ranks
+        of `axis_of(param)` hold disjoint slices (Partition); a replicating one's hold copies (no record)."""
+        placement = self.placements.of(param)
+        return placement.with_axis(self.axis_of(param).name, Partition()) if self.shards_gradients else placement
 
     @abstractmethod
     def scale_gradients(self, factor: torch.Tensor | float) -> None:

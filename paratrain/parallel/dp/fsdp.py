@@ -60,11 +60,11 @@ class FullyShardedDataParallel(ShardedState, GradSync):
                  persistence_threshold: int = 100_000, prefetch_depth: int = 1,
                  allow_unused_parameters: bool = False, predivide_factor: float = 1.0,
                  reduce_at_boundary: bool = False, sync_initial_state: bool = True, expert_axis: Axis | None = None,
-                 placements: Placements | None = None):
-        super().__init__(module, axis, expert_axis, placements)
+                 placements: Placements | None = None, replicate: Axis | None = None):
+        super().__init__(module, axis, expert_axis, placements, replicate)
         self.reduce_at_boundary = reduce_at_boundary
         self.pre_divide = predivide_factor
-        self.post_divide = self.axis.size / predivide_factor
+        self.post_divide = self.average_size / predivide_factor
         self.dtype = compute_dtype(precision)
         self.offload = offload or OffloadPolicy(torch.device("cpu"))
         self.wrap_policy = wrap_policy or config_wrap_policy(module, None, None)
@@ -239,8 +239,9 @@ class FullyShardedDataParallel(ShardedState, GradSync):
             self._collect()  # also reduces what a window without a sync backward left staged
         for unit in self._all_units():
             unit.reshard()  # whatever a prefetch gathered but no backward used
+        self.sum_over_replicas([flat.master.ensure_grad() for flat in self._flats()], self.offload.device)
         for flat in self._flats():
-            flat.master.ensure_grad().div_(self.post_divide)
+            flat.master.grad.div_(self.post_divide)
 
     # ---- update -----------------------------------------------------------------------------------
     def _flats(self) -> list[FlatParam]:
@@ -250,7 +251,7 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         return [f for u in self._all_units() for f in u.frozen]
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
-        return [piece for flat in self._flats() for piece in flat.master.grad_pieces(self.placements.of)]
+        return [piece for flat in self._flats() for piece in flat.master.grad_pieces(self.held_placement)]
 
     @property
     def shards_gradients(self) -> bool:

@@ -62,15 +62,15 @@ class ZeroDataParallel(GradSync):
     def __init__(self, module: nn.Module, axis: Axis, precision: str = "fp32", bucket_numel: int = 500_000_000,
                  offload: OffloadPolicy | None = None, allow_unused_parameters: bool = False,
                  predivide_factor: float = 1.0, overlap_param_gather: bool = True, sync_initial_state: bool = True,
-                 expert_axis: Axis | None = None, placements: Placements | None = None):
-        super().__init__(module, axis, expert_axis, placements)
+                 expert_axis: Axis | None = None, placements: Placements | None = None, replicate: Axis | None = None):
+        super().__init__(module, axis, expert_axis, placements, replicate)
         self.overlap_param_gather = overlap_param_gather
         self.dtype = compute_dtype(precision)
         self.bucket_numel = bucket_numel
         self.offload = offload or OffloadPolicy(torch.device("cpu"))
         self.allow_unused = allow_unused_parameters
         self.pre_divide = predivide_factor
-        self.post_divide = self.axis.size / predivide_factor
+        self.post_divide = self.average_size / predivide_factor
         if sync_initial_state:  # False: the values are filled in later, identically on every rank (deferred init)
             self.broadcast_state()
         self.buckets: list[GradBucket] = []
@@ -120,7 +120,7 @@ class ZeroDataParallel(GradSync):
 
     # ---- update -----------------------------------------------------------------------------------
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
-        return [piece for master in self.masters for piece in master.grad_pieces(self.placements.of)]
+        return [piece for master in self.masters for piece in master.grad_pieces(self.held_placement)]
 
     @property
     def shards_gradients(self) -> bool:
@@ -213,6 +213,8 @@ class ZeroStage1(ZeroDataParallel):
         self.operation.allocate()  # freed buckets no gradient reached are read as zeros from here on
         if not self.reducer.finish():
             return
+        self.sum_over_replicas([b.layout.shard_of(f) for b, f in zip(self.buckets, self.operation.buffers)],
+                               self.offload.device)
         for bucket, master, buffer in zip(self.buckets, self.masters, self.operation.buffers):
             if master.grad is None:  # the fp32 gradient exists only from here to zero_grad
                 mine = bucket.layout.shard_of(buffer)
@@ -245,8 +247,9 @@ class ZeroStage2(ZeroDataParallel):
 
     def finish_gradients(self) -> None:
         self.reducer.finish()  # the last backward's reductions, if not collected yet
+        self.sum_over_replicas([master.ensure_grad() for master in self.masters], self.offload.device)
         for master in self.masters:
-            master.ensure_grad().div_(self.post_divide)
+            master.grad.div_(self.post_divide)
 
     def zero_grad(self) -> None:
         self.operation.new_window()  # the first reduction of the next window overwrites the shard

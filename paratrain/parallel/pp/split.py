@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import paratrain.comm as comm
-from paratrain.layout.mesh import AXES, Mesh
+from paratrain.layout.mesh import Mesh
 from paratrain.layout.origin import Origin, Step
 from paratrain.layout.placement import Partition, Placements
 from paratrain.parallel.pp.module import LayerSpec, PipelineModule, StageChunk, StageModule
@@ -95,7 +95,7 @@ def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | 
         costs = torch.tensor(profile_layer_costs([pipe.layer(i) for i in range(n)], pipe.example_input),
                              dtype=torch.float64)
         if mesh is not None:  # every rank must cut at the same place: average the measured times
-            world = mesh.axis(AXES)
+            world = mesh.world
             comm.all_reduce(costs, world, tag="partition")
             costs /= world.size
         return cut(costs.tolist()), method

@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import paratrain.comm as comm
-from paratrain.layout.mesh import AXES
 from paratrain.parallel.pp.schedules import build_schedule
 from paratrain.parallel.pp.validate import simulate, theoretical_bubble
 
@@ -29,7 +28,7 @@ def gather_timeline(runner) -> dict:
     mesh, s = runner.mesh, runner.last_schedule
     mine = {"rank": mesh.rank, "pp": mesh.local_rank("pp"), "dp": mesh.local_rank("dp"),
             "events": [list(e) for e in runner.last_events], "peak_in_flight": runner.last_peak_in_flight}
-    ranks = comm.all_gather_object(mine, mesh.axis(AXES), tag="timeline")
+    ranks = comm.all_gather_object(mine, mesh.world, tag="timeline")
     return {"schedule": s.name, "stages": s.stages, "virtual": s.virtual, "micro_batches": s.micro_batches,
             "split_backward": s.split_backward, "forward_only": s.forward_only, "ranks": ranks,
             "theory": theoretical_bubble(s), "unit_idle": simulate(s).idle_fraction}
