@@ -33,10 +33,10 @@ from benchmarks.common import BENCH_MODEL, LocalBatches, Timer, bench_model, par
 from benchmarks.rank_agreement import decisive_agreement, kendall, ranks, spearman
 from benchmarks.suite import RESULTS, write_doc
 from paratrain.models import GPTConfig
-from paratrain.planner import Hardware, Layout, estimate_time, layout_config, spec_from_config
+from paratrain.planner import Hardware, Layout, estimate_time, layout_config, shape_from_config
 from paratrain.testing import World
 
-SPEC = spec_from_config(GPTConfig(**BENCH_MODEL), "gpt-small")
+SPEC = shape_from_config(GPTConfig(**BENCH_MODEL), "gpt-small")
 GLOBAL_BATCH = 16
 # 14 layouts of one global batch, of 6 kinds: one process and DDP (micro-batch / accumulation splits),
 # ZeRO-1 and ZeRO-3, tensor parallelism (with and without sequence parallelism), pipelines, context parallelism.

@@ -16,7 +16,7 @@ import contextlib
 import io
 import sys
 
-from paratrain.planner import Layout, model_spec, model_state_bytes
+from paratrain.planner import Layout, model_shape, model_state_bytes
 from paratrain.planner.memory import zero3_gathered_bytes
 
 CASES = [("gpt-1.3b", 8, 1), ("gpt-7b", 8, 8), ("gpt-13b", 8, 8), ("gpt-70b", 8, 64)]  # model, GPUs/node, nodes
@@ -32,7 +32,7 @@ def rows() -> list[str]:
 
     out = []
     for name, per_node, nodes in CASES:
-        spec = model_spec(name)
+        spec = model_shape(name)
         psi, largest, n = spec.params, spec.largest_module_params(), per_node * nodes
         for offload in (False, True):
             _, ds2 = ds_zero2(psi, per_node, nodes, cpu_offload=offload)
@@ -60,7 +60,7 @@ def deepspeed_printout(name: str = "gpt-7b", per_node: int = 8, nodes: int = 8) 
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
 
-    spec = model_spec(name)
+    spec = model_shape(name)
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         estimate_zero2_model_states_mem_needs_all_cold(spec.params, per_node, nodes)

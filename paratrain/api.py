@@ -13,6 +13,7 @@ from paratrain.comm import build_mesh
 from paratrain.config import Config, ConfigError, load_config, resolve_batch
 from paratrain.distributed import init_distributed, uses_cuda
 from paratrain.engine import Engine
+from paratrain.engine.strategies import strategies_of
 from paratrain.errors import InvalidValueError
 from paratrain.layout.mesh import ParallelDims
 from paratrain.model_spec import pretrained_for
@@ -57,7 +58,7 @@ def resolve_layout(source, world_size: int) -> tuple[Config, ParallelDims]:
     """Load, validate and resolve a config for a world size, and its layout: pure, so every rank fails the
     same way."""
     cfg = resolve_batch(load_config(source), world_size)
-    check_supported(cfg)
+    check_supported(strategies_of(cfg))
     return cfg, cfg.parallel_dims(world_size)
 
 

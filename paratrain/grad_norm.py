@@ -42,8 +42,22 @@ def local_grad_sq(pieces: Iterable[GradPiece], dims: ParallelDims, device: torch
         by_weight.setdefault(weights[placement], []).append(grad)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for weight, grads in by_weight.items():
-        sq = sum(g.float().pow(2).sum().to(device) for g in grads)
+        sq = _sum_of_squares(grads, device)
         total += sq if weight == 1.0 else sq * weight
+    return total
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The float32 sum of squares of `grads`: one foreach norm per device (a few kernels for any number of
+    tensors, float32 accumulation whatever their dtype), moved to `device` once per source device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            by_device.setdefault(g.device, []).append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for tensors in by_device.values():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        total += torch.stack(norms).square().sum().to(device)
     return total
 
 

@@ -144,9 +144,8 @@ class DynamicLossScaler(LossScaler):
         self.last_overflow_iteration = state["last_overflow_iteration"]
 
 
-def make_loss_scaler(config) -> LossScaler | None:
-    """The scaler an fp16 config asks for (None for fp32 and bf16, which need no scaling)."""
-    fp16 = config.fp16
+def make_loss_scaler(fp16) -> LossScaler | None:
+    """The scaler the config's fp16 section asks for (None when fp16 is off: fp32 and bf16 need no scaling)."""
     if not fp16.enabled:
         return None
     if fp16.loss_scale > 0:

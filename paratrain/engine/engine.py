@@ -33,7 +33,7 @@ from paratrain.engine.adapters import adapted_model
 from paratrain.engine.checkpoints import EngineCheckpoints
 from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI
 from paratrain.engine.evaluation import Evaluation
-from paratrain.engine.monitor import StepReporter, setup_logging
+from paratrain.engine.monitor import MonitorSettings, StepReporter, setup_logging
 from paratrain.engine.muon_setup import bind_muon, muon_param_groups
 from paratrain.engine.pipeline_steps import PipelineSteps
 from paratrain.engine.setup import (
@@ -43,6 +43,7 @@ from paratrain.engine.setup import (
     named_param_groups,
     optimizer_factory,
 )
+from paratrain.engine.strategies import strategies_of
 from paratrain.engine.token_loss import LossWindow
 from paratrain.engine.train_state import RandomState, TrainState
 from paratrain.engine.update import OptimizerUpdate
@@ -78,7 +79,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         factory = optimizer_factory(config, optimizer)  # (its refusals come before any collective)
         groups = named_param_groups(model, model_parameters)  # by name: tensor parallelism replaces parameters
         groups = muon_param_groups(model, config, groups, optimizer)  # Muon's halves (other optimizers: as given)
-        self.parallel = parallelize(model, mesh, config, device=self.device)
+        self.parallel = parallelize(model, mesh, strategies_of(config), device=self.device)
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
         self.pipeline = self.parallel.pipeline  # set when pipeline.stages > 1: whole steps only
@@ -98,7 +99,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self.train_state = TrainState(lambda: config.gradient_accumulation_steps, sampler)
         self.random_state = RandomState(self.parallel.random_streams, {"sizes": mesh.dims.layout(),
                                                                        "coords": dict(mesh.coords)})
-        self.loss_scaler = make_loss_scaler(config)  # fp16 only
+        self.loss_scaler = make_loss_scaler(config.fp16)  # fp16 only
         self._update = OptimizerUpdate(self.grad_sync, mesh, self.device, self.loss_scaler, config.nonfinite_loss,
                                        check_every=config.steps_per_print)
         self._grad_norm: torch.Tensor | None = None
@@ -109,7 +110,9 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
         self._window_loss: torch.Tensor | None = None  # the last window's global token mean
         self._times: dict[str, float] = defaultdict(float)
         self._step_applied = False
-        self._reporter = StepReporter(config, mesh.rank, self.module, mesh.axis("dp_cp"))  # (+ MoE routing)
+        self._reporter = StepReporter(MonitorSettings(config.tensorboard, config.csv_monitor, config.steps_per_print,
+                                                      config.wall_clock_breakdown, config.fp16.enabled),
+                                      mesh.rank, self.module, mesh.axis("dp_cp"))  # (+ MoE routing)
         self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled)
         self._check_train_batch = BatchChecker(config.batch_check, "training")
         self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")

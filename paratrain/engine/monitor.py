@@ -20,10 +20,12 @@ import logging
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from paratrain.config.outputs import CsvMonitorConfig, TensorboardConfig
 from paratrain.moe.stats import RoutingStep, moe_layers, reduce_routing, take_routing
 
 log = logging.getLogger("paratrain")
@@ -139,6 +141,18 @@ class Monitor:
             backend.close()
 
 
+@dataclass(frozen=True)
+class MonitorSettings:
+    """What the step reporter reads: DeepSpeed's monitor sections, steps_per_print, wall_clock_breakdown, and
+    whether fp16 loss scaling runs (its scale goes into the log line)."""
+
+    tensorboard: TensorboardConfig
+    csv_monitor: CsvMonitorConfig
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    fp16: bool = False
+
+
 class StepReporter:
     """The engine's voice after each optimizer step: monitor events and, every `steps_per_print` steps, a
     DeepSpeed-style log line on rank 0 (step, skipped, lr, mom, loss scale, grad norm, samples/s, and with
@@ -155,15 +169,15 @@ class StepReporter:
     Without MoE layers nothing is collected.
     """
 
-    def __init__(self, config, rank: int, module: torch.nn.Module | None = None, axis=None):
+    def __init__(self, settings: MonitorSettings, rank: int, module: torch.nn.Module | None = None, axis=None):
         self.rank0 = rank == 0
         self._moe = (module, axis) if module is not None and moe_layers(module) else None
         self.routing: RoutingStep | None = None
         self.wants_routing = False
-        self.monitor = Monitor(config.tensorboard, config.csv_monitor, rank)
-        self.every = config.steps_per_print
-        self.breakdown = config.wall_clock_breakdown
-        self.fp16 = config.fp16.enabled
+        self.monitor = Monitor(settings.tensorboard, settings.csv_monitor, rank)
+        self.every = settings.steps_per_print
+        self.breakdown = settings.wall_clock_breakdown
+        self.fp16 = settings.fp16
         self._losses: list[torch.Tensor] = []
         self._step_times: dict[str, float] = {}  # timings at the previous optimizer step
         self._print_times: dict[str, float] = {}  # ... and at the previous log line

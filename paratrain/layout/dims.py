@@ -88,8 +88,9 @@ class ParallelDims:
             raise MeshError(f"the Ulysses size {self.cp_ulysses!r} must be a positive divisor of cp ({self.cp})")
         folded = self.dp_shard * self.cp
         if not isinstance(self.ep, int) or self.ep < 1 or folded % self.ep:
+            dp = "dp" if self.dp_replicate == 1 else "dp / data_parallel.replicate"
             raise MeshError(f"expert_parallel.size {self.ep!r} (deepspeed.moe.layer.MoE's ep_size sets it) must "
-                            f"divide dp_shard x cp = {self.dp_shard}x{self.cp} = {folded} (the experts are split "
+                            f"divide {dp} x cp = {self.dp_shard}x{self.cp} = {folded} (the experts are split "
                             f"over ranks that see different tokens and hold different shards); use one of "
                             f"{_divisors(folded)}")
         object.__setattr__(self, "dims", self._named())
@@ -171,7 +172,11 @@ class ParallelDims:
         return tuple(sorted(names, key=lambda n: (-self._step(self.dim(n)), order[n])))
 
     def size(self, names: str | Sequence[str]) -> int:
-        return math.prod(self.dim(n).size for n in self.canonical(names))
+        """The size of the group along `names` (dims that lie inside one another are refused: "overlap")."""
+        key = self.canonical(names)
+        if len(key) > 1:
+            self._members(0, key)  # raises for overlapping dims
+        return math.prod(self.dim(n).size for n in key)
 
     def grid_coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:

@@ -1,4 +1,5 @@
-"""The one place that applies parallel strategies to a model, in a fixed order, from the config.
+"""The one place that applies parallel strategies to a model, in a fixed order, each from its own settings
+(`paratrain.parallel.settings`: a typed config section and a few scalars, never the whole config).
 
 Order (each step sees the result of the previous one; each is a function of the module, its own mesh axis
 and a few scalars):
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paratrain.config import Config
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.layout.mesh import Axis, Mesh
 from paratrain.layout.origin import Origin, Renamed, Step
@@ -43,9 +43,10 @@ from paratrain.parallel.dp.zero import ZERO_STAGES
 from paratrain.parallel.ep.split import expert_parallelize
 from paratrain.parallel.pp.module import PipelineModule
 from paratrain.parallel.pp.runtime import PipelineRunner
-from paratrain.parallel.pp.schedules import partial_backwards, placement_of
+from paratrain.parallel.pp.schedules import placement_of
 from paratrain.parallel.pp.split import PipelineSplit, split_pipeline
 from paratrain.parallel.recompute import checkpoint_activations
+from paratrain.parallel.settings import DataParallelSettings, PipelineSettings, Strategies
 from paratrain.parallel.tp import RNGTracker
 from paratrain.parallel.tp import parallelize as tensor_parallelize
 from paratrain.precision import autocast_context
@@ -123,11 +124,13 @@ def _layer_names(pipe: PipelineModule) -> Renamed | None:
     return Renamed(names) if any(k != v for k, v in names.items()) else None
 
 
-def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.device | None = None) -> ParallelModel:
-    """Apply the config's strategies to `model` (in place) on `mesh`. `config` comes from `resolve_config`,
-    which has already run `check_supported`."""
+def parallelize(model: nn.Module, mesh: Mesh, strategies: Strategies | None = None,
+                device: torch.device | None = None) -> ParallelModel:
+    """Apply the strategies to `model` (in place) on `mesh`, each with its own settings (the engine cuts them
+    out of a config that `resolve_config` has checked with `check_supported`)."""
+    strategies = strategies or Strategies()
     spec = spec_for(model)
-    check_model(model, config, spec)
+    check_model(model, strategies, spec)
     # A model on the meta device is split like any other; each rank then allocates only what it keeps, and
     # the engine fills it in (paratrain.init.replay, checkpoint.load_weights).
     deferred = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -137,19 +140,19 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     placements = Placements()  # every step records how it laid out the parameters it touched
     if isinstance(model, PipelineModule) and (renamed := _layer_names(model)) is not None:
         steps.append(renamed)
-    tp, applied = config.tensor_parallel, None
+    tp, applied = strategies.tensor.section, None
     if tp.size > 1:  # 1. split before moving: each rank moves only its shard to the device
-        applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel, seed=config.seed,
-                                     placements=placements)
+        applied = tensor_parallelize(model, mesh, tp.plan, sequence_parallel=tp.sequence_parallel,
+                                     seed=strategies.tensor.seed, placements=placements)
         spec.after_split(model, {"tp": tp.size})
         steps.append(applied)
         streams["tp"] = applied.tracker
     if mesh.expert_axes() is not None:  # 1b. before the pipeline split, which keeps whatever the stage holds
         steps.append(expert_parallelize(model, spec.expert_layers(model), mesh, placements))
     module, split = model, None
-    pp = config.pipeline
+    pp = strategies.pipeline.section
     if pp.stages > 1:  # 2. PP split: this rank keeps its stages' layers, the rest is freed
-        pipe = spec.pipeline_module(model, config.train_micro_batch_size_per_gpu)
+        pipe = spec.pipeline_module(model, strategies.pipeline.micro_batch_size)
         split = split_pipeline(pipe, mesh, pp.stages, pp.virtual_stages, pp.partition, placement_of(pp.schedule),
                                device=None if deferred else device, own_names=pipe is model, placements=placements)
         steps.append(split)
@@ -157,11 +160,11 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
     elif isinstance(model, PipelineModule):
         model.materialize()  # used whole, a PipelineModule is an ordinary model
     ring = None
-    if config.context_parallel.size > 1:  # 3. ring attention; parameters stay replicated over cp
-        ring = _context_parallel(module, split, mesh, cores, config.context_parallel.method)
+    if strategies.context.size > 1:  # 3. ring attention; parameters stay replicated over cp
+        ring = _context_parallel(module, split, mesh, cores, strategies.context.method)
         cores = [ring.replaced.get(id(core), core) for core in cores]
         steps.append(ring)
-    ac = config.activation_checkpointing
+    ac = strategies.recompute
     if ac.enabled:  # 4. recompute blocks (full) or attention cores (selective) in backward
         steps.append(checkpoint_activations(module, ac.granularity, blocks=spec.blocks(model), cores=cores,
                                             rng_streams=list(streams.values())))
@@ -169,27 +172,28 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, device: torch.devi
         module.to(device)
     device = device or torch.device("cpu")
     if deferred:  # ZeRO-3 allocates its parameters' shards itself; the others hold this rank's whole tensors
-        allocate_local(module, device, parameters=config.zero_optimization.stage < 3)
+        allocate_local(module, device, parameters=strategies.data.zero.stage < 3)
     experts = mesh.expert_axes()
-    grad_sync = _data_parallel(module, mesh, config, device, spec.blocks(model),  # 5.
+    grad_sync = _data_parallel(module, mesh, strategies.data, device, spec.blocks(model),  # 5.
                                sync_initial_state=not deferred, expert_axis=experts[1] if experts else None,
                                placements=placements)
     if applied is not None:  # SP: hook the parameters the later steps made
         applied.sum_replicated_gradients()
-    autocast = autocast_context(config.torch_autocast.enabled, device)
-    runner = None if split is None else _pipeline_runner(split, mesh, config, device, grad_sync, ring, autocast,  # 6.
-                                                         token_mean=spec.loss_is_token_mean(model))
+    autocast = autocast_context(strategies.autocast, device)
+    runner = None if split is None else _pipeline_runner(  # 6.
+        split, mesh, strategies.pipeline, device, grad_sync, ring, autocast, token_mean=spec.loss_is_token_mean(model))
     return ParallelModel(module, grad_sync, steps, runner, streams, autocast, spec, deferred, ring, placements)
 
 
-def _pipeline_runner(split: PipelineSplit, mesh: Mesh, config: Config, device: torch.device, grad_sync: GradSync,
-                     ring: AppliedContextParallel | None, autocast: Callable, token_mean: bool) -> PipelineRunner:
+def _pipeline_runner(split: PipelineSplit, mesh: Mesh, settings: PipelineSettings, device: torch.device,
+                     grad_sync: GradSync, ring: AppliedContextParallel | None, autocast: Callable,
+                     token_mean: bool) -> PipelineRunner:
     """Step 6: the runner drives the stage, the strategy and the split of micro-batches."""
-    pp = config.pipeline
-    return PipelineRunner(split.module, mesh, pp.schedule, config.gradient_accumulation_steps, pp.virtual_stages,
+    pp = settings.section
+    return PipelineRunner(split.module, mesh, pp.schedule, settings.micro_batches, pp.virtual_stages,
                           split.pipe.loss_fn, device, grad_sync,
                           prepare_batch=ring.split_micro_batch if ring is not None else None, autocast=autocast,
-                          token_loss=config.loss.reduction == "token" and token_mean,
+                          token_loss=settings.token_loss and token_mean,
                           takes_documents=split.pipe.takes_documents())
 
 
@@ -201,20 +205,20 @@ def _context_parallel(module: nn.Module, split: PipelineSplit | None, mesh: Mesh
     return context_parallelize_stages(module, mesh, cores, first, method)
 
 
-def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.device,
+def _data_parallel(model: nn.Module, mesh: Mesh, settings: DataParallelSettings, device: torch.device,
                    blocks: list[nn.Module], sync_initial_state: bool = True,
                    expert_axis: Axis | None = None, placements: Placements | None = None) -> GradSync:
     """Step 5: DDP (stage 0, any precision) over dp x cp (every rank of it saw different tokens), or ZeRO-1/2
     over flat buckets or FSDP sharded over dp_shard x cp and replicated over dp_replicate (HSDP; all of dp x cp
     without replicas); parameters split over ep (experts) sharded over `expert_axis` (edp) instead. ZeRO-3's
-    units are the spec's blocks unless the config names other modules."""
-    dp, zero = config.data_parallel, config.zero_optimization
+    units are the spec's blocks unless the settings name other modules."""
+    dp, zero, precision = settings.section, settings.zero, settings.precision
     axis = mesh.axis("dp_cp") if zero.stage == 0 else mesh.axis("dp_shard_cp")
     hsdp = {} if zero.stage == 0 else {"replicate": mesh.axis("dp_replicate")}
-    predivide = mesh.size("dp_cp") if config.prescale_gradients else config.gradient_predivide_factor
+    predivide = mesh.size("dp_cp") if settings.prescale_gradients else settings.predivide_factor
     if zero.stage == 0:
         return DistributedDataParallel(
-            model, axis, precision=config.precision, bucket_cap_mb=dp.bucket_cap_mb,
+            model, axis, precision=precision, bucket_cap_mb=dp.bucket_cap_mb,
             allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,
             broadcast_buffers=dp.broadcast_buffers, free_grad_buckets=zero.free_grad_buckets,
             sync_initial_state=sync_initial_state, expert_axis=expert_axis, placements=placements)
@@ -223,9 +227,8 @@ def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.d
                             pin_memory=zero.offload_optimizer.pin_memory or zero.offload_param.pin_memory)
     if zero.stage <= 2:
         stage_option = {"free_grad_buckets": zero.free_grad_buckets} if zero.stage == 1 else \
-            {"reduce_at_boundary": zero.reduce_at_boundary or partial_backwards(
-                config.pipeline.schedule, config.pipeline.stages, config.pipeline.virtual_stages)}
-        return ZERO_STAGES[zero.stage](model, axis, precision=config.precision, bucket_numel=zero.reduce_bucket_size,
+            {"reduce_at_boundary": zero.reduce_at_boundary or settings.partial_backwards}
+        return ZERO_STAGES[zero.stage](model, axis, precision=precision, bucket_numel=zero.reduce_bucket_size,
                                        offload=offload, allow_unused_parameters=dp.allow_unused_parameters,
                                        predivide_factor=predivide,
                                        overlap_param_gather=zero.overlap_param_gather is not False,  # unset: on
@@ -235,7 +238,7 @@ def _data_parallel(model: nn.Module, mesh: Mesh, config: Config, device: torch.d
     policy = config_wrap_policy(model, zero.wrap_module_classes, zero.wrap_module_names) \
         if zero.wrap_module_classes or zero.wrap_module_names else (lambda name, module: id(module) in units)
     return FullyShardedDataParallel(
-        model, axis, precision=config.precision, offload=offload, wrap_policy=policy,
+        model, axis, precision=precision, offload=offload, wrap_policy=policy,
         reshard_after_forward=zero.reshard_after_forward,
         persistence_threshold=zero.stage3_param_persistence_threshold, prefetch_depth=zero.prefetch_depth,
         allow_unused_parameters=dp.allow_unused_parameters, predivide_factor=predivide,

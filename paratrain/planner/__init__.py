@@ -1,7 +1,7 @@
 """The layout planner: a cost model of memory, communication and time, and a search over layouts.
 
-    from paratrain.planner import Hardware, model_spec, plan
-    result = plan(model_spec("gpt-7b"), gpus=64, global_batch=1024, hw=Hardware())
+    from paratrain.planner import Hardware, model_shape, plan
+    result = plan(model_shape("gpt-7b"), gpus=64, global_batch=1024, hw=Hardware())
     best = result.ranked[0]          # .layout, .memory (bytes by kind), .time (seconds by part)
 
 Every formula is a pure function (tested in one process); `tests/distributed/test_planner_calibration.py` checks the
@@ -14,7 +14,7 @@ from paratrain.planner.enumerate import Evaluation, PlanResult, SearchSpace, enu
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory, expert_state_bytes
-from paratrain.planner.model_specs import ModelSpec, PlannerError, model_spec, spec_from_config
+from paratrain.planner.model_shape import ModelShape, PlannerError, model_shape, shape_from_config
 from paratrain.planner.report import layout_config
 from paratrain.planner.states import model_state_bytes
 from paratrain.planner.step_time import TimeEstimate, estimate_time
@@ -24,7 +24,7 @@ __all__ = [
     "Hardware",
     "Layout",
     "MemoryEstimate",
-    "ModelSpec",
+    "ModelShape",
     "PlanResult",
     "PlannerError",
     "SearchSpace",
@@ -36,10 +36,10 @@ __all__ = [
     "expert_state_bytes",
     "evaluate",
     "layout_config",
-    "model_spec",
+    "model_shape",
     "model_state_bytes",
     "plan",
     "predict_comm",
     "rank_transfers",
-    "spec_from_config",
+    "shape_from_config",
 ]

@@ -42,29 +42,29 @@ class LoraPlan:
                 "target_modules": list(self.targets)}
 
 
-def projections(spec) -> dict[str, tuple[int, int, str]]:
+def projections(shape) -> dict[str, tuple[int, int, str]]:
     """{name: (in, out, "colwise" | "rowwise")} of one block's projections (TP plans of the families)."""
-    h, f = spec.d_model, spec.d_ff
-    if not spec.llama:
+    h, f = shape.d_model, shape.d_ff
+    if not shape.llama:
         return {"q": (h, h, "colwise"), "k": (h, h, "colwise"), "v": (h, h, "colwise"), "o": (h, h, "rowwise"),
                 "fc": (h, f, "colwise"), "proj": (f, h, "rowwise")}
-    hd = spec.config.head_dim
-    q, kv = spec.n_head * hd, spec.n_kv_head * hd
+    hd = shape.config.head_dim
+    q, kv = shape.n_head * hd, shape.n_kv_head * hd
     return {"q_proj": (h, q, "colwise"), "k_proj": (h, kv, "colwise"), "v_proj": (h, kv, "colwise"),
             "o_proj": (q, h, "rowwise"), "gate_proj": (h, f, "colwise"), "up_proj": (h, f, "colwise"),
             "down_proj": (f, h, "rowwise")}
 
 
-def adapted(spec) -> list[tuple[int, int, str]]:
+def adapted(shape) -> list[tuple[int, int, str]]:
     """(in, out, style) of every adapted projection of one block."""
-    shapes = projections(spec)
-    return [shapes[name] for name in spec.lora.targets] if spec.lora else []
+    shapes = projections(shape)
+    return [shapes[name] for name in shape.lora.targets] if shape.lora else []
 
 
-def layer_adapter_params(spec, tp: int = 1) -> int:
+def layer_adapter_params(shape, tp: int = 1) -> int:
     """Adapter parameters of one block on one tp rank (the module note)."""
-    r, dora, total = spec.lora.r, spec.lora.dora, 0
-    for n_in, n_out, style in adapted(spec):
+    r, dora, total = shape.lora.r, shape.lora.dora, 0
+    for n_in, n_out, style in adapted(shape):
         if style == "colwise":
             total += r * n_in + r * n_out // tp + (n_out // tp if dora else 0)
         else:
@@ -72,21 +72,21 @@ def layer_adapter_params(spec, tp: int = 1) -> int:
     return total
 
 
-def adapter_tp_transfers(spec, layout: Layout, blocks: int) -> list:
+def adapter_tp_transfers(shape, layout: Layout, blocks: int) -> list:
     """The adapters' tensor-parallel collectives of `blocks` adapted blocks per optimizer step (the module note)."""
-    if layout.tp == 1 or not spec.lora or not blocks:
+    if layout.tp == 1 or not shape.lora or not blocks:
         return []
-    m, e, p, r = layout.grad_accum, layout.activation_bytes, layout.param_bytes, spec.lora.r
+    m, e, p, r = layout.grad_accum, layout.activation_bytes, layout.param_bytes, shape.lora.r
     forwards = 2 if layout.recompute == "full" else 1
-    bsr = layout.micro_batch * (spec.seq_len // layout.cp) * r
-    col = [(n_in, n_out) for n_in, n_out, style in adapted(spec) if style == "colwise"]
-    row = [(n_in, n_out) for n_in, n_out, style in adapted(spec) if style == "rowwise"]
+    bsr = layout.micro_batch * (shape.seq_len // layout.cp) * r
+    col = [(n_in, n_out) for n_in, n_out, style in adapted(shape) if style == "colwise"]
+    row = [(n_in, n_out) for n_in, n_out, style in adapted(shape) if style == "rowwise"]
     grads = sum(r * n_in for n_in, _ in col)  # column-parallel A, summed in every backward
     calls = len(col)
     out = []
     if layout.sequence_parallel:
-        grads += sum(r * n_out + (n_out if spec.lora.dora else 0) for _, n_out in row)  # B and m on s/tp tokens
-        calls += len(row) * (2 if spec.lora.dora else 1)
+        grads += sum(r * n_out + (n_out if shape.lora.dora else 0) for _, n_out in row)  # B and m on s/tp tokens
+        calls += len(row) * (2 if shape.lora.dora else 1)
         out += [Transfer(("tp",), "reduce_scatter", m * blocks * len(row) * forwards * bsr, e,
                          m * blocks * len(row) * forwards, "tp"),
                 Transfer(("tp",), "all_gather", m * blocks * len(row) * bsr, e, m * blocks * len(row), "tp")]
@@ -94,33 +94,33 @@ def adapter_tp_transfers(spec, layout: Layout, blocks: int) -> list:
         out.append(Transfer(("tp",), "all_reduce", m * blocks * len(row) * forwards * bsr, e,
                             m * blocks * len(row) * forwards, "tp"))
     out.append(Transfer(("tp",), "all_reduce", m * blocks * grads, p, m * blocks * calls, "tp"))
-    if spec.lora.dora and row:  # each forward's row norms of a row-parallel layer (the compute dtype)
+    if shape.lora.dora and row:  # each forward's row norms of a row-parallel layer (the compute dtype)
         norms = sum(n_out for _, n_out in row)
         out.append(Transfer(("tp",), "all_reduce", m * blocks * forwards * norms, p,
                             m * blocks * forwards * len(row), "tp"))
     return out
 
 
-def lora_units(spec, layout: Layout, stage: int, base: int) -> list[tuple[int, int, int]]:
+def lora_units(shape, layout: Layout, stage: int, base: int) -> list[tuple[int, int, int]]:
     """(trainable, frozen, all-gathers per micro-batch) of each ZeRO-3 unit of a rank: its blocks (their adapters
     and base, gathered forward and backward) and the root (the rest of the base: embedding, final norm, head,
     gathered once)."""
-    blocks = rank_blocks(spec, layout, stage)
-    trainable, frozen = layer_adapter_params(spec, layout.tp), spec.layer_params(layout.tp)
+    blocks = rank_blocks(shape, layout, stage)
+    trainable, frozen = layer_adapter_params(shape, layout.tp), shape.layer_params(layout.tp)
     root = base - blocks * frozen
     return [(trainable, frozen, 2)] * blocks + ([(0, root, 1)] if root else [])
 
 
-def lora_model_states(spec, layout: Layout, stage: int, base: int) -> ModelStates:
+def lora_model_states(shape, layout: Layout, stage: int, base: int) -> ModelStates:
     """Model-state bytes of a rank with adapters: the adapters' states by the ZeRO stage's formula and the frozen
     `base` (this rank's parameters of the model) in the compute dtype, whole or, under ZeRO-3, one shard of each
     unit's padded frozen buffer."""
     n = layout.shard_group
     if layout.zero_stage == 3:
-        units = lora_units(spec, layout, stage, base)
+        units = lora_units(shape, layout, stage, base)
         trainable = sum(ceil_div(t, n) * n for t, _, _ in units)
         frozen = sum(ceil_div(f, n) * n for _, f, _ in units)
     else:
-        trainable, frozen = rank_blocks(spec, layout, stage) * layer_adapter_params(spec, layout.tp), base
+        trainable, frozen = rank_blocks(shape, layout, stage) * layer_adapter_params(shape, layout.tp), base
     return model_state_bytes(trainable, n, layout.zero_stage, layout.precision, layout.offload_optimizer,
                              frozen_params=frozen)

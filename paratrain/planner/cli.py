@@ -11,7 +11,7 @@ from paratrain.planner.adapters import LoraPlan, projections
 from paratrain.planner.enumerate import SearchSpace, plan
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES
-from paratrain.planner.model_specs import PlannerError, config_batch_size, model_spec, with_adapters
+from paratrain.planner.model_shape import PlannerError, config_batch_size, model_shape, with_adapters
 from paratrain.planner.report import compact_json, render
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
@@ -85,16 +85,16 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
                     memory_headroom=args.headroom)
 
 
-def adapted_spec(spec, args: argparse.Namespace):
+def adapted_shape(shape, args: argparse.Namespace):
     """The model trained through adapters (--lora-r), or as it is."""
     if args.lora_r is None:
         if args.lora_targets or args.dora:
             raise PlannerError("--lora-targets / --dora need --lora-r, the adapters' rank")
-        return spec
+        return shape
     if args.lora_r < 1:
         raise PlannerError(f"--lora-r {args.lora_r}: the rank must be >= 1")
-    targets = args.lora_targets or tuple(projections(spec))
-    return with_adapters(spec, LoraPlan(args.lora_r, targets, args.dora))
+    targets = args.lora_targets or tuple(projections(shape))
+    return with_adapters(shape, LoraPlan(args.lora_r, targets, args.dora))
 
 
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
@@ -113,15 +113,15 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        spec = adapted_spec(model_spec(args.model, args.seq), args)
+        shape = adapted_shape(model_shape(args.model, args.seq), args)
         hw = hardware_from_args(args)
         global_batch = args.global_batch or config_batch_size(args.model) or DEFAULT_GLOBAL_BATCH
-        result = plan(spec, args.gpus, global_batch, hw, space_from_args(args))
+        result = plan(shape, args.gpus, global_batch, hw, space_from_args(args))
     except PlannerError as exc:
         print(f"paratrain plan: {exc}", file=sys.stderr)
         return 2
     base = json.loads(Path(args.model).read_text()) if Path(args.model).is_file() else None
-    text, config = render(spec, args.gpus, global_batch, hw, result, args.top, args.precision, base)
+    text, config = render(shape, args.gpus, global_batch, hw, result, args.top, args.precision, base)
     if args.json:
         print(json.dumps(as_json(result, args.top, hw, config), indent=1))
     else:

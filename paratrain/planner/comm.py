@@ -48,7 +48,7 @@ from paratrain.layout.dims import ParallelDims
 from paratrain.planner.adapters import adapter_tp_transfers, lora_units
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
-from paratrain.planner.model_specs import ModelSpec
+from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import all_to_all_elements, count_elements, dense_blocks, moe_blocks, rank_expert_params
 from paratrain.planner.muon import layer_matrix_params, muon_params, muon_transfers
 from paratrain.planner.stages import rank_blocks
@@ -56,14 +56,14 @@ from paratrain.planner.states import ceil_div
 from paratrain.planner.transfer import DP_CP, SHARD, Transfer
 
 
-def zero3_units(spec: ModelSpec, layout: Layout, stage: int) -> list[tuple[int, int]]:
+def zero3_units(shape: ModelShape, layout: Layout, stage: int) -> list[tuple[int, int]]:
     """(parameters, all-gathers per micro-batch) of each ZeRO-3 unit of a rank: its blocks (forward and
     backward) and the root with the embedding / final norm and head its stage holds (once)."""
-    root = (spec.embed_params(layout.tp) if stage == 0 else 0) + \
-        (spec.head_params(layout.tp) if stage == layout.head_rank else 0)
-    moe = moe_blocks(spec, layout, stage)
-    blocks = [(spec.layer_params(layout.tp), 2)] * dense_blocks(spec, layout, stage) + \
-        [(spec.moe_block_params(layout.tp) + (spec.expert_block_params() if layout.ep == 1 else 0), 2)] * moe
+    root = (shape.embed_params(layout.tp) if stage == 0 else 0) + \
+        (shape.head_params(layout.tp) if stage == layout.head_rank else 0)
+    moe = moe_blocks(shape, layout, stage)
+    blocks = [(shape.layer_params(layout.tp), 2)] * dense_blocks(shape, layout, stage) + \
+        [(shape.moe_block_params(layout.tp) + (shape.expert_block_params() if layout.ep == 1 else 0), 2)] * moe
     return blocks + ([(root, 1)] if root else [])
 
 
@@ -103,11 +103,11 @@ def replica_sums(layout: Layout, shards: list[int], element_size: int = 4) -> li
     return [Transfer(("dp_replicate",), "all_reduce", sum(shards), element_size, len(shards), "dp_replicate")]
 
 
-def lora_data_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+def lora_data_transfers(shape: ModelShape, layout: Layout, stage: int) -> list[Transfer]:
     """With adapters (planner/adapters.py) the reductions move the trainable adapters only. ZeRO-3 gathers each
     unit's frozen and trainable buffers (padded apart) and reduce-scatters the trainable ones; a root holding only
     frozen tensors is never freed by a backward, so it is gathered once per step, not per micro-batch."""
-    units = lora_units(spec, layout, stage, rank_params(spec, layout, stage))
+    units = lora_units(shape, layout, stage, rank_params(shape, layout, stage))
     n, m, size = layout.shard_group, layout.grad_accum, layout.param_bytes
     if layout.zero_stage < 3 or n == 1:
         return data_parallel_transfers(layout, sum(t for t, _, _ in units))
@@ -120,34 +120,34 @@ def lora_data_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Tra
         replica_sums(layout, [r // n for r in reduced])
 
 
-def expert_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+def expert_parallel_transfers(shape: ModelShape, layout: Layout, stage: int) -> list[Transfer]:
     """The ep all-to-alls (token rows, and the forward's per-expert counts) and the routed experts' gradient
     reduction over edp (under ZeRO-3 one unit per MoE block: E/ep experts, gathered forward and backward)."""
-    if not spec.moe:
+    if not shape.moe:
         return []
-    blocks, m = moe_blocks(spec, layout, stage), layout.grad_accum
+    blocks, m = moe_blocks(shape, layout, stage), layout.grad_accum
     forwards = 2 if layout.recompute == "full" else 1
-    out = [Transfer(("ep",), "all_to_all", all_to_all_elements(spec, layout, stage), layout.activation_bytes,
+    out = [Transfer(("ep",), "all_to_all", all_to_all_elements(shape, layout, stage), layout.activation_bytes,
                     2 * (forwards + 1) * m * blocks, "ep"),
-           Transfer(("ep",), "all_to_all", count_elements(spec, layout, stage), 8, forwards * m * blocks, "ep")]
+           Transfer(("ep",), "all_to_all", count_elements(shape, layout, stage), 8, forwards * m * blocks, "ep")]
     if layout.ep == 1:  # edp is dp x cp: the experts are reduced with the dense parameters
         return out
-    units = [(spec.expert_block_params(layout.ep), 2)] * blocks if layout.zero_stage == 3 else None
-    return out + data_parallel_transfers(layout, rank_expert_params(spec, layout, stage), units, "edp")
+    units = [(shape.expert_block_params(layout.ep), 2)] * blocks if layout.zero_stage == 3 else None
+    return out + data_parallel_transfers(layout, rank_expert_params(shape, layout, stage), units, "edp")
 
 
-def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+def tensor_parallel_transfers(shape: ModelShape, layout: Layout, stage: int) -> list[Transfer]:
     if layout.tp == 1:
         return []
     m, e = layout.grad_accum, layout.activation_bytes
-    layers = rank_blocks(spec, layout, stage)
-    s_local = spec.seq_len // layout.cp
-    bsh = layout.micro_batch * s_local * spec.d_model
+    layers = rank_blocks(shape, layout, stage)
+    s_local = shape.seq_len // layout.cp
+    bsh = layout.micro_batch * s_local * shape.d_model
     per_layer = 6 if layout.recompute == "full" else 4  # collectives of b s h per layer (see module doc)
     first, last = stage == 0, stage == layout.head_rank
     # Through adapters the embedding is frozen: its output needs no gradient, so the first block's region entry
     # (and, with SP, the embedding's split to s/tp) skips its backward collective; the norms, frozen, sum none.
-    frozen_input = int(spec.lora is not None and first)
+    frozen_input = int(shape.lora is not None and first)
     out = []
     if layout.sequence_parallel:
         # Each all-reduce becomes an all-gather + a reduce-scatter; the embedding's all-reduced output is
@@ -160,14 +160,14 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
             out.append(Transfer(("tp",), "all_reduce", m * bsh, e, m, "tp"))
         # Layer norms are replicated but see different tokens under SP: their gradients are summed over tp,
         # in every backward (the sum is an autograd op on the parameter).
-        norm_grads = layers * spec.layernorm_params_per_layer() + (spec.final_norm_params() if last else 0)
+        norm_grads = layers * shape.layernorm_params_per_layer() + (shape.final_norm_params() if last else 0)
         calls = layers * 4 + (2 if last else 0)
-        if spec.lora is None:
+        if shape.lora is None:
             out.append(Transfer(("tp",), "all_reduce", m * norm_grads, layout.param_bytes, m * calls, "tp"))
     else:
         # A MoE block's MLP stays whole on every tp rank (its plan marks it 'sequence'): only its attention's
         # half of a layer's all-reduces. (Under sequence parallelism that block is not calibrated.)
-        moe = moe_blocks(spec, layout, stage) if spec.moe else 0
+        moe = moe_blocks(shape, layout, stage) if shape.moe else 0
         reduces = (layers - moe) * per_layer + moe * per_layer // 2 + int(first) + int(last) - frozen_input
         out.append(Transfer(("tp",), "all_reduce", m * reduces * bsh, e, m * reduces, "tp"))
     if last:  # vocab-parallel cross-entropy: max, sum of exponentials, target logit, per token, fp32
@@ -175,13 +175,13 @@ def tensor_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> li
     return out
 
 
-def pipeline_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+def pipeline_transfers(shape: ModelShape, layout: Layout, stage: int) -> list[Transfer]:
     """Sends and receives of rank `stage`: it holds virtual stages stage, stage + p, ... (v of them), or
     stage and 2p - 1 - stage under a V schedule."""
     p, v, m = layout.pp, layout.virtual_stages, layout.grad_accum
     if p == 1:
         return []
-    message = layout.micro_batch * (spec.seq_len // layout.cp) * spec.d_model
+    message = layout.micro_batch * (shape.seq_len // layout.cp) * shape.d_model
     if layout.sequence_parallel:
         message //= layout.tp
     held = layout.stages_held(stage)
@@ -194,7 +194,7 @@ def pipeline_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Tran
             Transfer(("pp",), "recv", m * recvs * message, e, m * recvs, "pp")]
 
 
-def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> list[Transfer]:
+def context_parallel_transfers(shape: ModelShape, layout: Layout, stage: int) -> list[Transfer]:
     """Ring attention over the ring degree, Ulysses' all-to-alls over the Ulysses degree (USP: both, on the
     cp_ring and cp_ulysses sub-axes; ring or ulysses alone: on cp)."""
     if layout.cp == 1:
@@ -202,11 +202,11 @@ def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> l
     usp = layout.cp_method == "usp"
     c, u = layout.ring_degree, layout.ulysses_degree
     m, e = layout.grad_accum, layout.activation_bytes
-    layers = rank_blocks(spec, layout, stage)
+    layers = rank_blocks(shape, layout, stage)
     forward_passes = 1 if layout.recompute == "none" else 2  # full and selective both recompute the core
     out = []
     if c > 1:
-        block = layout.micro_batch * (spec.seq_len // layout.cp) * spec.d_model // layout.tp  # one K (or V) block
+        block = layout.micro_batch * (shape.seq_len // layout.cp) * shape.d_model // layout.tp  # one K (or V) block
         per_layer = (c - 1) * block * (2 * forward_passes + 4)  # K, V per forward; K, V, dK, dV backward
         calls = (c - 1) * (2 * forward_passes + 4)
         ring = ("cp_ring",) if usp else ("cp",)
@@ -214,23 +214,23 @@ def context_parallel_transfers(spec: ModelSpec, layout: Layout, stage: int) -> l
                 Transfer(ring, "recv", m * layers * per_layer, e, m * layers * calls, "cp")]
     if u > 1:
         out.append(Transfer(("cp_ulysses",) if usp else ("cp",), "all_to_all",
-                            m * layers * (forward_passes + 1) * ulysses_elements(spec, layout),
+                            m * layers * (forward_passes + 1) * ulysses_elements(shape, layout),
                             e, m * layers * 4 * (forward_passes + 1), "cp"))
     return out
 
 
-def ulysses_elements(spec: ModelSpec, layout: Layout) -> int:
+def ulysses_elements(shape: ModelShape, layout: Layout) -> int:
     """Elements that leave a rank in one pass of Ulysses' four all-to-alls (q, k, v in, the output back; the
     backward's transposes move as much): each local (b, heads, s/cp, head_dim) tensor but the 1/u it keeps.
     k and v carry their own heads, or q's when the size does not divide them (expanded first)."""
     u = layout.ulysses_degree
-    heads, kv = spec.n_head // layout.tp, spec.n_kv_head // layout.tp
+    heads, kv = shape.n_head // layout.tp, shape.n_kv_head // layout.tp
     kv = kv if kv % u == 0 else heads
-    local = layout.micro_batch * (spec.seq_len // layout.cp) * (spec.d_model // spec.n_head)
+    local = layout.micro_batch * (shape.seq_len // layout.cp) * (shape.d_model // shape.n_head)
     return local * (2 * heads + 2 * kv) * (u - 1) // u
 
 
-def scalar_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
+def scalar_transfers(shape: ModelShape, layout: Layout, stage: int = 0) -> list[Transfer]:
     """The scalars of a step: the token-weighted loss's sum and target count over dp x cp (two fp64; from the
     last pipeline stage to every pp rank first: sum, weight and two flags, four fp64), the squared grad norm
     summed over the world (one fp32; fp16's overflow shows in that norm, so it adds nothing). A step that
@@ -242,31 +242,31 @@ def scalar_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Tr
     return out
 
 
-def routing_transfer(spec: ModelSpec, layout: Layout, stage: int = 0) -> Transfer:
+def routing_transfer(shape: ModelShape, layout: Layout, stage: int = 0) -> Transfer:
     """The MoE blocks' routing totals over dp x cp on a reporting step (per block: the E expert counts, the two
     router losses, dropped choices and forwards, in fp64)."""
-    blocks = moe_blocks(spec, layout, stage)
-    return Transfer(DP_CP, "all_reduce", blocks * (spec.num_experts + 4), 8, 1, "scalar")
+    blocks = moe_blocks(shape, layout, stage)
+    return Transfer(DP_CP, "all_reduce", blocks * (shape.num_experts + 4), 8, 1, "scalar")
 
 
-def rank_transfers(spec: ModelSpec, layout: Layout, stage: int = 0) -> list[Transfer]:
+def rank_transfers(shape: ModelShape, layout: Layout, stage: int = 0) -> list[Transfer]:
     """Everything a rank of pipeline stage `stage` communicates in one optimizer step (`train_batch`)."""
-    units = zero3_units(spec, layout, stage) if layout.zero_stage == 3 else None
-    dense = rank_params(spec, layout, stage) + (rank_expert_params(spec, layout, stage) if layout.ep == 1 else 0)
+    units = zero3_units(shape, layout, stage) if layout.zero_stage == 3 else None
+    dense = rank_params(shape, layout, stage) + (rank_expert_params(shape, layout, stage) if layout.ep == 1 else 0)
     # Muon's matrices and AdamW's rest are separate groups, so separate flat buffers, padded apart (ZeRO-3: in each
     # block's unit; zero3_units lists the blocks, gathered twice, then the root, which holds no Muon matrix)
-    matrices = muon_params(spec, layout, stage)
-    block, blocks = layer_matrix_params(spec, layout.tp) if matrices else 0, dense_blocks(spec, layout, stage)
+    matrices = muon_params(shape, layout, stage)
+    block, blocks = layer_matrix_params(shape, layout.tp) if matrices else 0, dense_blocks(shape, layout, stage)
     rest_units = [(p - block, t) if t == 2 else (p, t) for p, t in units] if units is not None else None
-    data = data_parallel_transfers(layout, dense - matrices, rest_units) + muon_transfers(spec, layout, stage) + \
+    data = data_parallel_transfers(layout, dense - matrices, rest_units) + muon_transfers(shape, layout, stage) + \
         data_parallel_transfers(layout, matrices, [(block, 2)] * blocks if units is not None else None)
-    if spec.lora is not None:  # adapters train, the base is frozen
-        data = lora_data_transfers(spec, layout, stage) + \
-            adapter_tp_transfers(spec, layout, rank_blocks(spec, layout, stage))
+    if shape.lora is not None:  # adapters train, the base is frozen
+        data = lora_data_transfers(shape, layout, stage) + \
+            adapter_tp_transfers(shape, layout, rank_blocks(shape, layout, stage))
     transfers = (data
-                 + tensor_parallel_transfers(spec, layout, stage) + pipeline_transfers(spec, layout, stage)
-                 + context_parallel_transfers(spec, layout, stage) + expert_parallel_transfers(spec, layout, stage)
-                 + scalar_transfers(spec, layout, stage))
+                 + tensor_parallel_transfers(shape, layout, stage) + pipeline_transfers(shape, layout, stage)
+                 + context_parallel_transfers(shape, layout, stage) + expert_parallel_transfers(shape, layout, stage)
+                 + scalar_transfers(shape, layout, stage))
     return [t for t in transfers if layout.dims.axis_name(t.axes) is not None and t.elements > 0]
 
 
@@ -283,8 +283,8 @@ def by_axis(transfers: list[Transfer], dims: ParallelDims) -> dict[str, dict[str
     return dict(out)
 
 
-def predict_comm(spec: ModelSpec, layout: Layout, stage: int = 0) -> dict[str, dict[str, dict[str, int]]]:
-    return by_axis(rank_transfers(spec, layout, stage), layout.dims)
+def predict_comm(shape: ModelShape, layout: Layout, stage: int = 0) -> dict[str, dict[str, dict[str, int]]]:
+    return by_axis(rank_transfers(shape, layout, stage), layout.dims)
 
 
 def measured_without_calls(snapshot: dict) -> dict[str, dict[str, dict[str, int]]]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from paratrain.planner.hardware import Hardware, spans_nodes
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES, V_SCHEDULES, Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory
-from paratrain.planner.model_specs import ModelSpec, PlannerError
+from paratrain.planner.model_shape import ModelShape, PlannerError
 from paratrain.planner.step_time import TimeEstimate, estimate_time
 
 
@@ -46,16 +46,16 @@ class SearchSpace:
     hsdp: bool = True  # also try each ZeRO layout with replicas across nodes and shards inside (`hsdp_variants`)
 
 
-def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str | None:
-    """Why `layout` cannot run `spec` (None when it can)."""
+def invalid_reason(shape: ModelShape, layout: Layout, gpus_per_node: int) -> str | None:
+    """Why `layout` cannot run `shape` (None when it can)."""
     checks = [
-        (spec.n_head % layout.tp == 0, f"tp={layout.tp} does not divide the {spec.n_head} heads"),
-        (spec.d_ff % layout.tp == 0, f"tp={layout.tp} does not divide d_ff={spec.d_ff}"),
-        (spec.n_kv_head % layout.tp == 0, f"tp={layout.tp} does not divide n_kv_head={spec.n_kv_head}"),
-        (spec.vocab_size % layout.tp == 0, f"tp={layout.tp} does not divide the vocabulary {spec.vocab_size}"),
+        (shape.n_head % layout.tp == 0, f"tp={layout.tp} does not divide the {shape.n_head} heads"),
+        (shape.d_ff % layout.tp == 0, f"tp={layout.tp} does not divide d_ff={shape.d_ff}"),
+        (shape.n_kv_head % layout.tp == 0, f"tp={layout.tp} does not divide n_kv_head={shape.n_kv_head}"),
+        (shape.vocab_size % layout.tp == 0, f"tp={layout.tp} does not divide the vocabulary {shape.vocab_size}"),
         (layout.tp <= gpus_per_node, f"tp={layout.tp} is larger than a node ({gpus_per_node} GPUs)"),
-        (layout.pp <= spec.n_layer, f"pp={layout.pp} is more than the {spec.n_layer} layers"),
-        (spec.seq_len % layout.cp == 0, f"cp={layout.cp} does not divide the sequence length {spec.seq_len}"),
+        (layout.pp <= shape.n_layer, f"pp={layout.pp} is more than the {shape.n_layer} layers"),
+        (shape.seq_len % layout.cp == 0, f"cp={layout.cp} does not divide the sequence length {shape.seq_len}"),
         (not (layout.zero_stage == 3 and layout.pp > 1), "ZeRO-3 with pipeline parallelism is not supported"),
         (not layout.offload_optimizer or layout.zero_stage >= 1, "optimizer offload needs ZeRO stage >= 1"),
         (not layout.sequence_parallel or layout.tp > 1, "sequence parallelism needs tp > 1"),
@@ -63,24 +63,24 @@ def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str |
         (layout.virtual_stages == 1 or layout.schedule in ("interleaved", *V_SCHEDULES),
          "virtual stages need 'interleaved', 'zb-v' or 'dualpipev'"),
         (layout.cp > 1 or layout.cp_method == "ring", "a context-parallel method needs cp > 1"),
-        (layout.ep == 1 or spec.moe, f"ep={layout.ep} needs a mixture-of-experts model"),
+        (layout.ep == 1 or shape.moe, f"ep={layout.ep} needs a mixture-of-experts model"),
         (layout.dp % layout.dp_replicate == 0, f"dp_replicate={layout.dp_replicate} does not divide dp={layout.dp}"),
         (layout.dp_replicate == 1 or layout.zero_stage >= 1, "HSDP (dp_replicate > 1) needs ZeRO stage >= 1"),
         (layout.shard_group % layout.ep == 0, f"ep={layout.ep} does not divide ZeRO's shard group (dp x cp / "
                                               f"dp_replicate) = {layout.shard_group}"),
-        (not spec.moe or spec.num_experts % layout.ep == 0,
-         f"ep={layout.ep} does not divide the {spec.num_experts} experts"),
+        (not shape.moe or shape.num_experts % layout.ep == 0,
+         f"ep={layout.ep} does not divide the {shape.num_experts} experts"),
     ]
     if layout.schedule in V_SCHEDULES:
         checks += [
             (layout.virtual_stages == 2, f"{layout.schedule} runs two chunks per rank (virtual_stages 2)"),
-            (spec.n_layer >= 2 * layout.pp, f"{layout.schedule} needs 2 pp = {2 * layout.pp} chunks of the "
-                                            f"{spec.n_layer} layers"),
+            (shape.n_layer >= 2 * layout.pp, f"{layout.schedule} needs 2 pp = {2 * layout.pp} chunks of the "
+                                            f"{shape.n_layer} layers"),
             (layout.schedule == "zb-v" or layout.grad_accum >= 2 * layout.pp,
              f"dualpipev needs at least 2 pp = {2 * layout.pp} micro-batches ({layout.grad_accum})"),
         ]
     if layout.ulysses_degree > 1:
-        u, heads = layout.ulysses_degree, spec.n_head // layout.tp if spec.n_head % layout.tp == 0 else 0
+        u, heads = layout.ulysses_degree, shape.n_head // layout.tp if shape.n_head % layout.tp == 0 else 0
         checks += [(heads % u == 0, f"Ulysses over {u} ranks does not divide the {heads} heads per tp rank")]
     if layout.cp_method == "usp":
         checks += [(1 < layout.ulysses_size < layout.cp and layout.cp % layout.ulysses_size == 0,
@@ -88,8 +88,8 @@ def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str |
     if layout.schedule == "interleaved":
         checks += [
             (layout.virtual_stages >= 2, "the interleaved schedule needs virtual_stages >= 2"),
-            (spec.n_layer % (layout.pp * layout.virtual_stages) == 0,
-             f"interleaving needs the {spec.n_layer} layers divisible by pp*v = {layout.pp * layout.virtual_stages}"),
+            (shape.n_layer % (layout.pp * layout.virtual_stages) == 0,
+             f"interleaving needs the {shape.n_layer} layers divisible by pp*v = {layout.pp * layout.virtual_stages}"),
             (layout.grad_accum % layout.pp == 0,
              f"interleaving needs the micro-batches ({layout.grad_accum}) divisible by pp={layout.pp}"),
         ]
@@ -99,7 +99,7 @@ def invalid_reason(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> str |
     return None
 
 
-def enumerate_layouts(spec: ModelSpec, gpus: int, global_batch: int, gpus_per_node: int,
+def enumerate_layouts(shape: ModelShape, gpus: int, global_batch: int, gpus_per_node: int,
                       space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
     for tp, pp, cp in itertools.product(divisors(gpus), repeat=3):
         if gpus % (tp * pp * cp):
@@ -117,7 +117,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, global_batch: int, gpus_per_no
         methods = [("ring", 1)] if cp == 1 else \
             [(meth, u) for meth in space.cp_methods
              for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
-        eps = expert_sizes(spec, dp * cp, space)
+        eps = expert_sizes(shape, dp * cp, space)
         for mb in divisors(per_rank):
             if mb > space.max_micro_batch:
                 continue
@@ -128,7 +128,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, global_batch: int, gpus_per_no
                                 recompute=recompute, sequence_parallel=sp, precision=space.precision,
                                 cp_method=method, ulysses_size=u, ep=ep, optimizer=space.optimizer)
                 for candidate in [layout] + hsdp_variants(layout, gpus_per_node, space):
-                    if invalid_reason(spec, candidate, gpus_per_node) is None:
+                    if invalid_reason(shape, candidate, gpus_per_node) is None:
                         yield candidate
 
 
@@ -146,12 +146,12 @@ def hsdp_variants(layout: Layout, gpus_per_node: int, space: SearchSpace) -> lis
     return []
 
 
-def expert_sizes(spec: ModelSpec, folded: int, space: SearchSpace) -> list[int]:
+def expert_sizes(shape: ModelShape, folded: int, space: SearchSpace) -> list[int]:
     """The ep sizes to try for a dp x cp of `folded` ranks: 1 for a dense model; for an MoE model the common
     divisors of dp x cp and the number of experts (those of `space.expert_parallel` among them)."""
-    if not spec.moe:
+    if not shape.moe:
         return [1]
-    sizes = [d for d in divisors(folded) if spec.num_experts % d == 0]
+    sizes = [d for d in divisors(folded) if shape.num_experts % d == 0]
     return [d for d in sizes if space.expert_parallel is None or d in space.expert_parallel]
 
 
@@ -163,9 +163,9 @@ class Evaluation:
     fits: bool
 
 
-def evaluate(spec: ModelSpec, layout: Layout, hw: Hardware, flash_attention: bool = True) -> Evaluation:
-    memory = estimate_memory(spec, layout, flash_attention)
-    return Evaluation(layout, memory, estimate_time(spec, layout, hw), memory.total <= hw.usable_memory)
+def evaluate(shape: ModelShape, layout: Layout, hw: Hardware, flash_attention: bool = True) -> Evaluation:
+    memory = estimate_memory(shape, layout, flash_attention)
+    return Evaluation(layout, memory, estimate_time(shape, layout, hw), memory.total <= hw.usable_memory)
 
 
 def complexity(layout: Layout) -> int:
@@ -187,7 +187,7 @@ class PlanResult:
     smallest: Evaluation | None  # the least memory-hungry layout (shown when nothing fits)
 
 
-def plan(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, space: SearchSpace = SearchSpace()
+def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: SearchSpace = SearchSpace()
          ) -> PlanResult:
     """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory)."""
     if gpus < 1:
@@ -195,14 +195,14 @@ def plan(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, space: Sea
     if global_batch < 1:
         raise PlannerError(f"--global-batch must be >= 1, got {global_batch}")
     fitting, considered, smallest = [], 0, None
-    for layout in enumerate_layouts(spec, gpus, global_batch, hw.gpus_per_node, space):
+    for layout in enumerate_layouts(shape, gpus, global_batch, hw.gpus_per_node, space):
         considered += 1
-        memory = estimate_memory(spec, layout, space.flash_attention)
+        memory = estimate_memory(shape, layout, space.flash_attention)
         if memory.total > hw.usable_memory:
             if smallest is None or memory.total < smallest.memory.total:
-                smallest = Evaluation(layout, memory, estimate_time(spec, layout, hw), False)
+                smallest = Evaluation(layout, memory, estimate_time(shape, layout, hw), False)
             continue
-        fitting.append(Evaluation(layout, memory, estimate_time(spec, layout, hw), True))
+        fitting.append(Evaluation(layout, memory, estimate_time(shape, layout, hw), True))
     if considered == 0:
         raise PlannerError(f"no valid layout: {gpus} GPUs cannot split a global batch of {global_batch} sequences "
                         f"(dp must divide it) with the model's constraints; choose a --global-batch that is a "

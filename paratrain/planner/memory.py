@@ -25,48 +25,48 @@ from dataclasses import dataclass
 
 from paratrain.planner.adapters import lora_model_states
 from paratrain.planner.layout import Layout
-from paratrain.planner.model_specs import ModelSpec
+from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import dense_blocks, moe_blocks, moe_mlp_activations, rank_expert_params
 from paratrain.planner.muon import muon_params
 from paratrain.planner.states import ModelStates, model_state_bytes
 
 
-def rank_params(spec: ModelSpec, layout: Layout, stage: int) -> int:
+def rank_params(shape: ModelShape, layout: Layout, stage: int) -> int:
     """Parameters held by a rank of pipeline stage `stage` (one tensor-parallel shard), without the routed
     experts of an MoE model (`moe.rank_expert_params`, reduced and sharded over edp instead of dp x cp)."""
-    total = dense_blocks(spec, layout, stage) * spec.layer_params(layout.tp)
-    if spec.moe:
-        total += moe_blocks(spec, layout, stage) * spec.moe_block_params(layout.tp)
+    total = dense_blocks(shape, layout, stage) * shape.layer_params(layout.tp)
+    if shape.moe:
+        total += moe_blocks(shape, layout, stage) * shape.moe_block_params(layout.tp)
     if stage == 0:
-        total += spec.embed_params(layout.tp)
+        total += shape.embed_params(layout.tp)
     if stage == layout.head_rank:
-        total += spec.head_params(layout.tp)
+        total += shape.head_params(layout.tp)
     return total
 
 
-def rank_model_states(spec: ModelSpec, layout: Layout, stage: int) -> ModelStates:
+def rank_model_states(shape: ModelShape, layout: Layout, stage: int) -> ModelStates:
     """`model_state_bytes` of the rank's parameters without the routed experts: AdamW's 8 bytes of state per
     parameter; under Muon its matrices hold one fp32 momentum buffer (4 bytes) and the rest AdamW's two. With
     adapters the rank's parameters are the frozen base and the adapters train (`adapters.lora_model_states`)."""
-    if spec.lora is not None:
-        return lora_model_states(spec, layout, stage, rank_params(spec, layout, stage))
-    muon = muon_params(spec, layout, stage)
+    if shape.lora is not None:
+        return lora_model_states(shape, layout, stage, rank_params(shape, layout, stage))
+    muon = muon_params(shape, layout, stage)
     args = (layout.shard_group, layout.zero_stage, layout.precision, layout.offload_optimizer)
-    states = model_state_bytes(rank_params(spec, layout, stage) - muon, *args)
+    states = model_state_bytes(rank_params(shape, layout, stage) - muon, *args)
     return states + model_state_bytes(muon, *args, optimizer_state_bytes=4) if muon else states
 
 
-def expert_state_bytes(spec: ModelSpec, layout: Layout, stage: int) -> ModelStates:
+def expert_state_bytes(shape: ModelShape, layout: Layout, stage: int) -> ModelStates:
     """Model-state bytes of the routed experts on a rank of `stage`: `model_state_bytes` of
     Psi_e = n_moe_blocks(stage) * E/ep * 3 d_model d_expert over the edp group (dp x cp / ep) — e.g. ZeRO-1,
     bf16: 4 Psi_e + 12 Psi_e / edp. Compare with the expert part of `engine.memory_stats()`. All 0 for a
     dense model or a stage without MoE blocks."""
-    return model_state_bytes(rank_expert_params(spec, layout, stage), layout.expert_shard_group,
+    return model_state_bytes(rank_expert_params(shape, layout, stage), layout.expert_shard_group,
                              layout.zero_stage, layout.precision, layout.offload_optimizer)
 
 
 # ---- activations ------------------------------------------------------------------------------------
-def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = None,
+def layer_activations(shape: ModelShape, layout: Layout, recompute: str | None = None,
                       flash_attention: bool = True, regather_sequence: bool = False,
                       moe: bool = False) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward, for one micro-batch on one rank, by component.
@@ -95,20 +95,20 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
     e = layout.activation_bytes
     t = layout.tp
     sp = t if layout.sequence_parallel else 1
-    b, s_local, s = layout.micro_batch, spec.seq_len // layout.cp, spec.seq_len
-    h, f, a = spec.d_model, spec.d_ff, spec.n_head
+    b, s_local, s = layout.micro_batch, shape.seq_len // layout.cp, shape.seq_len
+    h, f, a = shape.d_model, shape.d_ff, shape.n_head
     sbh = s_local * b * h
-    dropout = spec.dropout > 0
+    dropout = shape.dropout > 0
     if recompute == "full":
         return {"inputs": e * sbh / sp}
     out = {
         "inputs": e * (2 * sbh / sp + 2 * sbh / (sp if regather_sequence else 1)),
-        "tensor_parallel": e * (4 * sbh + (0 if moe else spec.mlp_intermediates * s_local * b * f)) / t,
+        "tensor_parallel": e * (4 * sbh + (0 if moe else shape.mlp_intermediates * s_local * b * f)) / t,
         "masks": (2 * sbh / sp) if dropout else 0.0,
         "norm_stats": 16 * s_local * b / sp,
     }
     if moe:
-        out["moe_mlp"] = moe_mlp_activations(spec, layout)
+        out["moe_mlp"] = moe_mlp_activations(shape, layout)
     if recompute != "selective":
         if layout.ring_degree > 1:
             out["attention_core"] = 4 * a * s_local * b / t + (3 * (4 - e) + 4) * sbh / t
@@ -122,24 +122,24 @@ def layer_activations(spec: ModelSpec, layout: Layout, recompute: str | None = N
     return out
 
 
-def head_activations(spec: ModelSpec, layout: Layout, regather_sequence: bool = False) -> float:
+def head_activations(shape: ModelShape, layout: Layout, regather_sequence: bool = False) -> float:
     """Bytes the last stage keeps for one micro-batch after the blocks: the final norm's input and stats,
     the head's input (gathered under sequence parallelism, see `layer_activations`), the fp32 log-softmax of
     the (vocab-parallel) logits, the int64 targets, the loss's fp32 total weight and the int64 count of targets
     it divides by — or, vocab-parallel, two 1-byte token masks and an int64 token count."""
     e, t = layout.activation_bytes, layout.tp
     sp = t if layout.sequence_parallel else 1
-    b, s = layout.micro_batch, spec.seq_len // layout.cp
-    norm_and_head_inputs = e * s * b * spec.d_model * (1 / sp + 1 / (sp if regather_sequence else 1))
-    loss = 4 * s * b * spec.vocab_size / t + 8 * s * b + (2 * s * b + 8 if t > 1 else 4 + 8)
+    b, s = layout.micro_batch, shape.seq_len // layout.cp
+    norm_and_head_inputs = e * s * b * shape.d_model * (1 / sp + 1 / (sp if regather_sequence else 1))
+    loss = 4 * s * b * shape.vocab_size / t + 8 * s * b + (2 * s * b + 8 if t > 1 else 4 + 8)
     return norm_and_head_inputs + 8 * s * b / sp + loss
 
 
-def embed_activations(spec: ModelSpec, layout: Layout) -> float:
+def embed_activations(shape: ModelShape, layout: Layout) -> float:
     """Bytes the first stage keeps for one micro-batch before the blocks: int64 token and position ids (and
     the embedding dropout mask; vocab-parallel, the 1-byte mask of the tokens outside this rank's rows)."""
-    b, s = layout.micro_batch, spec.seq_len // layout.cp
-    mask = s * b * spec.d_model / (layout.tp if layout.sequence_parallel else 1) if spec.dropout else 0
+    b, s = layout.micro_batch, shape.seq_len // layout.cp
+    mask = s * b * shape.d_model / (layout.tp if layout.sequence_parallel else 1) if shape.dropout else 0
     outside = s * b if layout.tp > 1 else 0
     return 8 * s * b + 8 * s + mask + outside
 
@@ -167,31 +167,31 @@ def in_flight(layout: Layout, stage: int) -> float:
     return float(min(m, p - stage))
 
 
-def activation_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention: bool = True) -> float:
+def activation_bytes(shape: ModelShape, layout: Layout, stage: int, flash_attention: bool = True) -> float:
     """Activation bytes a rank of `stage` holds at its peak."""
     flights = in_flight(layout, stage)
     total = 0.0
-    for blocks, moe in ((dense_blocks(spec, layout, stage), False), (moe_blocks(spec, layout, stage), True)):
+    for blocks, moe in ((dense_blocks(shape, layout, stage), False), (moe_blocks(shape, layout, stage), True)):
         if blocks:
-            total += flights * blocks * sum(layer_activations(spec, layout, flash_attention=flash_attention,
+            total += flights * blocks * sum(layer_activations(shape, layout, flash_attention=flash_attention,
                                                               moe=moe).values())
     if stage == 0:
-        total += flights * embed_activations(spec, layout)
+        total += flights * embed_activations(shape, layout)
     if stage == layout.head_rank:
-        total += (layout.grad_accum if layout.schedule == "gpipe" else 1) * head_activations(spec, layout)
+        total += (layout.grad_accum if layout.schedule == "gpipe" else 1) * head_activations(shape, layout)
     return total
 
 
-def zero3_gathered_bytes(spec: ModelSpec, layout: Layout, prefetch: int = 1) -> float:
+def zero3_gathered_bytes(shape: ModelShape, layout: Layout, prefetch: int = 1) -> float:
     """ZeRO-3's working set: the gathered 16-bit (or fp32) parameters of the unit in use and of `prefetch`
     units fetched ahead, plus one unit's full gradient before its reduce-scatter. A unit is a block (or the
     embedding, or the head), the granularity paratrain's stage 3 wraps."""
-    unit = max(spec.layer_params(layout.tp), spec.embed_params(layout.tp), spec.head_params(layout.tp),
-               spec.moe_block_params(layout.tp) + spec.expert_block_params(layout.ep) if spec.moe else 0)
+    unit = max(shape.layer_params(layout.tp), shape.embed_params(layout.tp), shape.head_params(layout.tp),
+               shape.moe_block_params(layout.tp) + shape.expert_block_params(layout.ep) if shape.moe else 0)
     return (prefetch + 2) * unit * layout.param_bytes
 
 
-def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention: bool = True,
+def transient_bytes(shape: ModelShape, layout: Layout, stage: int, flash_attention: bool = True,
                     prefetch: int = 1) -> float:
     """Peak working memory beyond states and stored activations on a rank of `stage`:
     - full recompute: one layer's activations rebuilt during its backward;
@@ -201,14 +201,14 @@ def transient_bytes(spec: ModelSpec, layout: Layout, stage: int, flash_attention
     - the last stage: the logits and their gradient during the loss (fp32 for the gradient)."""
     out = 0.0
     if layout.zero_stage == 2 and layout.partial_backwards:
-        out += (rank_params(spec, layout, stage) + rank_expert_params(spec, layout, stage)) * layout.param_bytes
+        out += (rank_params(shape, layout, stage) + rank_expert_params(shape, layout, stage)) * layout.param_bytes
     if layout.recompute == "full":
-        out += max(sum(layer_activations(spec, layout, recompute="none", flash_attention=flash_attention,
-                                         moe=moe).values()) for moe in {False, spec.moe})
+        out += max(sum(layer_activations(shape, layout, recompute="none", flash_attention=flash_attention,
+                                         moe=moe).values()) for moe in {False, shape.moe})
     if layout.zero_stage == 3:
-        out += zero3_gathered_bytes(spec, layout, prefetch)
+        out += zero3_gathered_bytes(shape, layout, prefetch)
     if stage == layout.head_rank:
-        out += layout.micro_batch * (spec.seq_len // layout.cp) * spec.vocab_size / layout.tp * \
+        out += layout.micro_batch * (shape.seq_len // layout.cp) * shape.vocab_size / layout.tp * \
             (layout.activation_bytes + 4)
     return out
 
@@ -238,16 +238,16 @@ class MemoryEstimate:
         return self.states + self.activations + self.transient
 
 
-def estimate_memory(spec: ModelSpec, layout: Layout, flash_attention: bool = True) -> MemoryEstimate:
+def estimate_memory(shape: ModelShape, layout: Layout, flash_attention: bool = True) -> MemoryEstimate:
     """Per-rank memory of `layout`: the worst of the first and the last pipeline stage."""
     worst = None
     for stage in sorted({0, layout.head_rank, layout.pp - 1}):
-        states = rank_model_states(spec, layout, stage)
-        experts = expert_state_bytes(spec, layout, stage)
+        states = rank_model_states(shape, layout, stage)
+        experts = expert_state_bytes(shape, layout, stage)
         est = MemoryEstimate(states.params + experts.params, states.grads + experts.grads,
                              states.optimizer_state + experts.optimizer_state,
-                             activation_bytes(spec, layout, stage, flash_attention),
-                             transient_bytes(spec, layout, stage, flash_attention), states.host + experts.host,
+                             activation_bytes(shape, layout, stage, flash_attention),
+                             transient_bytes(shape, layout, stage, flash_attention), states.host + experts.host,
                              stage, experts.total)
         if worst is None or est.total > worst.total:
             worst = est

@@ -10,7 +10,7 @@ from paratrain.planner.comm import predict_comm
 from paratrain.planner.enumerate import Evaluation, PlanResult
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.model_specs import ModelSpec
+from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.units import format_bytes, format_seconds
 
 DEFAULT_OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}
@@ -20,8 +20,8 @@ LAYOUT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
                "activation_checkpointing", "expert_parallel")
 
 
-def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> dict:
-    """A paratrain JSON config running `spec` in `layout` (it validates with `paratrain.config.load_config`).
+def layout_config(shape: ModelShape, layout: Layout, base: dict | None = None) -> dict:
+    """A paratrain JSON config running `shape` in `layout` (it validates with `paratrain.config.load_config`).
 
     `base` (e.g. the config given as --model) supplies everything that is not layout: optimizer, scheduler,
     clipping, trainer settings; its layout keys are replaced.
@@ -64,10 +64,10 @@ def layout_config(spec: ModelSpec, layout: Layout, base: dict | None = None) -> 
     if layout.recompute != "none":
         cfg["activation_checkpointing"]["granularity"] = layout.recompute
     trainer = dict(cfg.get("trainer", {}))
-    trainer.update(model=spec.name, model_overrides=dict(spec.overrides))
+    trainer.update(model=shape.name, model_overrides=dict(shape.overrides))
     cfg["trainer"] = trainer
-    if spec.lora is not None:  # the adapters the plan costs (its base frozen)
-        cfg["peft"] = spec.lora.section()
+    if shape.lora is not None:  # the adapters the plan costs (its base frozen)
+        cfg["peft"] = shape.lora.section()
     load_config(cfg)  # the promise: what we print is a valid config
     return cfg
 
@@ -115,24 +115,24 @@ def time_table(evals: list[Evaluation], hw: Hardware) -> str:
                    *(f"comm:{a}" for a in axes), "optim"], rows)
 
 
-def comm_summary(spec: ModelSpec, layout: Layout) -> str:
+def comm_summary(shape: ModelShape, layout: Layout) -> str:
     """Bytes per step per axis and collective for a rank of the first stage (what comm_stats would show)."""
     lines = []
-    for axis, ops in sorted(predict_comm(spec, layout, 0).items()):
+    for axis, ops in sorted(predict_comm(shape, layout, 0).items()):
         parts = ", ".join(f"{op} {format_bytes(c['bytes'])}" for op, c in sorted(ops.items()))
         lines.append(f"  {axis}: {parts}")
     return "\n".join(lines) or "  (none)"
 
 
-def render(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, result: PlanResult, top: int,
+def render(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, result: PlanResult, top: int,
            precision: str, base: dict | None = None) -> tuple[str, dict | None]:
     """The text report and the config of the best layout (None when nothing fits)."""
-    head = [f"model: {spec.describe()}",
+    head = [f"model: {shape.describe()}",
             f"hardware: {gpus} GPUs, {hw.gpus_per_node} per node, {format_bytes(hw.gpu_memory)} each "
             f"({format_bytes(hw.usable_memory)} usable), {hw.peak_flops / 1e12:.0f} TFLOP/s peak at MFU "
             f"{hw.mfu:.2f}, links {hw.intra_node_bandwidth / 1e9:.0f} GB/s in a node / "
             f"{hw.inter_node_bandwidth / 1e9:.0f} GB/s between nodes, latency {format_seconds(hw.latency)}",
-            f"batch: {global_batch} sequences x {spec.seq_len} tokens, {precision}, AdamW",
+            f"batch: {global_batch} sequences x {shape.seq_len} tokens, {precision}, AdamW",
             f"layouts: {result.considered} valid, {len(result.ranked)} fit in memory"]
     if not result.ranked:
         s = result.smallest
@@ -141,11 +141,11 @@ def render(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, result: 
                     f"--gpu-memory.")
         return "\n".join(head), None
     best = result.ranked[:top]
-    config = layout_config(spec, best[0].layout, base)
+    config = layout_config(shape, best[0].layout, base)
     text = "\n".join(head + [
         "", f"Top {len(best)} by predicted step time — memory per GPU ({memory_unit(best)[0]}; the peak pipeline "
             f"stage):",
         memory_table(best), "", "Time per optimizer step (seconds; comm = exposed, not hidden by compute):",
         time_table(best, hw), "", "Communication per step of #1 (a first-stage rank, paratrain.comm payload):",
-        comm_summary(spec, best[0].layout), "", "Config for #1:", compact_json(config)])
+        comm_summary(shape, best[0].layout), "", "Config for #1:", compact_json(config)])
     return text, config

@@ -14,13 +14,13 @@ def stage_layers(n_layer: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def rank_blocks(spec, layout: Layout, rank: int) -> int:
+def rank_blocks(shape, layout: Layout, rank: int) -> int:
     """Transformer blocks a pp rank holds: `stage_layers` for the loop placement; under a V schedule those of
     its two chunks (rank and 2p - 1 - rank) in the pipeline's uniform split of the n_layer + 2 pipeline layers
     (embedding, blocks, head) into 2p chunks balanced per rank (`v_balanced_boundaries`)."""
     if layout.schedule not in V_SCHEDULES:
-        return stage_layers(spec.n_layer, layout.pp)[rank]
-    return _v_blocks(spec.n_layer, layout.pp)[rank]
+        return stage_layers(shape.n_layer, layout.pp)[rank]
+    return _v_blocks(shape.n_layer, layout.pp)[rank]
 
 
 @functools.lru_cache(maxsize=256)

@@ -32,7 +32,7 @@ from paratrain.planner.comm import Transfer, rank_transfers
 from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds, measured_seconds
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
-from paratrain.planner.model_specs import ModelSpec
+from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import dense_blocks, moe_blocks, rank_expert_params
 from paratrain.planner.stages import rank_blocks
 from paratrain.planner.states import ceil_div
@@ -74,24 +74,24 @@ def bubble_factor(layout: Layout) -> float:
             "dualpipev": (p - 1) / 3}[layout.schedule]
 
 
-def stage_flops_per_token(spec: ModelSpec, layout: Layout, stage: int, recompute: str | None = None) -> float:
+def stage_flops_per_token(shape: ModelShape, layout: Layout, stage: int, recompute: str | None = None) -> float:
     """Training FLOPs per token of the whole (unsharded) stage, forward + backward (+ recomputation)."""
     recompute = layout.recompute if recompute is None else recompute
-    attention = spec.attention_flops_per_token_per_layer()
+    attention = shape.attention_flops_per_token_per_layer()
     matmul = 4 / 3 if recompute == "full" else 1.0  # full recompute: one more forward of every matmul
     attention *= 4 / 3 if recompute in ("full", "selective") else 1.0
     # a frozen base costs forward and input gradient (4 per parameter), its adapters all three (6)
-    per_param = 4 if spec.lora is not None else 6
-    adapters = 6 * layer_adapter_params(spec) if spec.lora is not None else 0
-    total = dense_blocks(spec, layout, stage) * ((per_param * spec.layer_params() + adapters) * matmul + attention)
-    if spec.moe:  # the MoE MLP is whole on every tp rank: each repeats it on all tokens without SP
+    per_param = 4 if shape.lora is not None else 6
+    adapters = 6 * layer_adapter_params(shape) if shape.lora is not None else 0
+    total = dense_blocks(shape, layout, stage) * ((per_param * shape.layer_params() + adapters) * matmul + attention)
+    if shape.moe:  # the MoE MLP is whole on every tp rank: each repeats it on all tokens without SP
         repeat = 1 if layout.sequence_parallel else layout.tp
-        per_block = 6 * (spec.active_moe_block_params() + (repeat - 1) * spec.moe_mlp_params()) * matmul
-        total += moe_blocks(spec, layout, stage) * (per_block + attention)
+        per_block = 6 * (shape.active_moe_block_params() + (repeat - 1) * shape.moe_mlp_params()) * matmul
+        total += moe_blocks(shape, layout, stage) * (per_block + attention)
     if stage == 0:
-        total += per_param * spec.embed_params()
+        total += per_param * shape.embed_params()
     if stage == layout.head_rank:
-        total += per_param * spec.head_params()
+        total += per_param * shape.head_params()
     return total
 
 
@@ -110,21 +110,21 @@ def _key(t: Transfer, layout: Layout) -> str | None:
     return layout.dims.axis_name(t.axes)
 
 
-def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate:
+def estimate_time(shape: ModelShape, layout: Layout, hw: Hardware) -> TimeEstimate:
     m, p = layout.grad_accum, layout.pp
-    tokens_mb = layout.micro_batch * spec.seq_len
+    tokens_mb = layout.micro_batch * shape.seq_len
     rate = hw.peak_flops * hw.mfu
     split = layout.tp * layout.cp
 
     # The slowest stage sets the pace of the pipeline (and is the only stage when pp = 1).
-    stage = max(range(p), key=lambda s: stage_flops_per_token(spec, layout, s))
+    stage = max(range(p), key=lambda s: stage_flops_per_token(shape, layout, s))
     if layout.world > 1:  # the node's processes compute at once (a CPU's share its caches and memory)
         rate /= hw.shared_host_slowdown
-    compute_mb = hw.micro_batch_overhead + tokens_mb * stage_flops_per_token(spec, layout, stage) / split / rate
-    attention_mb = tokens_mb * rank_blocks(spec, layout, stage) * \
-        spec.attention_flops_per_token_per_layer() / split / rate
+    compute_mb = hw.micro_batch_overhead + tokens_mb * stage_flops_per_token(shape, layout, stage) / split / rate
+    attention_mb = tokens_mb * rank_blocks(shape, layout, stage) * \
+        shape.attention_flops_per_token_per_layer() / split / rate
 
-    transfers = rank_transfers(spec, layout, stage)
+    transfers = rank_transfers(shape, layout, stage)
     exposed: dict[str, float] = defaultdict(float)
     seconds = {id(t): _seconds(t, layout, hw) for t in transfers}
     by_kind: dict[str, list[Transfer]] = defaultdict(list)
@@ -151,12 +151,12 @@ def estimate_time(spec: ModelSpec, layout: Layout, hw: Hardware) -> TimeEstimate
         exposed["pp"] += 2 * (m * layout.virtual_stages + p - 1) * one
 
     _add_data_parallel_exposure(exposed, by_kind, seconds, layout, hw, compute_mb)
-    optimizer, offload = _update_seconds(spec, layout, hw, stage)
+    optimizer, offload = _update_seconds(shape, layout, hw, stage)
 
-    tokens = layout.global_batch * spec.seq_len
+    tokens = layout.global_batch * shape.seq_len
     return TimeEstimate(compute=m * compute_mb, bubble=bubble, comm={k: v for k, v in exposed.items() if v > 0},
                         optimizer=optimizer, offload=offload, tokens=tokens,
-                        model_flops=float(spec.flops_per_token) * tokens, world=layout.world)
+                        model_flops=float(shape.flops_per_token) * tokens, world=layout.world)
 
 
 def _add_data_parallel_exposure(exposed: dict[str, float], by_kind: dict[str, list[Transfer]], seconds: dict,
@@ -179,9 +179,9 @@ def _add_data_parallel_exposure(exposed: dict[str, float], by_kind: dict[str, li
         exposed[_key(t, layout)] += seconds[id(t)]
 
 
-def _update_seconds(spec: ModelSpec, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
+def _update_seconds(shape: ModelShape, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
     """(optimizer, offload) seconds of one update of this rank's parameters (its shard under ZeRO)."""
-    updated, experts = rank_params(spec, layout, stage), rank_expert_params(spec, layout, stage)
+    updated, experts = rank_params(shape, layout, stage), rank_expert_params(shape, layout, stage)
     if layout.zero_stage >= 1:
         updated = ceil_div(updated, layout.shard_group) + ceil_div(experts, layout.expert_shard_group)
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from paratrain.planner.model_specs import PlannerError
+from paratrain.planner.model_shape import PlannerError
 
 _BYTES = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

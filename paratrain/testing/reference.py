@@ -53,7 +53,7 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
     cfg = load_config(config)
     model = make_model()
     masters, optimizer = _masters_and_optimizer(model, cfg, param_groups)
-    scaler = make_loss_scaler(cfg)
+    scaler = make_loss_scaler(cfg.fp16)
     scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler is not None else None
     batches = global_batches(dataset, cfg)
     loss_of = loss_of or (lambda m, batch: m(*batch))

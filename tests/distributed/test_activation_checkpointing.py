@@ -13,7 +13,7 @@ import paratrain
 from paratrain.models import GPTConfig
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import activation_bytes
-from paratrain.planner.model_specs import spec_from_config
+from paratrain.planner.model_shape import shape_from_config
 from paratrain.testing.parity import run_layout
 from tests.cases import TINY, adamw_config, corpus_windows, tiny_gpt
 from tests.unit.test_planner_memory import _saved_bytes
@@ -51,7 +51,7 @@ def _saved_per_granularity(tp: int, sp: bool, cp: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("tp,sp,cp", [(2, False, 1), (2, True, 1), (1, False, 2)])
 def test_kept_activations_are_the_planners_and_shrink_with_granularity(world2, tp, sp, cp):
-    spec = spec_from_config(GPTConfig(**TINY), "gpt-tiny")
+    spec = shape_from_config(GPTConfig(**TINY), "gpt-tiny")
     for measured in world2.run(_saved_per_granularity, tp, sp, cp):
         assert measured["full"] < measured["selective"] < measured["none"], measured
         for ckpt, got in measured.items():

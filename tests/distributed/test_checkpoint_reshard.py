@@ -1,7 +1,8 @@
 """Resharding: a checkpoint saved under one layout loads under any other and training continues with the
 losses of a run that never changed layout (the single-process reference, 1e-5 in fp32).
 
-One run goes around nine layouts, two steps in each: dp2·tp2 ZeRO-1 -> dp4 ZeRO-3 -> tp4 DDP (an uneven
+One run goes around nine layouts, two steps in each: dp2·tp2 ZeRO-1 -> dp4 ZeRO-3 as HSDP (replicate 2 x
+shard 2: each shard saved by one replica) -> tp4 DDP (an uneven
 vocabulary, padded on the last tp rank) -> pp2·dp2 ZeRO-1 -> cp2·dp2 ZeRO-2 -> single process (from a
 `convert`ed single-rank checkpoint) -> dp2 ZeRO-3 -> pp2 (1F1B) -> pp2·tp2 with sequence parallelism.
 Accumulation changes with the dp size; the global batch stays 8.
@@ -25,8 +26,9 @@ def _model(seed: int = 1):
     return tiny_gpt(seed, vocab_size=VOCAB)
 
 
-def _config(stage: int, tp: int = 1, micro: int = 2, sp: bool = False, pp: int = 1, cp: int = 1) -> dict:
-    return adamw_config(train_batch_size=8, train_micro_batch_size_per_gpu=micro, scheduler=SCHEDULE,
+def _config(stage: int, tp: int = 1, micro: int = 2, sp: bool = False, pp: int = 1, cp: int = 1,
+            replicate: int = 1) -> dict:
+    return adamw_config(data_parallel={"replicate": replicate}, train_batch_size=8, train_micro_batch_size_per_gpu=micro, scheduler=SCHEDULE,
                         zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
                         tensor_parallel={"size": tp, "sequence_parallel": sp}, pipeline={"stages": pp},
                         context_parallel={"size": cp})
@@ -57,14 +59,14 @@ def _module_only(src: str) -> dict:
 def test_reshard_round_trip_through_nine_layouts(world1, world2, world4, tmp_path):
     ref = reference_run(_model, adamw_config(train_batch_size=8, scheduler=SCHEDULE), corpus_windows(), 18)
     d = [str(tmp_path / f"leg{i}") for i in range(9)]
-    legs = world4.run(_legs, [(None, d[0], _config(1, tp=2)), (d[0], d[1], _config(3)),
+    legs = world4.run(_legs, [(None, d[0], _config(1, tp=2)), (d[0], d[1], _config(3, replicate=2)),
                               (d[1], d[2], _config(0, tp=4, micro=1)), (d[2], d[3], _config(1, pp=2)),
                               (d[3], d[4], _config(2, cp=2))])[0]
     convert(CheckpointReader(d[4]), str(tmp_path / "single"))
     legs += world1.run(_legs, [(str(tmp_path / "single"), d[5], _config(0, micro=4))])[0]
     legs += world2.run(_legs, [(d[5], d[6], _config(3, micro=2)), (d[6], d[7], _config(0, pp=2))])[0]
     legs += world4.run(_legs, [(d[7], d[8], _config(0, pp=2, tp=2, sp=True))])[0]
-    assert [leg["layout"] for leg in legs] == ["dp2 x tp2", "dp4", "tp4", "dp2 x pp2", "dp2 x cp2", "single process",
+    assert [leg["layout"] for leg in legs] == ["dp2 x tp2", "dp4 (dp: replicate 2 x shard 2)", "tp4", "dp2 x pp2", "dp2 x cp2", "single process",
                                               "dp2", "pp2", "pp2 x tp2"]
     losses = [x for leg in legs for x in leg["losses"]]
     assert [leg["start"] for leg in legs] == list(range(0, 18, 2))

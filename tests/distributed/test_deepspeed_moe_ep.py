@@ -212,11 +212,12 @@ def test_ep_size_refusals_before_any_process_group(monkeypatch):
         deepspeed.initialize(model=_two_layers(1, 1), config={**ds_config(2), "expert_parallel": {"size": 2}})
     from paratrain.api import resolve_config
     from paratrain.config import ConfigError
+    from paratrain.engine.strategies import strategies_of
     from paratrain.parallel.parallelize import parallelize
 
     with pytest.raises(ConfigError, match=r"'expert_parallel.size' = 1 but .* ep_size=2: set expert_parallel.size "
                                           r"to 2, or build the engine with paratrain.initialize"):
-        parallelize(_two_layers(2, 2), None, resolve_config(ds_config(2), 2))  # an engine built by hand
+        parallelize(_two_layers(2, 2), None, strategies_of(resolve_config(ds_config(2), 2)))  # an engine built by hand
 
 
 def test_split_params_into_moe_groups():

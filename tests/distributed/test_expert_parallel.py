@@ -169,11 +169,11 @@ def test_expert_state_per_rank_and_checkpoint_across_ep(world2, tmp_path):
         assert r["expert_numel"] == r["expert_bucket_numel"] == expert_params // 2, (r, total_experts)
         assert r["edp"] == 1 and r["optimizer_state"] == 8 * r["shards"]
         assert r["same"]  # ep2 ZeRO-1 -> ep1 ZeRO-3: the checkpoint holds the experts whole
-    from paratrain.planner import model_spec
+    from paratrain.planner import model_shape
     from paratrain.planner.layout import Layout
     from paratrain.planner.memory import expert_state_bytes
 
-    planned = expert_state_bytes(model_spec("mixtral-tiny"), Layout(dp=2, micro_batch=2, grad_accum=2, ep=2,
+    planned = expert_state_bytes(model_shape("mixtral-tiny"), Layout(dp=2, micro_batch=2, grad_accum=2, ep=2,
                                                                     zero_stage=1, precision="fp32"), 0)
     assert planned.params + planned.grads + planned.optimizer_state == per_rank[0]["expert_bytes"]
 
@@ -205,7 +205,7 @@ def _sharded_expert_state() -> dict:
 
 
 def test_expert_state_is_sharded_over_the_expert_data_parallel_group(world4):
-    from paratrain.planner import model_spec
+    from paratrain.planner import model_shape
     from paratrain.planner.layout import Layout
     from paratrain.planner.memory import expert_state_bytes
 
@@ -223,7 +223,7 @@ def test_expert_state_is_sharded_over_the_expert_data_parallel_group(world4):
             else:  # parameters, gradients and moments all of the edp shard
                 held = 16 * shards
                 assert got["params"] == got["grads"] == 4 * got["all_shards"], got
-            planned = expert_state_bytes(model_spec("mixtral-tiny"), Layout(dp=4, micro_batch=1, grad_accum=2,
+            planned = expert_state_bytes(model_shape("mixtral-tiny"), Layout(dp=4, micro_batch=1, grad_accum=2,
                                                                             ep=2, zero_stage=stage,
                                                                             precision="fp32"), 0)
             assert planned.params + planned.grads + planned.optimizer_state == held, (stage, planned, held)

@@ -141,7 +141,8 @@ def test_checkpointing_needs_blocks_or_attention_cores(granularity):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     cfg = {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {"enabled": True,
                                                                              "granularity": granularity}}
+    from paratrain.engine.strategies import strategies_of
     from paratrain.parallel.checks import check_model
 
     with pytest.raises(ConfigError, match=f'granularity "{granularity}"'):
-        check_model(model, paratrain.resolve_config(cfg, 1))
+        check_model(model, strategies_of(paratrain.resolve_config(cfg, 1)))

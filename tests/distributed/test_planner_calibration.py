@@ -28,14 +28,14 @@ from paratrain.planner.adapters import GPT_TARGETS, LoraPlan
 from paratrain.planner.comm import measured_without_calls, predict_comm
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import expert_state_bytes, rank_model_states
-from paratrain.planner.model_specs import spec_from_config, with_adapters
+from paratrain.planner.model_shape import shape_from_config, with_adapters
 from paratrain.planner.report import layout_config
 from tests.cases import TINY, corpus_windows
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
-SPEC = spec_from_config(GPTConfig(**TINY), "gpt-tiny")
-MOE_SPEC = spec_from_config(preset_config("mixtral-tiny"), "mixtral-tiny")
+SPEC = shape_from_config(GPTConfig(**TINY), "gpt-tiny")
+MOE_SPEC = shape_from_config(preset_config("mixtral-tiny"), "mixtral-tiny")
 
 CALIBRATION = [
     pytest.param(Layout(dp=2, micro_batch=2, grad_accum=1, precision="fp32"), {}, id="ddp-dp2"),

@@ -116,12 +116,13 @@ def test_ulysses_and_usp_layouts_train_like_one_process(world4):
 
 
 def test_heads_ulysses_cannot_split_are_refused_with_the_sizes_that_work():
+    from paratrain.engine.strategies import strategies_of
     from paratrain.parallel.checks import check_model
 
     cfg = paratrain.resolve_config({"train_micro_batch_size_per_gpu": 1, "context_parallel": {
         "size": 4, "method": "ulysses"}, "tensor_parallel": {"size": 2}}, 8)
     with pytest.raises(ConfigError, match=r"splits the 2 attention heads .* into 4 groups.* in \[1, 2\]"):
-        check_model(tiny_gpt(), cfg)
+        check_model(tiny_gpt(), strategies_of(cfg))
 
 
 @pytest.mark.parametrize("cp,want", [

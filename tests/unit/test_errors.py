@@ -44,7 +44,7 @@ def test_each_error_keeps_its_builtin_base():
     expected = {
         "paratrain.config.errors.ConfigError": ValueError,
         "paratrain.parallel.tp.layers.PlanError": ValueError,
-        "paratrain.planner.model_specs.PlannerError": ValueError,
+        "paratrain.planner.model_shape.PlannerError": ValueError,
         "paratrain.layout.dims.MeshError": ValueError,
         "paratrain.compat.names.DeepSpeedNotSupported": AttributeError,
         "paratrain.checkpoint.format.CheckpointError": RuntimeError,

@@ -8,6 +8,7 @@ import torch
 
 import paratrain
 from paratrain.config import ConfigError
+from paratrain.engine.strategies import strategies_of
 from paratrain.models import LLAMA_PRESETS, Llama, LlamaConfig
 from paratrain.parallel.checks import check_model
 from tests.cases import import_or_skip, tiny_llama
@@ -69,7 +70,7 @@ def test_tp_that_splits_kv_heads_is_refused_by_name():
     cfg = paratrain.resolve_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"size": 4}}, 4)
     with pytest.raises(ConfigError, match=r"tensor_parallel.size = 4 does not divide the Llama's n_kv_head \(2\).*"
                                           r"use a tensor_parallel.size in \[1, 2\]"):
-        check_model(tiny_llama(), cfg)
+        check_model(tiny_llama(), strategies_of(cfg))
 
 
 def test_config_checks_name_the_field():

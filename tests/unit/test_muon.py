@@ -147,14 +147,14 @@ def test_the_spec_gives_muon_the_hidden_matrices_and_adamw_the_rest():
 
 def test_the_planner_counts_the_matrices_the_model_spec_gives_muon():
     from paratrain.model_spec import spec_for
-    from paratrain.planner.model_specs import spec_from_config
+    from paratrain.planner.model_shape import shape_from_config
     from paratrain.planner.muon import layer_matrix_params
     from tests.cases import tiny_gpt, tiny_llama
 
     for model in (tiny_gpt(), tiny_llama()):
         params = dict(model.named_parameters())
         chosen = sum(params[n].numel() for n in spec_for(model).muon_parameters(model))
-        planned = spec_from_config(model.config)
+        planned = shape_from_config(model.config)
         assert layer_matrix_params(planned) * model.config.n_layer == chosen
 
 

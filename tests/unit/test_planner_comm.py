@@ -12,9 +12,9 @@ from paratrain.planner.comm import predict_comm, rank_transfers
 from paratrain.planner.hardware import RING_MOVED
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
-from paratrain.planner.model_specs import spec_from_config
+from paratrain.planner.model_shape import shape_from_config
 
-SPEC = spec_from_config(GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=8, d_model=64, bias=False))
+SPEC = shape_from_config(GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=8, d_model=64, bias=False))
 PSI = SPEC.params
 SCALAR = {"elements": 1, "bytes": 4}
 

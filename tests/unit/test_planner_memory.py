@@ -17,7 +17,7 @@ from paratrain.planner.memory import (
     layer_activations,
     rank_params,
 )
-from paratrain.planner.model_specs import spec_from_config
+from paratrain.planner.model_shape import shape_from_config
 from paratrain.planner.states import model_state_bytes
 from paratrain.testing.activations import saved_activation_bytes
 from paratrain.zero import estimate_memory as zero_estimate_memory
@@ -65,7 +65,7 @@ STATE_GRID = [(stage, precision, offload, dp, cp)
 def test_planner_model_states_are_the_zero_estimators(stage, precision, offload, dp, cp):
     """The planner's whole path (layout -> rank parameters -> shard group dp x cp -> peak rank) against the one
     estimator, which tests/distributed/test_zero_counts.py holds equal to what the engine measures."""
-    spec = spec_from_config(PAPER)
+    spec = shape_from_config(PAPER)
     layout = Layout(dp=dp, cp=cp, micro_batch=1, grad_accum=1, zero_stage=stage, precision=precision,
                     offload_optimizer=offload)
     want = zero_estimate_memory(rank_params(spec, layout, 0), dp * cp, stage, "optimizer" if offload else "none",
@@ -90,7 +90,7 @@ PAPER = GPTConfig(vocab_size=512, seq_len=256, n_layer=4, n_head=8, d_model=128,
 
 
 def _per_layer(layout: Layout, recompute: str = "none", flash: bool = False) -> float:
-    parts = layer_activations(spec_from_config(PAPER), layout, recompute, flash_attention=flash,
+    parts = layer_activations(shape_from_config(PAPER), layout, recompute, flash_attention=flash,
                               regather_sequence=True)  # Megatron's sequence parallelism, as in the paper
     return sum(v for k, v in parts.items() if k != "norm_stats")  # the paper leaves out the norm statistics
 
@@ -137,7 +137,7 @@ _saved_bytes = saved_activation_bytes  # (run, params) -> bytes autograd keeps, 
 def test_predicted_activations_equal_what_autograd_saves(b, d_ff):
     # fp32: CPU layer norm keeps its statistics in the input dtype, CUDA in fp32 (what the formula assumes).
     cfg = GPTConfig(vocab_size=256, seq_len=32, n_layer=3, n_head=4, d_model=64, d_ff=d_ff, bias=False)
-    spec = spec_from_config(cfg)
+    spec = shape_from_config(cfg)
     layout = Layout(dp=1, micro_batch=b, grad_accum=1, precision="fp32")
     torch.manual_seed(0)
     block = Block(cfg)

@@ -12,14 +12,14 @@ from paratrain.models.gpt.model import GPT, PRESETS, GPTConfig
 from paratrain.models.gpt.spec import GPT_PLAN
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import rank_params
-from paratrain.planner.model_specs import PlannerError, model_spec, spec_from_config
+from paratrain.planner.model_shape import PlannerError, model_shape, shape_from_config
 from paratrain.planner.stages import stage_layers
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_pieces_add_up_to_num_params(name):
-    spec = model_spec(name)
+    spec = model_shape(name)
     assert spec.params == PRESETS[name].num_params()
     assert spec.n_layer * spec.layer_params() + spec.embed_params() + spec.head_params() == spec.params
 
@@ -39,7 +39,7 @@ def _shard_of(name: str, param: torch.Tensor, tp: int) -> int:
 def test_tensor_parallel_split_matches_the_plan_on_a_real_model(bias, tp):
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=3, n_head=4, d_model=16, d_ff=40, bias=bias)
     model = GPT(cfg)
-    spec = spec_from_config(cfg)
+    spec = shape_from_config(cfg)
     held = {name: _shard_of(name, p, tp) for name, p in model.named_parameters()}
     block0 = sum(v for k, v in held.items() if k.startswith("blocks.0."))
     embed = sum(v for k, v in held.items() if k.startswith("embed."))
@@ -60,28 +60,28 @@ def test_largest_module_is_what_deepspeed_would_find():
     cfg = GPTConfig(vocab_size=300, seq_len=8, n_layer=2, n_head=4, d_model=16, d_ff=40, bias=True)
     model = GPT(cfg)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    assert spec_from_config(cfg).largest_module_params() == largest
+    assert shape_from_config(cfg).largest_module_params() == largest
 
 
 def test_model_from_a_config_file_with_overrides(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"train_batch_size": 64,
                                 "trainer": {"model": "gpt-small", "model_overrides": {"n_layer": 3}}}))
-    spec = model_spec(str(path))
+    spec = model_shape(str(path))
     assert spec.name == "gpt-small" and spec.n_layer == 3 and spec.overrides == {"n_layer": 3}
-    assert model_spec(str(path), seq_len=64).seq_len == 64
-    assert model_spec("gpt-7b", seq_len=8192).overrides == {"seq_len": 8192}
-    tiny = spec_from_config(GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, d_model=32, bias=False),
+    assert model_shape(str(path), seq_len=64).seq_len == 64
+    assert model_shape("gpt-7b", seq_len=8192).overrides == {"seq_len": 8192}
+    tiny = shape_from_config(GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=4, d_model=32, bias=False),
                             "gpt-tiny")
     assert tiny.overrides == {"bias": False}
 
 
 def test_bad_model_names_the_choices(tmp_path):
     with pytest.raises(PlannerError, match="neither a GPT preset .*gpt-7b"):
-        model_spec("gpt-8b")
+        model_shape("gpt-8b")
     (tmp_path / "bad.json").write_text(json.dumps({"trainer": {"model": "gpt-tiny", "model_overrides": {"x": 1}}}))
     with pytest.raises(PlannerError, match="unknown GPTConfig field"):
-        model_spec(str(tmp_path / "bad.json"))
+        model_shape(str(tmp_path / "bad.json"))
 
 
 def test_units():

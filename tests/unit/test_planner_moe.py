@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 
 from paratrain.models.llama_moe.model import llama_moe_config
-from paratrain.planner import Hardware, Layout, SearchSpace, estimate_memory, estimate_time, model_spec, plan
+from paratrain.planner import Hardware, Layout, SearchSpace, estimate_memory, estimate_time, model_shape, plan
 from paratrain.planner.cli import add_plan_arguments, run_plan
 from paratrain.planner.comm import predict_comm, routing_transfer
 from paratrain.planner.enumerate import enumerate_layouts, invalid_reason
 from paratrain.planner.hardware import collective_seconds
 from paratrain.planner.memory import expert_state_bytes, rank_params
-from paratrain.planner.model_specs import spec_from_config
+from paratrain.planner.model_shape import shape_from_config
 from paratrain.planner.moe import (
     all_to_all_elements,
     dense_blocks,
@@ -24,7 +24,7 @@ from paratrain.planner.moe import (
 )
 from paratrain.planner.states import model_state_bytes
 
-MIXTRAL = model_spec("mixtral-8x7b")
+MIXTRAL = model_shape("mixtral-8x7b")
 H, D_EXPERT, LAYERS, SEQ = 4096, 14336, 32, 4096
 EXPERT = 3 * H * D_EXPERT  # one routed SwiGLU expert: gate, up, down
 
@@ -43,16 +43,16 @@ def test_mixtral_counts_total_and_active_parameters():
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny", "deepseek-v3-shape"])
 def test_every_moe_preset_adds_up(name):
-    spec = model_spec(name)
+    spec = model_shape(name)
     layout = Layout(dp=1, micro_batch=1, grad_accum=1)
     total = rank_params(spec, layout, 0) + rank_expert_params(spec, layout, 0)
     assert total == spec.params
     assert dense_blocks(spec, layout, 0) == spec.config.n_dense_layers
-    assert spec_from_config(llama_moe_config(name), name).params == spec.params
+    assert shape_from_config(llama_moe_config(name), name).params == spec.params
 
 
 def test_dense_blocks_follow_the_pipeline_split():
-    spec = model_spec("deepseek-v3-shape")  # 61 blocks, the first 3 dense
+    spec = model_shape("deepseek-v3-shape")  # 61 blocks, the first 3 dense
     layout = Layout(dp=1, micro_batch=1, grad_accum=8, pp=4, schedule="1f1b")
     assert [dense_blocks(spec, layout, s) for s in range(4)] == [3, 0, 0, 0]
     assert [moe_blocks(spec, layout, s) for s in range(4)] == [13, 15, 15, 15]
@@ -123,7 +123,7 @@ def test_expert_groups_wires_and_time():
 def test_the_search_enumerates_ep_only_where_it_is_valid():
     assert invalid_reason(MIXTRAL, Layout(dp=12, micro_batch=1, grad_accum=1, ep=8), 8) is not None
     assert "8 experts" in invalid_reason(MIXTRAL, Layout(dp=32, micro_batch=1, grad_accum=1, ep=16), 8)
-    dense = model_spec("llama3-8b")
+    dense = model_shape("llama3-8b")
     assert "mixture-of-experts" in invalid_reason(dense, Layout(dp=8, micro_batch=1, grad_accum=1, ep=2), 8)
     space = SearchSpace(schedules=("1f1b",), recompute=("none",), cp_methods=("ring",), zero_stages=(1,))
     eps = {layout.ep for layout in enumerate_layouts(MIXTRAL, 64, 256, 8, space)}

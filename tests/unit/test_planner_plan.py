@@ -13,10 +13,10 @@ from paratrain.config import load_config, resolve_batch
 from paratrain.planner.enumerate import SearchSpace, enumerate_layouts, evaluate, invalid_reason, plan
 from paratrain.planner.hardware import GiB, Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.model_specs import model_spec
+from paratrain.planner.model_shape import model_shape
 from paratrain.planner.report import layout_config
 
-SPEC = model_spec("gpt-1.3b")  # 24 layers, 32 heads, seq 2048
+SPEC = model_shape("gpt-1.3b")  # 24 layers, 32 heads, seq 2048
 
 
 def test_every_enumerated_layout_obeys_the_rules():
@@ -43,7 +43,7 @@ def test_the_search_weighs_every_sequence_method_and_schedule():
     assert all(lay.virtual_stages == 2 for lay in layouts if lay.schedule in ("zb-v", "dualpipev"))
     assert all(lay.grad_accum >= 2 * lay.pp for lay in layouts if lay.schedule == "dualpipev")
     # 12 heads: Ulysses over 8 ranks cannot split them, USP with a Ulysses part of 4 can (ring over 2).
-    twelve = model_spec("gpt-125m")
+    twelve = model_shape("gpt-125m")
     found = {(lay.cp, lay.cp_method, lay.ulysses_size) for lay in enumerate_layouts(twelve, 8, 8, gpus_per_node=8)
              if lay.tp == 1}
     assert (8, "ulysses", 1) not in found and (8, "usp", 4) in found and (8, "usp", 2) in found
@@ -140,3 +140,22 @@ def test_evaluate_one_layout_is_what_the_search_reports():
     assert again == best and again.fits
     too_big = evaluate(SPEC, Layout(dp=16, micro_batch=8, grad_accum=1), Hardware(gpu_memory=8 * GiB))
     assert not too_big.fits and too_big.memory.total > 8 * GiB * 0.9
+
+
+def test_hsdp_is_enumerated_and_ranked_above_zero3_across_slow_node_links():
+    """Two nodes of 8 with links 8x slower between them: ZeRO-3 over all 16 ranks gathers every parameter
+    across nodes; HSDP (replicas across, shards inside) gathers inside a node and sends one gradient all-reduce
+    across, so the planner ranks it first among the data-parallel-only ZeRO-3 layouts."""
+    hw = Hardware(intra_node_bandwidth=200e9, inter_node_bandwidth=25e9)
+    space = SearchSpace(zero_stages=(3,), schedules=("1f1b",), recompute=("full",), cp_methods=("ring",))
+    result = plan(SPEC, 16, 64, hw, space)
+    pure = [e for e in result.ranked if (e.layout.tp, e.layout.pp, e.layout.cp) == (1, 1, 1)]
+    by_replicas = {}
+    for e in pure:
+        by_replicas.setdefault((e.layout.micro_batch, e.layout.dp_replicate), e)
+    pairs = [(by_replicas[(mb, 1)], by_replicas[(mb, 2)]) for mb, r in by_replicas if r == 2 and (mb, 1) in by_replicas]
+    assert pairs, sorted(by_replicas)
+    for zero3, hsdp in pairs:
+        assert hsdp.time.total < zero3.time.total, (zero3.layout.describe(), hsdp.layout.describe())
+        assert result.ranked.index(hsdp) < result.ranked.index(zero3)
+    assert "replicate2" in pairs[0][1].layout.describe()

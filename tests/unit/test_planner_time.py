@@ -10,10 +10,10 @@ from paratrain.layout.dims import ParallelDims
 from paratrain.models.gpt.model import GPTConfig
 from paratrain.planner.hardware import Hardware, collective_seconds, spans_nodes
 from paratrain.planner.layout import Layout
-from paratrain.planner.model_specs import model_spec, spec_from_config
+from paratrain.planner.model_shape import model_shape, shape_from_config
 from paratrain.planner.step_time import bubble_factor, estimate_time
 
-SPEC = spec_from_config(GPTConfig(vocab_size=256, seq_len=128, n_layer=8, n_head=8, d_model=128, bias=False))
+SPEC = shape_from_config(GPTConfig(vocab_size=256, seq_len=128, n_layer=8, n_head=8, d_model=128, bias=False))
 
 
 def test_ring_collective_costs():
@@ -87,7 +87,7 @@ def test_recompute_costs_a_forward():
 
 
 def test_more_sharding_costs_more_data_parallel_traffic_and_slow_links_cost_more():
-    spec = model_spec("gpt-1.3b")
+    spec = model_shape("gpt-1.3b")
     hw = Hardware(overlap=0.0)  # nothing hidden: the exposed time is the whole collective
     base = Layout(dp=16, micro_batch=1, grad_accum=1, precision="bf16")
     times = [sum(estimate_time(spec, replace(base, zero_stage=z), hw).comm.values()) for z in (0, 3)]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paratrain.config import ConfigError
+from paratrain.config.errors import ConfigError
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.layout.mesh import Axis, Mesh
 from paratrain.layout.origin import Step

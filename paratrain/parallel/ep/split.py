@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paratrain.config import ConfigError
+from paratrain.config.errors import ConfigError
 from paratrain.layout.mesh import Mesh
 from paratrain.layout.origin import Origin, Step
 from paratrain.layout.placement import Placements, Shard

@@ -29,7 +29,7 @@ from paratrain.comm.autograd import (
     reduce_from_region,
     reduce_scatter_to_sequence,
 )
-from paratrain.config import ConfigError
+from paratrain.config.errors import ConfigError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Shard
 from paratrain.weight_grad import linear

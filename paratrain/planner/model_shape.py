@@ -5,7 +5,7 @@ a 70B model is planned in microseconds. `GPTConfig.num_params()` is exact for `p
 split of those parameters into sharded and replicated parts follows the tensor-parallel plan below.
 
 [Note: the tensor-parallel split]
-Megatron's plan for a GPT block, which paratrain's TP plan follows (`models/gpt/spec.GPT_PLAN`): q, k, v and mlp.fc are
+Megatron's plan for a GPT block, which paratrain's TP plan follows (`models/gpt/shape.GPT_PLAN`): q, k, v and mlp.fc are
 column-parallel (weight and bias split over tp), attn.o and mlp.proj are row-parallel (weight split, bias
 replicated), layer norms are replicated. The token embedding is vocab-parallel and the head column-parallel
 over the vocabulary (vocab-parallel loss); the position embedding and the final norm are replicated.
@@ -47,7 +47,7 @@ class PlannerError(Error, ValueError):
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelShape:
     """A GPT's or Llama's dimensions and parameter counts, and how to name it in a paratrain config."""
 
     name: str  # preset the config's trainer.model names
@@ -231,17 +231,17 @@ def format_count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def spec_from_config(config: GPTConfig | LlamaConfig | LlamaMoEConfig, name: str = "custom") -> ModelSpec:
-    """A spec for an explicit config; `name` is the preset it is expressed against (or the family's tiny one)."""
+def shape_from_config(config: GPTConfig | LlamaConfig | LlamaMoEConfig, name: str = "custom") -> ModelShape:
+    """A shape for an explicit config; `name` is the preset it is expressed against (or the family's tiny one)."""
     _refuse_unplanned(config, name)
     tiny = {LlamaMoEConfig: "mixtral-tiny", LlamaConfig: "llama-tiny"}.get(type(config), "gpt-tiny")
     base_name = name if name in PRESETS and type(PRESETS[name]) is type(config) else tiny
     base = asdict(PRESETS[base_name])
     overrides = {k: v for k, v in asdict(config).items() if base[k] != v}
-    return ModelSpec(base_name, config, overrides)
+    return ModelShape(base_name, config, overrides)
 
 
-def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
+def model_shape(model: str, seq_len: int | None = None) -> ModelShape:
     """`model` is a preset name (gpt-7b, gpt-70b, ...) or the path of a paratrain JSON config whose
     `trainer.model` / `trainer.model_overrides` name a GPT. `seq_len` replaces the sequence length."""
     if model in PRESETS:
@@ -265,7 +265,7 @@ def model_spec(model: str, seq_len: int | None = None) -> ModelSpec:
     except ValueError as exc:
         raise PlannerError(f"--model {model!r}: {exc}") from None
     _refuse_unplanned(config, name)
-    return ModelSpec(name, config, overrides)
+    return ModelShape(name, config, overrides)
 
 
 def _refuse_unplanned(config, name: str) -> None:
@@ -284,12 +284,12 @@ def config_batch_size(model: str) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-def with_adapters(spec: ModelSpec, plan: LoraPlan) -> ModelSpec:
-    """`spec` trained through adapters (`paratrain plan --lora-r`); targets it has no projection of are refused."""
-    unknown = [t for t in plan.targets if t not in projections(spec)]
+def with_adapters(shape: ModelShape, plan: LoraPlan) -> ModelShape:
+    """`shape` trained through adapters (`paratrain plan --lora-r`); targets it has no projection of are refused."""
+    unknown = [t for t in plan.targets if t not in projections(shape)]
     if unknown:
-        raise PlannerError(f"--lora-targets {unknown} are not projections of {spec.name}; use some of "
-                           f"{list(projections(spec))}")
-    if spec.moe:
-        raise PlannerError(f"--lora-r with {spec.name}: the planner costs adapters on dense models only")
-    return ModelSpec(spec.name, spec.config, spec.overrides, plan)
+        raise PlannerError(f"--lora-targets {unknown} are not projections of {shape.name}; use some of "
+                           f"{list(projections(shape))}")
+    if shape.moe:
+        raise PlannerError(f"--lora-r with {shape.name}: the planner costs adapters on dense models only")
+    return ModelShape(shape.name, shape.config, shape.overrides, plan)
