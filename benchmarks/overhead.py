@@ -23,9 +23,13 @@ CASES = {
     "torch DDP": (partial(torch_ddp, shape=SHAPE), 2),
     "paratrain ZeRO-3": (partial(_paratrain, 3, shape=SHAPE), 2),
     "torch FSDP2": (partial(torch_fsdp2, shape=SHAPE), 2),
+    # every block's parameters in the root unit (576 small tensors): the per-parameter cost of ZeRO-3's reduce
+    "paratrain ZeRO-3, one unit": (partial(_paratrain, 3, shape=SHAPE, wrap_module_names=["head"]), 2),
+    "torch FSDP2, one unit": (partial(torch_fsdp2, shape=SHAPE, per_block=False), 2),
     "paratrain ZeRO-1": (partial(_paratrain, 1, shape=SHAPE), 2),
     "DeepSpeed ZeRO-1": (partial(_deepspeed, 1, shape=SHAPE), 2),
 }
-PEERS = {"paratrain DDP": "torch DDP", "paratrain ZeRO-3": "torch FSDP2", "paratrain ZeRO-1": "DeepSpeed ZeRO-1"}
+PEERS = {"paratrain DDP": "torch DDP", "paratrain ZeRO-3": "torch FSDP2",
+         "paratrain ZeRO-3, one unit": "torch FSDP2, one unit", "paratrain ZeRO-1": "DeepSpeed ZeRO-1"}
 BASELINE = "torch DDP"
 REFERENCE = "torch DDP"  # every case trains the same model on the same batches: the same losses

@@ -95,11 +95,14 @@ def paratrain_zero1_free_grad_buckets(steps: int, warmup: int) -> dict:
     return _paratrain(1, steps, warmup, free_grad_buckets=True)
 
 
-def torch_fsdp2(steps: int, warmup: int, reshard_after_forward: bool = True, shape: dict | None = None) -> dict:
+def torch_fsdp2(steps: int, warmup: int, reshard_after_forward: bool = True, shape: dict | None = None,
+                per_block: bool = True) -> dict:
+    """`per_block=False`: only the head is a unit of its own, every block's parameters are the root's (the
+    peer of paratrain's `wrap_module_names: ["head"]`: many small parameters in one unit)."""
     from torch.distributed.fsdp import fully_shard
 
     model = bench_model(**(shape or {}))
-    for block in model.blocks:
+    for block in model.blocks if per_block else [model.head]:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
     opt = torch_adamw(model.parameters())

@@ -59,13 +59,13 @@ class Config(Section):
     """Divide gradients by the dp size before the all-reduce instead of after."""
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
     """Divide by this before the reduction and by dp/factor after it."""
-    nonfinite_loss: Literal["stop", "skip", "stop_at_log"] = "stop"
-    """bf16/fp32: a NaN/inf loss or gradient (seen in the global gradient norm, the same on every rank) either
-    stops training with an error before the update, or skips the update on every rank (logged, counted in
-    skipped_steps); both read the norm on the host once per step. "stop_at_log" reads nothing per step (no host
-    sync): the first bad step is recorded on the device and raised at the next steps_per_print step or
-    checkpoint save, after its update was applied (no checkpoint is written from it). fp16 always skips: its
-    loss scaler handles overflows."""
+    nonfinite_loss: Literal["stop", "skip", "stop_at_log"] = "stop_at_log"
+    """bf16/fp32: a NaN/inf loss or gradient (seen in the global gradient norm, the same on every rank).
+    "stop_at_log" (the default) reads nothing per step (no host sync): the first bad step is recorded on the
+    device and raised at the next steps_per_print step or checkpoint save, after its update was applied (no
+    checkpoint is written from it). "stop" stops with an error before that step's update, "skip" skips the
+    update on every rank (logged, counted in skipped_steps); both read the norm on the host once per step.
+    fp16 always skips: its loss scaler handles overflows."""
     batch_check: Literal["shape", "dtype", "off"] = "shape"
     """train_batch/eval_batch compare every micro-batch with the first: structure, dtypes and shapes ("shape"),
     structure, dtypes and dimensions only ("dtype", for variable sequence lengths), or nothing ("off")."""

@@ -63,6 +63,10 @@ class OptimizerUpdate:
         self.nonfinite_loss = nonfinite_loss
         self.first_nonfinite = FirstNonFinite(device)
         self.check_every = check_every  # "stop_at_log": read the record every steps_per_print steps
+        # DDP over a world that is all data parallelism, without experts split over it: every rank holds the
+        # whole gradient (the norm needs no collective, as torch DDP's clip_grad_norm_ needs none)
+        self.norm_is_local = not grad_sync.shards_gradients and mesh.size("dp_cp") == mesh.world_size \
+            and mesh.expert_axes() is None
 
     def __call__(self, lr_scheduler, max_norm: float, step: int,
                  grad_scale: torch.Tensor | float = 1.0) -> Update:
@@ -70,7 +74,7 @@ class OptimizerUpdate:
         `grad_scale` multiplies the averaged gradients first (the token-weighted loss's division by the global
         count, `paratrain.engine.token_loss`), in the same pass as the unscaling and clipping."""
         sync = self.grad_sync
-        norm = global_grad_norm(sync.grad_pieces(), self.mesh, self.device)
+        norm = global_grad_norm(sync.grad_pieces(), self.mesh, self.device, self.norm_is_local)
         norm = norm * grad_scale
         factor = grad_scale  # a host float until something on the device (the token count, clipping) joins it
         if self.loss_scaler is not None:

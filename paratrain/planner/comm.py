@@ -233,10 +233,14 @@ def ulysses_elements(shape: ModelShape, layout: Layout) -> int:
 def scalar_transfers(shape: ModelShape, layout: Layout, stage: int = 0) -> list[Transfer]:
     """The scalars of a step: the token-weighted loss's sum and target count over dp x cp (two fp64; from the
     last pipeline stage to every pp rank first: sum, weight and two flags, four fp64), the squared grad norm
-    summed over the world (one fp32; fp16's overflow shows in that norm, so it adds nothing). A step that
+    summed over the world (one fp32; fp16's overflow shows in that norm, so it adds nothing; none for DDP on a
+    world of data parallelism only, where every rank holds the whole gradient). A step that
     reports MoE routing (a monitor on, a steps_per_print step) adds `routing_transfer`; the others do not
     reduce it."""
-    out = [Transfer(DP_CP, "all_reduce", 2, 8, 1, "scalar"), Transfer(("world",), "all_reduce", 1, 4, 1, "scalar")]
+    out = [Transfer(DP_CP, "all_reduce", 2, 8, 1, "scalar")]
+    shards = layout.zero_stage == 3 or (layout.zero_stage > 0 and layout.shard_group > 1)  # GradSync's
+    if shards or layout.world > layout.dp * layout.cp or layout.ep > 1:
+        out.append(Transfer(("world",), "all_reduce", 1, 4, 1, "scalar"))
     if layout.pp > 1:
         out.append(Transfer(("pp",), "all_reduce", 4, 8, 1, "scalar"))
     return out

@@ -37,10 +37,10 @@ def test_bench_counts_are_exact_and_the_table_lands_between_markers(tmp_path):
     rows = {r["case"]: r for r in json.loads(out.read_text())}
     psi = GPT("gpt-small", **MODELS["tiny"]).num_params()
     assert all(r["params"] == psi for r in rows.values())
-    # DDP: 16 bytes per parameter on every rank, one all-reduce of Ψ fp32 elements per step on dp (and the
-    # squared gradient norm's one fp32 sum over the world)
+    # DDP: 16 bytes per parameter on every rank, one all-reduce of Ψ fp32 elements per step on dp (every rank
+    # holds the whole gradient: its norm needs no collective)
     assert rows["ddp"]["state_per_rank"] == [16 * psi] * 2
-    assert rows["ddp"]["comm_per_step"] == {"dp": 4 * psi, "world": 4}
+    assert rows["ddp"]["comm_per_step"] == {"dp": 4 * psi}
     assert rows["dp"]["state_per_rank"] == [16 * psi] and rows["dp"]["comm_per_step"] == {}
     # ZeRO-1: reduce-scatter + all-gather of the padded Ψ; 8Ψ + 8Ψ/N (+ padding) per rank
     zero1 = rows["zero1"]

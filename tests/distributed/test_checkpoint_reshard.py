@@ -28,7 +28,8 @@ def _model(seed: int = 1):
 
 def _config(stage: int, tp: int = 1, micro: int = 2, sp: bool = False, pp: int = 1, cp: int = 1,
             replicate: int = 1) -> dict:
-    return adamw_config(data_parallel={"replicate": replicate}, train_batch_size=8, train_micro_batch_size_per_gpu=micro, scheduler=SCHEDULE,
+    return adamw_config(data_parallel={"replicate": replicate}, train_batch_size=8,
+                        train_micro_batch_size_per_gpu=micro, scheduler=SCHEDULE,
                         zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
                         tensor_parallel={"size": tp, "sequence_parallel": sp}, pipeline={"stages": pp},
                         context_parallel={"size": cp})
@@ -66,8 +67,8 @@ def test_reshard_round_trip_through_nine_layouts(world1, world2, world4, tmp_pat
     legs += world1.run(_legs, [(str(tmp_path / "single"), d[5], _config(0, micro=4))])[0]
     legs += world2.run(_legs, [(d[5], d[6], _config(3, micro=2)), (d[6], d[7], _config(0, pp=2))])[0]
     legs += world4.run(_legs, [(d[7], d[8], _config(0, pp=2, tp=2, sp=True))])[0]
-    assert [leg["layout"] for leg in legs] == ["dp2 x tp2", "dp4 (dp: replicate 2 x shard 2)", "tp4", "dp2 x pp2", "dp2 x cp2", "single process",
-                                              "dp2", "pp2", "pp2 x tp2"]
+    assert [leg["layout"] for leg in legs] == ["dp2 x tp2", "dp4 (dp: replicate 2 x shard 2)", "tp4", "dp2 x pp2",
+                                              "dp2 x cp2", "single process", "dp2", "pp2", "pp2 x tp2"]
     losses = [x for leg in legs for x in leg["losses"]]
     assert [leg["start"] for leg in legs] == list(range(0, 18, 2))
     errors = [rel_diff(a, b) for a, b in zip(losses, ref.losses)]

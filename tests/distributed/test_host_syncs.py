@@ -9,7 +9,7 @@ recomputation and the engine-API loop; the layout of padded and packed rows (che
 from the loader's tensors in host memory before they are copied to the device, counted apart and only in the
 data path. What remains is named: ring attention reads which ring parts a row's documents leave empty, expert
 parallelism and dropless capacity the row counts an all-to-all and a buffer need, and `nonfinite_loss: "stop"`
-(the default) the norm once per step, before the update.
+the norm once per step, before the update (the default, "stop_at_log", reads nothing: "engine api default").
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def _cases() -> dict[str, dict[str, int]]:
             if kind != "right" or name in ("ddp", "zero3"):
                 out[f"{kind} {name}"] = _real("llama", kind, LAYOUTS[name])
     out["engine api lean"] = _engine_api(LEAN)
-    out["engine api stop"] = _engine_api({})
+    out["engine api stop"] = _engine_api({"nonfinite_loss": "stop"})
+    out["engine api default"] = _engine_api({})  # the default configuration reads nothing per step
     out["moe dropping ep1"] = _moe("dropping", 1)
     out["moe dropping ep2"] = _moe("dropping", 2)
     out["moe dropless ep1"] = _moe("dropless", 1)

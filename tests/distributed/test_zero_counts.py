@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import paratrain
 from paratrain.zero import estimate_memory
@@ -43,12 +44,31 @@ def _engine(stage: int, accumulation: int = 1, precision: str = "fp32", **zero):
     return engine, loader
 
 
-def _step_counts(engine, loader) -> dict:
+class _CopyOps(TorchDispatchMode):
+    """Counts the copies of a step (copy_ and cat: how gradients move into the staging buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"copy_": 0, "cat": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.counts:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_counts(engine, loader, copies: dict | None = None) -> dict:
     engine.train_batch(loader)  # warm-up step, then count one step
     engine.comm_stats(reset=True)
-    engine.train_batch(loader)
+    with _CopyOps() as ops:
+        engine.train_batch(loader)
+    if copies is not None:
+        copies.update(ops.counts)
     stats = engine.comm_stats(by_tag=True)
-    return {(op, tag): c for op, tags in stats.get("dp", {}).items() for tag, c in tags.items()}
+    # the dp axis's collectives, and the norm's one scalar, which goes over the world (here: the same 2 ranks)
+    return {(op, tag): c for axis in ("dp", "world") for op, tags in stats.get(axis, {}).items()
+            for tag, c in tags.items()}
 
 
 def _count_cases() -> dict:
@@ -62,9 +82,12 @@ def _count_cases() -> dict:
              ("s3_bf16", 3, 1, {"precision": "bf16"}))
     for name, stage, acc, zero in cases:
         engine, loader = _engine(stage, acc, **zero)
-        counts = _step_counts(engine, loader)
+        copies: dict = {}
+        counts = _step_counts(engine, loader, copies)
         buckets = [b.layout.numel for b in getattr(engine.grad_sync, "buckets", [])]
-        out[name] = {"counts": counts, "bucket_numels": buckets, "memory": engine.memory_stats()}
+        hooks = sum(p._post_accumulate_grad_hooks is not None for p in engine.module.parameters())
+        out[name] = {"counts": counts, "bucket_numels": buckets, "memory": engine.memory_stats(),
+                     "copies": copies, "grad_hooks": hooks, "params": len(list(engine.module.parameters()))}
     return out
 
 
@@ -121,6 +144,12 @@ def test_collectives_per_step_match_the_zero_formulas(world, request):
     big_root = _padded(root - (small(model) - sum(small(b) for b in model.blocks)), n)
     check("s3_persist", 2 * big_blocks + big_root + persist_pad, big_blocks + big_root + persist_pad,
           2 * units + 2, units + 2)
+    # The reduce has no per-parameter cost: no gradient hook on any parameter, and the gradients go into
+    # each unit's staging buffer with one cat (fewer copies in the whole step than the model has parameters)
+    for name in ("s3", "s3_acc2", "s3_root_empty", "s3_bf16"):
+        r = result[name]
+        assert r["grad_hooks"] == 0, name
+        assert r["copies"]["copy_"] < r["params"], (name, r["copies"], r["params"])
     memory = result["s3_persist"]["memory"]
     padded = big_blocks + big_root + persist_pad
     assert memory["total"] == estimate_memory(padded, n, 3, persistent_params=persist_pad)["total"]

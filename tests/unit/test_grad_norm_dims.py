@@ -82,7 +82,7 @@ def test_exactly_one_rank_writes_each_copy_held_over_any_dims(names):
     for name in ("blocks.0.attn.q.weight", "head.weight", "x"):
         origin = SimpleNamespace(name=name, replicated=())
 
-        def writes(rank: int) -> bool:
+        def writes(rank: int, origin=origin) -> bool:
             axes = []
             for dim in names:
                 members = dims.group_of(rank, dim)

@@ -23,7 +23,8 @@ def test_product_must_equal_world():
         ParallelDims(4, tp=0)
     with pytest.raises(MeshError, match=r"data_parallel.replicate 3 must divide the data-parallel size 4.*\[1, 2, 4\]"):
         ParallelDims(4, dp_replicate=3)
-    with pytest.raises(MeshError, match=r"expert_parallel.size 4 .* must divide dp / data_parallel.replicate x cp = 2x1 = 2"):
+    with pytest.raises(MeshError, match=r"expert_parallel.size 4 .* must divide dp / data_parallel.replicate x cp = "
+                                        r"2x1 = 2"):
         ParallelDims(4, dp_replicate=2, ep=4)
 
 

@@ -30,8 +30,11 @@ def _ops(layout: Layout, axis: str, stage: int = 0, kinds=None) -> dict:
 
 def test_ddp_one_all_reduce_of_psi_plus_the_loss_sum_and_count_and_the_norm():
     layout = Layout(dp=4, micro_batch=2, grad_accum=3, precision="fp32")  # the token loss's two fp64 numbers
-    assert predict_comm(SPEC, layout) == {"dp": {"all_reduce": {"elements": PSI + 2, "bytes": 4 * PSI + 16}},
-                                          "world": {"all_reduce": SCALAR}}  # the squared norm's sum
+    # every DDP rank holds the whole gradient: its norm needs no collective
+    assert predict_comm(SPEC, layout) == {"dp": {"all_reduce": {"elements": PSI + 2, "bytes": 4 * PSI + 16}}}
+    # once anything splits the gradient (ZeRO, tp), the squared norm's sum goes over the world
+    assert predict_comm(SPEC, replace(layout, zero_stage=1))["world"] == {"all_reduce": SCALAR}
+    assert predict_comm(SPEC, replace(layout, dp=2, tp=2))["world"] == {"all_reduce": SCALAR}
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

@@ -8,11 +8,11 @@ while the unit is in use. Per micro-step:
   unit pre-forward   wait for / start its all-gather, prefetch the next `prefetch_depth` units
   unit post-forward  free it (`reshard_after_forward`), hook its outputs for the backward
   unit pre-backward  gather it again, prefetch the unit before it in forward order
-  unit post-backward (every parameter's gradient accumulated) reduce-scatter its gradients toward the
-                     fp32 gradient shard and free it
-Reductions are collected at the next backward or at the step, so they overlap what follows. The update
-touches only the shards; nothing is gathered after the step (the next forward gathers). `reduce_at_boundary`
-keeps a unit's gradients staged (unsharded) through a window: only its last backward reduce-scatters them.
+  unit post-backward (its inputs' gradients are computed: FSDP2's post-backward) its gradients go into the
+                     staging buffer in one `cat` per flat buffer, are reduce-scattered, and it is freed
+A unit whose inputs need no gradient (the root: token ids) is staged at autograd's end-of-backward callback. No
+hook and no copy per parameter. Reductions are collected at the next backward or the step, overlapping what
+follows; the update touches only the shards. `reduce_at_boundary` keeps gradients staged through a window.
 
 [Note: the root is not freed after forward]
 The root's backward starts as soon as its forward ends (the loss), so freeing it would only regather it
@@ -77,7 +77,6 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         self.root: Unit | None = None
         self.units: list[Unit] = []  # non-root units, in module order
         self.persistent: Unit | None = None
-        self._slot: dict[nn.Parameter, tuple[Unit, FlatParam, int]] = {}
         self._order: list[Unit] = []  # units in the order the last forward ran them
         self._place: dict[Unit, int] = {}  # each unit's index in _order
         self._recording: list[Unit] = []
@@ -85,25 +84,22 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         self._backward_pending = False
         self._reducing = True  # the running backward reduce-scatters (False: reduce_at_boundary, mid-window)
         self._first_in_window = True
+        self._end_queued = False  # the end-of-backward callback is queued for the running backward
+        self._missing: list[str] = []  # parameters the running window's last backward gave no gradient
 
     # ---- sharding (needs the param groups, so it happens with the optimizer) ---------------------
     def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
         self.root, self.units, self.persistent, groups = build_units(
             self.module, self.wrap_policy, self.persistence_threshold, param_groups, self.axis_of, self.dtype,
             self.offload, self.reshard_after_forward)
-        for unit in self._all_units():
-            for flat in unit.flats:
-                for i, slot in enumerate(flat.layout.slots):
-                    self._slot[slot.param] = (unit, flat, i)
-                    slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         self._set_order(list(self.units))
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True)
             unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
         self.module.register_forward_pre_hook(lambda m, a: self._root_pre_forward())
-        self.module.register_forward_hook(lambda m, a, out: self._root_post_forward())
-        frozen = {slot.param for shard in self._frozen() for slot in shard.layout.slots}
-        cast_untracked(self.module, self.dtype, set(self._slot) | frozen)
+        self.module.register_forward_hook(lambda m, a, out: self._root_post_forward(out))
+        tracked = {slot.param for f in [*self._flats(), *self._frozen()] for slot in f.layout.slots}
+        cast_untracked(self.module, self.dtype, tracked)
         self.optimizer = factory(optimizer_groups(groups))
         return self.optimizer
 
@@ -137,7 +133,7 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         i = self._place.get(unit)
         if i is not None:
             self._prefetch(self._order[i + 1:i + 1 + self.prefetch_depth])
-        if unit.frozen and torch.is_grad_enabled():  # its backward is over once its inputs have their gradients
+        if torch.is_grad_enabled():  # its backward is over once its inputs have their gradients
             return watch_inputs(unit, args, kwargs, weak_hook(self._inputs_ready))
         return None
 
@@ -156,35 +152,54 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         if tensors:
             register_multi_grad_hook(tensors, lambda grad, u=unit: self._pre_backward(u), mode="any")
 
-    def _root_post_forward(self) -> None:
+    def _root_post_forward(self, output) -> None:
         if self._recording:
             self._set_order(self._recording)
         if not torch.is_grad_enabled():
             for unit in self._all_units():
                 unit.reshard()
+            return
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if tensors:  # the backward's first node: ask for a call at its end
+            register_multi_grad_hook(tensors, lambda grad: self._queue_end_of_backward(), mode="any")
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Autograd's last call of a backward: stage (and launch) the units the post-backward hooks left."""
+        self._end_queued = False
+        self._missing += self._stage_leftovers(reshard=True)
 
     # ---- backward ---------------------------------------------------------------------------------
     def _pre_backward(self, unit: Unit) -> None:
+        self._queue_end_of_backward()
         unit.wait()
         i = self._place.get(unit)
         if i is not None:
             self._prefetch(self._order[max(0, i - self.prefetch_depth):i][::-1])
 
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        unit, flat, i = self._slot[param]
-        flat.add_grad(i, param.grad, accumulate=self.reduce_at_boundary)
-        param.grad = None
-        if unit.complete and not unit.reduce_launched:
-            if self._reducing:
-                self._launch_reduce(unit)
-            unit.params_done = True  # every parameter's gradient has been accumulated
-            if unit.backward_over:
-                unit.reshard()
-
     def _inputs_ready(self, unit: Unit) -> None:
-        unit.inputs_done = True  # the gradients through its frozen weights to its inputs are computed
+        """The unit's post-backward: its inputs' gradients are computed, so (autograd runs a leaf's gradient
+        accumulation as soon as it can) its parameters' gradients are normally all in `.grad`: stage them in
+        one copy per flat buffer and launch the reduce-scatter. A gradient still missing (a weight also used
+        outside the unit, an unused one) leaves the unit to the end of the backward (`_stage_leftovers`)."""
+        unit.inputs_done = True
+        if unit.flats and not unit.staged and all(f.grads_arrived() for f in unit.flats):
+            self._stage(unit)
         if unit.backward_over:
             unit.reshard()
+
+    def _stage(self, unit: Unit) -> list[str]:
+        """Copy the unit's gradients in (missing ones: zero) and launch its reduction when this backward
+        reduces; the names of the trainable parameters that got no gradient."""
+        missing = [name for f in unit.flats for name in f.stage_grads(accumulate=self.reduce_at_boundary)]
+        if self._reducing:
+            self._launch_reduce(unit)
+        unit.staged = unit.params_done = True
+        return missing
 
     def _launch_reduce(self, unit: Unit) -> None:
         # [Note: one reduce-scatter in flight] The previous unit's reduction had this unit's whole backward
@@ -208,8 +223,10 @@ class FullyShardedDataParallel(ShardedState, GradSync):
             if self._reducing:
                 self._collect()
             else:  # reduce_at_boundary: the gradients stay staged (unsharded) until the window's last backward
-                for flat in self._flats():
-                    flat.ready.clear()
+                self._stage_leftovers()
+                self._missing = []
+                for unit in self._all_units():
+                    unit.staged = False
         self._reducing = sync or not self.reduce_at_boundary
         self._backward_pending = True
 
@@ -219,18 +236,26 @@ class FullyShardedDataParallel(ShardedState, GradSync):
                        "use gradient_accumulation_steps instead")
         yield  # pragma: no cover
 
+    def _stage_leftovers(self, reshard: bool = False) -> list[str]:
+        """Stage (and, when reducing, launch) every unit the backward left: the root, units whose inputs need
+        no gradient; the names of parameters without a gradient. `reshard` (at the end of the backward):
+        free those whose backward is over, as their post-backward would have."""
+        missing = []
+        for unit in self._all_units():
+            if unit.flats and not unit.staged:
+                missing += self._stage(unit)
+                if reshard and unit.backward_over:
+                    unit.reshard()
+        return missing
+
     def _collect(self) -> None:
-        """Finish this backward: reduce what did not complete, wait, add into the gradient shards."""
-        missing = [s.name for u in self._all_units() if not u.reduce_launched and u.flats
-                   for f in u.flats for i, s in enumerate(f.layout.slots) if i not in f.ready]
+        """Finish this backward: stage and reduce what the post-backward hooks left, wait, add into the shards."""
+        missing, self._missing = self._missing + self._stage_leftovers(), []
         if missing and not self.allow_unused:
             raise UnusedParametersError.naming(missing)
-        for unit in self._all_units():
-            if unit.flats and not unit.reduce_launched:
-                self._launch_reduce(unit)
         self._collect_launched()
         for unit in self._all_units():
-            unit.reduce_launched = False
+            unit.reduce_launched = unit.staged = False
         self._first_in_window = False
         self._backward_pending = False
 

@@ -107,11 +107,6 @@ class FlatParam(ShardedBuffer):
             set_data(slot.param, view)
         self.free()
         self.grads = StagedGradient(self.layout, self.master, dtype, offload.device)  # until reduce-scattered
-        self.ready: set[int] = set()  # slots whose gradient this backward has staged
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ready) == len(self.layout.slots)
 
     def gather(self) -> comm.Handle:
         master = self.master.param.detach()
@@ -123,9 +118,19 @@ class FlatParam(ShardedBuffer):
             source = master.to(self.full.device, self.dtype)  # cast, or copy from the host (offload_param)
         return self.gather_from(source)
 
-    def add_grad(self, index: int, grad: torch.Tensor, accumulate: bool = False) -> None:
-        self.grads.add(index, grad, accumulate)
-        self.ready.add(index)
+    def grads_arrived(self) -> bool:
+        """Every parameter of this buffer has its gradient of the running backward in `.grad`."""
+        return all(slot.param.grad is not None for slot in self.layout.slots)
+
+    def stage_grads(self, accumulate: bool = False) -> list[str]:
+        """Move the parameters' `.grad` into the staging buffer (one copy; `accumulate` adds) and drop them;
+        the names of those without a gradient (staged as zero)."""
+        grads = [slot.param.grad for slot in self.layout.slots]
+        missing = [slot.name for slot, g in zip(self.layout.slots, grads) if g is None]
+        self.grads.add_all(grads, accumulate)
+        for slot in self.layout.slots:
+            slot.param.grad = None
+        return missing
 
     def reduce(self, first: bool, pre_divide: float = 1.0) -> comm.Handle:
         """Reduce-scatter this backward's gradients (missing ones count as zero) toward the fp32 shard."""
@@ -133,7 +138,6 @@ class FlatParam(ShardedBuffer):
 
     def collect(self) -> None:
         self.grads.collect()
-        self.ready.clear()
 
     def refresh_device_shard(self) -> None:
         if self.device_shard is not None:
@@ -156,16 +160,13 @@ class Unit:
         # need a gradient is freed once both have happened (`inputs_done`: a hook on the forward's inputs).
         self.expects_inputs = False
         self.params_done = self.inputs_done = False
+        self.staged = False  # this backward's gradients are in the staging buffers (`stage_grads`)
         self.reshard_after_forward = reshard_after_forward
         self.keep = keep  # persistent: never freed, regathered once after each optimizer step
         self.handles: list[comm.Handle] = []
         self.gathered = False  # the full parameters are present and current
         self.reduce_handles: list[comm.Handle] = []
         self.reduce_launched = False
-
-    @property
-    def complete(self) -> bool:
-        return all(f.complete for f in self.flats)
 
     @property
     def backward_over(self) -> bool:

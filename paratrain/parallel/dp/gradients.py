@@ -140,13 +140,34 @@ class StagedGradient:
         return self.staging
 
     def add(self, index: int, grad: torch.Tensor, accumulate: bool = False) -> None:
-        """Stage a parameter's gradient; `accumulate` adds it to what earlier backwards of the window staged."""
+        """Stage one parameter's gradient (ZeRO-2's buckets, as each arrives); `accumulate` adds it to what
+        earlier backwards of the window staged."""
         slot = self.layout.slots[index]
         part = self._staging()[slot.offset:slot.offset + slot.numel]
         if accumulate:
             part.add_(grad.reshape(-1))
         else:
             part.copy_(grad.reshape(-1))
+
+    def add_all(self, grads: list[torch.Tensor | None], accumulate: bool = False) -> None:
+        """Stage every slot's gradient at once (None: zero): one `cat` into the buffer, whose slots are laid
+        end to end (FSDP2 copies a group in with one `_chunk_cat`); `accumulate` adds to what earlier
+        backwards of the window staged."""
+        staging = self._staging()
+        present = [g is not None for g in grads]
+        if all(present):
+            body = staging[:self.layout.numel]
+            if accumulate:
+                body.add_(torch.cat([g.reshape(-1) for g in grads]))
+            else:
+                torch.cat([g.reshape(-1) for g in grads], out=body)
+            return
+        for slot, grad in zip(self.layout.slots, grads):  # some unused: stage the others where they go
+            part = staging[slot.offset:slot.offset + slot.numel]
+            if grad is not None:
+                part.add_(grad.reshape(-1)) if accumulate else part.copy_(grad.reshape(-1))
+            elif not accumulate:
+                part.zero_()
 
     def reduce(self, axis: Axis, first: bool, pre_divide: float = 1.0) -> comm.Handle:
         """Reduce-scatter the staged gradients (missing ones count as zero) toward the fp32 shard."""
