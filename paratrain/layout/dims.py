@@ -61,6 +61,7 @@ class ParallelDims:
     ep: int = 1  # expert parallelism, folded inside dp_shard x cp
     dp_replicate: int = 1  # HSDP: data-parallel ranks that hold the same shards (dp = dp_replicate x dp_shard)
     dims: dict[str, Dim] = field(init=False, repr=False, compare=False)
+    _sizes: dict = field(init=False, repr=False, compare=False)  # `size` per names asked (the norm asks each step)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -94,6 +95,7 @@ class ParallelDims:
                             f"over ranks that see different tokens and hold different shards); use one of "
                             f"{_divisors(folded)}")
         object.__setattr__(self, "dims", self._named())
+        object.__setattr__(self, "_sizes", {})
 
     @property
     def dp_shard(self) -> int:
@@ -173,10 +175,13 @@ class ParallelDims:
 
     def size(self, names: str | Sequence[str]) -> int:
         """The size of the group along `names` (dims that lie inside one another are refused: "overlap")."""
-        key = self.canonical(names)
-        if len(key) > 1:
-            self._members(0, key)  # raises for overlapping dims
-        return math.prod(self.dim(n).size for n in key)
+        asked = names if isinstance(names, str) else tuple(names)
+        if asked not in self._sizes:
+            key = self.canonical(asked)
+            if len(key) > 1:
+                self._members(0, key)  # raises for overlapping dims
+            self._sizes[asked] = math.prod(self.dim(n).size for n in key)
+        return self._sizes[asked]
 
     def grid_coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
