@@ -1,7 +1,12 @@
 """One optimizer update at an accumulation boundary, after the strategy has finished reducing gradients:
 
     global gradient norm -> fp16: unscale, or skip an overflowing step -> bf16/fp32: stop or skip on NaN/inf
-    -> clip (one pass with the unscaling) -> optimizer step -> LR schedule -> zero gradients
+    -> divide by the ranks averaged over, unscale and clip in one pass -> optimizer step -> LR schedule -> zero
+    gradients
+
+The strategy leaves its reduced gradients summed (`GradSync.gradient_divisor`): the average's division joins
+the one scaling pass a step already makes for the token count, the loss scale or clipping, instead of a pass
+of its own over every gradient.
 
 The norm is the same number on every rank (`paratrain.grad_norm`), so every rank takes the same branch.
 The norm, the clip factor and the token-weighted scale stay device tensors: the host reads the norm only to
@@ -71,10 +76,13 @@ class OptimizerUpdate:
     def __call__(self, lr_scheduler, max_norm: float, step: int,
                  grad_scale: torch.Tensor | float = 1.0) -> Update:
         """Update once (collective). `step` is the number this step will have, for the error message;
-        `grad_scale` multiplies the averaged gradients first (the token-weighted loss's division by the global
-        count, `paratrain.engine.token_loss`), in the same pass as the unscaling and clipping."""
+        `grad_scale` multiplies the gradients first (the token-weighted loss's division by the global count,
+        `paratrain.engine.token_loss`), in the same pass as the data-parallel average's division, the unscaling
+        and the clipping."""
         sync = self.grad_sync
         norm = global_grad_norm(sync.grad_pieces(), self.mesh, self.device, self.norm_is_local)
+        if sync.gradient_divisor != 1.0:  # the average's division, folded into this pass (GradSync.gradient_divisor)
+            grad_scale = grad_scale / sync.gradient_divisor
         norm = norm * grad_scale
         factor = grad_scale  # a host float until something on the device (the token count, clipping) joins it
         if self.loss_scaler is not None:

@@ -136,6 +136,13 @@ class GradSync(ABC):
         """Ranks whose gradients are averaged (they saw different tokens): dp x cp, replicas included."""
         return self.axis.size * (self.replicate.size if self.replicate is not None else 1)
 
+    @property
+    def gradient_divisor(self) -> float:
+        """What the reduced gradients are still to be divided by: the ranks averaged over, less the pre-divide
+        (`gradient_predivide_factor`). The strategy does not divide: the update folds it into the one pass that
+        also applies the token count, the loss scale and the clip factor (`engine/update.py`)."""
+        return self.post_divide
+
     def replicas(self, tensor: torch.Tensor, sharded: bool) -> tuple[Axis, ...]:
         """The data-parallel axes whose ranks hold the same values of `tensor` as this rank: the axis it is
         reduced over, unless this rank holds a shard of it there (`sharded`), and the replicate axis (HSDP)."""

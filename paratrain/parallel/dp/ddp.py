@@ -47,10 +47,8 @@ class ModelAsMaster:
     def optimizer_params(self, param_groups: list | None) -> list:
         return param_groups if param_groups is not None else [p for _, p in self.named_params]
 
-    def take_gradients(self, buffers: list[torch.Tensor], post_divide: float) -> None:
-        if post_divide != 1.0:
-            for buffer in buffers:
-                buffer.div_(post_divide)
+    def take_gradients(self, buffers: list[torch.Tensor]) -> None:
+        """Nothing to take: the buckets are the gradients."""
 
     def grad_flats(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         return buffers
@@ -101,12 +99,10 @@ class MasterCopies:
             return [self.masters[p] for _, p in groups[0][1]]
         return [{**options, "params": [self.masters[p] for _, p in named]} for options, named in groups]
 
-    def take_gradients(self, buffers: list[torch.Tensor], post_divide: float) -> None:
+    def take_gradients(self, buffers: list[torch.Tensor]) -> None:
         self._grad_flats = []
         for layout, buffer in zip(self.layouts, buffers):
             flat = buffer.to(torch.float32, copy=True)
-            if post_divide != 1.0:
-                flat.div_(post_divide)
             for slot, view in zip(layout.slots, layout.views(flat)):
                 self.masters[slot.param].grad = view
             self._grad_flats.append(flat)
@@ -183,7 +179,7 @@ class DistributedDataParallel(GradSync):
     def finish_gradients(self) -> None:
         self.grads.allocate()  # freed buckets no gradient reached are read as zeros from here on
         if self.reducer.finish():
-            self.masters.take_gradients(self.grads.buffers, self.post_divide)
+            self.masters.take_gradients(self.grads.buffers)
 
     # ---- update -----------------------------------------------------------------------------------
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:

@@ -265,8 +265,6 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         for unit in self._all_units():
             unit.reshard()  # whatever a prefetch gathered but no backward used
         self.sum_over_replicas([flat.master.ensure_grad() for flat in self._flats()], self.offload.device)
-        for flat in self._flats():
-            flat.master.grad.div_(self.post_divide)
 
     # ---- update -----------------------------------------------------------------------------------
     def _flats(self) -> list[FlatParam]:

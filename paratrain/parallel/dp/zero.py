@@ -219,7 +219,6 @@ class ZeroStage1(ZeroDataParallel):
             if master.grad is None:  # the fp32 gradient exists only from here to zero_grad
                 mine = bucket.layout.shard_of(buffer)
                 master.grad = mine.to(master.param.device, torch.float32, copy=True)
-            master.grad.div_(self.post_divide)
 
     def zero_grad(self) -> None:
         self.operation.zero()
@@ -248,8 +247,6 @@ class ZeroStage2(ZeroDataParallel):
     def finish_gradients(self) -> None:
         self.reducer.finish()  # the last backward's reductions, if not collected yet
         self.sum_over_replicas([master.ensure_grad() for master in self.masters], self.offload.device)
-        for master in self.masters:
-            master.grad.div_(self.post_divide)
 
     def zero_grad(self) -> None:
         self.operation.new_window()  # the first reduction of the next window overwrites the shard
