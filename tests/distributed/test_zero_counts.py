@@ -45,11 +45,12 @@ def _engine(stage: int, accumulation: int = 1, precision: str = "fp32", **zero):
 
 
 class _CopyOps(TorchDispatchMode):
-    """Counts the copies of a step (copy_ and cat: how gradients move into the staging buffers)."""
+    """Counts the copies of a step (copy_ and cat: how gradients move into the staging buffers) and the in-place
+    scalings (div_, mul_: passes over the gradients)."""
 
     def __init__(self):
         super().__init__()
-        self.counts = {"copy_": 0, "cat": 0}
+        self.counts = {"copy_": 0, "cat": 0, "div_": 0, "mul_": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -150,6 +151,12 @@ def test_collectives_per_step_match_the_zero_formulas(world, request):
         r = result[name]
         assert r["grad_hooks"] == 0, name
         assert r["copies"]["copy_"] < r["params"], (name, r["copies"], r["params"])
+    # The average's division is folded into the update's one scaling pass (with the token count and the clip
+    # factor): no div_, and one mul_ per flat gradient (a bucket at stages 1-2, a unit's flat buffer at 3)
+    flats = {"s1": len(result["s1"]["bucket_numels"]), "s2": len(result["s2"]["bucket_numels"]), "s3": units + 1}
+    for name, count in flats.items():
+        assert result[name]["copies"]["div_"] == 0 and result[name]["copies"]["mul_"] == count, \
+            (name, result[name]["copies"])
     memory = result["s3_persist"]["memory"]
     padded = big_blocks + big_root + persist_pad
     assert memory["total"] == estimate_memory(padded, n, 3, persistent_params=persist_pad)["total"]
