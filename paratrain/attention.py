@@ -145,12 +145,17 @@ class CausalAttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask (and `documents`, `window` when given). Inputs and
     output: (b, heads, s, head_dim)."""
 
+    kv_cache = None  # generation attaches a cache (`paratrain.generation.kv_cache`): the core then attends the
+    # new tokens to every cached one, and the cache's rows say which positions are padding
+
     def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None,
                 window: int | None = None) -> torch.Tensor:
+        if self.kv_cache is not None:
+            return self.kv_cache.attend(q, k, v, window)
         p = self.dropout if self.training else 0.0
         k, v = expand_kv_heads(k, v, q.shape[1])
         return masked_attention(q, k, v, documents, window, dropout=p)

@@ -33,6 +33,7 @@ from paratrain.engine.adapters import adapted_model
 from paratrain.engine.checkpoints import EngineCheckpoints
 from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI
 from paratrain.engine.evaluation import Evaluation
+from paratrain.engine.generation import Generation
 from paratrain.engine.monitor import MonitorSettings, StepReporter, setup_logging
 from paratrain.engine.muon_setup import bind_muon, muon_param_groups
 from paratrain.engine.pipeline_steps import PipelineSteps
@@ -56,7 +57,7 @@ from paratrain.precision import make_loss_scaler
 log = logging.getLogger("paratrain")
 
 
-class Engine(EngineCheckpoints, PipelineSteps, Evaluation, DeepSpeedEngineAPI):
+class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeedEngineAPI):
     """DeepSpeed's engine contract. Construction helpers live in `engine/setup.py`, the update in `engine/update.py`,
     pipeline steps in `engine/pipeline_steps.py`, the token loss's bookkeeping in `engine/token_loss.py`,
     checkpoints and pretrained directories in `engine/checkpoints.py`, the read-only accessors (DeepSpeed's and

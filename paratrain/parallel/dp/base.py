@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,12 @@ class GradSync(ABC):
     def average_size(self) -> int:
         """Ranks whose gradients are averaged (they saw different tokens): dp x cp, replicas included."""
         return self.axis.size * (self.replicate.size if self.replicate is not None else 1)
+
+    @contextmanager
+    def gathered_for_inference(self):
+        """Parameters whole for a run of forwards without gradients (generation): nothing to do unless
+        parameters are sharded (ZeRO-3 gathers every unit once and keeps it for the duration)."""
+        yield
 
     @property
     def gradient_divisor(self) -> float:

@@ -3,6 +3,8 @@ and how many bytes; mixed into `FullyShardedDataParallel` (fsdp.py), whose units
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -14,6 +16,24 @@ from paratrain.parallel.dp.fsdp_units import units_full_state, units_memory_stat
 class ShardedState:
     """Mixed into `FullyShardedDataParallel`: uses its `_flats()`, `_frozen()`, `_all_units()`, optimizer,
     offload policy and placements."""
+
+    @contextmanager
+    def gathered_for_inference(self):
+        """Every unit gathered once and kept (reshard skips a kept unit) for a run of forwards without
+        gradients: generation gathers the model once per call, never per token. Freed after (also on error)."""
+        units = self._all_units()
+        kept = [unit.keep for unit in units]
+        for unit in units:
+            unit.keep = True
+            unit.gather()  # all in flight together, then waited for
+        try:
+            for unit in units:
+                unit.wait()
+            yield
+        finally:
+            for unit, keep in zip(units, kept):
+                unit.keep = keep
+                unit.reshard()
 
     # ---- checkpoint hooks ---------------------------------------------------------------------------
     def master_segments(self) -> list[tuple[torch.Tensor, list[MasterSegment]]]:

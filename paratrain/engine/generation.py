@@ -1,0 +1,84 @@
+"""`engine.generate`: transformers' decoding from the model in its training layout, on every rank. A mixin
+of `Engine`, which owns everything used here.
+
+Every rank runs the same prompts through its part of the model (the forward of training, in eval mode and
+without gradients), so every rank computes the same logits and chooses the same tokens: data-parallel ranks
+repeat the work (as transformers' generate under DDP does), tensor-parallel ranks share each layer, expert
+parallelism routes the tokens as in training. Each attention core keeps this rank's keys and values
+(`paratrain.generation.kv_cache`). ZeRO-3 gathers every unit once per call and keeps it for the call, not per
+token (`GradSync.gathered_for_inference`). A pipeline runs its stages in order for each forward, handing the new
+tokens' activations down and the last stage's logits back to every stage (`paratrain.parallel.pp.decode`).
+Context parallelism is refused by name: its attention cores hold a
+chunk of each row, and a token-by-token decode has no chunks to split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import paratrain.comm as comm
+from paratrain.attention import Documents
+from paratrain.errors import RunError
+from paratrain.generation import GenerationSettings, decode
+from paratrain.parallel.pp.decode import pipeline_logits
+from paratrain.parallel.tp.loss import VocabParallelCrossEntropy
+
+
+class Generation:
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """The prompts followed by the generated tokens, (b, prompt + new), as transformers' `generate` returns
+        them for a decoder-only model (left-padded prompts; a finished row continues with `pad_token_id`).
+        Call it on every rank with the same arguments (a collective in tensor, expert and ZeRO-3 layouts)."""
+        settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                                      pad_token_id, use_cache)
+        settings.check()
+        self._check_generation_layout()
+        with self._together():
+            ids = input_ids.to(self.device)
+            mask = attention_mask.to(self.device) if attention_mask is not None else None
+            was_training = self.module.training
+            self.module.eval()
+            try:
+                with self.grad_sync.gathered_for_inference():
+                    return decode(self._logits_of, self.module, ids, mask, settings, generator,
+                                  multiple=self._tokens_per_forward())
+            finally:
+                self.module.train(was_training)
+
+    def _check_generation_layout(self) -> None:
+        if self.mesh.size("cp") > 1:
+            raise RunError(f"engine.generate under context_parallel.size = {self.mesh.size('cp')}: its attention "
+                           f"cores hold chunks of each row, which a token-by-token decode does not have; generate "
+                           f"from a layout without context parallelism (save, then load the checkpoint there)")
+
+    def _tokens_per_forward(self) -> int:
+        """Sequence parallelism splits each forward's tokens over tp: a multiple of tp per forward."""
+        tp = self.mesh.size("tp")
+        return tp if tp > 1 and self.config.tensor_parallel.sequence_parallel else 1
+
+    def _logits_of(self, ids: torch.Tensor, positions: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        """The full-vocabulary logits (b, s, V) of the model in its layout, on every rank."""
+        if self.pipeline is not None:  # the stages in order, the last one's logits on every pp rank
+            return pipeline_logits(self.pipeline, ids, positions, documents, self._whole_vocabulary)
+        extra = {"documents": documents} if documents is not None else {}
+        logits = self.module(ids, position_ids=positions, **extra)
+        return self._whole_vocabulary(getattr(logits, "logits", logits))
+
+    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """A vocabulary split over tp (the head feeding the vocab-parallel loss) gathered, its padding cut."""
+        loss = self._vocab_parallel_loss()
+        if loss is None:
+            return logits
+        local = logits.contiguous()
+        pieces = [torch.empty_like(local) for _ in range(loss.axis.size)]
+        comm.all_gather_list(pieces, local, loss.axis, tag="generate")
+        return torch.cat(pieces, dim=-1)[..., :loss.vocab_size]
+
+    def _vocab_parallel_loss(self) -> VocabParallelCrossEntropy | None:
+        modules = [*self.module.modules(), *([self.pipeline.loss_fn] if self.pipeline is not None else [])]
+        return next((m for m in modules if isinstance(m, VocabParallelCrossEntropy)), None)

@@ -1,0 +1,73 @@
+"""A KV cache kept by each attention core, so generation works in any layout without knowing the model.
+
+Every strategy acts on attention through the core (`paratrain.attention.CausalAttentionCore`): tensor
+parallelism hands it this rank's heads, ZeRO-3 gathers the projections around it, a pipeline stage holds its
+own layers' cores, an MoE layer sits beside it. A cache attached to each core (`core.kv_cache`) therefore
+holds exactly what that rank computes, in every layout: this rank's heads of its own layers. The model's
+forward stays the training forward: each call brings the new tokens' q, k, v (after the rotary embedding),
+the core appends k and v and attends the new queries to every cached key.
+
+[Note: the rows' layout during generation]
+`DecodeRows` holds the document id of every position generated so far (transformers' left padding: -1 for
+a pad, 0 for a real token), shared by every core: query i (global index) attends key j when j <= i, both
+are in one document, and i - j < window. Padding added after a token (sequence parallelism needs a multiple
+of tp tokens per forward) is a pad too: no later query attends it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.attention import CausalAttentionCore, allowed_pairs, check_window, expand_kv_heads
+
+
+class DecodeRows:
+    """The document ids (b, L) of every position so far and how many of them the cores have seen."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids  # (b, L): -1 padding, 0 real
+        self.seen = 0  # positions already in the caches (the next forward's first global index)
+
+    def extend(self, ids: torch.Tensor) -> None:
+        self.ids = torch.cat([self.ids, ids], dim=1)
+
+
+class KVCache:
+    """One core's keys and values (b, kv_heads, L, d) of every position so far."""
+
+    def __init__(self, rows: DecodeRows):
+        self.rows = rows
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+        """The new positions' attention over every cached position and themselves: (b, heads, s_new, d)."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        start, total = self.rows.seen, self.k.shape[2]
+        queries = torch.arange(start, start + q.shape[2], device=q.device)
+        keys = torch.arange(total, device=q.device)
+        mask = allowed_pairs(self.rows.ids[:, :total], queries, keys, check_window(window))
+        keys_all, values_all = expand_kv_heads(self.k, self.v, q.shape[1])
+        return F.scaled_dot_product_attention(q, keys_all, values_all, attn_mask=mask)
+
+
+def attention_cores(module: nn.Module) -> list[CausalAttentionCore]:
+    return [m for m in module.modules() if isinstance(m, CausalAttentionCore)]
+
+
+@contextmanager
+def kv_caches(module: nn.Module, rows: DecodeRows):
+    """Attach a cache to every attention core of `module` for the duration (removed after, also on error)."""
+    cores = attention_cores(module)
+    for core in cores:
+        core.kv_cache = KVCache(rows)
+    try:
+        yield cores
+    finally:
+        for core in cores:
+            core.kv_cache = None

@@ -1,0 +1,116 @@
+"""engine.generate in every layout equals transformers' own `generate` on the same weights: greedy tokens of
+left-padded prompts of different lengths, before and after training steps; the uncached path (the whole
+sequence each step) equals the KV-cached one; seeded sampling (temperature, top-p) draws the same tokens as
+transformers' sampling from the same seed. Under ZeRO-3 a call gathers each unit once, not once per token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paratrain
+from tests.cases import tiny_hf
+
+pytestmark = pytest.mark.multiprocess
+
+NEW = 6
+LLAMA4 = {"num_hidden_layers": 4}  # a pipeline of 2 ranks x 2 chunks (ZB-V) needs 4 layers
+
+
+def _prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded prompts of lengths 4, 7 and 6 (0: padding)."""
+    ids = torch.randint(3, vocab, (3, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _config(layout: dict) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}, **layout}
+
+
+def _train(engine, vocab: int, steps: int = 2) -> None:
+    g = torch.Generator().manual_seed(11 + engine.mesh.local_rank("dp"))
+    rows = iter([(x[:, :-1], x[:, 1:]) for x in torch.randint(0, vocab, (64, 2, 9), generator=g)])
+    for _ in range(steps):
+        engine.train_batch(rows)
+
+
+def _hf_generate(model, ids, mask, **kwargs) -> torch.Tensor:
+    return model.eval().generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+
+
+def _sample(generate) -> torch.Tensor:
+    torch.manual_seed(7)
+    return generate(do_sample=True, temperature=0.8, top_p=0.9)
+
+
+def _case(family: str, overrides: dict, layout: dict, directory: str) -> dict:
+    import transformers
+
+    model = tiny_hf(family, **overrides)
+    vocab = model.config.vocab_size
+    ids, mask = _prompts(vocab)
+    engine, *_ = paratrain.initialize(model=model, config=_config(layout))
+    eos = model.generation_config.eos_token_id  # transformers stops a row there (Llama's config: 2)
+    ours = lambda **kw: engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0,  # noqa: E731
+                                        eos_token_id=eos, **kw).cpu()
+    engine.comm_stats(reset=True)
+    before = ours()
+    gathers = engine.comm_stats(by_tag=True).get("dp", {}).get("all_gather", {}).get("param", {}).get("calls", 0)
+    units = len(getattr(engine.grad_sync, "units", [])) + 1
+    uncached, sampled = ours(use_cache=False), _sample(ours)
+    _train(engine, vocab)
+    after, after_uncached = ours(), ours(use_cache=False)
+    engine.save_pretrained(directory)
+    reference = tiny_hf(family, **overrides)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    theirs = lambda m, **kw: _hf_generate(m, ids, mask, **kw)  # noqa: E731
+    want_before, want_after = theirs(reference), theirs(trained)
+    want_sampled = _sample(lambda **kw: theirs(reference, top_k=0, **kw))
+    return {"before": torch.equal(before, want_before), "uncached": torch.equal(uncached, want_before),
+            "after": torch.equal(after, want_after), "after_uncached": torch.equal(after_uncached, want_after),
+            "sampled": torch.equal(sampled, want_sampled), "trained": not torch.equal(want_after, want_before),
+            "gathers": gathers, "units": units, "tokens": before[:, 7:].tolist()}
+
+
+def _cases(cases: dict, root: str) -> dict:
+    return {name: _case(family, overrides, layout, f"{root}/{name}")
+            for name, (family, overrides, layout) in cases.items()}
+
+
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+TWO_RANKS = {
+    "ddp2": ("llama", {}, {}),
+    "zero3": ("llama", {}, ZERO3),
+    "tp2": ("llama", {}, {"tensor_parallel": {"size": 2}}),
+    "tp2_sp": ("qwen2", {}, {"tensor_parallel": {"size": 2, "sequence_parallel": True}}),
+    "pp2_1f1b": ("llama", {}, {"pipeline": {"stages": 2, "schedule": "1f1b"}}),
+    "pp2_zbv": ("llama", LLAMA4, {"pipeline": {"stages": 2, "schedule": "zb-v"}}),
+    "ep2_mixtral": ("mixtral", {}, {"expert_parallel": {"size": 2}}),
+}
+
+
+def _check(results: dict) -> None:
+    for name, r in results.items():
+        assert r["before"] and r["uncached"] and r["after"] and r["after_uncached"] and r["sampled"], (name, r)
+        assert r["trained"], (name, "training changed no generated token: the 'after' comparison shows nothing")
+        if name.startswith("zero3") or "zero3" in name:
+            assert 0 < r["gathers"] <= r["units"], (name, r)  # once per unit per call, not per token
+
+
+def test_generate_equals_transformers_in_every_layout_of_two_ranks(world2, tmp_path):
+    _check(world2.run(_cases, TWO_RANKS, str(tmp_path))[0])
+
+
+EIGHT_RANKS = {
+    "dp4_tp2_zero3": ("llama", {}, {**ZERO3, "tensor_parallel": {"size": 2}}),
+    "dp2_pp2_tp2": ("llama", {}, {"pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}),
+}
+
+
+def test_generate_equals_transformers_in_hybrid_layouts_of_eight_ranks(world8, tmp_path):
+    _check(world8.run(_cases, EIGHT_RANKS, str(tmp_path))[0])
