@@ -48,14 +48,72 @@ def _sample(generate) -> torch.Tensor:
     return generate(do_sample=True, temperature=0.8, top_p=0.9)
 
 
-def _case(family: str, overrides: dict, layout: dict, directory: str) -> dict:
+def _model(family: str, overrides: dict):
+    """A tiny transformers model of `family`, or paratrain's own family ("paratrain:<preset>")."""
+    if family.startswith("paratrain:"):
+        from paratrain.models import build_model
+
+        torch.manual_seed(3)
+        return build_model(family.removeprefix("paratrain:"), **overrides)
+    return tiny_hf(family, **overrides)
+
+
+def _transformers_copy(engine, model, directory: str):
+    """The engine's model as transformers loads it (collective): what save_pretrained writes, or for paratrain's
+    Llama (no saved-model format of its own) a LlamaForCausalLM of its shape given its full state dict, whose
+    names are transformers'."""
     import transformers
 
-    model = tiny_hf(family, **overrides)
+    if not hasattr(model, "generation_config") and type(model).__name__ == "Llama":
+        c = model.config
+        config = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff,
+                                          num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                                          num_key_value_heads=c.n_kv_head, rope_theta=c.rope_theta,
+                                          rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+                                          max_position_embeddings=c.seq_len)
+        reference = transformers.LlamaForCausalLM(config)
+        reference.load_state_dict(engine.full_state_dict())
+        return reference
+    if type(model).__name__ == "GPT":  # no transformers class: the one-process model, decoded without a cache
+        return _OneProcess(engine.full_state_dict(), model.config)
+    engine.save_pretrained(directory)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory)
+
+
+class _OneProcess:
+    """The single-process reference for a family transformers does not load (paratrain's GPT): a plain copy of
+    the model given the engine's full state dict, run by the decoding loop without a cache (greedy only)."""
+
+    def __init__(self, state: dict, config):
+        from paratrain.models import build_model
+
+        self.model = build_model("gpt-tiny", **{f: getattr(config, f) for f in ("n_layer", "d_model", "seq_len")})
+        self.model.load_state_dict(state)
+
+    def eval(self):
+        self.model.eval()
+        return self
+
+    def generate(self, ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id=None, do_sample=False,
+                 **_):
+        from paratrain.generation import GenerationSettings, decode
+
+        if do_sample:
+            pytest.skip("sampling is compared with transformers' (the transformers families)")
+        settings = GenerationSettings(max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                      use_cache=False)
+        forward = lambda i, p, d: self.model(i, position_ids=p, **({"documents": d} if d else {}))  # noqa: E731
+        with torch.no_grad():
+            return decode(forward, self.model, ids, attention_mask, settings)
+
+
+def _case(family: str, overrides: dict, layout: dict, directory: str) -> dict:
+    model = _model(family, overrides)
     vocab = model.config.vocab_size
     ids, mask = _prompts(vocab)
+    hf_config = getattr(model, "generation_config", None)
+    eos = hf_config.eos_token_id if hf_config is not None else None  # transformers stops a row there (Llama: 2)
     engine, *_ = paratrain.initialize(model=model, config=_config(layout))
-    eos = model.generation_config.eos_token_id  # transformers stops a row there (Llama's config: 2)
     ours = lambda **kw: engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0,  # noqa: E731
                                         eos_token_id=eos, **kw).cpu()
     engine.comm_stats(reset=True)
@@ -63,14 +121,14 @@ def _case(family: str, overrides: dict, layout: dict, directory: str) -> dict:
     gathers = engine.comm_stats(by_tag=True).get("dp", {}).get("all_gather", {}).get("param", {}).get("calls", 0)
     units = len(getattr(engine.grad_sync, "units", [])) + 1
     uncached, sampled = ours(use_cache=False), _sample(ours)
+    reference = _transformers_copy(engine, model, f"{directory}/before")
     _train(engine, vocab)
     after, after_uncached = ours(), ours(use_cache=False)
-    engine.save_pretrained(directory)
-    reference = tiny_hf(family, **overrides)
-    trained = transformers.AutoModelForCausalLM.from_pretrained(directory)
-    theirs = lambda m, **kw: _hf_generate(m, ids, mask, **kw)  # noqa: E731
+    trained = _transformers_copy(engine, model, f"{directory}/after")
+    theirs = lambda m, **kw: _hf_generate(m, ids, mask, eos_token_id=eos, **kw)  # noqa: E731
     want_before, want_after = theirs(reference), theirs(trained)
-    want_sampled = _sample(lambda **kw: theirs(reference, top_k=0, **kw))
+    want_sampled = sampled if isinstance(reference, _OneProcess) else \
+        _sample(lambda **kw: theirs(reference, top_k=0, **kw))
     return {"before": torch.equal(before, want_before), "uncached": torch.equal(uncached, want_before),
             "after": torch.equal(after, want_after), "after_uncached": torch.equal(after_uncached, want_after),
             "sampled": torch.equal(sampled, want_sampled), "trained": not torch.equal(want_after, want_before),
@@ -91,6 +149,11 @@ TWO_RANKS = {
     "pp2_1f1b": ("llama", {}, {"pipeline": {"stages": 2, "schedule": "1f1b"}}),
     "pp2_zbv": ("llama", LLAMA4, {"pipeline": {"stages": 2, "schedule": "zb-v"}}),
     "ep2_mixtral": ("mixtral", {}, {"expert_parallel": {"size": 2}}),
+    # a sliding window shorter than the prompts (transformers masks by cache position, as the core does)
+    "ddp2_mistral_window3": ("mistral", {"sliding_window": 3}, {}),
+    # paratrain's own families: the Llama (RoPE, GQA) and the GPT (a learned position table) in their tp layouts
+    "tp2_paratrain_llama": ("paratrain:llama-tiny", {}, {"tensor_parallel": {"size": 2}}),
+    "zero3_paratrain_gpt": ("paratrain:gpt-tiny", {}, ZERO3),
 }
 
 
