@@ -43,6 +43,8 @@ log = logging.getLogger("paratrain")
 # The step reporter's scalars under the names transformers' Trainer gives them, for the experiment trackers;
 # the others are train/<name> (train/grad_norm, train/loss_scale, train/moe_aux_loss, ...).
 TRACKER_NAMES = {"train_loss": "train/loss", "lr": "train/learning_rate"}
+
+
 def setup_logging(rank: int) -> logging.Logger:
     """Give the `paratrain` logger a stdout handler on rank 0 unless the application configured one."""
     if not log.handlers and not logging.getLogger().handlers:
