@@ -25,7 +25,7 @@ from paratrain.config.schema import Config
 # anything else is an error, so nobody gets a silent difference from DeepSpeed.
 DEEPSPEED_UNSUPPORTED = {
     "amp", "flops_profiler", "comms_logger", "autotuning", "elasticity", "compression_training",
-    "sparse_attention", "data_efficiency", "curriculum_learning", "aio", "nebula", "wandb",
+    "sparse_attention", "data_efficiency", "curriculum_learning", "aio", "nebula",
     "comet", "quantize_training", "eigenvalue", "progressive_layer_drop", "hybrid_engine",
     "data_types", "communication_data_type", "seq_parallel_communication_data_type",
     "sparse_gradients", "dump_state", "memory_breakdown", "disable_allgather", "zero_force_ds_cpu_optimizer",

@@ -1,5 +1,5 @@
-"""Config sections of what a run writes and how it talks: monitors, communication logging, checkpoints, the
-trainer's outputs."""
+"""Config sections of what a run writes and how it talks: monitors, experiment trackers, communication logging,
+checkpoints, the trainer's outputs."""
 
 from __future__ import annotations
 
@@ -27,6 +27,38 @@ class CsvMonitorConfig(Section):
     output_path: str = ""
     """Directory that gets the job_name folder ("" = the working directory), as in DeepSpeed."""
     job_name: str = "DeepSpeedJobName"
+
+
+class WandbConfig(Section):
+    """A Weights & Biases run (DeepSpeed's `wandb` keys, plus mode and dir; needs wandb: paratrain[tracking])."""
+
+    enabled: bool = False
+    team: str | None = None
+    """The W&B entity (team or user) the run belongs to, as in DeepSpeed; None: your default entity."""
+    group: str | None = None
+    """A W&B group that gathers related runs (e.g. the runs of one sweep)."""
+    project: str = "deepspeed"
+    """The W&B project (DeepSpeed's default name)."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """"offline" writes the run under `dir` with no network (`wandb sync` uploads it later); None: the
+    WANDB_MODE environment variable, else "online" (wandb's own default)."""
+    dir: str | None = None
+    """Directory that gets the `wandb/` run folders; None: the WANDB_DIR environment variable, else the
+    working directory."""
+
+
+class MlflowConfig(Section):
+    """An MLflow run (needs mlflow: paratrain[tracking]): metrics per optimizer step, the config as params."""
+
+    enabled: bool = False
+    tracking_uri: str | None = None
+    """Where runs are stored: a local path or file: URI (a file store, e.g. "file:./mlruns"), "sqlite:///x.db",
+    or a tracking server's http(s) URL; None: the MLFLOW_TRACKING_URI environment variable, else mlflow's
+    default."""
+    experiment_name: str | None = None
+    """The experiment the run goes to (created when missing); None: MLFLOW_EXPERIMENT_NAME, else "Default"."""
+    run_name: str | None = None
+    """The run's name in the MLflow UI; None: a generated one."""
 
 
 class CommConfig(Section):

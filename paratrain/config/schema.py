@@ -16,8 +16,10 @@ from paratrain.config.outputs import (
     CheckpointConfig,
     CommConfig,
     CsvMonitorConfig,
+    MlflowConfig,
     TensorboardConfig,
     TrainerConfig,
+    WandbConfig,
 )
 from paratrain.config.parallel import (
     ActivationCheckpointingConfig,
@@ -102,6 +104,8 @@ class Config(Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)

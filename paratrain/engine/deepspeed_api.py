@@ -35,6 +35,7 @@ class DeepSpeedEngineAPI:
     loss_scaler: LossScaler | None
     grad_sync: object
     parallel: object
+    monitor: object  # paratrain.engine.monitor.Monitor
     device: torch.device
     _grad_norm: torch.Tensor | None
     _step_applied: bool
@@ -234,6 +235,12 @@ class DeepSpeedEngineAPI:
         called, every step does (one all-reduce and host copy per step: the hot path otherwise reads nothing)."""
         self._reporter.wants_routing = True
         return self._reporter.routing
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Send named values, e.g. {"eval/loss": 3.1}, to every enabled monitor and tracker (TensorBoard, CSV,
+        W&B, MLflow) at optimizer step `step` (default: the current global_steps). Call it on every rank;
+        rank 0 writes. Trackers then hold evaluation beside the training curves (docs/evaluation.md)."""
+        self.monitor.log_metrics(metrics, self.global_steps if step is None else step)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The complete, unsharded state dict under the original names, on every rank (collective)."""

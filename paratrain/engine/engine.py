@@ -111,10 +111,8 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self._window_loss: torch.Tensor | None = None  # the last window's global token mean
         self._times: dict[str, float] = defaultdict(float)
         self._step_applied = False
-        self._reporter = StepReporter(MonitorSettings(config.tensorboard, config.csv_monitor, config.steps_per_print,
-                                                      config.wall_clock_breakdown, config.fp16.enabled),
-                                      mesh.rank, self.module, mesh.axis("dp_cp"))  # (+ MoE routing)
-        self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled)
+        self._reporter = StepReporter(MonitorSettings.of(config), mesh.rank, self.module, mesh.axis("dp_cp"))
+        self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled, close)
         self._check_train_batch = BatchChecker(config.batch_check, "training")
         self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")
         self.auto_resumed: tuple[str, dict] | None = None  # (path, client_state) when initialize() resumed
@@ -295,7 +293,9 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
 
     def destroy(self) -> None:
         """Free the engine's process groups (DeepSpeed's engine.destroy releases its resources likewise).
-        Collective: call on every rank once it has finished with this engine; afterwards it cannot train."""
+        Collective: call on every rank once it has finished with this engine; afterwards it cannot train.
+        The monitors close too (the W&B / MLflow runs finish)."""
+        self.monitor.close()
         self.mesh.destroy()
         self.destroyed = True
 

@@ -1,10 +1,15 @@
-"""What users see while a job runs: DeepSpeed-style log lines and metric events (TensorBoard, CSV).
+"""What users see while a job runs: DeepSpeed-style log lines and metric events (TensorBoard, CSV, W&B, MLflow).
 
 DeepSpeed's config keys drive it: `steps_per_print` (a log line every N optimizer steps),
 `wall_clock_breakdown` (forward/backward/step/comm-wait times in that line), `tensorboard {enabled,
 output_path, job_name}` and `csv_monitor {enabled, output_path, job_name}` (one event per optimizer step:
 Train/Samples/train_loss, lr, grad_norm, loss_scale, with wall_clock_breakdown the elapsed_time_ms_* of the
-step; the x-axis is the number of samples trained, as DeepSpeed's). Only global rank 0 writes.
+step; the x-axis is the number of samples trained, as DeepSpeed's; `monitor_files.py`). The experiment
+trackers, `wandb {enabled, team, group, project, mode, dir}` and `mlflow {enabled, tracking_uri,
+experiment_name, run_name}` (`trackers.py`), get the same step's values under transformers' Trainer names
+(train/loss, train/learning_rate, train/grad_norm, train/loss_scale, train/<other>, and train/samples) over
+the optimizer step, and the resolved config. `engine.log_metrics` sends more (eval/loss) to every backend.
+Only global rank 0 writes; a backend that fails is warned about once and dropped: it never stops training.
 
 A model with `paratrain.moe.MoELayer`s adds its routing of each optimizer step (`paratrain/moe/stats.py`,
 summed over the data x context-parallel ranks): `moe_dropped_fraction`, `moe_aux_loss`, `moe_z_loss`,
@@ -14,21 +19,30 @@ layer's tokens per expert as one JSON line per step in the CSV monitor's `moe_to
 
 from __future__ import annotations
 
-import csv
-import json
+import contextlib
 import logging
 import resource
 import sys
 import time
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from paratrain.config.outputs import CsvMonitorConfig, TensorboardConfig
+from paratrain.config import Config
+from paratrain.config.outputs import CsvMonitorConfig, MlflowConfig, TensorboardConfig, WandbConfig
+from paratrain.engine.monitor_files import CsvMonitor, TensorBoardMonitor
+from paratrain.engine.trackers import MlflowTracker, WandbTracker
+from paratrain.errors import InvalidValueError
 from paratrain.moe.stats import RoutingStep, moe_layers, reduce_routing, take_routing
 
 log = logging.getLogger("paratrain")
+
+# The step reporter's scalars under the names transformers' Trainer gives them, for the experiment trackers;
+# the others are train/<name> (train/grad_norm, train/loss_scale, train/moe_aux_loss, ...).
+TRACKER_NAMES = {"train_loss": "train/loss", "lr": "train/learning_rate"}
 
 
 def setup_logging(rank: int) -> logging.Logger:
@@ -47,110 +61,117 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class _TensorBoard:
-    def __init__(self, directory: Path):
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-        self.writer = SummaryWriter(log_dir=str(directory))
-
-    def write(self, events: list[tuple[str, float, int]]) -> None:
-        for name, value, step in events:
-            self.writer.add_scalar(name, value, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _Csv:
-    """One CSV file per metric, as DeepSpeed's csv_monitor writes them: step,value."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
-        self._files: dict[str, tuple] = {}
-        self._routing = None  # moe_tokens.jsonl, opened at the first MoE step
-
-    def write(self, events: list[tuple[str, float, int]]) -> None:
-        for name, value, step in events:
-            if name not in self._files:
-                # DeepSpeed's naming: Train/Samples/lr -> Train_Samples_lr.csv with the header "step,lr"
-                # Appended to, as DeepSpeed does, so a resumed job continues its curves.
-                path = self.directory / (name.replace("/", "_").replace(" ", "_") + ".csv")
-                fresh = not path.exists() or path.stat().st_size == 0
-                handle = path.open("a", newline="")
-                writer = csv.writer(handle)
-                if fresh:
-                    writer.writerow(["step", name.split("/")[-1]])
-                self._files[name] = (handle, writer)
-            handle, writer = self._files[name]
-            writer.writerow([step, value])
-            handle.flush()
-
-    def write_routing(self, step: int, samples: int, routing: RoutingStep) -> None:
-        """One line per optimizer step: {step, samples, tokens: {layer: per-expert}, dropped: {layer: n}}."""
-        if self._routing is None:  # appended to, like the CSV files
-            self._routing = (self.directory / "moe_tokens.jsonl").open("a")
-        row = routing.row()
-        self._routing.write(json.dumps({"step": step, "samples": samples, "tokens": row["moe_tokens"],
-                                        "dropped": row["moe_dropped"]}) + "\n")
-        self._routing.flush()
-
-    def close(self) -> None:
-        for handle, _ in self._files.values():
-            handle.close()
-        if self._routing is not None:
-            self._routing.close()
-
-
 class Monitor:
-    """Fan-out of per-step events to the enabled backends (none unless configured; rank 0 only)."""
+    """Fan-out of metrics to the enabled backends (none unless configured; rank 0 only). A backend that cannot
+    start, or raises while writing, is warned about once by name and dropped: monitoring never stops training."""
 
-    def __init__(self, tensorboard, csv_monitor, rank: int):
-        self.backends = []
+    def __init__(self, tensorboard: TensorboardConfig, csv_monitor: CsvMonitorConfig, rank: int,
+                 wandb: WandbConfig | None = None, mlflow: MlflowConfig | None = None,
+                 run_config: Callable[[], dict] | None = None):
+        self.backends: list = []
+        self._closer: weakref.finalize | None = None
+        self.enabled = False  # DeepSpeed's monitor.enabled: some backend started here (it stays so after close)
         if rank != 0:
             return
+        run_config = run_config or dict  # read only when a tracker starts
         # DeepSpeed's placement: output_path/job_name, relative to the working directory ("" = here).
         if tensorboard.enabled:
-            directory = Path(tensorboard.output_path) / tensorboard.job_name
-            try:
-                self.backends.append(_TensorBoard(directory))
-            except ImportError:
-                log.warning("tensorboard.enabled is true but the tensorboard package is not installed "
-                            "(pip install tensorboard); metrics go to the other monitors only")
+            self._start("tensorboard", lambda: TensorBoardMonitor(Path(tensorboard.output_path) / tensorboard.job_name))
         if csv_monitor.enabled:
-            self.backends.append(_Csv(Path(csv_monitor.output_path) / csv_monitor.job_name))
+            self._start("csv_monitor", lambda: CsvMonitor(Path(csv_monitor.output_path) / csv_monitor.job_name))
+        if wandb is not None and wandb.enabled:
+            self._start("wandb", lambda: WandbTracker(wandb, run_config()))
+        if mlflow is not None and mlflow.enabled:
+            self._start("mlflow", lambda: MlflowTracker(mlflow, run_config()))
+        self.enabled = bool(self.backends)
+        if self.enabled:  # closed (files flushed, the W&B / MLflow runs finished) by close(), else at exit
+            self._closer = weakref.finalize(self, _close_all, self.backends)
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.backends)
+    def _start(self, name: str, make: Callable) -> None:
+        try:
+            self.backends.append(make())
+        except ImportError as error:
+            log.warning("%s.enabled is true but the %s package cannot be imported (%s); install it with `pip install "
+                        "%s`; metrics go to the other monitors only", name, name, error, name)
+        except Exception as error:  # any failure of a monitor: training goes on without it
+            log.warning("%s could not start (%s: %s); training continues without it", name,
+                        type(error).__name__, error)
 
     def write_events(self, events: list[tuple[str, float, int]]) -> None:
-        """(name, value, step) tuples, as DeepSpeed's engine.monitor.write_events takes them."""
-        for backend in self.backends:
-            backend.write(events)
+        """(name, value, step) tuples, as DeepSpeed's engine.monitor.write_events takes them; trackers get each
+        step's values at that step."""
+        _each(self.backends, lambda backend: backend.write(events))
+
+    def write_step(self, scalars: dict[str, float], samples: int, step: int) -> None:
+        """One optimizer step's scalars: DeepSpeed's events (Train/Samples/<name>, x = samples trained) to the
+        file monitors, transformers' names at the optimizer step (and train/samples) to the trackers."""
+        events = [(f"Train/Samples/{name}", value, samples) for name, value in scalars.items()]
+        metrics = {TRACKER_NAMES.get(name, f"train/{name}"): value for name, value in scalars.items()}
+        metrics["train/samples"] = samples
+        _each(self.backends, lambda backend: backend.log_metrics(metrics, step) if backend.tracker
+              else backend.write(events))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Named values at an optimizer step (eval/loss, ...) to every backend: trackers at that step, the file
+        monitors as events `(name, value, step)`. Checked on every rank, so a bad value fails the same everywhere."""
+        numbers = {}
+        for name, value in metrics.items():
+            try:
+                numbers[name] = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                raise InvalidValueError(f"log_metrics: {name!r} is {value!r}, not a number; pass floats, ints or "
+                                        f"one-element tensors") from None
+        _each(self.backends, lambda backend: backend.log_metrics(numbers, step))
 
     def write_routing(self, step: int, samples: int, routing: RoutingStep) -> None:
         """Every MoE layer's tokens per expert (the CSV monitor's moe_tokens.jsonl)."""
-        for backend in self.backends:
-            if hasattr(backend, "write_routing"):
-                backend.write_routing(step, samples, routing)
+        _each([b for b in self.backends if hasattr(b, "write_routing")],
+              lambda backend: backend.write_routing(step, samples, routing), self.backends)
 
     def close(self) -> None:
-        for backend in self.backends:
-            backend.close()
+        """Flush and close every backend (finish the runs); later writes are dropped. Safe to call twice."""
+        if self._closer is not None:
+            self._closer()
+
+
+def _each(backends: list, call: Callable, owner: list | None = None) -> None:
+    """`call(backend)` for each backend; one that raises is warned about once and dropped from `owner`."""
+    owner = backends if owner is None else owner
+    for backend in list(backends):
+        try:
+            call(backend)
+        except Exception as error:  # a monitor never stops training
+            owner.remove(backend)
+            log.warning("%s failed (%s: %s) and is dropped; training continues without it", backend.name,
+                        type(error).__name__, error)
+            with contextlib.suppress(Exception):  # it has failed once already; its one warning is out
+                backend.close()  # keep what it has written so far
+
+
+def _close_all(backends: list) -> None:
+    _each(backends, lambda backend: backend.close())
+    backends.clear()
 
 
 @dataclass(frozen=True)
 class MonitorSettings:
-    """What the step reporter reads: DeepSpeed's monitor sections, steps_per_print, wall_clock_breakdown, and
-    whether fp16 loss scaling runs (its scale goes into the log line)."""
+    """What the step reporter reads: DeepSpeed's monitor sections, the trackers' sections and the config they
+    record (read when one starts), steps_per_print, wall_clock_breakdown, and whether fp16 loss scaling runs (its
+    scale goes into the log line)."""
 
     tensorboard: TensorboardConfig
     csv_monitor: CsvMonitorConfig
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     fp16: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    run_config: Callable[[], dict] = dict
+
+    @classmethod
+    def of(cls, config: Config) -> MonitorSettings:
+        return cls(config.tensorboard, config.csv_monitor, config.steps_per_print, config.wall_clock_breakdown,
+                   config.fp16.enabled, config.wandb, config.mlflow, lambda: config.model_dump(mode="json"))
 
 
 class StepReporter:
@@ -174,7 +195,8 @@ class StepReporter:
         self._moe = (module, axis) if module is not None and moe_layers(module) else None
         self.routing: RoutingStep | None = None
         self.wants_routing = False
-        self.monitor = Monitor(settings.tensorboard, settings.csv_monitor, rank)
+        self.monitor = Monitor(settings.tensorboard, settings.csv_monitor, rank, settings.wandb, settings.mlflow,
+                               settings.run_config)
         self.every = settings.steps_per_print
         self.breakdown = settings.wall_clock_breakdown
         self.fp16 = settings.fp16
@@ -196,7 +218,7 @@ class StepReporter:
             if self.monitor.enabled or print_step or self.wants_routing:
                 self.routing = reduce_routing(totals, self._moe[1])
         if self.monitor.enabled:
-            self.monitor.write_events(self._events(engine, times))
+            self.monitor.write_step(self._scalars(engine, times), engine.global_samples, engine.global_steps)
             if self.routing is not None:
                 self.monitor.write_routing(engine.global_steps, engine.global_samples, self.routing)
         self._step_times = times
@@ -204,23 +226,24 @@ class StepReporter:
         if self.rank0 and print_step:
             log.info(self._line(engine, times))
 
-    def _events(self, engine, times: dict[str, float]) -> list[tuple[str, float, int]]:
-        x = engine.global_samples
-        events = []
+    def _scalars(self, engine, times: dict[str, float]) -> dict[str, float]:
+        """The step's values by DeepSpeed's event names (Train/Samples/<name>); `Monitor.write_step` names
+        them for each backend."""
+        scalars = {}
         if self._losses:
-            events.append(("Train/Samples/train_loss", float(torch.stack(self._losses).float().mean()), x))
+            scalars["train_loss"] = float(torch.stack(self._losses).float().mean())
             self._losses.clear()
-        events.append(("Train/Samples/lr", engine.get_lr()[0], x))
+        scalars["lr"] = engine.get_lr()[0]
         if engine.get_global_grad_norm() is not None:
-            events.append(("Train/Samples/grad_norm", engine.get_global_grad_norm(), x))
+            scalars["grad_norm"] = engine.get_global_grad_norm()
         if self.fp16:
-            events.append(("Train/Samples/loss_scale", engine.loss_scale(), x))
+            scalars["loss_scale"] = engine.loss_scale()
         if self.breakdown:
             for phase, seconds in _delta(times, self._step_times).items():
-                events.append((f"Train/Samples/elapsed_time_ms_{phase}", seconds * 1000.0, x))
+                scalars[f"elapsed_time_ms_{phase}"] = seconds * 1000.0
         if self.routing is not None:
-            events += [(f"Train/Samples/{name}", value, x) for name, value in self.routing.scalars().items()]
-        return events
+            scalars |= self.routing.scalars()
+        return scalars
 
     def _line(self, engine, times: dict[str, float]) -> str:
         now, n = time.perf_counter(), max(self._steps_since_print, 1)

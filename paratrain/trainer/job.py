@@ -40,6 +40,9 @@ from paratrain.trainer.inputs import (
     validation_loader,
 )
 
+# A row's values that every monitor and tracker gets too (engine.log_metrics), by transformers' Trainer names.
+TRACKED = {"tokens_per_s": "train/tokens_per_s", "epoch": "train/epoch", "val_loss": "eval/loss"}
+
 
 class MetricsWriter:
     """Rank 0 appends one JSON line and one CSV row per step; both files are flushed as they grow.
@@ -206,6 +209,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
         model["data"]["train"] = loader.data_summary()
     redirect.close()
     metrics.close()
+    engine.monitor.close()  # flushed; the W&B / MLflow runs finish
     _finish(engine, out, steps, done)
     if save_pretrained:  # a directory transformers (or peft, for an adapter) loads (collective)
         engine.save_pretrained(save_pretrained, merged=cfg.trainer.save_merged)
@@ -240,6 +244,7 @@ def _run_steps(engine, loader: TimedLoader, val_data, steps: range, tokens_per_s
         row = _step(engine, loader, val_data, step, steps[-1], tokens_per_step)
         rows.append({k: row[k] for k in ("loss", "val_loss", "padding_fraction", "loader_wait_s") if k in row})
         metrics.write(row)
+        engine.log_metrics({name: row[key] for key, name in TRACKED.items() if row.get(key) is not None})
         if save_pretrained and every and step % every == 0 and step != steps[-1]:
             engine.save_pretrained(save_pretrained, merged=engine.config.trainer.save_merged)  # collective
         if bar is not None:

@@ -56,8 +56,10 @@ def test_deprecated_and_refused_precision_keys():
     with pytest.raises(ConfigError, match="fp16.fp16_master_weights_and_grads.*paratrain keeps the master"):
         load_config({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
     load_config({"csv_monitor": {"enabled": True, "output_path": "x", "job_name": "y"}})
-    with pytest.raises(ConfigError, match="'wandb' is a DeepSpeed feature paratrain does not support"):
-        load_config({"wandb": {"enabled": True}})
+    wandb = load_config({"wandb": {"enabled": True, "team": "t", "group": "g", "project": "p"}}).wandb
+    assert (wandb.enabled, wandb.team, wandb.group, wandb.project) == (True, "t", "g", "p")  # DeepSpeed's keys
+    with pytest.raises(ConfigError, match="'comet' is a DeepSpeed feature paratrain does not support"):
+        load_config({"comet": {"enabled": True}})
 
 
 @pytest.mark.parametrize("owner, table", [
