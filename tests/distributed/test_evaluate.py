@@ -76,3 +76,22 @@ def test_evaluate_is_one_process_token_weighted_loss_in_every_layout(world2):
         assert rel_diff(rank0["got"], rank0["want"]) < 1e-6, (rank0["case"], rank0["got"], rank0["want"])
         assert rank0["training"] and rank1["training"], rank0["case"]  # back in training mode
     assert len(per_rank[0]) == len(LAYOUTS) * 4
+
+
+def _train_until_stopped(run_dir: str) -> dict:
+    from paratrain.trainer import train
+
+    return train({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}, "pipeline": {"stages": 2},
+                  "trainer": {"model": "gpt-tiny", "steps": 10, "eval_every": 1, "eval_batches": 3,
+                              "eval_at_start": True, "early_stopping": {"patience": 2}, "run_dir": run_dir,
+                              "progress_bar": False,
+                              "model_overrides": {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16}}})
+
+
+def test_every_pipeline_stage_stops_at_the_same_step(world2, tmp_path):
+    # lr 0: no validation loss improves on step 0's; both stages must stop after step 2 (a stage that trained
+    # on alone would wait in its next send for ever)
+    summaries = world2.run(_train_until_stopped, str(tmp_path))
+    assert [s["stopped_early_at"] for s in summaries] == [2, 2]
+    assert summaries[0]["best_val_step"] == 0 and summaries[0]["best_val_loss"] == summaries[1]["best_val_loss"]

@@ -93,3 +93,25 @@ def test_early_stopping_config_errors_name_the_fields(trainer, names):
     with pytest.raises(ConfigError) as error:
         load_config({"trainer": trainer})
     assert all(name in str(error.value) for name in names), str(error.value)
+
+
+def test_eval_batches_zero_evaluates_every_validation_row(tmp_path):
+    import torch
+
+    from paratrain.data import TokenWindows
+    from paratrain.models import GPT
+    from paratrain.trainer import train
+    from paratrain.trainer.inputs import split_validation
+
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog; " * 60)  # 2700 bytes: 16 validation windows
+    train({**_config(tmp_path, lr=0.0, steps=1, eval_batches=0, eval_at_start=True, text=str(text)), "seed": 5})
+    rows = _rows(tmp_path)
+    torch.manual_seed(5)  # the job seeds its model with the config's seed
+    model = GPT("gpt-tiny", **TINY).eval()
+    _, val_ids = split_validation(torch.frombuffer(bytearray(text.read_bytes()), dtype=torch.uint8).long())
+    windows = TokenWindows(val_ids, TINY["seq_len"])
+    with torch.no_grad():  # every window has seq_len targets: the token mean is the mean of the windows' means
+        want = sum(float(model(*[t.unsqueeze(0) for t in windows[i]])) for i in range(len(windows))) / len(windows)
+    assert len(windows) > 2 * 2  # more than eval_batches 2 (of 2 rows) would take: the count matters
+    assert rows[0]["step"] == 0 and rows[0]["val_loss"] == pytest.approx(want, rel=1e-6)
