@@ -112,6 +112,16 @@ class CheckpointConfig(Section):
         return self
 
 
+class EarlyStoppingConfig(Section):
+    """Stop `paratrain train` when the validation loss stops improving (needs trainer.eval_every > 0 and a
+    validation set; docs/evaluation.md)."""
+
+    patience: int = Field(3, ge=1)
+    """Evaluations in a row without an improvement after which the run stops."""
+    min_delta: float = Field(0.0, ge=0.0)
+    """An evaluation improves when its loss is lower than the best so far by more than this."""
+
+
 class TrainerConfig(Section):
     """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
 
@@ -129,7 +139,13 @@ class TrainerConfig(Section):
     """Optimizer steps to train."""
     eval_every: int = Field(100, ge=0)
     """Validation loss every N steps (and at the end); 0 disables."""
-    eval_batches: int = Field(4, ge=1)
+    eval_batches: int = Field(4, ge=0)
+    """Validation micro-batches per data-parallel rank at each evaluation; 0: every validation row (the exact
+    token-weighted loss over the whole set, `engine.evaluate`)."""
+    eval_at_start: bool = False
+    """Also evaluate before the first step: a metrics row with step 0 and val_loss."""
+    early_stopping: EarlyStoppingConfig | None = None
+    """Stop when the validation loss has not improved for `patience` evaluations in a row; absent: never."""
     run_dir: str = "runs/latest"
     """Where config.json, metrics.jsonl/.csv and summary.json go."""
     save_pretrained: str | None = None
@@ -141,3 +157,11 @@ class TrainerConfig(Section):
     save_pretrained_every: int = Field(0, ge=0)
     """Also write save_pretrained every N steps (0: only at the end)."""
     progress_bar: bool = True
+
+    @model_validator(mode="after")
+    def _early_stopping_evaluates(self) -> TrainerConfig:
+        if self.early_stopping is not None and not self.eval_every:
+            raise InvalidValueError("trainer.early_stopping decides on validation losses, but trainer.eval_every "
+                                    "is 0 (no evaluation); set trainer.eval_every to N > 0, or remove "
+                                    "trainer.early_stopping")
+        return self

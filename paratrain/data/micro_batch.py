@@ -100,7 +100,9 @@ def as_micro_batch(args: tuple, kwargs: dict) -> MicroBatch | None:
     host = on_host(ids, targets, labels, *(v for v in kwargs.values() if isinstance(v, torch.Tensor)))
     with host_reads() if host else nullcontext():
         if targets is not None and targets.numel():
-            refuse_if((targets == ids).all(), host, lambda: _unshifted(ids))
+            # a row of one repeated token ("----", real text has them) is its own shift: not a sign of unshifted
+            # targets, so only rows with two different tokens can show it
+            refuse_if((targets == ids).all() & (ids != ids[..., :1]).any(), host, lambda: _unshifted(ids))
         if labels is not None:
             targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # position t predicts token t + 1
         batch = MicroBatch(ids, targets, labels_form=labels is not None, labels=labels)

@@ -292,9 +292,8 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self.config.train_batch_size = steps * self.train_micro_batch_size_per_gpu() * self.dp_world_size
 
     def destroy(self) -> None:
-        """Free the engine's process groups (DeepSpeed's engine.destroy releases its resources likewise).
-        Collective: call on every rank once it has finished with this engine; afterwards it cannot train.
-        The monitors close too (the W&B / MLflow runs finish)."""
+        """Free the engine's process groups and close its monitors (the W&B / MLflow runs finish), as DeepSpeed's
+        engine.destroy releases its resources. Collective: call on every rank; afterwards it cannot train."""
         self.monitor.close()
         self.mesh.destroy()
         self.destroyed = True

@@ -1,13 +1,30 @@
 """The engine's evaluation and its means over ranks: `eval_batch` (DeepSpeed's PipelineEngine signature) runs
 micro-batches without updating and returns the loss averaged over every rank's target tokens (token-weighted)
-or over the ranks' means. A mixin of `Engine`, which owns everything used here."""
+or over the ranks' means; `evaluate` does the same over a whole dataset, each rank reading its data-parallel
+share. A mixin of `Engine`, which owns everything used here.
+
+[Note: an exact mean over a dataset whose rows do not divide among the ranks]
+Every rank must run the same number of forwards (ZeRO-3 gathers, tensor-parallel reductions and a pipeline's
+schedule are collectives), but N rows rarely divide into micro_batch x dp. Instead of dropping the tail,
+the missing rows are masked copies of a real row (every label -100): they run through the model and add no
+target token, so the token-weighted mean is sum(token losses of the N rows) / (their target tokens), the
+number one process computes over the same rows. Ranks agree on how many micro-batches are left with one
+all-reduce of a count per round, so an iterable whose ranks hold unequal shares is padded the same way.
+"""
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 
 import paratrain.comm as comm
+from paratrain.data.batch_check import BatchChecker
+from paratrain.data.datasets import default_collate
+from paratrain.data.micro_batch import IGNORE
 from paratrain.engine.deepspeed_api import check_eval_arguments
+from paratrain.errors import InvalidValueError
 
 
 class Evaluation:
@@ -52,3 +69,94 @@ class Evaluation:
         axis = self.mesh.axis("dp_cp")
         comm.all_reduce(value, axis, tag="metrics")
         return value / axis.size
+
+    @torch.no_grad()
+    def evaluate(self, data, max_batches: int | None = None) -> torch.Tensor:
+        """The loss over a whole dataset without updating: sum of every target token's loss / number of target
+        tokens over all rows (one process's number, in every layout; see the note). `data`: rows (a map-style
+        Dataset or a list: each rank takes its data-parallel share, micro_batch rows at a time, the tail padded
+        with masked rows) or an iterable of this rank's micro-batches (a DataLoader). `max_batches`: at most
+        this many micro-batches per rank. The model returns to the mode it was in."""
+        if max_batches is not None and max_batches < 1:
+            raise InvalidValueError(f"engine.evaluate(max_batches={max_batches}): pass a positive number of "
+                                    f"micro-batches per rank, or None for the whole dataset")
+        with self._together():
+            was_training, checker = self.module.training, self._check_eval_batch
+            # a dataset's micro-batches are compared with its own first one, not with another dataset's
+            self._check_eval_batch = BatchChecker(self.config.batch_check, "evaluation")
+            self.module.eval()
+            try:
+                return self._evaluate(self._rank_share(data), max_batches)
+            finally:
+                self.module.train(was_training)
+                self._check_eval_batch = checker
+
+    def _rank_share(self, data):
+        """This rank's micro-batches: rows split as the training sampler splits them (micro-step j of dp rank r
+        takes rows [(j·dp + r)·micro, ... + micro)), or the iterable as given."""
+        if not _is_rows(data):
+            return iter(data)
+        if len(data) == 0:
+            raise InvalidValueError("engine.evaluate got a dataset of 0 rows; pass at least one row")
+        micro, dp, rank = self.train_micro_batch_size_per_gpu(), self.mesh.size("dp"), self.mesh.local_rank("dp")
+        rounds = math.ceil(len(data) / (micro * dp))
+        return (default_collate([data[i] if i < len(data) else _masked(data[0])
+                                 for i in range((j * dp + rank) * micro, (j * dp + rank + 1) * micro)])
+                for j in range(rounds))
+
+    def _evaluate(self, batches, max_batches: int | None) -> torch.Tensor:
+        """Rounds of micro-batches (a pipeline's: one schedule of gradient_accumulation_steps of them) until
+        every rank's share is spent; a rank with fewer runs masked copies (the note)."""
+        round_size = self.gradient_accumulation_steps() if self.pipeline is not None else 1
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, weight)
+        weighted, template, taken = False, None, 0
+        while max_batches is None or taken < max_batches:
+            want = round_size if max_batches is None else min(round_size, max_batches - taken)
+            own = list(itertools.islice(batches, want))
+            template = template if template is not None or not own else own[0]
+            most = torch.tensor([len(own)], dtype=torch.int64)
+            comm.all_reduce(most, self.mesh.world, op="max", tag="metrics")
+            if int(most) == 0:
+                break
+            if template is None:
+                raise InvalidValueError("engine.evaluate: this rank's data gave no micro-batch while another "
+                                        "rank's did; give every rank at least one micro-batch (or pass rows)")
+            padded = own + [_masked(template)] * ((round_size if self.pipeline is not None else int(most)) - len(own))
+            part, token = self._evaluate_round(padded)
+            sums += part
+            weighted |= token
+            taken += want
+        return self._mean_of(sums, weighted)
+
+    def _evaluate_round(self, batches: list) -> tuple[torch.Tensor, bool]:
+        """(loss sum, weight) of one round on this rank, and whether it is token-weighted."""
+        if self.pipeline is not None:
+            losses = self.pipeline.eval_step([self._pipeline_batch(b, self._check_eval_batch) for b in batches])
+            part = torch.stack([losses.total, losses.weight]).to(self.device, torch.float64)
+            return part, losses.token_weighted
+        part = torch.zeros(2, dtype=torch.float64, device=self.device)
+        token = False
+        for batch in batches:
+            loss = self._run_micro_batch(batch)
+            micro, self._last_batch = self._last_batch, None
+            one, token = self._window.evaluate(loss, micro)
+            # a micro-batch of masked rows has no target: some models' mean over none is NaN (0 / 0)
+            part += torch.where(one[1] > 0, one, torch.zeros_like(one)) if token else one
+        return part, token
+
+
+def _is_rows(data) -> bool:
+    """Rows (indexable and sized), not an iterable of micro-batches (a DataLoader has no __getitem__)."""
+    return hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, dict)
+
+
+def _masked(sample):
+    """A copy of a row or micro-batch whose every target is ignored (labels / targets -100)."""
+    if isinstance(sample, dict) and ("labels" in sample or "targets" in sample):
+        return {k: torch.full_like(v, IGNORE) if k in ("labels", "targets") else v for k, v in sample.items()}
+    if isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[1], torch.Tensor):
+        return type(sample)((sample[0], torch.full_like(sample[1], IGNORE)))
+    raise InvalidValueError(f"engine.evaluate pads the ranks' shares with masked rows, which needs token data: a "
+                            f"dict with labels or targets, or a pair (inputs, targets); got "
+                            f"{type(sample).__name__}. Give rows in one of those forms, or a row count that is a "
+                            f"multiple of micro_batch x dp")

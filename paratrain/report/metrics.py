@@ -3,7 +3,8 @@
 metrics.jsonl (written by `paratrain train` on rank 0) has one row per optimizer step: loss, lr, grad norm,
 step time, tokens/s, model-state bytes, comm bytes and counts per axis/op, sometimes val_loss, and every
 `steps_per_print` steps every rank's model-state bytes and peak RSS; an MoE model's rows add `moe_tokens`
-({layer: tokens per expert}), `moe_dropped` and the moe_* scalars. summary.json adds the layout.
+({layer: tokens per expert}), `moe_dropped` and the moe_* scalars. A row without a loss is an evaluation before
+the first step (step 0, trainer.eval_at_start). summary.json adds the layout and an early stop.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def _spread(values: list[int]) -> str:
     return _bytes(low) if low == high else f"{_bytes(low)} to {_bytes(high)}"
 
 
-def summarize(rows: list[dict], summary: dict, pictures: list[Path]) -> str:
-    """The text summary: layout, loss, speed, memory and communication, in a few lines of markdown."""
+def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations: list[dict] = ()) -> str:
+    """The text summary: layout, loss, speed, memory and communication, in a few lines of markdown.
+    `evaluations`: the rows of evaluations outside a training step (step 0)."""
     from paratrain.report.plots import comm_per_axis
 
     lines = [f"# Run summary: {summary.get('run_dir', '')}".rstrip(), ""]
@@ -60,6 +62,11 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path]) -> str:
     val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     lines.append(f"- loss {rows[0]['loss']:.4f} (step 1) -> {rows[-1]['loss']:.4f} (step {rows[-1]['step']})"
                  + (f", last validation loss {val[-1]:.4f}" if val else ""))
+    for row in evaluations:
+        lines.append(f"- validation loss {row['val_loss']:.4f} at step {row['step']} (before training)")
+    if summary.get("stopped_early_at") is not None:
+        lines.append(f"- stopped early at step {summary['stopped_early_at']}: the validation loss stopped improving "
+                     f"(best {summary['best_val_loss']:.4f} at step {summary['best_val_step']})")
     times = [r["step_time_s"] for r in rows]
     lines.append(f"- speed: median step {statistics.median(times) * 1000:.1f} ms, median "
                  f"{statistics.median(r['tokens_per_s'] for r in rows):,.0f} tokens/s (timings are wall clock on "
@@ -137,6 +144,8 @@ def metrics_report(run_dir: Path) -> str | None:
     if not source.is_file():
         return None
     rows = load_rows(source)
+    evaluations = [r for r in rows if "loss" not in r]  # step 0: validation before training
+    rows = [r for r in rows if "loss" in r]
     if not rows:
         raise ReportError(f"{source} is empty: the run stopped before its first step")
     if importlib.util.find_spec("matplotlib") is None:
@@ -144,7 +153,8 @@ def metrics_report(run_dir: Path) -> str | None:
     from paratrain.report import plots
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    pictures = [plots.plot_loss(rows, run_dir / "loss.png"), plots.plot_throughput(rows, run_dir / "throughput.png")]
+    pictures = [plots.plot_loss(rows, run_dir / "loss.png", evaluations),
+                plots.plot_throughput(rows, run_dir / "throughput.png")]
     last = next((r for r in reversed(rows) if "state_bytes_per_rank" in r), None)
     state = last["state_bytes_per_rank"] if last else [rows[-1]["state_bytes"]]
     pictures.append(plots.plot_memory(state, last.get("peak_rss_per_rank") if last else None,
@@ -155,6 +165,6 @@ def metrics_report(run_dir: Path) -> str | None:
     for extra in (plots.plot_moe_tokens(rows, run_dir / "moe_tokens.png"), plots.plot_data(rows, run_dir / "data.png")):
         if extra is not None:
             pictures.append(extra)
-    text = summarize(rows, summary, pictures)
+    text = summarize(rows, summary, pictures, evaluations)
     (run_dir / "summary.md").write_text(text + "\n")
     return text

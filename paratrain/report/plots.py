@@ -33,11 +33,13 @@ def _rolling_median(values: list[float], window: int) -> list[float]:
     return [statistics.median(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
 
 
-def plot_loss(rows: list[dict], path: Path) -> Path:
+def plot_loss(rows: list[dict], path: Path, evaluations: list[dict] = ()) -> Path:
+    """`evaluations`: rows with a validation loss and no training step (step 0 of trainer.eval_at_start)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2, label="training loss (global batch)")
-    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in sorted([*evaluations, *rows], key=lambda r: r["step"])
+           if r.get("val_loss") is not None]
     if val:
         ax.plot(*zip(*val), "o-", color="tab:red", ms=4, label="validation loss")
     ax.set(xlabel="optimizer step", ylabel="loss", title="Loss")

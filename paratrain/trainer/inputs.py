@@ -1,6 +1,6 @@
 """What the built-in job trains on (`job.py`): the model (a preset, or a Hugging Face directory's weights), the
-corpus or a text file as token ids, or the `data` section's rows; the validation loader; and the training
-loader timed per draw (the step's wait for data)."""
+corpus or a text file as token ids, or the `data` section's rows; and the training loader timed per
+draw (the step's wait for data). Validation runs through `engine.evaluate`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import ConfigError
-from paratrain.data import DataParallelLoader, DataParallelSampler, corpus_text
+from paratrain.data import corpus_text
 from paratrain.data.job import job_data
 from paratrain.models.hf.pretrained import build_empty, load_tokenizer
 
@@ -77,13 +77,6 @@ def corpus_ids(text: str, model_dir: Path | None, vocab: int) -> torch.Tensor:
                           f"directory the corpus is bytes, which needs vocab_size >= 256; add the model's tokenizer "
                           f"to the directory")
     return ids
-
-
-def validation_loader(engine, val_data) -> DataParallelLoader:
-    """The same validation batches at every evaluation."""
-    return DataParallelLoader(val_data, DataParallelSampler(
-        len(val_data), engine.train_micro_batch_size_per_gpu(), engine.mesh.size("dp"),
-        engine.mesh.local_rank("dp"), seed=engine.config.seed, shuffle=False))
 
 
 class TimedLoader:

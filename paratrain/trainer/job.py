@@ -5,13 +5,14 @@ It writes a run directory: `config.json` (resolved), `metrics.jsonl` and `metric
 MoE model's rows add the moe_* scalars and, in metrics.jsonl, `moe_tokens` {layer: tokens per expert}; every
 row has the step's epoch, sample ids and `loader_wait_s`, a data job's its `padding_fraction` too),
 `summary.json`, and with pipeline.stages > 1 `timeline.json` (the last step's actions per rank, for
-`paratrain report`). Rank 0 shows a progress bar with loss, tokens/s, model-state memory and comm bytes/step.
+`paratrain report`). Rank 0 shows a progress bar with loss, tokens/s, model-state memory, comm bytes/step and
+the time left. Rows carry `eta_s`; evaluations add `val_loss` (`engine.evaluate`), trainer.eval_at_start a
+row of step 0, and trainer.early_stopping may end the run early (docs/evaluation.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from paratrain.data import (
 from paratrain.distributed import init_distributed
 from paratrain.engine.monitor import peak_rss_bytes
 from paratrain.models import build_model
+from paratrain.trainer.early_stop import ValidationTracker
 from paratrain.trainer.inputs import (
     TimedLoader,
     check_validation_size,
@@ -37,51 +39,11 @@ from paratrain.trainer.inputs import (
     pretrained_model,
     split_validation,
     trainer_text,
-    validation_loader,
 )
+from paratrain.trainer.metrics_writer import MetricsWriter
 
 # A row's values that every monitor and tracker gets too (engine.log_metrics), by transformers' Trainer names.
 TRACKED = {"tokens_per_s": "train/tokens_per_s", "epoch": "train/epoch", "val_loss": "eval/loss"}
-
-
-class MetricsWriter:
-    """Rank 0 appends one JSON line and one CSV row per step; both files are flushed as they grow.
-
-    A run resumed from a checkpoint at step k keeps the rows of steps 1..k (`kept`) and rewrites the rest, so
-    the files read as one uninterrupted run.
-    """
-
-    def __init__(self, run_dir: Path, enabled: bool, resumed_at: int = 0):
-        self.enabled = enabled
-        self._csv = None
-        self.kept: list[dict] = []
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            path = run_dir / "metrics.jsonl"
-            if resumed_at and path.is_file():
-                rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-                self.kept = [r for r in rows if r["step"] <= resumed_at]
-            self._jsonl = path.open("w")
-            self._csv_file = (run_dir / "metrics.csv").open("w", newline="")
-            for row in self.kept:
-                self.write(row)
-
-    def write(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
-        flat = {k: v for k, v in row.items() if not isinstance(v, (list, dict))}
-        if self._csv is None:
-            self._csv = csv.DictWriter(self._csv_file, fieldnames=list(flat), extrasaction="ignore")
-            self._csv.writeheader()
-        self._csv.writerow(flat)
-        self._csv_file.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._csv_file.close()
 
 
 def _progress(total: int, enabled: bool, stack: contextlib.ExitStack):
@@ -97,6 +59,12 @@ def _progress(total: int, enabled: bool, stack: contextlib.ExitStack):
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}MiB"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _start(cfg, run_dir: str | None):
@@ -125,6 +93,10 @@ def _start(cfg, run_dir: str | None):
     out = Path(run_dir or t.run_dir)
     if not cfg.comm.report_dir:  # hang reports land next to the metrics
         cfg.comm.report_dir = str(out)
+    if val_data is None and (t.early_stopping is not None or t.eval_at_start):
+        key = "trainer.early_stopping" if t.early_stopping is not None else "trainer.eval_at_start"
+        raise ConfigError(f"{key} needs validation rows, but data.train = '{cfg.data.train}' has no data.validation; "
+                          f"set data.validation to a file of validation records, or remove {key}")
     engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
     check_validation_size(engine, val_data)
     if engine.global_rank == 0:
@@ -154,9 +126,7 @@ def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_p
     if routing is not None:
         row.update(routing.row())
     if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == steps):
-        val = validation_loader(engine, val_data)
-        row["val_loss"] = float(engine.eval_batch(val, num_micro_batches=t.eval_batches))
-        engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
+        row["val_loss"] = _validation_loss(engine, val_data)
     if step % cfg.steps_per_print == 0 or step == steps:
         # Every rank's model-state bytes and peak RSS (a small all-gather, counted under the "metrics" tag).
         per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
@@ -164,6 +134,15 @@ def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_p
         row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
         engine.comm_stats(reset=True)
     return row
+
+
+def _validation_loss(engine, val_data) -> float:
+    """The token-weighted loss over trainer.eval_batches micro-batches per dp rank (0: every row); the same
+    rows each time, the same number on every rank."""
+    batches = engine.config.trainer.eval_batches
+    loss = float(engine.evaluate(val_data, max_batches=batches or None))
+    engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
+    return loss
 
 
 def _finish(engine, out: Path, steps: int, done: int) -> None:
@@ -186,7 +165,8 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     save_pretrained = save_pretrained or cfg.trainer.save_pretrained
     engine, loader, val_data, out, model = _start(cfg, run_dir)
     rank0 = engine.global_rank == 0
-    metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps)
+    validating = val_data is not None and (cfg.trainer.eval_every > 0 or cfg.trainer.eval_at_start)
+    metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps, columns=("val_loss",) if validating else ())
     tokens_per_step = engine.train_batch_size() * model["seq_len"]
     redirect = contextlib.ExitStack()
     done = engine.global_steps  # > 0 when initialize() resumed from a checkpoint (checkpoint.auto_resume)
@@ -196,9 +176,10 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     engine.comm_stats(reset=True)
     timed = TimedLoader(loader)
     start = time.perf_counter()
+    tracker = ValidationTracker(cfg.trainer.early_stopping)
     try:
         rows = _run_steps(engine, timed, val_data, range(done + 1, steps + 1), tokens_per_step, metrics, bar,
-                          save_pretrained)
+                          save_pretrained, tracker)
     finally:
         if hasattr(loader, "stream"):  # data.streaming: stop making rows, end the tokenizer workers
             loader.close()
@@ -210,15 +191,18 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     redirect.close()
     metrics.close()
     engine.monitor.close()  # flushed; the W&B / MLflow runs finish
-    _finish(engine, out, steps, done)
+    trained = [r for r in rows if "loss" in r]  # step 0's row (eval_at_start) has no training loss
+    last = trained[-1]["step"] if trained else done  # before `steps` when early stopping ended the run
+    _finish(engine, out, last, done)
     if save_pretrained:  # a directory transformers (or peft, for an adapter) loads (collective)
         engine.save_pretrained(save_pretrained, merged=cfg.trainer.save_merged)
     counts = engine.parameter_counts()  # (collective)
     total = time.perf_counter() - start
     val_losses = [r["val_loss"] for r in rows if "val_loss" in r]
-    summary = {"steps": steps, "first_loss": rows[0]["loss"] if rows else None,
-               "last_loss": rows[-1]["loss"] if rows else None, "val_loss": val_losses[-1] if val_losses else None,
-               "resumed_at": done, "tokens_per_s": (steps - done) * tokens_per_step / max(total, 1e-9),
+    summary = {"steps": last, "first_loss": trained[0]["loss"] if trained else None,
+               "last_loss": trained[-1]["loss"] if trained else None,
+               "val_loss": val_losses[-1] if val_losses else None, **tracker.summary(),
+               "resumed_at": done, "tokens_per_s": (last - done) * tokens_per_step / max(total, 1e-9),
                "wall_s": total, "world_size": engine.world_size, "layout": engine.mesh.dims.describe(),
                "params": model["params"], "trainable_params": counts["trainable"],
                "frozen_params": counts["frozen"], "run_dir": str(out)}
@@ -234,25 +218,50 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
 
 
 def _run_steps(engine, loader: TimedLoader, val_data, steps: range, tokens_per_step: int, metrics: MetricsWriter,
-               bar, save_pretrained: str | None) -> list[dict]:
-    """Train `steps`, writing each step's metrics row and advancing the progress bar; the rows' loss, validation
-    loss, padding and loader wait, the kept rows of a resumed run first."""
+               bar, save_pretrained: str | None, tracker: ValidationTracker) -> list[dict]:
+    """Train `steps` (fewer when early stopping ends the run), writing each step's metrics row and advancing
+    the progress bar; the rows' step, loss, validation loss, padding and loader wait, the kept rows of a
+    resumed run first (their validation losses replayed into the tracker, so patience survives a restart)."""
     rows = list(metrics.kept)
-    every = engine.config.trainer.save_pretrained_every
+    for kept in rows:
+        if "val_loss" in kept:
+            tracker.observe(kept["step"], kept["val_loss"])
+    t = engine.config.trainer
+    if t.eval_at_start and steps.start == 1 and val_data is not None:  # before the first step, not on resume
+        row = {"step": 0, "val_loss": _validation_loss(engine, val_data)}
+        tracker.observe(0, row["val_loss"])
+        rows.append(row)
+        metrics.write(row)
+        engine.log_metrics({"eval/loss": row["val_loss"]}, step=0)
     engine.moe_routing()  # every row carries its step's routing: each step reduces it (MoE models only)
-    for step in steps:
+    start = time.perf_counter()
+    for step in steps if tracker.stopped_at is None else ():
         row = _step(engine, loader, val_data, step, steps[-1], tokens_per_step)
-        rows.append({k: row[k] for k in ("loss", "val_loss", "padding_fraction", "loader_wait_s") if k in row})
+        # the wall time per step of this run so far (evaluations and data waits included) x the steps left
+        row["eta_s"] = (steps[-1] - step) * (time.perf_counter() - start) / (step - steps.start + 1)
+        keep = ("step", "loss", "val_loss", "padding_fraction", "loader_wait_s")
+        rows.append({k: row[k] for k in keep if k in row})
         metrics.write(row)
         engine.log_metrics({name: row[key] for key, name in TRACKED.items() if row.get(key) is not None})
-        if save_pretrained and every and step % every == 0 and step != steps[-1]:
-            engine.save_pretrained(save_pretrained, merged=engine.config.trainer.save_merged)  # collective
-        if bar is not None:
-            padding = {"pad": f"{row['padding_fraction']:.0%}"} if "padding_fraction" in row else {}
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", **padding,
-                            state=_mib(row["state_bytes"]), comm=f"{_mib(row['comm_bytes'])}/step", refresh=False)
-            bar.update(1)
+        stop = "val_loss" in row and tracker.observe(step, row["val_loss"])  # the same on every rank
+        if save_pretrained and t.save_pretrained_every and step % t.save_pretrained_every == 0 \
+                and step != steps[-1] and not stop:
+            engine.save_pretrained(save_pretrained, merged=t.save_merged)  # collective
+        _show(bar, row)
+        if stop:
+            break
     return rows
+
+
+def _show(bar, row: dict) -> None:
+    """The step on rank 0's progress bar."""
+    if bar is None:
+        return
+    padding = {"pad": f"{row['padding_fraction']:.0%}"} if "padding_fraction" in row else {}
+    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", **padding,
+                    state=_mib(row["state_bytes"]), comm=f"{_mib(row['comm_bytes'])}/step",
+                    eta=_duration(row["eta_s"]), refresh=False)
+    bar.update(1)
 
 
 def _mean(values) -> float | None:
@@ -264,6 +273,9 @@ def _report(summary: dict, out: Path) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     val, done = summary["val_loss"], summary["resumed_at"]
     validation = f", validation {val:.3f}" if val is not None else ""
+    if summary["stopped_early_at"] is not None:
+        validation += (f", stopped early at step {summary['stopped_early_at']} (best validation "
+                       f"{summary['best_val_loss']:.3f} at step {summary['best_val_step']})")
     resumed = f" (resumed at step {done})" if done else ""
     losses = f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}" if summary["last_loss"] is not None else "-"
     print(f"trained {summary['steps']} steps{resumed} on {summary['world_size']} process(es) [{summary['layout']}]: "

@@ -44,6 +44,8 @@ def test_packed_documents_from_position_resets_and_from_boundaries():
 def test_bad_token_data_is_named():
     with pytest.raises(MicroBatchError, match=r"targets equal the inputs token for token .* already shifted"):
         as_micro_batch((IDS, IDS.clone()), {})
+    dashes = torch.full((2, 6), 45)  # rows of one repeated token (the corpus has "-----" and "*****" lines)
+    assert torch.equal(as_micro_batch((dashes, dashes.clone()), {}).targets, dashes)  # correctly shifted
     with pytest.raises(MicroBatchError, match=r"attention_mask row 1 is neither right- nor left-padding: its real "
                                               r"tokens are at positions 0\.\.1, 4\.\.5 of 6"):
         as_micro_batch((), {"input_ids": IDS.repeat(2, 1),
