@@ -122,6 +122,17 @@ class EarlyStoppingConfig(Section):
     """An evaluation improves when its loss is lower than the best so far by more than this."""
 
 
+class SamplesConfig(Section):
+    """Sample generations at each evaluation of `paratrain train` (docs/evaluation.md): the model's greedy
+    answer to each prompt, in metrics.jsonl and `paratrain report`."""
+
+    prompts: list[str | dict[str, Any]] = Field(min_length=1)
+    """Records of the data format (chat: {"messages": [...]}, rendered with the chat template and its generation
+    prompt; prompt_completion: {"prompt": ...}; text: {"text": ...}) or plain strings (chat: one user turn)."""
+    max_new_tokens: int = Field(32, ge=1)
+    """Tokens generated per prompt at most (a row stops at the tokenizer's end-of-sequence token)."""
+
+
 class TrainerConfig(Section):
     """Settings of the built-in `paratrain train` job (GPT on the embedded corpus)."""
 
@@ -146,6 +157,8 @@ class TrainerConfig(Section):
     """Also evaluate before the first step: a metrics row with step 0 and val_loss."""
     early_stopping: EarlyStoppingConfig | None = None
     """Stop when the validation loss has not improved for `patience` evaluations in a row; absent: never."""
+    samples: SamplesConfig | None = None
+    """Prompts the model answers at each evaluation (and at step 0 with eval_at_start); absent: none."""
     run_dir: str = "runs/latest"
     """Where config.json, metrics.jsonl/.csv and summary.json go."""
     save_pretrained: str | None = None

@@ -86,7 +86,7 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations
     if per_axis:
         parts = ", ".join(f"{axis} {_bytes(statistics.median(v))}" for axis, v in sorted(per_axis.items()))
         lines.append(f"- communication per step on rank 0 (median): {parts}")
-    for extra in (moe_summary(rows), data_summary(rows, summary)):
+    for extra in (moe_summary(rows), data_summary(rows, summary), samples_summary([*evaluations, *rows])):
         if extra:
             lines.append(extra)
     lines += ["", "Pictures: " + ", ".join(p.name for p in pictures)]
@@ -115,6 +115,23 @@ def moe_summary(rows: list[dict]) -> str | None:
     return (f"- MoE routing ({len(layers)} layers x {'/'.join(map(str, sorted(experts)))} experts, {len(rows)} steps): "
             f"most loaded expert {e_high} of {l_high} ({high:.2f}x its layer's mean), least loaded expert {e_low} "
             f"of {l_low} ({low:.2f}x); {dropped / routed if routed else 0.0:.2%} of the routed choices dropped")
+
+
+def samples_summary(rows: list[dict]) -> str | None:
+    """trainer.samples: each prompt's answer at the first and the last evaluation that generated (before and
+    after fine-tuning); None without generations."""
+    generated = [r for r in rows if r.get("generations")]
+    if not generated:
+        return None
+    first, last = generated[0], generated[-1]
+    lines = [f"- sample generations (greedy) at step {first['step']}"
+             + (f" and step {last['step']}:" if last is not first else ":")]
+    for i, sample in enumerate(first["generations"]):
+        lines.append(f"  - prompt {json.dumps(sample['prompt'][-200:])}")
+        lines.append(f"    - step {first['step']}: {json.dumps(sample['completion'])}")
+        if last is not first:
+            lines.append(f"    - step {last['step']}: {json.dumps(last['generations'][i]['completion'])}")
+    return "\n".join(lines)
 
 
 def data_summary(rows: list[dict], summary: dict) -> str | None:

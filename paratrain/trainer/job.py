@@ -27,6 +27,7 @@ from paratrain.data import (
     TokenWindows,
     corpus_fingerprint,
 )
+from paratrain.data.tokenizer import load_tokenizer
 from paratrain.distributed import init_distributed
 from paratrain.engine.monitor import peak_rss_bytes
 from paratrain.models import build_model
@@ -41,9 +42,11 @@ from paratrain.trainer.inputs import (
     trainer_text,
 )
 from paratrain.trainer.metrics_writer import MetricsWriter
+from paratrain.trainer.samples import Evaluator
 
 # A row's values that every monitor and tracker gets too (engine.log_metrics), by transformers' Trainer names.
-TRACKED = {"tokens_per_s": "train/tokens_per_s", "epoch": "train/epoch", "val_loss": "eval/loss"}
+TRACKED = {"tokens_per_s": "train/tokens_per_s", "epoch": "train/epoch", "val_loss": "eval/loss",
+           "eta_s": "train/eta_s", "step_time_s": "train/step_time_s", "state_bytes": "train/model_state_bytes"}
 
 
 def _progress(total: int, enabled: bool, stack: contextlib.ExitStack):
@@ -93,19 +96,26 @@ def _start(cfg, run_dir: str | None):
     out = Path(run_dir or t.run_dir)
     if not cfg.comm.report_dir:  # hang reports land next to the metrics
         cfg.comm.report_dir = str(out)
-    if val_data is None and (t.early_stopping is not None or t.eval_at_start):
-        key = "trainer.early_stopping" if t.early_stopping is not None else "trainer.eval_at_start"
+    needs_validation = [key for key, on in (("trainer.early_stopping", t.early_stopping is not None),
+                                            ("trainer.eval_at_start", t.eval_at_start),
+                                            ("trainer.samples", t.samples is not None)) if on]
+    if val_data is None and needs_validation:
+        key = needs_validation[0]
         raise ConfigError(f"{key} needs validation rows, but data.train = '{cfg.data.train}' has no data.validation; "
                           f"set data.validation to a file of validation records, or remove {key}")
     engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
     check_validation_size(engine, val_data)
+    evaluator = None if val_data is None else \
+        Evaluator(val_data, t.samples, load_tokenizer(model_dir) if t.samples else None,
+                  cfg.data.format if cfg.data.train else "text", cfg.data.fields, info["seq_len"], vocab)
     if engine.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(engine.config.model_dump(mode="json"), indent=2))
-    return engine, loader, val_data, out, info
+    return engine, loader, evaluator, out, info
 
 
-def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_per_step: int) -> dict:
+def _step(engine, loader: TimedLoader, evaluator: Evaluator | None, step: int, steps: int,
+          tokens_per_step: int) -> dict:
     """Train one step and return its metrics row (validation and per-rank memory when due)."""
     cfg, t = engine.config, engine.config.trainer
     epoch, samples = loader.next_global_batch()
@@ -125,8 +135,8 @@ def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_p
     routing = engine.moe_routing()  # MoE: the step's routing over dp x cp (every step reduces it: _run_steps)
     if routing is not None:
         row.update(routing.row())
-    if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == steps):
-        row["val_loss"] = _validation_loss(engine, val_data)
+    if evaluator is not None and t.eval_every and (step % t.eval_every == 0 or step == steps):
+        row.update(evaluator(engine))  # val_loss, and the sample generations
     if step % cfg.steps_per_print == 0 or step == steps:
         # Every rank's model-state bytes and peak RSS (a small all-gather, counted under the "metrics" tag).
         per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
@@ -134,15 +144,6 @@ def _step(engine, loader: TimedLoader, val_data, step: int, steps: int, tokens_p
         row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
         engine.comm_stats(reset=True)
     return row
-
-
-def _validation_loss(engine, val_data) -> float:
-    """The token-weighted loss over trainer.eval_batches micro-batches per dp rank (0: every row); the same
-    rows each time, the same number on every rank."""
-    batches = engine.config.trainer.eval_batches
-    loss = float(engine.evaluate(val_data, max_batches=batches or None))
-    engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's
-    return loss
 
 
 def _finish(engine, out: Path, steps: int, done: int) -> None:
@@ -163,9 +164,9 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     init_distributed(timeout=cfg.comm.timeout_s)
     steps = steps or cfg.trainer.steps
     save_pretrained = save_pretrained or cfg.trainer.save_pretrained
-    engine, loader, val_data, out, model = _start(cfg, run_dir)
+    engine, loader, evaluator, out, model = _start(cfg, run_dir)
     rank0 = engine.global_rank == 0
-    validating = val_data is not None and (cfg.trainer.eval_every > 0 or cfg.trainer.eval_at_start)
+    validating = evaluator is not None and (cfg.trainer.eval_every > 0 or cfg.trainer.eval_at_start)
     metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps, columns=("val_loss",) if validating else ())
     tokens_per_step = engine.train_batch_size() * model["seq_len"]
     redirect = contextlib.ExitStack()
@@ -178,7 +179,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     start = time.perf_counter()
     tracker = ValidationTracker(cfg.trainer.early_stopping)
     try:
-        rows = _run_steps(engine, timed, val_data, range(done + 1, steps + 1), tokens_per_step, metrics, bar,
+        rows = _run_steps(engine, timed, evaluator, range(done + 1, steps + 1), tokens_per_step, metrics, bar,
                           save_pretrained, tracker)
     finally:
         if hasattr(loader, "stream"):  # data.streaming: stop making rows, end the tokenizer workers
@@ -217,8 +218,8 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     return summary
 
 
-def _run_steps(engine, loader: TimedLoader, val_data, steps: range, tokens_per_step: int, metrics: MetricsWriter,
-               bar, save_pretrained: str | None, tracker: ValidationTracker) -> list[dict]:
+def _run_steps(engine, loader: TimedLoader, evaluator: Evaluator | None, steps: range, tokens_per_step: int,
+               metrics: MetricsWriter, bar, save_pretrained: str | None, tracker: ValidationTracker) -> list[dict]:
     """Train `steps` (fewer when early stopping ends the run), writing each step's metrics row and advancing
     the progress bar; the rows' step, loss, validation loss, padding and loader wait, the kept rows of a
     resumed run first (their validation losses replayed into the tracker, so patience survives a restart)."""
@@ -227,8 +228,8 @@ def _run_steps(engine, loader: TimedLoader, val_data, steps: range, tokens_per_s
         if "val_loss" in kept:
             tracker.observe(kept["step"], kept["val_loss"])
     t = engine.config.trainer
-    if t.eval_at_start and steps.start == 1 and val_data is not None:  # before the first step, not on resume
-        row = {"step": 0, "val_loss": _validation_loss(engine, val_data)}
+    if t.eval_at_start and steps.start == 1 and evaluator is not None:  # before the first step, not on resume
+        row = {"step": 0, **evaluator(engine)}
         tracker.observe(0, row["val_loss"])
         rows.append(row)
         metrics.write(row)
@@ -236,7 +237,7 @@ def _run_steps(engine, loader: TimedLoader, val_data, steps: range, tokens_per_s
     engine.moe_routing()  # every row carries its step's routing: each step reduces it (MoE models only)
     start = time.perf_counter()
     for step in steps if tracker.stopped_at is None else ():
-        row = _step(engine, loader, val_data, step, steps[-1], tokens_per_step)
+        row = _step(engine, loader, evaluator, step, steps[-1], tokens_per_step)
         # the wall time per step of this run so far (evaluations and data waits included) x the steps left
         row["eta_s"] = (steps[-1] - step) * (time.perf_counter() - start) / (step - steps.start + 1)
         keep = ("step", "loss", "val_loss", "padding_fraction", "loader_wait_s")

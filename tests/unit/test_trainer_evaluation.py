@@ -115,3 +115,39 @@ def test_eval_batches_zero_evaluates_every_validation_row(tmp_path):
         want = sum(float(model(*[t.unsqueeze(0) for t in windows[i]])) for i in range(len(windows))) / len(windows)
     assert len(windows) > 2 * 2  # more than eval_batches 2 (of 2 rows) would take: the count matters
     assert rows[0]["step"] == 0 and rows[0]["val_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_samples_are_generated_at_each_evaluation_and_the_report_shows_them(tmp_path):
+    from paratrain.report import build_report
+    from paratrain.trainer import train
+
+    prompts = ["The ", {"text": "Once upon a"}]
+    train(_config(tmp_path, lr=3e-2, steps=4, eval_every=4, eval_at_start=True,
+                  samples={"prompts": prompts, "max_new_tokens": 6}))
+    rows = [r for r in _rows(tmp_path) if "generations" in r]
+    assert [r["step"] for r in rows] == [0, 4]  # at step 0 (eval_at_start) and at each evaluation
+    for row in rows:
+        assert [g["prompt"] for g in row["generations"]] == ["The ", "Once upon a"]
+        # byte tokens, no end-of-sequence id in a 256-token vocabulary: every answer is 6 tokens (bytes)
+        assert all(len(g["completion"].encode("utf-8", errors="surrogateescape")) <= 6 * 4 and g["completion"]
+                   for g in row["generations"])
+    before, after = ([g["completion"] for g in r["generations"]] for r in rows)
+    assert before != after  # four steps at lr 3e-2 change what the model says
+    build_report(tmp_path)
+    text = (tmp_path / "summary.md").read_text()
+    assert "- sample generations (greedy) at step 0 and step 4:" in text
+    assert json.dumps(after[1]) in text and json.dumps(before[1]) in text
+
+
+def test_sample_prompts_take_the_data_format_and_name_what_is_missing():
+    from paratrain.data.prompts import prompt_ids
+    from paratrain.data.sources import DataError
+    from paratrain.data.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    assert prompt_ids("ab", "text", tokenizer) == ("ab", [97, 98])
+    assert prompt_ids({"question": "hi"}, "prompt_completion", tokenizer, {"prompt": "question"}) == ("hi", [104, 105])
+    with pytest.raises(DataError, match="needs the field 'prompt'"):
+        prompt_ids({"text": "hi"}, "prompt_completion", tokenizer)
+    with pytest.raises(DataError, match="chat template"):  # bytes have no chat template
+        prompt_ids("hi", "chat", tokenizer)
