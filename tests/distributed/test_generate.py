@@ -165,8 +165,19 @@ def _check(results: dict) -> None:
             assert 0 < r["gathers"] <= r["units"], (name, r)  # once per unit per call, not per token
 
 
+def _refused_under_context_parallelism() -> str:
+    from paratrain.errors import RunError
+
+    engine, *_ = paratrain.initialize(model=tiny_hf("llama"), config=_config({"context_parallel": {"size": 2}}))
+    ids, mask = _prompts(engine.module.config.vocab_size)
+    with pytest.raises(RunError) as refused:
+        engine.generate(ids, attention_mask=mask)
+    return str(refused.value)
+
+
 def test_generate_equals_transformers_in_every_layout_of_two_ranks(world2, tmp_path):
     _check(world2.run(_cases, TWO_RANKS, str(tmp_path))[0])
+    assert all("context_parallel.size = 2" in message for message in world2.run(_refused_under_context_parallelism))
 
 
 EIGHT_RANKS = {
