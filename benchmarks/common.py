@@ -147,6 +147,9 @@ def check_same_setup(setups: dict[str, dict | None]) -> None:
 
 
 CURRENT_CASE = "this case"  # set by run_case in each rank of the case's world, for the refusal's message
+# When a list: Timer.measure checks the case's setup and hands its one-step function here instead of timing it
+# (benchmarks/overhead_paired.py builds two cases in one world and alternates their steps).
+STEP_SINK: list | None = None
 
 
 def run_case(name: str, fn, *args, **kwargs):
@@ -169,6 +172,9 @@ class Timer:
 
     def measure(self, steps: int, one_step) -> None:
         check_same_setup({"benchmarks.common.expected_setup()": expected_setup(), CURRENT_CASE: self.setup})
+        if STEP_SINK is not None:
+            STEP_SINK.append(one_step)
+            return
         for i in range(self.warmup + steps):
             dist.barrier()
             tic = time.perf_counter()
