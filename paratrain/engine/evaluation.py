@@ -41,19 +41,9 @@ class Evaluation:
     def _eval_batch(self, data_iter, num_micro_batches: int | None) -> torch.Tensor:
         was_training = self.module.training
         self.module.eval()
-        count = num_micro_batches or self.gradient_accumulation_steps()
         try:
-            if self.pipeline is not None:
-                return self._eval_pipeline(data_iter, count)
-            sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, weight)
-            weighted = False
-            for _ in range(count):
-                loss = self._run_micro_batch(next(data_iter))
-                batch, self._last_batch = self._last_batch, None
-                part, token = self._window.evaluate(loss, batch)
-                sums += part
-                weighted |= token
-            return self._mean_of(sums, weighted)
+            batches = [next(data_iter) for _ in range(num_micro_batches or self.gradient_accumulation_steps())]
+            return self._mean_of(*self._evaluate_round(batches))
         finally:
             self.module.train(was_training)
 

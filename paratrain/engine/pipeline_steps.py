@@ -50,8 +50,3 @@ class PipelineSteps:
                                     f"targets, optionally attention_mask, position_ids, cu_seq_lens_q), got keys "
                                     f"{sorted(batch)}")
         return to_device(batch, self.device) if token is None else token.to(self.device)
-
-    def _eval_pipeline(self, data_iter, count: int) -> torch.Tensor:
-        batches = [self._pipeline_batch(next(data_iter), self._check_eval_batch) for _ in range(count)]
-        losses = self.pipeline.eval_step(batches)
-        return self._mean_of(torch.stack([losses.total, losses.weight]).to(self.device), losses.token_weighted)
