@@ -14,6 +14,8 @@ chunk of each row, and a token-by-token decode has no chunks to split.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 import paratrain.comm as comm
@@ -44,8 +46,9 @@ class Generation:
             was_training = self.module.training
             self.module.eval()
             try:
+                logits_of = partial(self._logits_of, self._vocab_parallel_loss())  # found once per call
                 with self.grad_sync.gathered_for_inference():
-                    return decode(self._logits_of, self.module, ids, mask, settings, generator,
+                    return decode(logits_of, self.module, ids, mask, settings, generator,
                                   multiple=self._tokens_per_forward())
             finally:
                 self.module.train(was_training)
@@ -61,24 +64,27 @@ class Generation:
         tp = self.mesh.size("tp")
         return tp if tp > 1 and self.config.tensor_parallel.sequence_parallel else 1
 
-    def _logits_of(self, ids: torch.Tensor, positions: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+    def _logits_of(self, vocab_loss: VocabParallelCrossEntropy | None, ids: torch.Tensor, positions: torch.Tensor,
+                   documents: Documents | None) -> torch.Tensor:
         """The full-vocabulary logits (b, s, V) of the model in its layout, on every rank."""
+        whole = partial(_whole_vocabulary, vocab_loss)
         if self.pipeline is not None:  # the stages in order, the last one's logits on every pp rank
-            return pipeline_logits(self.pipeline, ids, positions, documents, self._whole_vocabulary)
+            return pipeline_logits(self.pipeline, ids, positions, documents, whole)
         extra = {"documents": documents} if documents is not None else {}
         logits = self.module(ids, position_ids=positions, **extra)
-        return self._whole_vocabulary(getattr(logits, "logits", logits))
-
-    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        """A vocabulary split over tp (the head feeding the vocab-parallel loss) gathered, its padding cut."""
-        loss = self._vocab_parallel_loss()
-        if loss is None:
-            return logits
-        local = logits.contiguous()
-        pieces = [torch.empty_like(local) for _ in range(loss.axis.size)]
-        comm.all_gather_list(pieces, local, loss.axis, tag="generate")
-        return torch.cat(pieces, dim=-1)[..., :loss.vocab_size]
+        return whole(getattr(logits, "logits", logits))
 
     def _vocab_parallel_loss(self) -> VocabParallelCrossEntropy | None:
+        """The vocab-parallel loss when the head's logits stay split over tp (it knows the vocabulary's size)."""
         modules = [*self.module.modules(), *([self.pipeline.loss_fn] if self.pipeline is not None else [])]
         return next((m for m in modules if isinstance(m, VocabParallelCrossEntropy)), None)
+
+
+def _whole_vocabulary(loss: VocabParallelCrossEntropy | None, logits: torch.Tensor) -> torch.Tensor:
+    """A vocabulary split over tp (the head feeding the vocab-parallel loss) gathered, its padding cut."""
+    if loss is None:
+        return logits
+    local = logits.contiguous()
+    pieces = [torch.empty_like(local) for _ in range(loss.axis.size)]
+    comm.all_gather_list(pieces, local, loss.axis, tag="generate")
+    return torch.cat(pieces, dim=-1)[..., :loss.vocab_size]

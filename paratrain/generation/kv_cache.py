@@ -31,9 +31,19 @@ class DecodeRows:
     def __init__(self, ids: torch.Tensor):
         self.ids = ids  # (b, L): -1 padding, 0 real
         self.seen = 0  # positions already in the caches (the next forward's first global index)
+        self._masks: dict = {}  # this forward's masks by window: every layer of the forward asks for the same
 
     def extend(self, ids: torch.Tensor) -> None:
         self.ids = torch.cat([self.ids, ids], dim=1)
+        self._masks = {}
+
+    def mask(self, new: int, window: int | None, device: torch.device) -> torch.Tensor:
+        """(b, 1, new, L) which cached positions the forward's `new` queries may attend (the module's note)."""
+        if window not in self._masks:
+            total = self.ids.shape[1]
+            queries = torch.arange(self.seen, self.seen + new, device=device)
+            self._masks[window] = allowed_pairs(self.ids, queries, torch.arange(total, device=device), window)
+        return self._masks[window]
 
 
 class KVCache:
@@ -48,10 +58,7 @@ class KVCache:
         """The new positions' attention over every cached position and themselves: (b, heads, s_new, d)."""
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        start, total = self.rows.seen, self.k.shape[2]
-        queries = torch.arange(start, start + q.shape[2], device=q.device)
-        keys = torch.arange(total, device=q.device)
-        mask = allowed_pairs(self.rows.ids[:, :total], queries, keys, check_window(window))
+        mask = self.rows.mask(q.shape[2], check_window(window), q.device)
         keys_all, values_all = expand_kv_heads(self.k, self.v, q.shape[1])
         return F.scaled_dot_product_attention(q, keys_all, values_all, attn_mask=mask)
 

@@ -8,6 +8,7 @@ returns the logits (b, s, V) of the given positions, whatever runs them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +93,7 @@ def decode(forward: Forward, module: nn.Module, input_ids: torch.Tensor, attenti
     eos = torch.tensor(settings.eos_ids, dtype=input_ids.dtype, device=input_ids.device)
     rows = DecodeRows(documents[:, :0])
     chunk = (input_ids, positions, documents)  # what the next forward brings (cached: only the new tokens)
-    with kv_caches(module, rows) if settings.use_cache else _no_cache():
+    with kv_caches(module, rows) if settings.use_cache else nullcontext():
         for _ in range(settings.max_new_tokens):
             ids, pos, docs = _pad_to_multiple(*chunk, multiple)
             if settings.use_cache:
@@ -114,10 +115,3 @@ def decode(forward: Forward, module: nn.Module, input_ids: torch.Tensor, attenti
             chunk = new if settings.use_cache else tuple(torch.cat([a, b], 1) for a, b in zip(chunk, new))
     return out
 
-
-class _no_cache:
-    def __enter__(self):
-        return []
-
-    def __exit__(self, *exc):
-        return False
