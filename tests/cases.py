@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from paratrain.data import TokenWindows, load_corpus
@@ -146,3 +148,14 @@ def hf_loss(model, batch) -> torch.Tensor:
     idx, targets = batch
     logits = model(input_ids=idx).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class WarningLines(logging.Handler):
+    """The warnings logged while it is attached to a logger (in a spawned rank too, where caplog is not)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cases import adamw_config, corpus_windows, import_or_skip, tiny_gpt
+from tests.cases import WarningLines, adamw_config, corpus_windows, import_or_skip, tiny_gpt
 
 # No network, no prompts, nothing printed: what a CI machine (or an air-gapped cluster) gets.
 QUIET = {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -32,15 +32,6 @@ def _environment(**values: str):
     finally:
         for name, value in before.items():
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
-
-
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def _train(config: dict, steps: int = 3, evaluation: float | None = None) -> dict:
@@ -113,7 +104,7 @@ def train_with_a_broken_csv_monitor(directory: str) -> dict:
     """csv_monitor raises on every write; MLflow beside it must still get every step."""
     from paratrain.engine.monitor_files import CsvMonitor
 
-    warnings, logger, writes = _Warnings(), logging.getLogger("paratrain"), []
+    warnings, logger, writes = WarningLines(), logging.getLogger("paratrain"), []
 
     def broken(self, events):
         writes.append(events)

@@ -14,20 +14,12 @@ from paratrain.config import load_config
 from paratrain.engine.monitor import Monitor
 from paratrain.engine.trackers import MLFLOW_MAX_PARAM_LENGTH, events_by_step, flat_params
 from paratrain.errors import InvalidValueError
-
-
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
+from tests.cases import WarningLines
 
 
 @pytest.fixture
 def warnings_logged():
-    handler, logger = _Warnings(), logging.getLogger("paratrain")
+    handler, logger = WarningLines(), logging.getLogger("paratrain")
     logger.addHandler(handler)
     yield handler.lines
     logger.removeHandler(handler)
