@@ -8,8 +8,8 @@ adapters their own tensor-parallel styles (`paratrain.parallel.tp.lora`).
 
 from paratrain.adapters.from_peft import convert_peft_model, is_peft_model
 from paratrain.adapters.inject import AdapterError, inject_adapters, matched_modules
-from paratrain.adapters.lora import LoraLinear, Magnitude, lora_layers
+from paratrain.adapters.lora import LoraLinear, Magnitude, adapters_disabled, lora_layers
 from paratrain.adapters.settings import AdapterSettings, adapter_generator
 
-__all__ = ["AdapterError", "AdapterSettings", "LoraLinear", "Magnitude", "adapter_generator", "convert_peft_model",
-           "inject_adapters", "is_peft_model", "lora_layers", "matched_modules"]
+__all__ = ["AdapterError", "AdapterSettings", "LoraLinear", "Magnitude", "adapter_generator", "adapters_disabled",
+           "convert_peft_model", "inject_adapters", "is_peft_model", "lora_layers", "matched_modules"]

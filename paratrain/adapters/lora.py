@@ -27,6 +27,7 @@ stays correct when the base is split.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -193,3 +194,16 @@ def lora_layers(module: nn.Module) -> list[tuple[str, LoraLinear]]:
     """(name, layer) of every adapter layer in `module`, in module order."""
     return [(name, m) for name, m in module.named_modules() if isinstance(m, LoraLinear)]
 
+
+
+@contextmanager
+def adapters_disabled(layers: list[LoraLinear]):
+    """Every layer computes its base alone inside (the base model: DPO's reference without a second copy)."""
+    saved = [layer.active for layer in layers]
+    for layer in layers:
+        layer.active = None
+    try:
+        yield
+    finally:
+        for layer, active in zip(layers, saved):
+            layer.active = active

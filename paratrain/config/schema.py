@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from paratrain.config.data import DataConfig
 from paratrain.config.errors import ConfigError
+from paratrain.config.objective import ObjectiveConfig
 from paratrain.config.outputs import (
     CheckpointConfig,
     CommConfig,
@@ -110,6 +111,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    """What a step trains on: next-token cross-entropy (the default), DPO and its family, GRPO's policy loss."""
     peft: PeftConfig | None = None
     """Low-rank adapters paratrain puts into the model (LoRA, DoRA); absent: the model is trained as it comes."""
 

@@ -21,20 +21,23 @@ So a padded row trains exactly as its real tokens alone, and a packed row as its
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from paratrain.attention import Documents
 from paratrain.data.host import host_reads, on_host
+from paratrain.data.objective_batch import objective_form, objective_parts
 from paratrain.data.token_layout import IGNORE, MicroBatchError, describe, is_token_tensor, refuse_if, with_layout
 from paratrain.errors import InvalidValueError
 
 KNOWN_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids", "document_ids",
               "cu_seq_lens_q", "cu_seqlens")
-__all__ = ["IGNORE", "KNOWN_KEYS", "MicroBatch", "MicroBatchError", "as_micro_batch", "loss_of_output", "split_loss"]
+__all__ = ["IGNORE", "KNOWN_KEYS", "MicroBatch", "MicroBatchError", "as_micro_batch", "batch_in_flight", "in_flight",
+           "loss_of_output", "objective_micro_batch", "split_loss"]
 
 
 @dataclass
@@ -45,6 +48,11 @@ class MicroBatch:
     documents: Documents | None = None  # whole rows; None: one document per row
     labels_form: bool = False  # given as transformers' `labels`: the caller expects an output with `.loss`
     labels: torch.Tensor | None = None  # those labels as given (unshifted), for a model that shifts them itself
+    # What an objective needs beyond the targets (`paratrain.data.objective_batch`): per-row values (b, ...), kept
+    # whole by every split, and per-target values (b, s), aligned with `targets` and split like them.
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    form: str = "tokens"  # "tokens", "preference" (chosen rows, then rejected) or "completions" (GRPO's)
 
     def valid_tokens(self) -> torch.Tensor:
         """The number of positions with a target (an int64 scalar on the batch's device; no host sync)."""
@@ -56,7 +64,9 @@ class MicroBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return replace(self, input_ids=move(self.input_ids), targets=move(self.targets),
                        position_ids=move(self.position_ids), labels=move(self.labels),
-                       documents=None if self.documents is None else self.documents.to(device))
+                       documents=None if self.documents is None else self.documents.to(device),
+                       rows={k: move(v) for k, v in self.rows.items()},
+                       tokens={k: move(v) for k, v in self.tokens.items()})
 
     def positions(self) -> torch.Tensor:
         """(b, s) positions, arange where none were given."""
@@ -75,13 +85,15 @@ class MicroBatch:
             positions = fn(torch.arange(self.input_ids.shape[1], device=self.input_ids.device).unsqueeze(0))[0]
         return replace(self, input_ids=fn(self.input_ids),
                        targets=None if self.targets is None else fn(self.targets),
-                       position_ids=positions, labels=None)
+                       position_ids=positions, labels=None, tokens={k: fn(v) for k, v in self.tokens.items()})
 
 
 def as_micro_batch(args: tuple, kwargs: dict) -> MicroBatch | None:
     """The normal form of a call `(*args, **kwargs)` or a loader's micro-batch (a tuple: args; a dict: kwargs),
     or None when it is not token data (then it goes to the model unchanged, as before). Tensors in host memory
     are checked and their layout read there (`token_layout`'s note); tensors on an accelerator are not read."""
+    if not args and objective_form(kwargs) is not None:  # TRL's collated preference or GRPO micro-batches
+        return objective_micro_batch(kwargs)
     if len(args) > 2 or any(k not in KNOWN_KEYS for k in kwargs):
         return None
     ids = args[0] if args else kwargs.get("input_ids")
@@ -107,6 +119,33 @@ def as_micro_batch(args: tuple, kwargs: dict) -> MicroBatch | None:
             targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # position t predicts token t + 1
         batch = MicroBatch(ids, targets, labels_form=labels is not None, labels=labels)
         return with_layout(batch, kwargs, host)
+
+
+_IN_FLIGHT: ContextVar[MicroBatch | None] = ContextVar("paratrain_micro_batch_in_flight", default=None)
+
+
+@contextmanager
+def in_flight(batch: MicroBatch | None):
+    """`batch` is the micro-batch whose loss is computed inside: an objective reads its other fields
+    (`batch_in_flight`) where the model hands its loss module only the logits and the targets."""
+    token = _IN_FLIGHT.set(batch)
+    try:
+        yield
+    finally:
+        _IN_FLIGHT.reset(token)
+
+
+def batch_in_flight() -> MicroBatch | None:
+    return _IN_FLIGHT.get()
+
+
+def objective_micro_batch(kwargs: dict) -> MicroBatch:
+    """TRL's collated preference or GRPO micro-batch in the normal form (`paratrain.data.objective_batch`)."""
+    parts = objective_parts(kwargs)
+    host = on_host(*(v for v in kwargs.values() if isinstance(v, torch.Tensor)))
+    with host_reads() if host else nullcontext():
+        batch = MicroBatch(parts.input_ids, parts.targets, rows=parts.rows, tokens=parts.tokens, form=parts.form)
+        return with_layout(batch, {"attention_mask": parts.attention_mask}, host)
 
 
 def _unshifted(ids: torch.Tensor) -> str:

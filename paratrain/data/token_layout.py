@@ -116,8 +116,9 @@ def _from_boundaries(bounds, ids: torch.Tensor, host: bool) -> torch.Tensor:
 
 
 def _real_tokens(mask, ids: torch.Tensor, host: bool) -> torch.Tensor | None:
-    """The attention_mask as (b, s) bool, checked to be right or left padding; None when it masks nothing (known
-    on the host only)."""
+    """The attention_mask as (b, s) bool, checked to hold one run of real tokens per row (padding on the left, the
+    right or both: a GRPO row is a left-padded prompt and a right-padded completion); None when it masks nothing
+    (known on the host only)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
@@ -132,15 +133,16 @@ def _real_tokens(mask, ids: torch.Tensor, host: bool) -> torch.Tensor | None:
     index = torch.arange(s, device=real.device)
     first = torch.where(real, index, s).min(dim=1).values
     last = torch.where(real, index, -1).max(dim=1).values
-    padding = (count > 0) & ((last - first + 1 != count) | ((first != 0) & (last != s - 1)))
+    padding = (count > 0) & (last - first + 1 != count)
 
     def message() -> str:
-        fix = ("paratrain trains rows padded on one side, or packed documents given by position_ids (restarting "
-               "at 0) or cu_seq_lens with no padding between them; fix the collator")
+        fix = ("paratrain trains rows whose real tokens are one run (padding before and after it), or packed "
+               "documents given by position_ids (restarting at 0) or cu_seq_lens with no padding between them; "
+               "fix the collator")
         if not host:
-            return f"an attention_mask row is neither right- nor left-padding: {fix}"
+            return f"an attention_mask row has padding between its real tokens: {fix}"
         row = int(padding.nonzero()[0, 0])
-        return (f"attention_mask row {row} is neither right- nor left-padding: its real tokens are at positions "
+        return (f"attention_mask row {row} has padding between its real tokens: they are at positions "
                 f"{_runs(real[row].tolist())} of {s}. {fix}")
 
     refuse_if(padding.any(), host, message)

@@ -26,7 +26,7 @@ from paratrain.adapters.tensors import adapter_tensors
 from paratrain.config import Config
 from paratrain.data.agreement import FIRST_STEPS, check_same_batches
 from paratrain.data.batch_check import BatchChecker
-from paratrain.data.micro_batch import MicroBatch, as_micro_batch, loss_of_output, split_loss
+from paratrain.data.micro_batch import MicroBatch, as_micro_batch, in_flight, loss_of_output, split_loss
 from paratrain.data.nested import to_device
 from paratrain.distributed import current_device
 from paratrain.engine.adapters import adapted_model
@@ -36,6 +36,7 @@ from paratrain.engine.evaluation import Evaluation
 from paratrain.engine.generation import Generation
 from paratrain.engine.monitor import MonitorSettings, StepReporter, setup_logging
 from paratrain.engine.muon_setup import bind_muon, muon_param_groups
+from paratrain.engine.objective_step import ObjectiveStep
 from paratrain.engine.pipeline_steps import PipelineSteps
 from paratrain.engine.setup import (
     local_param_groups,
@@ -80,6 +81,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         factory = optimizer_factory(config, optimizer)  # (its refusals come before any collective)
         groups = named_param_groups(model, model_parameters)  # by name: tensor parallelism replaces parameters
         groups = muon_param_groups(model, config, groups, optimizer)  # Muon's halves (other optimizers: as given)
+        reference_mode, reference_source = self._reference_source(model)
         self.parallel = parallelize(model, mesh, strategies_of(config), device=self.device)
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
@@ -93,6 +95,10 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         if template is not None:  # the local state is allocated, not yet written: trim before the writes peak
             return_freed_heap()
         self._fill_initial_values(template, init_fn)  # load_weights, a meta model's init; adapters without values
+        self.objective = None if reference_mode is None else ObjectiveStep.build(
+            config.objective, self.parallel, mesh, self.device, reference_mode, reference_source,
+            strategies_of(config))
+        self._objective_metrics: torch.Tensor | None = None  # the last step's reduced metric sums
         self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
         sampler = self.training_dataloader.sampler if self.training_dataloader is not None else None
@@ -116,6 +122,22 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self._check_train_batch = BatchChecker(config.batch_check, "training")
         self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")
         self.auto_resumed: tuple[str, dict] | None = None  # (path, client_state) when initialize() resumed
+
+    def _reference_source(self, model: nn.Module) -> tuple[str | None, nn.Module | None]:
+        """(where the objective's reference comes from, the frozen copy an "initial" reference is built from);
+        (None, None) for next-token cross-entropy. Taken before parallelize changes the model."""
+        settings = self.config.objective
+        if settings.type == "sft":
+            return None, None
+        mode = ObjectiveStep.reference_mode(settings, self.adapters is not None)
+        if mode != "initial":
+            return mode, None
+        if self.config.checkpoint.load_weights:
+            raise InvalidValueError("objective.reference \"initial\" copies the model as handed in, before "
+                                    "checkpoint.load_weights fills the policy: load the weights into the model "
+                                    "first (from_pretrained), or precompute the reference (objective.reference "
+                                    "\"batch\")")
+        return mode, ObjectiveStep.frozen_copy(model)
 
     # ---- state of the step ----------------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -179,8 +201,11 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
                 self.parallel.check_unsplit(inputs, kwargs)
                 return self.module(*inputs, **kwargs)
             batch = self.parallel.prepare_batch(batch)
+            if self.objective is not None:  # the reference log-probs the batch lacks, on the same split
+                self.objective.prepare(batch)
             self._last_batch = batch
-            return self.parallel.spec.call(self.module, batch)
+            with in_flight(batch):
+                return self.parallel.spec.call(self.module, batch)
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """`loss`: the forward's scalar loss, or a model's `(sum, count)`. Under the "token" reduction a loss
@@ -225,7 +250,8 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         with self._timed("comm_wait"):
             self.grad_sync.finish_gradients()
         if self._window.token_weighted:  # the one count exchange of the step (engine/token_loss.py)
-            self._window_loss, grad_scale = self._window.finish()
+            extra = self.objective.take_metrics() if self.objective is not None else None
+            self._window_loss, grad_scale, self._objective_metrics = self._window.finish(extra)
             self._reporter.record_loss(self._window_loss)
         self._window.reset()
         state = self.train_state
@@ -269,7 +295,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
             loss = self._run_micro_batch(next(data_iter))
             self.backward(loss)
             self.step()
-            if self._window_loss is None:
+            if self._window_loss is None and split_loss(loss) is None:  # (a (sum, count): the window's)
                 total += loss.detach().float()
         if self._window_loss is not None:  # token-weighted: the step's all-reduce already gave the global mean
             return self._window_loss
@@ -291,10 +317,19 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self.config.gradient_accumulation_steps = steps
         self.config.train_batch_size = steps * self.train_micro_batch_size_per_gpu() * self.dp_world_size
 
+    def objective_metrics(self) -> dict[str, float]:
+        """The last optimizer step's objective metrics over the global batch (TRL's names: rewards/chosen,
+        rewards/accuracies, clip_ratio/region_mean, kl, entropy, ...); one host read. Empty for next-token loss."""
+        if self.objective is None or self._objective_metrics is None:
+            return {}
+        return self.objective.metrics.values(self._objective_metrics)
+
     def destroy(self) -> None:
         """Free the engine's process groups and close its monitors (the W&B / MLflow runs finish), as DeepSpeed's
         engine.destroy releases its resources. Collective: call on every rank; afterwards it cannot train."""
         self.monitor.close()
+        if self.objective is not None:
+            self.objective.destroy()
         self.mesh.destroy()
         self.destroyed = True
 

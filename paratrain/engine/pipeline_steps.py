@@ -20,13 +20,15 @@ class PipelineSteps:
         count = self.gradient_accumulation_steps()
         batches = [self._pipeline_batch(next(data_iter), self._check_train_batch) for _ in range(count)]
         self._check_agreement(batches)
+        if self.objective is not None:  # the reference log-probs the batches lack: a forward-only pass first
+            self.objective.prepare_pipeline(batches)
         unit = self._window.set_unit(target_positions(batches[0]), count)
         with self._timed("pipeline"):
             losses = self.pipeline.train_step(batches, unit)
         grad_scale = 1.0
         if losses.token_weighted:  # every pp rank holds the step's sums: one count exchange over dp x cp
             self._window.add(losses.total, losses.weight)
-            mean, grad_scale = self._window.finish()
+            mean, grad_scale, self._objective_metrics = self._window.finish(losses.extra)
         else:
             mean = self._mean_over_dp(losses.mean.to(self.device))
         self._window.reset()

@@ -105,17 +105,20 @@ class LossWindow:
     def token_weighted(self) -> bool:
         return self.micro_batches > 0
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the global token mean loss, the factor the averaged gradients are multiplied by); one all-reduce
-        over the axis. Resets the window."""
+    def finish(self, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(the global mean loss, the factor the averaged gradients are multiplied by, `extra` summed over the
+        axis: an objective's metric sums ride in the same message); one all-reduce over the axis. Resets the
+        window."""
         both = torch.stack([self._sum, self._count])
+        if extra is not None:
+            both = torch.cat([both, extra.to(both.device, torch.float64)])
         comm.all_reduce(both, self.axis, tag="loss")
         total, count = both[0], both[1].clamp(min=1.0)
         grad_scale = self.axis.size / (count * self.unit)  # a device tensor: the host never reads the count
         self._sum.zero_()
         self._count.zero_()
         self.micro_batches = 0
-        return (total / count).to(torch.float32), grad_scale
+        return (total / count).to(torch.float32), grad_scale, both[2:] if extra is not None else None
 
     def reset(self) -> None:
         self._sum.zero_()

@@ -30,17 +30,17 @@ class RunRecord:
     states: list[dict[str, torch.Tensor]] | None = None  # after every step (keep_states=True)
 
 
-def global_batches(dataset, config: Config, seed: int | None = None) -> DataParallelLoader:
+def global_batches(dataset, config: Config, seed: int | None = None, collate_fn=None) -> DataParallelLoader:
     """An iterator of whole global batches, in the order the data-parallel sampler hands them out."""
     sampler = DataParallelSampler(len(dataset), config.train_batch_size, 1, 0, 1,
                                   seed=config.seed if seed is None else seed)
-    return DataParallelLoader(dataset, sampler)
+    return DataParallelLoader(dataset, sampler, collate_fn)
 
 
 def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, dataset, steps: int,
                   loss_of: Callable[[nn.Module, object], torch.Tensor] | None = None,
                   param_groups: Callable[[nn.Module], list[dict]] | None = None,
-                  keep_states: bool = False) -> RunRecord:
+                  keep_states: bool = False, collate_fn=None) -> RunRecord:
     """Train `steps` optimizer steps on one process. `config` must have train_batch_size resolved.
 
     Under bf16/fp16 the model computes in the low dtype and an fp32 master copy of every parameter (taken
@@ -48,14 +48,15 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
     textbook mixed-precision loop, which the distributed strategies must match within that dtype's
     rounding. The returned state holds the fp32 masters. `param_groups(model)` gives optimizer param
     groups (dicts of the model's parameters with options), as passed to initialize(model_parameters=...).
-    `keep_states` also records the state after every step.
+    `keep_states` also records the state after every step. `collate_fn` collates each global batch (as the
+    engine's loader collates each micro-batch).
     """
     cfg = load_config(config)
     model = make_model()
     masters, optimizer = _masters_and_optimizer(model, cfg, param_groups)
     scaler = make_loss_scaler(cfg.fp16)
     scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler is not None else None
-    batches = global_batches(dataset, cfg)
+    batches = global_batches(dataset, cfg, collate_fn=collate_fn)
     loss_of = loss_of or (lambda m, batch: m(*batch))
     autocast = autocast_context(cfg.torch_autocast.enabled, torch.device("cpu"))  # torch_autocast: fp32 model
     losses, norms, states = [], [], []

@@ -1,5 +1,6 @@
-"""Files and functions stay small enough to read whole: no file of the library or the benchmarks over 300 lines,
-no function over 60 (decorators and docstrings included)."""
+"""Files and functions stay small enough to read whole. Files are cut by concept: about 300 lines is where to ask
+whether a file holds two concepts, never a reason to cut one in two, so this test only flags the real outliers, a
+file of the library or the benchmarks over 450 lines; no function over 60 (decorators and docstrings included)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("paratrain", "benchmarks")
-MAX_FILE_LINES = 300
+MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 60
 
 
@@ -16,7 +17,7 @@ def _sources() -> list[Path]:
     return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
 
 
-def test_no_file_over_300_lines():
+def test_no_file_over_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in _sources() if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
     assert long == {}, f"split these files (lines): {long}"
 

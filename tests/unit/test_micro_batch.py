@@ -46,8 +46,8 @@ def test_bad_token_data_is_named():
         as_micro_batch((IDS, IDS.clone()), {})
     dashes = torch.full((2, 6), 45)  # rows of one repeated token (the corpus has "-----" and "*****" lines)
     assert torch.equal(as_micro_batch((dashes, dashes.clone()), {}).targets, dashes)  # correctly shifted
-    with pytest.raises(MicroBatchError, match=r"attention_mask row 1 is neither right- nor left-padding: its real "
-                                              r"tokens are at positions 0\.\.1, 4\.\.5 of 6"):
+    with pytest.raises(MicroBatchError, match=r"attention_mask row 1 has padding between its real tokens: they "
+                                              r"are at positions 0\.\.1, 4\.\.5 of 6"):
         as_micro_batch((), {"input_ids": IDS.repeat(2, 1),
                             "attention_mask": torch.tensor([[1] * 6, [1, 1, 0, 0, 1, 1]])})
     from paratrain.models.gpt.model import TokenIdError
@@ -180,8 +180,8 @@ def test_the_device_form_asserts_on_the_device_what_the_host_form_raises(monkeyp
     _device_form(monkeypatch)  # on a CPU a device-side assert raises at once, with the message
     with pytest.raises(RuntimeError, match=r"paratrain micro-batch: the targets equal the inputs token for token"):
         as_micro_batch((IDS, IDS.clone()), {})
-    with pytest.raises(RuntimeError, match=r"paratrain micro-batch: an attention_mask row is neither right- nor "
-                                           r"left-padding: paratrain trains rows padded on one side"):
+    with pytest.raises(RuntimeError, match=r"paratrain micro-batch: an attention_mask row has padding between its "
+                                           r"real tokens: paratrain trains rows whose real tokens are one run"):
         as_micro_batch((), {"input_ids": IDS.repeat(2, 1),
                             "attention_mask": torch.tensor([[1] * 6, [1, 1, 0, 0, 1, 1]])})
     with pytest.raises(RuntimeError, match=r"paratrain micro-batch: `cu_seq_lens` must be the increasing document "):

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 
 import paratrain.comm as comm
-from paratrain.data.micro_batch import MicroBatch, split_loss
+from paratrain.data.micro_batch import MicroBatch, in_flight, split_loss
 from paratrain.errors import InvalidTypeError, InvalidValueError, RunError
 from paratrain.layout.mesh import Mesh
 from paratrain.parallel.pp.module import StageModule
@@ -58,6 +59,8 @@ class PipelineRunner:
                  token_loss: bool = False, takes_documents: bool = False):
         self.module, self.mesh, self.loss_fn, self.device = module, mesh, loss_fn, device
         self.token_loss = token_loss  # loss_fn returns the mean over the targets that are not -100
+        # a step's further sums to share over pp with the losses (an objective's metrics, from the last stage)
+        self.step_extras: Callable[[], torch.Tensor] | None = None
         self.takes_documents = takes_documents  # some layer of the pipeline passes documents to attention
         self.grad_sync, self.prepare_batch, self.autocast = grad_sync, prepare_batch, autocast
         self.axis = mesh.axis("pp")
@@ -170,7 +173,8 @@ class PipelineRunner:
 
     def _step_loss(self, losses: list) -> StepLoss:
         """The step's losses on every pp rank (`step_state.agree_losses`); the kind is read in the first step."""
-        loss = agree_losses(losses, self.axis, self.device, self._token_weighted)
+        extra = self.step_extras() if self.step_extras is not None else None
+        loss = agree_losses(losses, self.axis, self.device, self._token_weighted, extra)
         self._token_weighted = loss.token_weighted
         return loss
 
@@ -234,7 +238,7 @@ class PipelineRunner:
             x = tuple(tensors) if incoming.is_tuple else tensors[0]
         out = self._run_chunk(a.stage, x, micro.batch)
         if a.stage == schedule.num_stages - 1:
-            with self.autocast():
+            with self.autocast(), in_flight(micro.batch):
                 loss = self.loss_fn(out, micro.targets)
             out = self._weighted(loss, micro, step, schedule.micro_batches)
         if step.training:

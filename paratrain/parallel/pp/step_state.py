@@ -34,6 +34,7 @@ class StepLoss:
     total: torch.Tensor
     weight: torch.Tensor
     token_weighted: bool
+    extra: torch.Tensor | None = None  # the step's further sums (`PipelineRunner.step_extras`), summed over pp
 
     @property
     def mean(self) -> torch.Tensor:
@@ -59,7 +60,8 @@ class StepState:
         return [f"{name}: {sorted(map(str, value))}" for name, value in held.items() if value]
 
 
-def agree_losses(losses: list, axis, device: torch.device, token_weighted: bool | None) -> StepLoss:
+def agree_losses(losses: list, axis, device: torch.device, token_weighted: bool | None,
+                 extra: torch.Tensor | None = None) -> StepLoss:
     """The step's losses on every pp rank: one all-reduce of (sum, weight, token-weighted, mixed) from the last
     stage (the other stages add zeros); a step that mixed the two kinds fails on every rank at once.
     `token_weighted`: the kind an earlier step read (None: read it now, on the host); a later step asserts on
@@ -69,7 +71,7 @@ def agree_losses(losses: list, axis, device: torch.device, token_weighted: bool 
     for value, weight, _ in losses:
         sums += torch.stack([value.detach().double(), weight.detach().double().to(device)])
     flags = torch.tensor([float(True in kinds), float(len(kinds) > 1)], dtype=torch.float64)
-    both = torch.cat([sums, flags.to(device)])
+    both = torch.cat([sums, flags.to(device), *([] if extra is None else [extra.to(device, torch.float64)])])
     comm.all_reduce(both, axis, tag="metrics")
     if token_weighted is None:
         if both[3] > 0:
@@ -80,7 +82,7 @@ def agree_losses(losses: list, axis, device: torch.device, token_weighted: bool 
             torch._assert_async((both[3] == 0) & ((both[2] > 0) == token_weighted), str(mixed_losses()))
         except RuntimeError:
             raise mixed_losses() from None
-    return StepLoss(both[0], both[1], token_weighted)
+    return StepLoss(both[0], both[1], token_weighted, both[4:] if extra is not None else None)
 
 
 def handed_over(value, training: bool):

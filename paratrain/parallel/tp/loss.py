@@ -60,6 +60,61 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.logits_dtype), None, None, None, None, None
 
 
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """Per-token log-probabilities of the targets, log p_t = (z_t - m) - log S, and (no gradient) the entropy
+    H = log S - sum_v p_v (z_v - m): the same two all-reduces as the cross-entropy, a third sum in the second
+    message when the entropy is asked for. IGNORE targets give 0."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, axis: Axis, vocab_start: int, vocab_size: int, ignore_index: int,
+                with_entropy: bool):
+        x = logits.float()  # (N, V/tp)
+        local = x.shape[-1]
+        padded = vocab_start + local > vocab_size
+        if padded:  # this rank holds padding columns of an uneven vocabulary
+            x = x.masked_fill(torch.arange(vocab_start, vocab_start + local, device=x.device) >= vocab_size,
+                              float("-inf"))
+        token_max = x.max(dim=-1).values  # (N,)
+        all_reduce(token_max, axis, op="max", tag=LOSS_TAG)
+        shifted = x - token_max.unsqueeze(-1)
+        in_range = (targets >= vocab_start) & (targets < vocab_start + local)
+        local_targets = (targets - vocab_start).masked_fill(~in_range, 0)
+        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+        exp = shifted.exp()
+        parts = [exp.sum(dim=-1), target_logit]
+        if with_entropy:  # sum_v exp(z_v - m) (z_v - m); padding columns are exp 0 times -inf: kept out
+            parts.append((exp * shifted.masked_fill(exp == 0, 0.0)).sum(dim=-1))
+        sums = torch.stack(parts)  # (2 or 3, N): one message
+        all_reduce(sums, axis, tag=LOSS_TAG)
+        log_sum = sums[0].log()
+        valid = targets != ignore_index
+        logps = (sums[1] - log_sum).masked_fill(~valid, 0.0)
+        entropy = (log_sum - sums[2] / sums[0]) if with_entropy else torch.zeros_like(logps)
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local_targets, in_range & valid, valid)
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _grad_entropy):
+        softmax, local_targets, hit, valid = ctx.saved_tensors
+        g = softmax.neg()  # d log p_t / d z_v = [v == t] - softmax_v
+        g.scatter_add_(-1, local_targets.unsqueeze(-1), hit.to(g.dtype).unsqueeze(-1))
+        g.mul_((valid.to(g.dtype) * grad).unsqueeze(-1))
+        return g.to(ctx.logits_dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, axis: Axis, vocab_start: int,
+                             vocab_size: int, ignore_index: int = -100, with_entropy: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each target, entropy of each position) shaped like `targets`; logits (..., V/tp) hold
+    vocabulary ids [vocab_start, vocab_start + V/tp). The full logits never exist on one rank."""
+    local = logits.shape[-1]
+    logps, entropy = _VocabParallelLogProbs.apply(logits.reshape(-1, local), targets.reshape(-1), axis, vocab_start,
+                                                  vocab_size, ignore_index, with_entropy)
+    return logps.view(targets.shape), entropy.view(targets.shape)
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: Axis, vocab_start: int,
                                  vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
     """Mean cross-entropy; logits (..., V/tp) hold vocabulary ids [vocab_start, vocab_start + V/tp)."""
@@ -84,6 +139,12 @@ class VocabParallelCrossEntropy(nn.Module):
                             f"the output of the 'colwise_vocab' head directly")
         return vocab_parallel_cross_entropy(logits, targets, self.axis, self.vocab_start, self.vocab_size,
                                             self.ignore_index)
+
+    def log_probs(self, logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (log-probabilities of the targets, entropies), exact over the split vocabulary."""
+        return vocab_parallel_log_probs(logits, targets, self.axis, self.vocab_start, self.vocab_size,
+                                        self.ignore_index, with_entropy)
 
     def extra_repr(self) -> str:
         return (f"vocab_size={self.vocab_size}, local=[{self.vocab_start}, {self.vocab_start + self.local_vocab}), "

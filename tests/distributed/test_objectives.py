@@ -1,0 +1,144 @@
+"""Objectives beyond next-token loss, exact in every layout: DPO and GRPO's policy loss against one process.
+
+DPO (sigmoid, ipo, hinge) trains full fine-tuning with the initial model as the reference (a frozen copy placed like
+the model) and LoRA with the adapters off as the reference; GRPO's loss (dapo, grpo, dr_grpo; beta 0 and 0.04 with
+the initial model as the reference) trains three updates on the same rollouts, so the ratio leaves 1 and the clip
+acts (asserted on the reference). fp32, clipping active, pairs and completions of different lengths padded to 16
+positions. Per step the loss and the global gradient norm, and at the end every tensor, must be within 1e-5 of the
+one-process reference of `tests/objective_cases.py`, which runs every row's real tokens alone with TRL's formulas.
+Layouts: DDP, ZeRO-1/2/3, tp2 with and without SP, pp2 (1F1B, ZB-H1), cp2 (ring, Ulysses), dp2·tp2 ZeRO-3 and ep2
+on an MoE on 4 ranks; dp2·pp2·tp2 on 8.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+
+from paratrain.testing.parity import compare, reference_config, run_layout, summarize
+from paratrain.testing.reference import reference_run
+from tests.cases import tiny_llama
+from tests.distributed.test_real_data import STEPS, real_layout
+from tests.objective_cases import (
+    Completions,
+    PreferencePairs,
+    completion_collator,
+    dpo_loss,
+    frozen,
+    grpo_loss,
+    preference_collator,
+)
+
+CLIP = {"dpo": 0.05, "grpo": 0.005}  # below every reference step's gradient norm (asserted): clipping acts
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"]}
+LAYOUTS_4 = {"ddp": real_layout(1, 4), "zero1": real_layout(1, 4, zero=1), "zero2": real_layout(1, 4, zero=2),
+             "zero3": real_layout(1, 4, zero=3), "tp2": real_layout(2, 2, tp=2),
+             "tp2 sp": real_layout(2, 2, tp=2, sp=True), "pp2 1f1b": real_layout(2, 2, pp=2),
+             "pp2 zb-h1": real_layout(2, 2, pp=2, schedule="zb-h1"), "cp2 ring": real_layout(2, 2, cp=2),
+             "cp2 ulysses": real_layout(2, 2, cp=2, cp_method="ulysses"),
+             "dp2·tp2 zero3": real_layout(2, 2, tp=2, zero=3)}
+LAYOUTS_8 = {"dp2·pp2·tp2": real_layout(2, 2, pp=2, tp=2)}
+DPO_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+def dpo_matrix(layouts) -> list[tuple]:
+    """(objective, mode, loss type, layout): each layout with full fine-tuning and LoRA, the loss types in turn."""
+    out = []
+    for i, name in enumerate(layouts):
+        out.append(("dpo", "full", DPO_TYPES[i % 3], 0.0, name))
+        out.append(("dpo", "lora", DPO_TYPES[(i + 1) % 3], 0.0, name))
+    return out
+
+
+def grpo_matrix(layouts) -> list[tuple]:
+    kinds = [("dapo", 0.0), ("grpo", 0.04), ("dr_grpo", 0.0), ("dapo", 0.04), ("grpo", 0.0), ("dr_grpo", 0.04)]
+    return [("grpo", "full", *kinds[i % len(kinds)], name) for i, name in enumerate(layouts)]
+
+
+MATRIX_4 = dpo_matrix(LAYOUTS_4) + grpo_matrix(LAYOUTS_4)
+MATRIX_8 = dpo_matrix(LAYOUTS_8) + grpo_matrix(LAYOUTS_8)
+
+
+def objective_section(kind: str, loss_type: str, beta: float) -> dict:
+    if kind == "dpo":
+        return {"type": "dpo", "loss_type": loss_type, "beta": 0.1}
+    return {"type": "grpo", "loss_type": loss_type, "beta": beta, "epsilon": 0.2, "epsilon_high": 0.28,
+            "max_completion_length": 8}
+
+
+def case_config(case: tuple) -> dict:
+    kind, mode, loss_type, beta, name = case
+    cfg = {**{**LAYOUTS_4, **LAYOUTS_8}[name], "gradient_clipping": CLIP[kind],
+           "objective": objective_section(kind, loss_type, beta)}
+    if mode == "lora":
+        cfg["peft"] = LORA
+    return cfg
+
+
+def dataset_of(kind: str):
+    return PreferencePairs() if kind == "dpo" else Completions(tiny_llama())
+
+
+def _run(matrix: list[tuple]) -> list:
+    runs = []
+    for case in matrix:
+        kind = case[0]
+        collate = preference_collator() if kind == "dpo" else completion_collator()
+        runs.append(run_layout(case_config(case), tiny_llama, dataset_of(kind), STEPS,
+                               keep_state=dist.get_rank() == 0, collate_fn=collate))
+    return runs
+
+
+def reference_of(case: tuple, run):
+    kind, mode, loss_type, beta, _ = case
+    initial = frozen(tiny_llama())
+    if kind == "dpo":
+        loss = functools.partial(_dpo_reference, initial=initial, loss_type=loss_type)
+        collate = preference_collator()
+    else:
+        loss = functools.partial(grpo_loss, loss_type=loss_type, beta=beta, epsilon=(0.2, 0.28),
+                                 reference=initial if beta else None)
+        collate = completion_collator()
+    make = functools.partial(_lora_llama, LORA) if mode == "lora" else tiny_llama
+    cfg = reference_config({k: v for k, v in case_config(case).items() if k not in ("objective", "peft")}, run)
+    return reference_run(make, cfg, dataset_of(kind), STEPS, loss_of=loss, collate_fn=collate)
+
+
+def _dpo_reference(model, batch, initial, loss_type):
+    return dpo_loss(model, initial, batch, loss_type)
+
+
+def _lora_llama(section: dict):
+    """The built-in Llama with the section's adapters put in as the engine puts them in (same seed)."""
+    from tests.peft_cases import section_model
+
+    assert section == LORA
+    return section_model("llama lora", reference=True)
+
+
+def _check(per_rank: list[list], matrix: list[tuple]) -> list[str]:
+    lines = []
+    for i, case in enumerate(matrix):
+        run = per_rank[0][i]
+        ref = reference_of(case, run)
+        assert all(norm > CLIP[case[0]] for norm in ref.grad_norms), (case, ref.grad_norms)
+        summary = summarize(compare(run, ref))
+        same = all(other[i].losses == run.losses for other in per_rank[1:])
+        assert summary["passed"] and same, (case, run.case, summary, run.losses, ref.losses)
+        lines.append(f"{' '.join(map(str, case))} ({run.case}): loss {summary['loss_err']:.1e} norm "
+                     f"{summary['norm_err']:.1e} param {summary['param_err']:.1e}")
+    return lines
+
+
+def test_dpo_and_grpo_in_every_layout_4_ranks(world4):
+    lines = _check(world4.run(_run, MATRIX_4), MATRIX_4)
+    print("\n".join(lines))
+    assert len(lines) == len(MATRIX_4)
+
+
+def test_dpo_and_grpo_dp2_pp2_tp2_8_ranks(world8):
+    lines = _check(world8.run(_run, MATRIX_8), MATRIX_8)
+    print("\n".join(lines))
+    assert len(lines) == len(MATRIX_8)

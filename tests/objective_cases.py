@@ -1,0 +1,174 @@
+"""Data and one-process references for the objectives' tests (DPO pairs, GRPO completions).
+
+Preference pairs and completions of different lengths, cut from the embedded corpus and padded to the tiny models'
+16 positions by paratrain's collators (TRL's collated forms). The references are written here in plain PyTorch,
+independently of `paratrain.objectives`: every row's real tokens run alone through the model (no padding at all),
+log-probs from the model's whole-vocabulary logits, and TRL's formulas over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from paratrain.data import load_corpus
+from paratrain.data.preference import CompletionCollator, PreferenceCollator
+from tests.real_data import logits_of
+
+SEQ = 16
+PROMPT, COMPLETION = 8, 8
+
+
+def _cut(tokens: torch.Tensor, start: int, n: int) -> list[int]:
+    return tokens[start:start + n].tolist()
+
+
+class PreferencePairs(Dataset):
+    """`count` pairs: a prompt of 1..7 tokens, a chosen and a rejected completion of 1..(15 - prompt) tokens each."""
+
+    def __init__(self, count: int = 8, seed: int = 0):
+        train, _ = load_corpus()
+        g = torch.Generator().manual_seed(seed)
+        draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+        self.rows = []
+        for i in range(count):
+            base = i * 64
+            p = draw(1, 7)
+            self.rows.append({"prompt_ids": _cut(train, base, p),
+                              "chosen_ids": _cut(train, base + 16, draw(1, SEQ - p)),
+                              "rejected_ids": _cut(train, base + 40, draw(1, SEQ - p))})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+class Completions(Dataset):
+    """`count` GRPO rows: a prompt of 1..8 tokens (left-padded), a completion of 1..8 (right-padded), an advantage
+    (groups of 4 normalised as TRL does, plus 0.25: a zero mean would make GRPO's first loss 0 exactly, and its
+    relative error meaningless), and the initial model's per-token log-probs as the rollout's (`old`)."""
+
+    def __init__(self, model, count: int = 8, seed: int = 1, reference=None):
+        train, _ = load_corpus()
+        g = torch.Generator().manual_seed(seed)
+        draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+        rewards = torch.randn(count, generator=g)
+        groups = rewards.view(-1, 4)
+        advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1) + 0.25
+        self.rows = []
+        for i in range(count):
+            row = {"prompt_ids": _cut(train, i * 64, draw(1, PROMPT)),
+                   "completion_ids": _cut(train, i * 64 + 20, draw(1, COMPLETION)), "advantage": float(advantages[i])}
+            row["old_per_token_logps"] = completion_log_probs(model, row).tolist()
+            if reference is not None:
+                row["ref_per_token_logps"] = completion_log_probs(reference, row).tolist()
+            self.rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def preference_collator(pad_to: int = SEQ) -> PreferenceCollator:
+    return PreferenceCollator(pad_token_id=0, pad_to=pad_to)
+
+
+def completion_collator() -> CompletionCollator:
+    return CompletionCollator(pad_token_id=0, prompt_len=PROMPT, completion_len=COMPLETION)
+
+
+@torch.no_grad()
+def completion_log_probs(model, row: dict) -> torch.Tensor:
+    """The per-token log-probs of a row's completion under `model`, the row's real tokens alone."""
+    return _completion_log_probs(model, row["prompt_ids"], row["completion_ids"])
+
+
+def _completion_log_probs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    logits = logits_of(model, ids)[0].float()  # (len, V)
+    scores = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)  # the positions that predict the completion
+    return scores.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
+
+
+def _real(batch_row_ids, mask) -> list[int]:
+    return batch_row_ids[mask.bool()].tolist()
+
+
+def _pair_parts(batch: dict) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt, chosen, rejected) token lists of a collated global batch (chosen rows, then rejected)."""
+    ids, attention, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    pairs = ids.shape[0] // 2
+    out = []
+    for i in range(pairs):
+        parts = []
+        for row in (i, pairs + i):
+            real = attention[row].bool()
+            prompt = ids[row][real & (completion[row] == 0)].tolist()
+            parts.append((prompt, ids[row][real & (completion[row] == 1)].tolist()))
+        out.append((parts[0][0], parts[0][1], parts[1][1]))
+    return out
+
+
+def dpo_loss(model, reference, batch: dict, loss_type: str = "sigmoid", beta: float = 0.1) -> torch.Tensor:
+    """TRL's DPO over the whole global batch: sequence log-probs (sums over the completion), per-pair loss, mean."""
+    losses = []
+    for prompt, chosen, rejected in _pair_parts(batch):
+        seq = [_completion_log_probs(model, prompt, c).sum() for c in (chosen, rejected)]
+        with torch.no_grad():
+            ref = [_completion_log_probs(reference, prompt, c).sum() for c in (chosen, rejected)]
+        ratio_c, ratio_r = seq[0] - ref[0], seq[1] - ref[1]
+        delta = ratio_c - ratio_r
+        if loss_type == "sigmoid":
+            losses.append(-F.logsigmoid(beta * delta))
+        elif loss_type == "hinge":
+            losses.append(torch.relu(1 - beta * delta))
+        elif loss_type == "ipo":
+            avg = ratio_c / len(chosen) - ratio_r / len(rejected)
+            losses.append((avg - 1 / (2 * beta)) ** 2)
+        else:
+            raise ValueError(loss_type)
+    return torch.stack(losses).mean()
+
+
+def grpo_loss(model, batch: dict, loss_type: str = "dapo", beta: float = 0.0, epsilon: tuple = (0.2, 0.2),
+              max_completion_length: int = COMPLETION, reference=None) -> torch.Tensor:
+    """TRL's GRPO policy loss (token-level ratio, two-sided min, k3 KL times the ratio) over the global batch,
+    normalised globally by its loss type's count; the reference's log-probs from `reference`, else the batch's."""
+    totals, lengths = [], []
+    for i in range(batch["prompt_ids"].shape[0]):
+        prompt = _real(batch["prompt_ids"][i], batch["prompt_mask"][i])
+        n = int(batch["completion_mask"][i].sum())
+        completion = batch["completion_ids"][i][:n].tolist()
+        logps = _completion_log_probs(model, prompt, completion)
+        old = batch["old_per_token_logps"][i][:n].to(logps.dtype)
+        advantage = float(batch["advantages"][i])
+        ratio = torch.exp(logps - old)
+        per_token = -torch.min(ratio * advantage, torch.clamp(ratio, 1 - epsilon[0], 1 + epsilon[1]) * advantage)
+        if beta:
+            ref = batch["ref_per_token_logps"][i][:n].to(logps.dtype) if reference is None else \
+                _completion_log_probs(reference, prompt, completion).detach()
+            per_token = per_token + beta * (torch.exp(ref - logps) - (ref - logps) - 1) * ratio
+        totals.append(per_token.sum())
+        lengths.append(n)
+    rows = len(totals)
+    if loss_type in ("dapo", "bnpo"):
+        return torch.stack(totals).sum() / sum(lengths)
+    if loss_type == "grpo":
+        return torch.stack([t / n for t, n in zip(totals, lengths)]).mean()
+    if loss_type == "dr_grpo":
+        return torch.stack(totals).sum() / (rows * max_completion_length)
+    raise ValueError(loss_type)
+
+
+def frozen(model):
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference.eval()
