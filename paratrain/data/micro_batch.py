@@ -36,8 +36,8 @@ from paratrain.errors import InvalidValueError
 
 KNOWN_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids", "document_ids",
               "cu_seq_lens_q", "cu_seqlens")
-__all__ = ["IGNORE", "KNOWN_KEYS", "MicroBatch", "MicroBatchError", "as_micro_batch", "batch_in_flight", "in_flight",
-           "loss_of_output", "objective_micro_batch", "split_loss"]
+__all__ = ["IGNORE", "KNOWN_KEYS", "MicroBatch", "MicroBatchError", "add_to_loss", "as_micro_batch", "batch_in_flight",
+           "in_flight", "loss_of_output", "objective_micro_batch", "split_loss"]
 
 
 @dataclass
@@ -161,6 +161,16 @@ def split_loss(output) -> tuple[torch.Tensor, torch.Tensor] | None:
             isinstance(t, torch.Tensor) and t.dim() == 0 for t in output):
         return output[0], output[1]
     return None
+
+
+def add_to_loss(loss, extra: torch.Tensor):
+    """`loss` plus a term that is itself a mean (an MoE's router losses): added to a scalar loss, or to a
+    (sum, count) pair's sum as `extra` per unit of its count, so the step's division keeps it a mean."""
+    parts = split_loss(loss)
+    if parts is None:
+        return loss + extra
+    total, count = parts
+    return total + extra * count.to(total.dtype), count
 
 
 def loss_of_output(output) -> torch.Tensor:

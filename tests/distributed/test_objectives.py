@@ -39,6 +39,7 @@ LAYOUTS_4 = {"ddp": real_layout(1, 4), "zero1": real_layout(1, 4, zero=1), "zero
              "pp2 zb-h1": real_layout(2, 2, pp=2, schedule="zb-h1"), "cp2 ring": real_layout(2, 2, cp=2),
              "cp2 ulysses": real_layout(2, 2, cp=2, cp_method="ulysses"),
              "dp2·tp2 zero3": real_layout(2, 2, tp=2, zero=3)}
+LAYOUTS_EP = {"ep2": real_layout(1, 4, ep=2), "ep2 zero3": real_layout(1, 4, ep=2, zero=3)}  # on the MoE
 LAYOUTS_8 = {"dp2·pp2·tp2": real_layout(2, 2, pp=2, tp=2)}
 DPO_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -57,7 +58,8 @@ def grpo_matrix(layouts) -> list[tuple]:
     return [("grpo", "full", *kinds[i % len(kinds)], name) for i, name in enumerate(layouts)]
 
 
-MATRIX_4 = dpo_matrix(LAYOUTS_4) + grpo_matrix(LAYOUTS_4)
+MATRIX_4 = dpo_matrix(LAYOUTS_4) + grpo_matrix(LAYOUTS_4) + \
+    [("dpo", "full", "sigmoid", 0.0, "ep2"), ("grpo", "full", "grpo", 0.04, "ep2 zero3")]
 MATRIX_8 = dpo_matrix(LAYOUTS_8) + grpo_matrix(LAYOUTS_8)
 
 
@@ -70,15 +72,32 @@ def objective_section(kind: str, loss_type: str, beta: float) -> dict:
 
 def case_config(case: tuple) -> dict:
     kind, mode, loss_type, beta, name = case
-    cfg = {**{**LAYOUTS_4, **LAYOUTS_8}[name], "gradient_clipping": CLIP[kind],
+    cfg = {**{**LAYOUTS_4, **LAYOUTS_EP, **LAYOUTS_8}[name], "gradient_clipping": CLIP[kind],
            "objective": objective_section(kind, loss_type, beta)}
     if mode == "lora":
         cfg["peft"] = LORA
     return cfg
 
 
-def dataset_of(kind: str):
-    return PreferencePairs() if kind == "dpo" else Completions(tiny_llama())
+def model_of(name: str):
+    """The built-in Llama (grouped-query attention), or for the ep layouts its Mixtral-like MoE (router losses
+    off: the reference's objective is the policy loss alone)."""
+    if not name.startswith("ep"):
+        return tiny_llama
+    return tiny_moe
+
+
+def tiny_moe():
+    import torch
+
+    from paratrain.models.registry import build_model
+
+    torch.manual_seed(1)
+    return build_model("mixtral-tiny", seq_len=16, vocab_size=256, aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
+def dataset_of(kind: str, name: str):
+    return PreferencePairs() if kind == "dpo" else Completions(model_of(name)())
 
 
 def _run(matrix: list[tuple]) -> list:
@@ -86,14 +105,14 @@ def _run(matrix: list[tuple]) -> list:
     for case in matrix:
         kind = case[0]
         collate = preference_collator() if kind == "dpo" else completion_collator()
-        runs.append(run_layout(case_config(case), tiny_llama, dataset_of(kind), STEPS,
+        runs.append(run_layout(case_config(case), model_of(case[4]), dataset_of(kind, case[4]), STEPS,
                                keep_state=dist.get_rank() == 0, collate_fn=collate))
     return runs
 
 
 def reference_of(case: tuple, run):
-    kind, mode, loss_type, beta, _ = case
-    initial = frozen(tiny_llama())
+    kind, mode, loss_type, beta, name = case
+    initial = frozen(model_of(name)())
     if kind == "dpo":
         loss = functools.partial(_dpo_reference, initial=initial, loss_type=loss_type)
         collate = preference_collator()
@@ -101,9 +120,9 @@ def reference_of(case: tuple, run):
         loss = functools.partial(grpo_loss, loss_type=loss_type, beta=beta, epsilon=(0.2, 0.28),
                                  reference=initial if beta else None)
         collate = completion_collator()
-    make = functools.partial(_lora_llama, LORA) if mode == "lora" else tiny_llama
+    make = functools.partial(_lora_llama, LORA) if mode == "lora" else model_of(name)
     cfg = reference_config({k: v for k, v in case_config(case).items() if k not in ("objective", "peft")}, run)
-    return reference_run(make, cfg, dataset_of(kind), STEPS, loss_of=loss, collate_fn=collate)
+    return reference_run(make, cfg, dataset_of(kind, name), STEPS, loss_of=loss, collate_fn=collate)
 
 
 def _dpo_reference(model, batch, initial, loss_type):

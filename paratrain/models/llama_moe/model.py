@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from paratrain.attention import Documents
+from paratrain.data.micro_batch import add_to_loss
 from paratrain.errors import InvalidValueError
 from paratrain.models.gpt.model import TokenCrossEntropy, check_token_ids
 from paratrain.models.llama.model import LlamaAttention, LlamaConfig, LlamaMLP, RMSNorm, init_module
@@ -205,7 +206,7 @@ class LlamaMoE(nn.Module):
         loss = self.loss_fn(logits, targets)
         if self.config.n_dense_layers < self.config.n_layer:
             aux, z = self._router_losses()
-            loss = loss + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
+            loss = add_to_loss(loss, self.config.aux_loss_coef * aux + self.config.z_loss_coef * z)
         return loss
 
     def num_params(self) -> int:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ConfigError
+from paratrain.data.micro_batch import add_to_loss
 from paratrain.model_spec import register_model_spec
 from paratrain.models.decoder_pipeline import decoder_pipeline
 from paratrain.models.llama.spec import LLAMA_PLAN, LlamaEmbedStage, LlamaFinalStage, LlamaSpec
@@ -42,7 +43,7 @@ class RouterLossAdded(nn.Module):
 
     def forward(self, output, targets: torch.Tensor) -> torch.Tensor:
         logits, router = output
-        return self.token_loss(logits, targets) + router
+        return add_to_loss(self.token_loss(logits, targets), router)
 
 
 def llama_moe_pipeline_module(model: LlamaMoE, micro_batch: int = 1) -> PipelineModule:
