@@ -69,8 +69,10 @@ def resolve_config(source, world_size: int) -> Config:
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               config_params=None, mesh=None, init_fn=None):
+               config_params=None, mesh=None, init_fn=None, objective=None):
     """Build the engine. Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does.
+    `objective`: one's own objective (a `paratrain.objectives.Objective`), in place of the `objective` section's
+    (docs/objectives.md).
     A model on the meta device (`paratrain.init_empty()`) is materialized shard by shard: with the values
     eager construction gives, or `init_fn(module)` run module by module, or `checkpoint.load_weights`.
     A path (str) as `model` is a saved model (a Hugging Face directory): `from_pretrained`."""
@@ -100,7 +102,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         mesh = build_mesh(dims, device_type="cuda" if uses_cuda() else "cpu")
     engine = Engine(model, cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler,
                     model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn,
-                    init_fn=init_fn)
+                    init_fn=init_fn, objective=objective)
     if pretrained is not None:
         engine.tokenizer = pretrained.tokenizer
     if cfg.checkpoint.auto_resume:  # a restarted job continues from the newest complete checkpoint

@@ -16,7 +16,8 @@ from torch.utils.data import Dataset
 
 from paratrain.data import load_corpus
 from paratrain.data.preference import CompletionCollator, PreferenceCollator
-from tests.real_data import logits_of
+from paratrain.objectives import Objective, Value
+from tests.real_data import documents, logits_of
 
 SEQ = 16
 PROMPT, COMPLETION = 8, 8
@@ -172,3 +173,28 @@ def frozen(model):
     for p in reference.parameters():
         p.requires_grad_(False)
     return reference.eval()
+
+
+class SequenceMeanNLL(Objective):
+    """A user's own objective, as docs/objectives.md writes one: the mean over rows of each row's mean negative
+    log-likelihood of its targets (a per-sequence normaliser, which token means would get wrong under a split)."""
+
+    name = "sequence_mean_nll"
+
+    def __call__(self, batch, lp) -> Value:
+        per_row = -lp.row_sum() / lp.row_count().clamp(min=1).to(lp.values.dtype)  # whole rows, in any split
+        rows = (lp.row_count() > 0).double()
+        return Value(lp.once((per_row * rows).sum()), lp.once(rows.sum()))
+
+
+def sequence_mean_nll(model, batch: dict) -> torch.Tensor:
+    """The reference of `SequenceMeanNLL`: each row's real tokens alone (one document per row here)."""
+    means = []
+    for i in range(batch["input_ids"].shape[0]):
+        row = {k: v[i] for k, v in batch.items()}
+        for ids, labels in documents(row):
+            targets = F.pad(labels[1:], (0, 1), value=-100)
+            if (targets != -100).any():
+                logits = logits_of(model, ids.unsqueeze(0))[0]
+                means.append(F.cross_entropy(logits.float(), targets, reduction="sum") / (targets != -100).sum())
+    return torch.stack(means).mean()

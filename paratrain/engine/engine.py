@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from paratrain.adapters.tensors import adapter_tensors
+from paratrain.comm import gather_from_region
 from paratrain.config import Config
 from paratrain.data.agreement import FIRST_STEPS, check_same_batches
 from paratrain.data.batch_check import BatchChecker
@@ -52,6 +53,7 @@ from paratrain.engine.update import OptimizerUpdate
 from paratrain.errors import InvalidValueError, RunError
 from paratrain.init.replay import return_freed_heap, template_of
 from paratrain.layout.mesh import Mesh
+from paratrain.objectives import NextToken, Objective, build_objective
 from paratrain.parallel.parallelize import parallelize
 from paratrain.precision import make_loss_scaler
 
@@ -65,7 +67,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
     paratrain's introspection) in `engine/deepspeed_api.py`."""
 
     def __init__(self, model: nn.Module, config: Config, mesh: Mesh, optimizer=None, lr_scheduler=None,
-                 model_parameters=None, training_data=None, collate_fn=None, init_fn=None):
+                 model_parameters=None, training_data=None, collate_fn=None, init_fn=None, objective=None):
         self.config = config
         self.mesh = mesh  # the explicit mesh every strategy was given (axes, comm stats, guard)
         self.destroyed = False
@@ -81,7 +83,8 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         factory = optimizer_factory(config, optimizer)  # (its refusals come before any collective)
         groups = named_param_groups(model, model_parameters)  # by name: tensor parallelism replaces parameters
         groups = muon_param_groups(model, config, groups, optimizer)  # Muon's halves (other optimizers: as given)
-        reference_mode, reference_source = self._reference_source(model)
+        objective = objective if objective is not None else build_objective(config.objective)
+        reference_mode, reference_source = self._reference_source(model, objective)
         self.parallel = parallelize(model, mesh, strategies_of(config), device=self.device)
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
@@ -96,8 +99,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
             return_freed_heap()
         self._fill_initial_values(template, init_fn)  # load_weights, a meta model's init; adapters without values
         self.objective = None if reference_mode is None else ObjectiveStep.build(
-            config.objective, self.parallel, mesh, self.device, reference_mode, reference_source,
-            strategies_of(config))
+            objective, self.parallel, mesh, self.device, reference_mode, reference_source, strategies_of(config))
         self._objective_metrics: torch.Tensor | None = None  # the last step's reduced metric sums
         self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
@@ -123,13 +125,13 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")
         self.auto_resumed: tuple[str, dict] | None = None  # (path, client_state) when initialize() resumed
 
-    def _reference_source(self, model: nn.Module) -> tuple[str | None, nn.Module | None]:
+    def _reference_source(self, model: nn.Module, objective: Objective) -> tuple[str | None, nn.Module | None]:
         """(where the objective's reference comes from, the frozen copy an "initial" reference is built from);
-        (None, None) for next-token cross-entropy. Taken before parallelize changes the model."""
-        settings = self.config.objective
-        if settings.type == "sft":
+        (None, None) for next-token cross-entropy, which the model's own fused loss computes. Taken before
+        parallelize changes the model."""
+        if isinstance(objective, NextToken):
             return None, None
-        mode = ObjectiveStep.reference_mode(settings, self.adapters is not None)
+        mode = ObjectiveStep.reference_mode(objective, self.config.objective.reference, self.adapters is not None)
         if mode != "initial":
             return mode, None
         if self.config.checkpoint.load_weights:
@@ -200,12 +202,29 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
             if batch is None:
                 self.parallel.check_unsplit(inputs, kwargs)
                 return self.module(*inputs, **kwargs)
+            if batch.targets is None:  # the model's outputs (logits): whole, never this rank's slice unsaid
+                return self._whole_outputs(batch)
             batch = self.parallel.prepare_batch(batch)
             if self.objective is not None:  # the reference log-probs the batch lacks, on the same split
                 self.objective.prepare(batch)
             self._last_batch = batch
             with in_flight(batch):
                 return self.parallel.spec.call(self.module, batch)
+
+    def _whole_outputs(self, batch: MicroBatch):
+        """A forward without targets returns the logits over the whole vocabulary (gathered over tp, with the
+        gradient going back to each rank's slice); under context parallelism it is refused by name: each rank
+        holds a chunk of the sequence, and a loss of the user's over gathered chunks would be counted cp times."""
+        if self.parallel.context is not None:
+            raise RunError("engine(...) without targets under context parallelism would return this rank's chunk of "
+                           "the sequence only: give the targets (labels=, or (input_ids, targets)) and let the engine "
+                           "compute the loss, or train your own loss as an objective on exact per-token log-probs "
+                           "(the `objective` section, docs/objectives.md), which is exact under every split")
+        out = self.parallel.spec.call(self.module, batch)
+        vocab = self._vocab_parallel_loss()
+        if vocab is None or not isinstance(out, torch.Tensor) or out.shape[-1] != vocab.local_vocab:
+            return out
+        return gather_from_region(out, vocab.axis, dim=-1, tag="logits")[..., :vocab.vocab_size]
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """`loss`: the forward's scalar loss, or a model's `(sum, count)`. Under the "token" reduction a loss

@@ -1,6 +1,6 @@
 """The objective as a part the engine composes: its head in the model, its reference, its metrics.
 
-    part = ObjectiveStep.build(settings, model, parallel, mesh, device, strategies, has_adapters)
+    part = ObjectiveStep.build(objective, parallel, mesh, device, mode, reference_source, strategies)
     part.prepare(batch)            # before the policy's forward: the reference log-probs the batch lacks
     part.take_metrics()            # this rank's metric sums of the step (device tensor)
 
@@ -20,12 +20,11 @@ import torch
 from torch import nn
 
 from paratrain.adapters import adapters_disabled, lora_layers
-from paratrain.config.objective import ObjectiveConfig
 from paratrain.data.micro_batch import MicroBatch, in_flight
 from paratrain.engine.objective import MetricSums, ObjectiveHead
 from paratrain.errors import InvalidValueError
 from paratrain.layout.mesh import Mesh
-from paratrain.objectives import Objective, build_objective
+from paratrain.objectives import Objective
 from paratrain.parallel.parallelize import ParallelModel, parallelize
 from paratrain.parallel.tp.loss import VocabParallelCrossEntropy
 
@@ -39,16 +38,15 @@ class ObjectiveStep:
         self._adapters = [layer for _, layer in lora_layers(parallel.module)] if mode == "adapters_off" else []
 
     @staticmethod
-    def reference_mode(settings: ObjectiveConfig, has_adapters: bool) -> str:
-        """Where this run's reference log-probs come from (the `reference` key resolved)."""
-        needs = settings.type == "dpo" or (settings.type == "grpo" and settings.effective_beta > 0)
-        if not needs:
+    def reference_mode(objective: Objective, reference: str | None, has_adapters: bool) -> str:
+        """Where this run's reference log-probs come from: the `objective.reference` key resolved."""
+        if not objective.uses_reference:
             return "none"
-        if settings.reference is not None:
-            if settings.reference == "adapters_off" and not has_adapters:
+        if reference is not None:
+            if reference == "adapters_off" and not has_adapters:
                 raise InvalidValueError("objective.reference is \"adapters_off\" but the model has no adapters: add "
                                         "a `peft` section, or set objective.reference to \"initial\" or \"batch\"")
-            return settings.reference
+            return reference
         return "adapters_off" if has_adapters else "initial"
 
     @staticmethod
@@ -64,9 +62,8 @@ class ObjectiveStep:
         return reference
 
     @classmethod
-    def build(cls, settings: ObjectiveConfig, parallel: ParallelModel, mesh: Mesh, device: torch.device,
+    def build(cls, objective: Objective, parallel: ParallelModel, mesh: Mesh, device: torch.device,
               mode: str, reference_source: nn.Module | None, strategies) -> ObjectiveStep:
-        objective = build_objective(settings)
         metrics = MetricSums(objective.metric_names, device)
         head = install_head(parallel, objective, metrics, mesh)
         reference = reference_head = None

@@ -31,14 +31,16 @@ class Objective:
     """An objective's contract; `needs_entropy` asks the log-prob kernel for per-token entropies too."""
 
     name = "objective"
+    uses_reference = False  # reads reference log-probs (the engine then provides them: `needs_reference`)
     needs_entropy = False
     temperature = 1.0  # the logits are divided by it before the log-probs (GRPO's sampling temperature)
     metric_names: tuple[str, ...] = ()
 
     def needs_reference(self, batch: MicroBatch) -> bool:
-        """Whether the engine must compute reference per-token log-probs (`batch.tokens["ref_per_token_logps"]`)
-        for this micro-batch before the objective runs."""
-        return False
+        """Whether the engine must compute reference per-target log-probs (`batch.tokens["ref_per_token_logps"]`)
+        for this micro-batch before the objective runs: by default, when it uses a reference and the batch does
+        not carry them."""
+        return self.uses_reference and "ref_per_token_logps" not in batch.tokens
 
     def __call__(self, batch: MicroBatch, lp: LogProbs) -> Value:
         raise NotImplementedError

@@ -21,6 +21,7 @@ REFERENCE = "ref_per_token_logps"
 
 class DPO(Objective):
     name = "dpo"
+    uses_reference = True
     metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                     "logps/rejected")
 

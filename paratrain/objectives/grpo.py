@@ -38,9 +38,7 @@ class GRPO(Objective):
         self.max_completion_length = settings.max_completion_length
         self.bias_correction = settings.use_bias_correction_kl
         self.temperature = settings.temperature
-
-    def needs_reference(self, batch: MicroBatch) -> bool:
-        return self.beta > 0 and REFERENCE not in batch.tokens
+        self.uses_reference = self.beta > 0
 
     def __call__(self, batch: MicroBatch, lp: LogProbs) -> Value:
         if batch.form != "completions":

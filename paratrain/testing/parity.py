@@ -76,7 +76,7 @@ def describe_layout(config) -> str:
 def run_layout(config: dict, make_model: Callable[[], nn.Module], dataset, steps: int, *,
                state_every_step: bool = False, keep_state: bool = True,
                inspect: Callable | None = None, model_parameters: Callable | None = None,
-               collate_fn=None) -> LayoutRun:
+               collate_fn=None, objective=None) -> LayoutRun:
     """Train `steps` optimizer steps of `make_model()` in the layout of `config` (collective: call on every
     rank). The full state is gathered after the last step, or after every step with `state_every_step`
     (collective too); `keep_state=False` drops it after gathering (ranks whose copy is not needed)."""
@@ -84,7 +84,8 @@ def run_layout(config: dict, make_model: Callable[[], nn.Module], dataset, steps
 
     model = make_model()
     engine, *_ = initialize(model=model, config=copy.deepcopy(config), training_data=dataset, collate_fn=collate_fn,
-                            model_parameters=model_parameters(model) if model_parameters else None)
+                            model_parameters=model_parameters(model) if model_parameters else None,
+                            objective=objective)
     cfg = engine.config
     layout = describe_layout(cfg)
     case = engine.mesh.dims.describe() + (f" {layout}" if layout else "")

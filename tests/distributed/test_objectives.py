@@ -23,14 +23,18 @@ from tests.distributed.test_real_data import STEPS, real_layout
 from tests.objective_cases import (
     Completions,
     PreferencePairs,
+    SequenceMeanNLL,
     completion_collator,
     dpo_loss,
     frozen,
     grpo_loss,
     preference_collator,
+    sequence_mean_nll,
 )
+from tests.real_data import RealRows
 
-CLIP = {"dpo": 0.05, "grpo": 0.005}  # below every reference step's gradient norm (asserted): clipping acts
+# below every reference step's gradient norm (asserted): clipping acts
+CLIP = {"dpo": 0.05, "grpo": 0.005, "custom": 0.05}
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                    "down_proj"]}
 LAYOUTS_4 = {"ddp": real_layout(1, 4), "zero1": real_layout(1, 4, zero=1), "zero2": real_layout(1, 4, zero=2),
@@ -58,12 +62,16 @@ def grpo_matrix(layouts) -> list[tuple]:
     return [("grpo", "full", *kinds[i % len(kinds)], name) for i, name in enumerate(layouts)]
 
 
-MATRIX_4 = dpo_matrix(LAYOUTS_4) + grpo_matrix(LAYOUTS_4) + \
+# a user's own objective (initialize(objective=...)): a per-sequence mean, on rows with masked prompts
+CUSTOM = [("custom", "full", "masked", 0.0, name) for name in ("zero3", "tp2 sp", "pp2 zb-h1", "cp2 ring")]
+MATRIX_4 = dpo_matrix(LAYOUTS_4) + grpo_matrix(LAYOUTS_4) + CUSTOM + \
     [("dpo", "full", "sigmoid", 0.0, "ep2"), ("grpo", "full", "grpo", 0.04, "ep2 zero3")]
 MATRIX_8 = dpo_matrix(LAYOUTS_8) + grpo_matrix(LAYOUTS_8)
 
 
 def objective_section(kind: str, loss_type: str, beta: float) -> dict:
+    if kind == "custom":
+        return {}
     if kind == "dpo":
         return {"type": "dpo", "loss_type": loss_type, "beta": 0.1}
     return {"type": "grpo", "loss_type": loss_type, "beta": beta, "epsilon": 0.2, "epsilon_high": 0.28,
@@ -97,16 +105,22 @@ def tiny_moe():
 
 
 def dataset_of(kind: str, name: str):
+    if kind == "custom":
+        return RealRows("masked")
     return PreferencePairs() if kind == "dpo" else Completions(model_of(name)())
+
+
+def collator_of(kind: str):
+    return {"dpo": preference_collator, "grpo": completion_collator}.get(kind, lambda: None)()
 
 
 def _run(matrix: list[tuple]) -> list:
     runs = []
     for case in matrix:
         kind = case[0]
-        collate = preference_collator() if kind == "dpo" else completion_collator()
         runs.append(run_layout(case_config(case), model_of(case[4]), dataset_of(kind, case[4]), STEPS,
-                               keep_state=dist.get_rank() == 0, collate_fn=collate))
+                               keep_state=dist.get_rank() == 0, collate_fn=collator_of(kind),
+                               objective=SequenceMeanNLL() if kind == "custom" else None))
     return runs
 
 
@@ -115,14 +129,14 @@ def reference_of(case: tuple, run):
     initial = frozen(model_of(name)())
     if kind == "dpo":
         loss = functools.partial(_dpo_reference, initial=initial, loss_type=loss_type)
-        collate = preference_collator()
-    else:
+    elif kind == "grpo":
         loss = functools.partial(grpo_loss, loss_type=loss_type, beta=beta, epsilon=(0.2, 0.28),
                                  reference=initial if beta else None)
-        collate = completion_collator()
+    else:
+        loss = sequence_mean_nll
     make = functools.partial(_lora_llama, LORA) if mode == "lora" else model_of(name)
     cfg = reference_config({k: v for k, v in case_config(case).items() if k not in ("objective", "peft")}, run)
-    return reference_run(make, cfg, dataset_of(kind, name), STEPS, loss_of=loss, collate_fn=collate)
+    return reference_run(make, cfg, dataset_of(kind, name), STEPS, loss_of=loss, collate_fn=collator_of(kind))
 
 
 def _dpo_reference(model, batch, initial, loss_type):
@@ -161,3 +175,40 @@ def test_dpo_and_grpo_dp2_pp2_tp2_8_ranks(world8):
     lines = _check(world8.run(_run, MATRIX_8), MATRIX_8)
     print("\n".join(lines))
     assert len(lines) == len(MATRIX_8)
+
+
+def _forward_outputs() -> dict:
+    """engine(input_ids=...) without targets: the whole vocabulary under tp2 (equal to one process's logits, the
+    gradient of a loss over them equal too); refused by name under cp2."""
+    import torch
+
+    from paratrain.api import initialize
+    from paratrain.errors import RunError
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    one = tiny_llama()
+    want = one(ids)
+    want.logsumexp(-1).sum().backward()
+    engine, *_ = initialize(model=tiny_llama(), config={**real_layout(2, 2, tp=2), "train_batch_size": 8})
+    got = engine(input_ids=ids)
+    got.logsumexp(-1).sum().backward()
+    head = engine.module.lm_head.weight  # this rank's rows of the vocabulary
+    rows = want.shape[-1] // 2
+    start = engine.mesh.local_rank("tp") * rows
+    out = {"shape": tuple(got.shape), "logits": float((got - want).detach().abs().max()),
+           "head_grad": float((head.grad - one.lm_head.weight.grad[start:start + rows]).abs().max())}
+    engine.destroy()
+    engine, *_ = initialize(model=tiny_llama(), config={**real_layout(2, 2, cp=2), "train_batch_size": 8})
+    try:
+        engine(input_ids=ids)
+        out["cp"] = "returned"
+    except RunError as exc:
+        out["cp"] = str(exc)
+    engine.destroy()
+    return out
+
+
+def test_forward_without_targets_returns_whole_logits_or_refuses_4_ranks(world4):
+    for out in world4.run(_forward_outputs):
+        assert out["shape"] == (2, 16, 256) and out["logits"] < 1e-5 and out["head_grad"] < 1e-5, out
+        assert "under context parallelism would return this rank's chunk of the sequence" in out["cp"], out
