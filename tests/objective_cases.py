@@ -28,9 +28,11 @@ def _cut(tokens: torch.Tensor, start: int, n: int) -> list[int]:
 
 
 class PreferencePairs(Dataset):
-    """`count` pairs: a prompt of 1..7 tokens, a chosen and a rejected completion of 1..(15 - prompt) tokens each."""
+    """`count` pairs: a prompt of 1..7 tokens, a chosen and a rejected completion of 1..(15 - prompt) tokens each;
+    with `reference`, each pair carries its precomputed reference sequence log-probs (TRL's ref_chosen_logps,
+    ref_rejected_logps)."""
 
-    def __init__(self, count: int = 8, seed: int = 0):
+    def __init__(self, count: int = 8, seed: int = 0, reference=None):
         train, _ = load_corpus()
         g = torch.Generator().manual_seed(seed)
         draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
@@ -41,6 +43,11 @@ class PreferencePairs(Dataset):
             self.rows.append({"prompt_ids": _cut(train, base, p),
                               "chosen_ids": _cut(train, base + 16, draw(1, SEQ - p)),
                               "rejected_ids": _cut(train, base + 40, draw(1, SEQ - p))})
+        if reference is not None:
+            for row in self.rows:
+                for side in ("chosen", "rejected"):
+                    row[f"ref_{side}_logps"] = float(_completion_log_probs(reference, row["prompt_ids"],
+                                                                           row[f"{side}_ids"]).sum())
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -63,8 +63,10 @@ def grpo_matrix(layouts) -> list[tuple]:
 
 
 # a user's own objective (initialize(objective=...)): a per-sequence mean, on rows with masked prompts
+# the reference's log-probs precomputed (in one process) and carried by the batch: the same run as in the step
+PRECOMPUTED = [("dpo", "precomputed", "sigmoid", 0.0, name) for name in ("tp2", "cp2 ulysses")]
 CUSTOM = [("custom", "full", "masked", 0.0, name) for name in ("zero3", "tp2 sp", "pp2 zb-h1", "cp2 ring")]
-MATRIX_4 = dpo_matrix(LAYOUTS_4) + grpo_matrix(LAYOUTS_4) + CUSTOM + \
+MATRIX_4 = dpo_matrix(LAYOUTS_4) + grpo_matrix(LAYOUTS_4) + CUSTOM + PRECOMPUTED + \
     [("dpo", "full", "sigmoid", 0.0, "ep2"), ("grpo", "full", "grpo", 0.04, "ep2 zero3")]
 MATRIX_8 = dpo_matrix(LAYOUTS_8) + grpo_matrix(LAYOUTS_8)
 
@@ -84,6 +86,8 @@ def case_config(case: tuple) -> dict:
            "objective": objective_section(kind, loss_type, beta)}
     if mode == "lora":
         cfg["peft"] = LORA
+    if mode == "precomputed":
+        cfg["objective"]["reference"] = "batch"
     return cfg
 
 
@@ -104,10 +108,12 @@ def tiny_moe():
     return build_model("mixtral-tiny", seq_len=16, vocab_size=256, aux_loss_coef=0.0, z_loss_coef=0.0)
 
 
-def dataset_of(kind: str, name: str):
+def dataset_of(kind: str, name: str, mode: str = "full"):
     if kind == "custom":
         return RealRows("masked")
-    return PreferencePairs() if kind == "dpo" else Completions(model_of(name)())
+    if kind == "dpo":
+        return PreferencePairs(reference=frozen(model_of(name)()) if mode == "precomputed" else None)
+    return Completions(model_of(name)())
 
 
 def collator_of(kind: str):
@@ -118,7 +124,7 @@ def _run(matrix: list[tuple]) -> list:
     runs = []
     for case in matrix:
         kind = case[0]
-        runs.append(run_layout(case_config(case), model_of(case[4]), dataset_of(kind, case[4]), STEPS,
+        runs.append(run_layout(case_config(case), model_of(case[4]), dataset_of(kind, case[4], case[1]), STEPS,
                                keep_state=dist.get_rank() == 0, collate_fn=collator_of(kind),
                                objective=SequenceMeanNLL() if kind == "custom" else None))
     return runs
@@ -136,7 +142,7 @@ def reference_of(case: tuple, run):
         loss = sequence_mean_nll
     make = functools.partial(_lora_llama, LORA) if mode == "lora" else model_of(name)
     cfg = reference_config({k: v for k, v in case_config(case).items() if k not in ("objective", "peft")}, run)
-    return reference_run(make, cfg, dataset_of(kind, name), STEPS, loss_of=loss, collate_fn=collator_of(kind))
+    return reference_run(make, cfg, dataset_of(kind, name, mode), STEPS, loss_of=loss, collate_fn=collator_of(kind))
 
 
 def _dpo_reference(model, batch, initial, loss_type):
