@@ -225,8 +225,16 @@ class DeepSpeedEngineAPI:
                 "frozen": sum(n for grad, n in everyone.values() if not grad)}
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes of model state this rank holds: params, grads, optimizer_state, total."""
-        return self.grad_sync.memory_stats()
+        """Bytes of model state this rank holds: params, grads, optimizer_state, total. With an objective's
+        frozen reference model (`objective.reference` "initial") its weights are counted in params and total,
+        and alone in reference_params (0 with the adapters off: no second copy)."""
+        stats = self.grad_sync.memory_stats()
+        if self.objective is None or self.objective.mode == "none":
+            return stats
+        reference = self.objective.reference
+        extra = reference.grad_sync.memory_stats()["params"] if reference is not None else 0
+        return {**stats, "params": stats["params"] + extra, "total": stats["total"] + extra,
+                "device": stats["device"] + extra, "reference_params": extra}
 
     def moe_routing(self):
         """The MoE routing of the last step that reduced it (`paratrain.moe.RoutingStep`: per layer, tokens per

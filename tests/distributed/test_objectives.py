@@ -218,3 +218,30 @@ def test_forward_without_targets_returns_whole_logits_or_refuses_4_ranks(world4)
     for out in world4.run(_forward_outputs):
         assert out["shape"] == (2, 16, 256) and out["logits"] < 1e-5 and out["head_grad"] < 1e-5, out
         assert "under context parallelism would return this rank's chunk of the sequence" in out["cp"], out
+
+
+def _reference_memory() -> dict:
+    """memory_stats() of a DPO engine: the initial reference under ZeRO-3 holds this rank's shard of every weight,
+    as the policy's own parameters do; with the adapters off it holds nothing."""
+    from paratrain.api import initialize
+
+    out = {}
+    for mode in ("full", "lora"):
+        cfg = case_config(("dpo", mode, "sigmoid", 0.0, "zero3"))
+        engine, *_ = initialize(model=tiny_llama(), config=cfg, training_data=PreferencePairs(),
+                                collate_fn=preference_collator())
+        engine.train_batch()
+        stats = engine.memory_stats()
+        out[mode] = {"reference": stats["reference_params"], "policy": stats["params"] - stats["reference_params"]}
+        engine.destroy()
+    out["psi"] = sum(p.numel() for p in tiny_llama().parameters())
+    return out
+
+
+def test_the_reference_is_placed_like_the_policy_and_adapters_off_cost_nothing_4_ranks(world4):
+    for out in world4.run(_reference_memory):
+        psi = out["psi"]
+        assert out["lora"]["reference"] == 0, out
+        full = out["full"]
+        assert full["reference"] == full["policy"], out  # the same shards as the policy's weights
+        assert 4 * psi / 4 <= full["reference"] <= 4 * psi / 4 * 1.01, out  # 4 bytes x psi / N, padding < 1%
