@@ -47,15 +47,16 @@ class DPO(Objective):
         chosen_ratio, rejected_ratio = (logps - ref).chunk(2)
         per_pair = sum(weight * self._pair_loss(kind, chosen_ratio, rejected_ratio, lengths.chunk(2))
                        for kind, weight in zip(self.loss_types, self.weights))
-        pairs = torch.tensor(float(chosen.shape[0]), dtype=torch.float64, device=logps.device)
+        # a pair counts when both completions have a token (engine.evaluate pads with pairs that have none)
+        real = ((lengths[: chosen.shape[0]] > 0) & (lengths[chosen.shape[0]:] > 0)).to(logps.dtype)
         rewards_c, rewards_r = (self.beta * chosen_ratio).detach(), (self.beta * rejected_ratio).detach()
-        metrics = {"rewards/chosen": rewards_c.sum(), "rewards/rejected": rewards_r.sum(),
-                   "rewards/accuracies": (rewards_c > rewards_r).double().sum(),
-                   "rewards/margins": (rewards_c - rewards_r).sum(), "logps/chosen": chosen.detach().sum(),
-                   "logps/rejected": rejected.detach().sum()}
-        counted = lp.once(pairs)
-        return Value(lp.once(per_pair.sum()), counted,
-                     {name: (lp.once(value.double()), counted) for name, value in metrics.items()})
+        metrics = {"rewards/chosen": rewards_c, "rewards/rejected": rewards_r,
+                   "rewards/accuracies": (rewards_c > rewards_r).to(logps.dtype),
+                   "rewards/margins": rewards_c - rewards_r, "logps/chosen": chosen.detach(),
+                   "logps/rejected": rejected.detach()}
+        counted = lp.once(real.sum().double())
+        return Value(lp.once((per_pair * real).sum()), counted,
+                     {name: (lp.once((value * real).sum().double()), counted) for name, value in metrics.items()})
 
     def _pair_loss(self, kind: str, chosen_ratio, rejected_ratio, lengths) -> torch.Tensor:
         """TRL's per-pair loss of one loss type (reverse KL scores: the log-ratios themselves)."""

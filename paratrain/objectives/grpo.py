@@ -67,10 +67,11 @@ class GRPO(Objective):
     def _normalised(self, per_token: torch.Tensor, lp: LogProbs) -> tuple[torch.Tensor, torch.Tensor]:
         if self.loss_type in ("dapo", "bnpo"):
             return lp.token_sum(per_token), lp.token_count()
-        rows = torch.tensor(float(per_token.shape[0]), dtype=torch.float64, device=per_token.device)
+        lengths = lp.row_count()
+        rows = (lengths > 0).double().sum()  # a row without a completion token (evaluation's padding) counts not
         if self.loss_type == "dr_grpo":
             return lp.token_sum(per_token), lp.once(rows * self.max_completion_length)
-        per_row = lp.row_sum(per_token) / lp.row_count().to(per_token.dtype).clamp(min=1.0)  # "grpo"
+        per_row = lp.row_sum(per_token) / lengths.to(per_token.dtype).clamp(min=1.0)  # "grpo"
         return lp.once(per_row.sum()), lp.once(rows)
 
     def _clip_metrics(self, lp: LogProbs, ratio, advantages) -> dict:
