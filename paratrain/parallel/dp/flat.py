@@ -295,3 +295,23 @@ def allocate_local(module: nn.Module, device: torch.device, parameters: bool) ->
         for p in sub._parameters.values():
             if p is not None and p.is_meta and parameters:
                 set_data(p, torch.empty_like(p, device=device))
+
+
+class ShardedBuffer:
+    """A flat buffer of a unit's parameters over `axis`: the parameters are views of `full`, whose storage exists
+    only while the unit is gathered (freed to zero bytes in between); one all-gather of the shards fills it."""
+
+    full: torch.Tensor
+    layout: FlatLayout
+    axis: Axis
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def gather_from(self, source: torch.Tensor) -> comm.Handle:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.padded * self.full.element_size())
+        handle = comm.all_gather_into(self.full, source, self.axis, tag="param", async_op=True)
+        handle.source = source  # keep a transient input (a cast, a host-to-device copy) alive until it is done
+        return handle

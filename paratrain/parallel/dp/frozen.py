@@ -14,32 +14,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import paratrain.comm as comm
 from paratrain.layout.mesh import Axis
 from paratrain.parallel.dp.base import MasterSegment
-from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, set_data
-
-
-class ShardedBuffer:
-    """A flat buffer of a unit's parameters over `axis`: the parameters are views of `full`, whose storage exists
-    only while the unit is gathered (freed to zero bytes in between); one all-gather of the shards fills it."""
-
-    full: torch.Tensor
-    layout: FlatLayout
-    axis: Axis
-
-    def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
-
-    def gather_from(self, source: torch.Tensor) -> comm.Handle:
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.layout.padded * self.full.element_size())
-        handle = comm.all_gather_into(self.full, source, self.axis, tag="param", async_op=True)
-        handle.source = source  # keep a transient input (a cast, a host-to-device copy) alive until it is done
-        return handle
+from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, ShardedBuffer, set_data
 
 
 class FrozenShard(ShardedBuffer):
@@ -82,33 +61,3 @@ class FrozenShard(ShardedBuffer):
 def split_frozen(named: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
     """(trainable, frozen) of a unit's parameters, each in module order."""
     return [x for x in named if x[1].requires_grad], [x for x in named if not x[1].requires_grad]
-
-
-class _InputsDone(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward, run once autograd has every gradient of them, says so: the
-    unit's backward is then over (FSDP2's post-backward function). An autograd node and not a tensor hook: a
-    multi-tensor hook that keeps the inputs' nodes would keep every step's graph alive through the hook."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-def watch_inputs(unit, args: tuple, kwargs: dict, ready) -> tuple[tuple, dict] | None:
-    """A unit's forward arguments with every tensor that needs a gradient passed through `_InputsDone`, which
-    calls `ready(unit)` in the backward (None: no input needs one, the unit waits for its gradients only)."""
-    flat, spec = tree_flatten((args, kwargs))
-    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    unit.expects_inputs = bool(positions)
-    if not positions:
-        return None
-    watched = _InputsDone.apply(lambda: ready(unit), *(flat[i] for i in positions))
-    for i, t in zip(positions, watched):
-        flat[i] = t
-    return tree_unflatten(flat, spec)

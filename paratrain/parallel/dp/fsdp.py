@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paratrain.data.nested import tensors_in
 from paratrain.errors import RunError
@@ -41,7 +42,7 @@ from paratrain.parallel.dp.base import (
     weak_hook,
 )
 from paratrain.parallel.dp.flat import OffloadPolicy, cast_untracked, optimizer_groups
-from paratrain.parallel.dp.frozen import FrozenShard, watch_inputs
+from paratrain.parallel.dp.frozen import FrozenShard
 from paratrain.parallel.dp.fsdp_state import ShardedState
 from paratrain.parallel.dp.fsdp_units import (
     FlatParam,
@@ -296,3 +297,33 @@ class FullyShardedDataParallel(ShardedState, GradSync):
 
     def zero_grad(self) -> None:
         self._first_in_window = True  # the first reduction of the next window overwrites the shards
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward, run once autograd has every gradient of them, says so: the
+    unit's backward is then over (FSDP2's post-backward function). An autograd node and not a tensor hook: a
+    multi-tensor hook that keeps the inputs' nodes would keep every step's graph alive through the hook."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def watch_inputs(unit, args: tuple, kwargs: dict, ready) -> tuple[tuple, dict] | None:
+    """A unit's forward arguments with every tensor that needs a gradient passed through `_InputsDone`, which
+    calls `ready(unit)` in the backward (None: no input needs one, the unit waits for its gradients only)."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    unit.expects_inputs = bool(positions)
+    if not positions:
+        return None
+    watched = _InputsDone.apply(lambda: ready(unit), *(flat[i] for i in positions))
+    for i, t in zip(positions, watched):
+        flat[i] = t
+    return tree_unflatten(flat, spec)

@@ -23,6 +23,7 @@ from paratrain.parallel.dp.flat import (
     FlatLayout,
     MasterShard,
     OffloadPolicy,
+    ShardedBuffer,
     gather_master,
     group_index,
     restrict_param_groups,
@@ -30,7 +31,7 @@ from paratrain.parallel.dp.flat import (
     split_param_groups,
     state_with_gathered,
 )
-from paratrain.parallel.dp.frozen import FrozenShard, ShardedBuffer, split_frozen
+from paratrain.parallel.dp.frozen import FrozenShard, split_frozen
 from paratrain.parallel.dp.gradients import StagedGradient
 
 WrapPolicy = Callable[[str, nn.Module], bool]
