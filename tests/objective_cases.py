@@ -124,7 +124,8 @@ def _pair_parts(batch: dict) -> list[tuple[list[int], list[int], list[int]]]:
     return out
 
 
-def dpo_loss(model, reference, batch: dict, loss_type: str = "sigmoid", beta: float = 0.1) -> torch.Tensor:
+def dpo_loss(model, reference, batch: dict, loss_type: str = "sigmoid", beta: float = 0.1,
+             label_smoothing: float = 0.0) -> torch.Tensor:
     """TRL's DPO over the whole global batch: sequence log-probs (sums over the completion), per-pair loss, mean."""
     losses = []
     for prompt, chosen, rejected in _pair_parts(batch):
@@ -140,6 +141,9 @@ def dpo_loss(model, reference, batch: dict, loss_type: str = "sigmoid", beta: fl
         elif loss_type == "ipo":
             avg = ratio_c / len(chosen) - ratio_r / len(rejected)
             losses.append((avg - 1 / (2 * beta)) ** 2)
+        elif loss_type == "robust":
+            eps = label_smoothing
+            losses.append((-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps))
         else:
             raise ValueError(loss_type)
     return torch.stack(losses).mean()

@@ -1,0 +1,221 @@
+"""The one-process references of tests/objective_cases.py, and paratrain's engine on one process, equal TRL 1.16's own
+`DPOTrainer.compute_loss` and `GRPOTrainer.compute_loss` on the same batches (TRL is a dev dependency, a peer in the
+tests, never paratrain's runtime).
+
+The model is a tiny random transformers Llama (initializer_range 0.2, so the log-probs are far from uniform); the
+batches are 8 preference pairs and 8 completions of different lengths collated by paratrain's collators (TRL's
+collated forms: chosen rows then rejected, right-padded; prompts left-padded). paratrain's engine first takes one
+AdamW step on the batch, so the policy leaves its reference (the initial model). At that policy, for every case:
+- TRL's trainer (fp32, one process) computes the loss of the batch on a copy of the policy: DPO with the initial
+  model as `ref_model`; GRPO with the reference TRL itself loads from the initial model's directory and its own
+  `ref_per_token_logps`, and rollout log-probs (`old_per_token_logps`) that differ from the current ones, so the clip
+  acts (asserted);
+- the plain reference (`dpo_loss`: sigmoid, ipo, hinge, robust; `grpo_loss`: all) computes it from every row's real
+  tokens alone;
+- the engine's next `train_batch` returns it, and `objective_metrics()` its metrics, which must equal TRL's logged
+  ones (rewards/*, logps/* for DPO; clip_ratio/*, kl, entropy for GRPO).
+Each within 1e-5 (relative). DPO: sigmoid, ipo, hinge, robust, sigmoid_norm, exo_pair, nca_pair, bco_pair,
+sppo_hard, apo_zero, apo_down and a weighted sum of three (`loss_weights`); GRPO: dapo, grpo, dr_grpo, bnpo with
+beta 0, and dapo, grpo, dr_grpo with beta 0.04 (epsilon 0.2, epsilon_high 0.28).
+
+Normalisation: with one micro-batch, no accumulation and one process, TRL's loss is ours exactly. Over several
+micro-batches or processes they differ by design: TRL's grpo, bnpo and dr_grpo losses are means over each micro-batch
+(grpo: of its completions' per-token means; bnpo: over its tokens; dr_grpo: its completions x max_completion_length)
+divided by the accumulation steps, its dapo divides by the generation batch's token count rescaled per process and
+accumulation step, and its DPO loss is each micro-batch's mean over its pairs; paratrain divides every objective once
+by the count of the optimizer step's whole batch (tokens, completions or pairs over dp x cp x accumulation).
+
+TRL's settings: bf16=False (TRL's configs default to bf16 autocast, which moves the log-probs by 1e-2 here), use_cpu,
+temperature 1.0, use_bias_correction_kl (its default) for beta > 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+
+import torch
+
+from tests.cases import import_or_skip, tiny_hf
+from tests.objective_cases import (
+    COMPLETION,
+    Completions,
+    PreferencePairs,
+    completion_collator,
+    dpo_loss,
+    frozen,
+    grpo_loss,
+    preference_collator,
+)
+
+import_or_skip("trl")
+
+TOLERANCE = 1e-5
+INIT_RANGE = 0.2  # weights 10x the default's: log-probs far from uniform, rewards far from 0
+LR = {"dpo": 1e-2, "grpo": 5e-4}  # one AdamW step moves the log-probs: rewards and kl act, the clip holds some tokens
+# (loss types, their loss_weights, label_smoothing); the plain reference has the first four, the engine all of them
+DPO_CASES = ((["sigmoid"], None, 0.0), (["ipo"], None, 0.0), (["hinge"], None, 0.0), (["robust"], None, 0.1),
+             (["sigmoid_norm"], None, 0.0), (["exo_pair"], None, 0.1), (["nca_pair"], None, 0.0),
+             (["bco_pair"], None, 0.0), (["sppo_hard"], None, 0.0), (["apo_zero"], None, 0.0),
+             (["apo_down"], None, 0.0), (["sigmoid", "ipo", "hinge"], [0.5, 0.01, 2.0], 0.0))
+REFERENCE_DPO = ("sigmoid", "ipo", "hinge", "robust")
+GRPO_CASES = (("dapo", 0.0), ("grpo", 0.0), ("dr_grpo", 0.0), ("bnpo", 0.0), ("dapo", 0.04), ("grpo", 0.04),
+              ("dr_grpo", 0.04))
+EPSILON = (0.2, 0.28)
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")
+GRPO_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy")
+
+
+def _model():
+    return tiny_hf("llama", initializer_range=INIT_RANGE)
+
+
+def _stepped_engine(section: dict, batch: dict):
+    """paratrain's engine on one process after one AdamW step on `batch`: (engine, the initial model, the policy)."""
+    import paratrain
+
+    model = _model()
+    initial = frozen(model)
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR[section["type"]]}}, "objective": section}
+    engine, *_ = paratrain.initialize(model=model, config=config)
+    engine.train_batch(iter([batch]))
+    policy = _model()
+    policy.load_state_dict(engine.full_state_dict())
+    return engine, initial, policy.train()
+
+
+def _trl_args(config_class, output_dir: str, **settings):
+    return config_class(output_dir=output_dir, report_to="none", use_cpu=True, bf16=False,
+                        per_device_train_batch_size=8, gradient_accumulation_steps=1, save_strategy="no",
+                        logging_strategy="no", disable_tqdm=True, **settings)
+
+
+def _tokenizer():
+    from tests.tiny_tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()  # the trainers want one; every batch here is already token ids
+
+
+def _dpo_case(loss_types: list[str], weights: list[float] | None, smoothing: float, output_dir: str) -> dict:
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    batch = preference_collator()(list(PreferencePairs()))
+    section = {"type": "dpo", "beta": 0.1, "loss_type": loss_types, "loss_weights": weights,
+               "label_smoothing": smoothing}
+    engine, initial, policy = _stepped_engine(section, batch)
+    reference = None
+    if len(loss_types) == 1 and loss_types[0] in REFERENCE_DPO:
+        with torch.no_grad():
+            reference = float(dpo_loss(policy, initial, batch, loss_types[0], label_smoothing=smoothing))
+    args = _trl_args(DPOConfig, output_dir, beta=0.1, loss_type=loss_types, loss_weights=weights,
+                     label_smoothing=smoothing, precompute_ref_log_probs=False)
+    trainer = DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(initial), args=args,
+                         train_dataset=Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}]),
+                         processing_class=_tokenizer())
+    trl_loss = trainer.compute_loss(trainer.model, dict(batch)).item()
+    trl_metrics = {name: trainer._metrics["train"][name][-1] for name in DPO_METRICS}
+    loss = float(engine.train_batch(iter([batch])))  # at the policy: the metrics are the step's, before it
+    name = "+".join(loss_types) + (f" weights {weights}" if weights else "") + \
+        (f" label_smoothing {smoothing}" if smoothing else "")
+    return {"case": f"dpo {name}", "trl": trl_loss,
+            "reference": reference, "engine": loss, "trl_metrics": trl_metrics,
+            "engine_metrics": engine.objective_metrics()}
+
+
+def _completions(model) -> dict:
+    """The GRPO batch: rollout log-probs that are the initial model's plus noise (so the ratio leaves 1 even on the
+    first step, and the rollout differs from the reference)."""
+    batch = completion_collator()(list(Completions(model)))
+    noise = 0.1 * torch.randn(batch["old_per_token_logps"].shape, generator=torch.Generator().manual_seed(3),
+                              dtype=torch.float64)
+    batch["old_per_token_logps"] = (batch["old_per_token_logps"] + noise) * batch["completion_mask"]
+    return batch
+
+
+def _grpo_case(loss_type: str, beta: float, output_dir: str) -> dict:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    batch = _completions(_model())
+    section = {"type": "grpo", "loss_type": loss_type, "beta": beta, "epsilon": EPSILON[0],
+               "epsilon_high": EPSILON[1], "max_completion_length": COMPLETION, "temperature": 1.0}
+    engine, initial, policy = _stepped_engine(section, batch)
+    with torch.no_grad():
+        reference = float(grpo_loss(policy, batch, loss_type, beta, EPSILON, COMPLETION,
+                                    reference=initial if beta else None))
+    initial.save_pretrained(output_dir)  # TRL loads its reference model from the policy's model id
+    trl_policy = copy.deepcopy(policy)
+    trl_policy.config._name_or_path = output_dir
+    args = _trl_args(GRPOConfig, output_dir, loss_type=loss_type, beta=beta, epsilon=EPSILON[0],
+                     epsilon_high=EPSILON[1], max_completion_length=COMPLETION, num_generations=4, temperature=1.0)
+    trainer = GRPOTrainer(model=trl_policy, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_list([{"prompt": "a"}] * 8),
+                          processing_class=_tokenizer())
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by Trainer.train
+    inputs = {**batch, "advantages": batch["advantages"].float(),
+              "old_per_token_logps": batch["old_per_token_logps"].float(),
+              "num_items_in_batch": batch["completion_mask"].sum()}
+    if beta:  # as TRL's rollout computes them: its reference model's forward on the prompt and completion
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                trainer.ref_model, ids, mask, COMPLETION)[0]
+    trl_loss = trainer.compute_loss(trainer.model, inputs).item()
+    names = GRPO_METRICS + (("kl",) if beta else ())
+    trl_metrics = {name: trainer._metrics["train"][name][-1] for name in names}
+    loss = float(engine.train_batch(iter([batch])))  # the engine's in-step reference: the initial model's copy
+    return {"case": f"grpo {loss_type} beta {beta}", "trl": trl_loss, "reference": reference, "engine": loss,
+            "trl_metrics": trl_metrics, "engine_metrics": engine.objective_metrics()}
+
+
+def _all_cases() -> list[dict]:
+    out = []
+    for loss_types, weights, smoothing in DPO_CASES:
+        with tempfile.TemporaryDirectory() as output_dir:
+            out.append(_dpo_case(loss_types, weights, smoothing, output_dir))
+    for loss_type, beta in GRPO_CASES:
+        with tempfile.TemporaryDirectory() as output_dir:
+            out.append(_grpo_case(loss_type, beta, output_dir))
+    return out
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _errors(r: dict) -> tuple[dict, dict]:
+    """(relative differences of the losses from TRL's, of the engine's metrics from TRL's: absolute where TRL's is 0)"""
+    losses = {"engine": _rel(r["engine"], r["trl"])}
+    if r["reference"] is not None:
+        losses["reference"] = _rel(r["reference"], r["trl"])
+    metrics = {name: _rel(r["engine_metrics"][name], value) if value else abs(r["engine_metrics"][name])
+               for name, value in r["trl_metrics"].items()}
+    return losses, metrics
+
+
+def _line(r: dict) -> str:
+    losses, metrics = _errors(r)
+    compared = ", ".join(f"{name} {err:.1e}" for name, err in losses.items())
+    clipped = r["trl_metrics"].get("clip_ratio/region_mean")
+    return (f"{r['case']}: TRL loss {r['trl']:.7g}; rel. diff {compared}; metrics max rel. diff "
+            f"{max(metrics.values()):.1e}" + (f"; clipped {clipped:.3f}" if clipped is not None else ""))
+
+
+def test_references_and_engine_equal_trl_dpo_and_grpo(world1):
+    """Runs in a rank of its own (paratrain's engine needs a process group; TRL's trainers see a world of one)."""
+    results = world1.run(_all_cases)[0]
+    print("\n".join(_line(r) for r in results))
+    assert len(results) == len(DPO_CASES) + len(GRPO_CASES)
+    for r in results:
+        losses, metrics = _errors(r)
+        assert max(losses.values()) <= TOLERANCE, (r, losses)
+        assert max(metrics.values()) <= TOLERANCE, (r, metrics)
+        if r["case"].startswith("grpo"):
+            assert 0 < r["trl_metrics"]["clip_ratio/region_mean"] < 0.5, r  # the clip acts, on some tokens
+            assert "kl" not in r["trl_metrics"] or r["trl_metrics"]["kl"] > 0, r  # the policy left its reference
+        else:
+            assert abs(r["trl_metrics"]["rewards/margins"]) > 1e-3, r  # the policy left its reference
