@@ -42,6 +42,10 @@ class ObjectiveConfig(Section):
     "batch" the micro-batch carries them (precomputed: ref_chosen_logps / ref_rejected_logps,
     ref_per_token_logps); unset: the batch's when it carries them, else the adapters off when the model has
     adapters, else the initial copy."""
+    reference_model: str | None = None
+    """A model directory (Hugging Face safetensors, or a paratrain checkpoint) whose weights the frozen reference
+    takes instead of the initial model's: the same architecture as the policy, placed like it (TRL's
+    `ref_model`)."""
     epsilon: float = Field(0.2, gt=0.0)
     """GRPO: the lower clipping bound of the ratio, 1 - epsilon."""
     epsilon_high: float | None = Field(None, gt=0.0)

@@ -84,6 +84,26 @@ class EngineCheckpoints:
         if config.peft is not None and config.peft.load:
             self.load_adapter(config.peft.load)
 
+    def _fill_reference(self, template, init_fn) -> None:
+        """The objective's frozen reference copy gets the initial values the policy got: `objective.reference_model`'s
+        weights when set, else `checkpoint.load_weights`, else a meta model's initialization (collective)."""
+        reference = self.objective.reference if self.objective is not None else None
+        if reference is None:
+            return
+        config, adapters = self.config, {t.name for t in self._adapter_tensors}
+        path = config.objective.reference_model or config.checkpoint.load_weights
+        if path:
+            name_map = None if config.objective.reference_model else config.checkpoint.load_weights_map
+            source = open_weights(path, adapted_names(name_map, self._adapter_tensors))
+            try:
+                fill_model(reference, self.mesh, source, names=source.names(), skip=adapters - source.names())
+            except CheckpointError as exc:
+                raise CheckpointError(f"the objective's reference from '{path}': {exc} (objective.reference_model "
+                                      f"must hold the policy's architecture)") from None
+        elif template is not None:
+            fill_model(reference, self.mesh, meta_init_source(config.meta_init, template, reference.spec, init_fn),
+                       skip=adapters)
+
     def load_adapter(self, directory) -> None:
         """An adapter directory's weights (peft's format: adapter_model.safetensors) into the model's adapters, each
         rank reading its slices (collective); its adapter_config.json must describe the same adapters."""

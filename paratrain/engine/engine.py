@@ -100,6 +100,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self._fill_initial_values(template, init_fn)  # load_weights, a meta model's init; adapters without values
         self.objective = None if reference_mode is None else ObjectiveStep.build(
             objective, self.parallel, mesh, self.device, reference_mode, reference_source, strategies_of(config))
+        self._fill_reference(template, init_fn)  # the frozen copy's initial values, as the policy's
         self._objective_metrics: torch.Tensor | None = None  # the last step's reduced metric sums
         self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
@@ -131,15 +132,10 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         parallelize changes the model."""
         if isinstance(objective, NextToken):
             return None, None
-        mode = ObjectiveStep.reference_mode(objective, self.config.objective.reference, self.adapters is not None)
-        if mode != "initial":
-            return mode, None
-        if self.config.checkpoint.load_weights:
-            raise InvalidValueError("objective.reference \"initial\" copies the model as handed in, before "
-                                    "checkpoint.load_weights fills the policy: load the weights into the model "
-                                    "first (from_pretrained), or precompute the reference (objective.reference "
-                                    "\"batch\")")
-        return mode, ObjectiveStep.frozen_copy(model)
+        settings = self.config.objective
+        mode = ObjectiveStep.reference_mode(objective, settings.reference, self.adapters is not None,
+                                            settings.reference_model)
+        return mode, ObjectiveStep.frozen_copy(model) if mode == "initial" else None
 
     # ---- state of the step ----------------------------------------------------------------------
     def train(self, mode: bool = True):

@@ -38,10 +38,17 @@ class ObjectiveStep:
         self._adapters = [layer for _, layer in lora_layers(parallel.module)] if mode == "adapters_off" else []
 
     @staticmethod
-    def reference_mode(objective: Objective, reference: str | None, has_adapters: bool) -> str:
-        """Where this run's reference log-probs come from: the `objective.reference` key resolved."""
+    def reference_mode(objective: Objective, reference: str | None, has_adapters: bool,
+                       reference_model: str | None = None) -> str:
+        """Where this run's reference log-probs come from: the `objective.reference` key resolved (a
+        `reference_model` directory is a frozen copy too, filled from that directory's weights)."""
         if not objective.uses_reference:
             return "none"
+        if reference_model is not None:
+            if reference not in (None, "initial"):
+                raise InvalidValueError(f"objective.reference_model is a frozen reference model, but "
+                                        f"objective.reference is \"{reference}\": remove one of them")
+            return "initial"
         if reference is not None:
             if reference == "adapters_off" and not has_adapters:
                 raise InvalidValueError("objective.reference is \"adapters_off\" but the model has no adapters: add "
@@ -51,11 +58,8 @@ class ObjectiveStep:
 
     @staticmethod
     def frozen_copy(model: nn.Module) -> nn.Module:
-        """The initial reference's source, taken before anything changes the model."""
-        if any(t.is_meta for t in model.parameters()):
-            raise InvalidValueError("objective.reference \"initial\" copies the model as handed in, but it is on the "
-                                    "meta device (no values yet): pass a model with its weights, or set "
-                                    "objective.reference to \"batch\" (precomputed reference log-probs)")
+        """The initial reference's source, taken before anything changes the model (a model on the meta device
+        is copied as such: the engine fills the copy as it fills the policy)."""
         reference = copy.deepcopy(model)
         for param in reference.parameters():
             param.requires_grad_(False)

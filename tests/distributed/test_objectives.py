@@ -245,3 +245,47 @@ def test_the_reference_is_placed_like_the_policy_and_adapters_off_cost_nothing_4
         full = out["full"]
         assert full["reference"] == full["policy"], out  # the same shards as the policy's weights
         assert 4 * psi / 4 <= full["reference"] <= 4 * psi / 4 * 1.01, out  # 4 bytes x psi / N, padding < 1%
+
+
+def _from_directories(root: str) -> dict:
+    """DPO on a model given as a Hugging Face directory (built on the meta device, its weights loaded by each rank):
+    the frozen initial reference is filled from the same weights, so the first step's loss is log 2 (the policy
+    is its reference); `objective.reference_model` fills it from another directory of the same architecture
+    (another seed: the first step's loss then differs from log 2), and one of another architecture is refused by
+    name on every rank."""
+    import math
+
+    from paratrain.api import initialize
+    from paratrain.errors import Error
+
+    out = {}
+    cfg = {**case_config(("dpo", "full", "sigmoid", 0.0, "zero3")), "train_micro_batch_size_per_gpu": 2,
+           "gradient_accumulation_steps": 1}
+    for name, extra in (("same", {}), ("other", {"reference_model": f"{root}/other"})):
+        run = {**cfg, "objective": {**cfg["objective"], **extra}}
+        engine, *_ = initialize(model=f"{root}/policy", config=run, training_data=PreferencePairs(),
+                                collate_fn=preference_collator())
+        loss = float(engine.train_batch())
+        out[name] = {"loss": loss, "log2": math.log(2), "metrics": engine.objective_metrics()}
+        engine.destroy()
+    bad = {**cfg, "objective": {**cfg["objective"], "reference_model": f"{root}/wider"}}
+    try:
+        initialize(model=f"{root}/policy", config=bad, training_data=PreferencePairs(),
+                   collate_fn=preference_collator())
+        out["wider"] = "accepted"
+    except Error as exc:
+        out["wider"] = str(exc)
+    return out
+
+
+def test_references_from_model_directories_4_ranks(world4, tmp_path):
+    from tests.cases import tiny_hf
+
+    tiny_hf("llama", seed=1).save_pretrained(tmp_path / "policy")
+    tiny_hf("llama", seed=2).save_pretrained(tmp_path / "other")
+    tiny_hf("llama", seed=1, hidden_size=64).save_pretrained(tmp_path / "wider")
+    for out in world4.run(_from_directories, str(tmp_path)):
+        assert abs(out["same"]["loss"] - out["same"]["log2"]) < 1e-6, out
+        assert abs(out["same"]["metrics"]["rewards/margins"]) < 1e-6, out
+        assert abs(out["other"]["loss"] - out["other"]["log2"]) > 1e-3, out
+        assert "objective.reference_model must hold the policy's architecture" in out["wider"], out
