@@ -15,6 +15,7 @@ from paratrain.distributed import init_distributed, uses_cuda
 from paratrain.engine import Engine
 from paratrain.engine.strategies import strategies_of
 from paratrain.errors import InvalidValueError
+from paratrain.failure import install_excepthook
 from paratrain.layout.mesh import ParallelDims
 from paratrain.model_spec import pretrained_for
 from paratrain.moe.layer import expert_parallel_size_of
@@ -73,7 +74,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """Build the engine. Returns (engine, optimizer, training_dataloader, lr_scheduler) as DeepSpeed does.
     A model on the meta device (`paratrain.init_empty()`) is materialized shard by shard: with the values
     eager construction gives, or `init_fn(module)` run module by module, or `checkpoint.load_weights`.
-    A path (str) as `model` is a saved model (a Hugging Face directory): `from_pretrained`."""
+    A path (str) as `model` is a saved model (a Hugging Face directory): `from_pretrained`.
+    Under a launcher (torchrun) an uncaught error is then reported once for the job (`paratrain.failure`)."""
+    install_excepthook()
     if model is None:
         raise InvalidValueError("initialize() needs model=")
     pretrained = None

@@ -30,6 +30,7 @@ from paratrain.data import (
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.distributed import init_distributed
 from paratrain.engine.monitor import peak_rss_bytes
+from paratrain.failure import install_excepthook
 from paratrain.models import build_model
 from paratrain.trainer.early_stop import ValidationTracker
 from paratrain.trainer.inputs import (
@@ -160,10 +161,10 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
           save_pretrained: str | None = None) -> dict:
     """Train the configured model (a GPT or Llama preset); returns the summary (also written to
     run_dir/summary.json on rank 0)."""
+    install_excepthook()  # under a launcher an uncaught error is reported once for the job (paratrain.failure)
     cfg = load_config(config_source)
     init_distributed(timeout=cfg.comm.timeout_s)
-    steps = steps or cfg.trainer.steps
-    save_pretrained = save_pretrained or cfg.trainer.save_pretrained
+    steps, save_pretrained = steps or cfg.trainer.steps, save_pretrained or cfg.trainer.save_pretrained
     engine, loader, evaluator, out, model = _start(cfg, run_dir)
     rank0 = engine.global_rank == 0
     validating = evaluator is not None and (cfg.trainer.eval_every > 0 or cfg.trainer.eval_at_start)

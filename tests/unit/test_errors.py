@@ -96,3 +96,43 @@ def test_the_general_errors_keep_their_builtin_bases():
     for cls, base in ((InvalidValueError, ValueError), (InvalidTypeError, TypeError), (RunError, RuntimeError),
                       (MissingKeyError, KeyError)):
         assert issubclass(cls, paratrain.Error) and issubclass(cls, base)
+
+
+def test_the_exit_code_says_whether_the_input_or_the_run_failed():
+    """2: the job's input is wrong (what the user fixes); 1: the run failed, or any other exception (a bug)."""
+    from paratrain.failure import exit_code
+
+    run_failures = {"RunError", "CollectiveTimeout", "LossScaleError", "NonFiniteLossError", "WorldError"}
+    for name, cls in _defined_exceptions().items():
+        failed_run = any(base.__name__ in run_failures for base in cls.__mro__)  # PeerFailed: a CollectiveTimeout
+        assert exit_code(cls.__new__(cls)) == (1 if failed_run else 2), name
+    assert exit_code(ZeroDivisionError()) == exit_code(ValueError()) == 1
+
+
+def test_a_failure_is_reported_once_per_job(monkeypatch, tmp_path, capsys):
+    """The first rank to fail prints (its rank, the message, no traceback); a later one exits silently; the
+    launcher reads who reported and with which code."""
+    import os
+    import tempfile
+
+    from paratrain.config import ConfigError
+    from paratrain.failure import DEBUG_ENV, clear_claims, read_claim, report
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert report(ConfigError("data.seq_len = 9: too long; lower it")) == 2
+    monkeypatch.setenv("RANK", "0")
+    assert report(ConnectionError("Connection closed by peer")) == 1  # a consequence: not printed
+    err = capsys.readouterr().err
+    assert err == "paratrain: error on rank 1 of 2: data.seq_len = 9: too long; lower it\n"
+    assert read_claim(os.getppid()) == {"rank": 1, "exit_code": 2, "error": "ConfigError"}
+    clear_claims(os.getppid())
+    monkeypatch.setenv(DEBUG_ENV, "1")  # --debug: the traceback of a paratrain error too
+    try:
+        raise ConfigError("bad")
+    except ConfigError as exc:
+        assert report(exc) == 2
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+    clear_claims(os.getppid())
