@@ -27,7 +27,7 @@ MODEL = {"vocab_size": 260, "seq_len": 32}
 # case: (the config's extra keys, the line the user must see once, exit code)
 CASES = {
     "data": ({"data": {"train": "missing.jsonl", "format": "prompt_completion", "seq_len": 32}},
-             "missing.jsonl does not exist", 2),
+             "data.train = 'missing.jsonl': missing.jsonl does not exist", 2),
     "config": ({"zero_optimization": {"stage": 4}},
                "config key 'zero_optimization.stage' = 4: Input should be less than or equal to 3", 2),
     "adapter": ({"peft": {"r": 4, "target_modules": ["qkv_nope"]}},

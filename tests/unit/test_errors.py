@@ -136,3 +136,25 @@ def test_a_failure_is_reported_once_per_job(monkeypatch, tmp_path, capsys):
         assert report(exc) == 2
     assert "Traceback (most recent call last)" in capsys.readouterr().err
     clear_claims(os.getppid())
+
+
+def test_the_failure_table_of_the_cli_doc_is_asserted_by_its_tests():
+    """Every row of docs/cli.md's failure table: its first quoted text appears verbatim in the test it names (which
+    asserts it), and its error's exit code is the row's."""
+    import re
+
+    from paratrain.failure import exit_code
+
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "cli.md").read_text()
+    table = doc.split("<!-- failure table: begin -->")[1].split("<!-- failure table: end -->")[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.strip().splitlines()[2:]]
+    assert len(rows) >= 18, len(rows)
+    by_name = {cls.__name__: cls for cls in _defined_exceptions().values()}
+    for case, message, code, error, test in rows:
+        quoted = re.search(r"`([^`]+)`", message).group(1)
+        assert quoted in (root / test).read_text(), (case, quoted, test)
+        if error in by_name:
+            assert exit_code(by_name[error].__new__(by_name[error])) == int(code), case
+        else:
+            assert error == "—" and code in ("0", "1"), case
