@@ -71,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         opts = options_from_args(args)
         opts.module = True  # torchrun runs `python -m paratrain.cli train ...` on every rank
         return launch(opts, "paratrain.cli", forwarded)
-    from paratrain.failure import DEBUG_ENV, install_excepthook, report
+    from paratrain.failure import DEBUG_ENV, INTERRUPTED, install_excepthook, report
     from paratrain.trainer import train
 
     if args.debug:
@@ -81,6 +81,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         train(args.config, run_dir=args.run_dir, steps=args.steps)
     except Exception as exc:  # reported once for the whole job, without a traceback unless a bug or --debug
         return report(exc)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it once, a single process here
+        if not _in_launched_world():
+            print("paratrain train: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

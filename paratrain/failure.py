@@ -20,6 +20,7 @@ a paratrain error too. This module imports only `paratrain.errors`: entry points
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ from paratrain.errors import Error
 DEBUG_ENV = "PARATRAIN_DEBUG"
 USER_INPUT = 2  # the job's input is wrong: the message says what to change
 RUN_FAILED = 1  # the run failed, or a bug
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports it
 
 
 def exit_code(exc: BaseException) -> int:
@@ -95,15 +97,18 @@ def clear_claims(agent_pid: int) -> None:
 
 
 def _message(exc: BaseException) -> str:
-    if isinstance(exc, KeyError) and len(exc.args) == 1:  # str(KeyError) quotes its message
-        return str(exc.args[0])
-    return str(exc)
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and len(exc.args) == 1 else str(exc)  # KeyError quotes
+    return text.removeprefix("paratrain: ")  # a message that names paratrain itself (the hang guard's)
 
 
 def report(exc: BaseException, stream=None) -> int:
     """Print `exc` once for the whole job (a paratrain error as its message, anything else with its traceback)
     to `stream` (default: sys.stderr) and return the exit code the process should end with."""
     stream = stream or sys.stderr
+    # Objects left in reference cycles (a closed process pool's queues) release their semaphores now: torchrun
+    # stops the other ranks (SIGTERM) as soon as one has exited, and a rank stopped before its collector ran has
+    # its semaphores reported leaked by multiprocessing's resource tracker, a warning on the user's screen.
+    gc.collect()
     code = exit_code(exc)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -121,7 +126,10 @@ def report(exc: BaseException, stream=None) -> int:
 
 
 def _excepthook(kind, exc, tb) -> None:
-    if not issubclass(kind, Exception):  # Ctrl-C and the like: Python's own handling
+    if issubclass(kind, KeyboardInterrupt):  # Ctrl-C reaches every rank: the launcher says it once
+        sys.stdout.flush()
+        os._exit(INTERRUPTED)
+    if not issubclass(kind, Exception):
         sys.__excepthook__(kind, exc, tb)
         return
     # the process's own stderr: torch.distributed's hook (installed by init_process_group around this one) points
@@ -138,6 +146,14 @@ def install_excepthook() -> None:
         sys.excepthook = _excepthook
 
 
+def interrupted(signal_number: int) -> int:
+    """The launcher's line when the job was stopped by a signal (Ctrl-C: SIGINT), and its exit code."""
+    import signal
+
+    print(f"paratrain: the job was stopped ({signal.Signals(signal_number).name})", file=sys.stderr)
+    return 128 + signal_number
+
+
 def conclude(agent_pid: int, failures: dict) -> int:
     """After the workers of `agent_pid` are gone with a failure: one final line, and the job's exit code.
     `failures`: torchrun's {rank: ProcessFailure}."""
@@ -147,8 +163,9 @@ def conclude(agent_pid: int, failures: dict) -> int:
         print(f"paratrain: the job stopped: rank {claim['rank']} reported {what} (above); exit code "
               f"{claim['exit_code']}", file=sys.stderr)
         return int(claim["exit_code"])
-    first = min(failures.values(), key=lambda f: f.timestamp) if failures else None
-    code = first.exitcode if first is not None and first.exitcode > 0 else RUN_FAILED
-    where = f"rank {first.global_rank} exited with code {first.exitcode}" if first is not None else "a worker failed"
-    print(f"paratrain: the job failed: {where}", file=sys.stderr)
-    return code
+    if not failures:
+        print("paratrain: the job failed", file=sys.stderr)
+        return RUN_FAILED
+    rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
+    print(f"paratrain: the job failed: rank {rank} exited with code {first.exitcode}", file=sys.stderr)
+    return first.exitcode if first.exitcode > 0 else RUN_FAILED

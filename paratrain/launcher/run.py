@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from paratrain.errors import InvalidValueError
-from paratrain.failure import DEBUG_ENV, clear_claims, conclude, debugging
+from paratrain.failure import DEBUG_ENV, clear_claims, conclude, debugging, interrupted
 
 
 @dataclass
@@ -103,6 +103,7 @@ def launch(opts: LaunchOptions, target: str, target_args: list[str]) -> int:
 
     A failed job ends with one line of paratrain's, not torchrun's summary block: the rank that reported first
     has printed the error (`paratrain.failure`), and its exit code is the job's."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -122,6 +123,8 @@ def launch(opts: LaunchOptions, target: str, target_args: list[str]) -> int:
         run(parse_args(torchrun_argv(opts, target, target_args)))
     except ChildFailedError as exc:
         return conclude(agent, exc.failures)
+    except SignalException as exc:  # Ctrl-C (or a scheduler's SIGTERM): torchrun has stopped the workers
+        return interrupted(exc.sigval)
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     finally:

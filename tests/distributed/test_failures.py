@@ -5,15 +5,18 @@ with a missing data file, a bad config value and a LoRA target that matches no m
 exactly once (one rank prints it), no traceback; after a deliberate bug (an exception that is not a paratrain
 error): exit code 1 and its traceback once. paratrain's launchers end with their own line, not torchrun's block;
 a plain torchrun exits 1 whatever failed and adds its own traceback and block, with the rank's code in it.
-The twelve 2-process jobs run four at a time: each is a separate job, only the waiting is shared.
+Ctrl-C during training: one line, exit code 130, no traceback. The thirteen 2-process jobs run four at a time:
+each is a separate job, only the waiting is shared.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,11 +69,35 @@ def _launch(path: str, case: str, tmp: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=180)
 
 
+def _interrupt(tmp: Path) -> subprocess.CompletedProcess:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once a long job has trained a step."""
+    config = tmp / "long.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIMIZER, "trainer": {
+        "model": "llama-tiny", "model_overrides": MODEL, "steps": 100000, "eval_every": 0, "progress_bar": False,
+        "run_dir": str(tmp / "run-long")}}))
+    argv, env = _command("train", "data", tmp)
+    argv[argv.index("--config") + 1] = str(config)
+    job = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    metrics, deadline = tmp / "run-long" / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.is_file() and metrics.stat().st_size) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if job.poll() is None:  # else it failed on its own: the assertions show how
+        os.killpg(job.pid, signal.SIGINT)
+    out, err = job.communicate(timeout=120)
+    return subprocess.CompletedProcess(argv, job.returncode, out, err)
+
+
 @pytest.mark.multiprocess
 def test_every_launch_path_reports_a_failure_once(tmp_path):
     jobs = [(path, case) for path in ("train", "run", "torchrun") for case in CASES]
     with ThreadPoolExecutor(4) as pool:
+        stopped = pool.submit(_interrupt, tmp_path)
         done = dict(zip(jobs, pool.map(lambda job: _launch(*job, tmp_path), jobs)))
+    stopped = stopped.result()  # Ctrl-C: no traceback from any rank nor torchrun, one line, exit code 130
+    assert stopped.returncode == 130, stopped.stderr[-4000:]
+    assert stopped.stderr.strip().splitlines()[-1] == "paratrain: the job was stopped (SIGINT)", stopped.stderr
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-4000:]
     for (path, case), run in done.items():
         _, line, code = CASES[case]
         shown = run.stdout + run.stderr

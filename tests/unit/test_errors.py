@@ -138,6 +138,27 @@ def test_a_failure_is_reported_once_per_job(monkeypatch, tmp_path, capsys):
     clear_claims(os.getppid())
 
 
+def test_the_launchers_last_line_names_the_reporting_rank_or_the_first_failure(monkeypatch, tmp_path, capsys):
+    import os
+    import tempfile
+    from types import SimpleNamespace
+
+    from paratrain.config import ConfigError
+    from paratrain.failure import conclude, report
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    exited = {0: SimpleNamespace(exitcode=-15, timestamp=2), 1: SimpleNamespace(exitcode=3, timestamp=1)}
+    assert conclude(os.getppid(), exited) == 3  # no report claimed (a script's sys.exit(3)): the first to fail
+    assert capsys.readouterr().err == "paratrain: the job failed: rank 1 exited with code 3\n"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    report(ConfigError("bad"))
+    capsys.readouterr()
+    assert conclude(os.getppid(), exited) == 2  # the claim's rank and code, whatever torchrun saw first
+    assert capsys.readouterr().err == ("paratrain: the job stopped: rank 1 reported an error in the job's input "
+                                       "(above); exit code 2\n")
+
+
 def test_the_failure_table_of_the_cli_doc_is_asserted_by_its_tests():
     """Every row of docs/cli.md's failure table: its first quoted text appears verbatim in the test it names (which
     asserts it), and its error's exit code is the row's."""
@@ -157,4 +178,4 @@ def test_the_failure_table_of_the_cli_doc_is_asserted_by_its_tests():
         if error in by_name:
             assert exit_code(by_name[error].__new__(by_name[error])) == int(code), case
         else:
-            assert error == "—" and code in ("0", "1"), case
+            assert error == "—" and code in ("0", "1", "3"), case
