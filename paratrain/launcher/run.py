@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 from paratrain.errors import InvalidValueError
@@ -98,6 +99,16 @@ def torchrun_argv(opts: LaunchOptions, target: str, target_args: list[str]) -> l
     return argv + [target, *target_args]
 
 
+def _could_not_start(exc: Exception, port: int) -> int:
+    """The line for a job torchrun could not start; 2 when the fix is the user's (a port in use)."""
+    if "EADDRINUSE" in str(exc) or "address already in use" in str(exc):
+        print(f"paratrain: --master-port {port} is in use (another job on this machine?); pass another "
+              f"--master-port", file=sys.stderr)
+        return 2
+    print(f"paratrain: the job could not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1
+
+
 def launch(opts: LaunchOptions, target: str, target_args: list[str]) -> int:
     """Run torchrun in this process; returns its exit code (0 when every worker succeeded).
 
@@ -125,6 +136,10 @@ def launch(opts: LaunchOptions, target: str, target_args: list[str]) -> int:
         return conclude(agent, exc.failures)
     except SignalException as exc:  # Ctrl-C (or a scheduler's SIGTERM): torchrun has stopped the workers
         return interrupted(exc.sigval)
+    except Exception as exc:  # torchrun itself failed (its rendezvous): no worker has run
+        if debugging():
+            raise
+        return _could_not_start(exc, opts.master_port)
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     finally:

@@ -89,6 +89,21 @@ def test_run_command_launches_a_user_script(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_master_port_in_use_is_named_without_a_traceback(tmp_path):
+    import socket
+
+    (tmp_path / "script.py").write_text("print('never runs')\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        run = _paratrain("run", "--nproc-per-node", "2", "--master-port", port, "script.py", cwd=tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"paratrain: --master-port {port} is in use (another job on this machine?); pass another --master-port" \
+        in run.stderr
+
+
+@pytest.mark.multiprocess
 def test_run_command_propagates_failure(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys; sys.exit(3)\n")
