@@ -6,11 +6,12 @@ Most bad input is found by every rank at once (the project's rule: checked on ev
 collective), and a rank left waiting in a collective fails in turn when its peer is gone ("Connection closed
 by peer"). Printed as it comes, that is one traceback per rank with the message buried in the middle. So the
 first rank to fail claims the report with a file created exclusively (`O_EXCL`) in the temporary directory,
-named after the job's launcher process (torchrun's agent: every worker's parent) and its restart count; the
-winner prints, every other failing rank exits with its code and says nothing. A file, not a collective: a
-collective could hang on the rank that is already gone. The launcher (`paratrain run` / `train`) reads the
-claim after the workers are gone to print one final line and exit with the winner's code; under a plain
-`torchrun` the claim does the same between workers, and torchrun's own summary follows.
+named after the job's launcher process (torchrun's agent: every worker's parent; its pid and start time, so a
+reused pid never finds an old claim) and the restart count; the winner prints, every other failing rank exits
+with its code and says nothing. A file, not a collective: a collective could hang on the rank that is already
+gone. The launcher (`paratrain run` / `train`) reads the claim after the workers are gone to print one final line
+and exit with the winner's code, and removes it; under a plain `torchrun` the claim does the same between
+workers (and stays behind, a few bytes), and torchrun's own summary follows.
 
 Exit codes: 2 when the job's input is wrong (a paratrain error: config, data, adapter, checkpoint, model — what
 the user fixes), 1 when the run failed (a paratrain `RunError`, a collective timeout, a non-finite loss; or
@@ -45,45 +46,46 @@ def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "").lower() not in ("", "0", "false", "no")
 
 
+def _started(pid: int) -> str:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat's field 22): with the pid, a name no later
+    process of a reused pid has; "" where there is no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _prefix(agent_pid: int) -> str:
+    return f"paratrain-failure-{agent_pid}-{_started(agent_pid)}-"
+
+
 def claim_path(agent_pid: int | None = None) -> Path:
-    """The claim file of this job's current attempt: named by the launcher's pid (the worker's parent)."""
+    """The claim file of this job's current attempt: named by the launcher (the worker's parent) and its start."""
     agent = agent_pid if agent_pid is not None else os.getppid()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return Path(tempfile.gettempdir()) / f"paratrain-failure-{agent}-{attempt}.json"
-
-
-def _stale(path: Path) -> bool:
-    """A claim older than the launcher process (a reused pid's leftover, under a plain torchrun)."""
-    try:
-        return path.stat().st_mtime < Path(f"/proc/{os.getppid()}").stat().st_mtime - 1
-    except OSError:
-        return False
+    return Path(tempfile.gettempdir()) / f"{_prefix(agent)}{attempt}.json"
 
 
 def _claim(record: dict) -> bool:
     """True when this rank is the first of the job to fail (see the note)."""
-    path = claim_path()
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            if not _stale(path):
-                return False
-            path.unlink(missing_ok=True)
-            continue
-        except OSError:
-            return True  # no temporary directory to share: every rank reports rather than none
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        return True
-    return False
+    try:
+        fd = os.open(claim_path(), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # no temporary directory to share: every rank reports rather than none
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    return True
+
+
+def _claims(agent_pid: int) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"{_prefix(agent_pid)}*.json"))
 
 
 def read_claim(agent_pid: int) -> dict | None:
     """What the first failing worker of the launcher `agent_pid`'s latest attempt recorded, if any claimed."""
-    claims = sorted(Path(tempfile.gettempdir()).glob(f"paratrain-failure-{agent_pid}-*.json"),
-                    key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-    for path in reversed(claims):
+    for path in sorted(_claims(agent_pid), key=lambda p: int(p.stem.rsplit("-", 1)[1]), reverse=True):
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
@@ -92,7 +94,7 @@ def read_claim(agent_pid: int) -> dict | None:
 
 
 def clear_claims(agent_pid: int) -> None:
-    for path in Path(tempfile.gettempdir()).glob(f"paratrain-failure-{agent_pid}-*.json"):
+    for path in _claims(agent_pid):
         path.unlink(missing_ok=True)
 
 

@@ -49,7 +49,8 @@ def _config(tmp: Path, case: str) -> Path:
 
 
 def _command(path: str, case: str, tmp: Path) -> tuple[list[str], dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # TMPDIR: a plain torchrun leaves its job's failure claim behind (paratrain's launchers remove theirs)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
     config, port = str(_config(tmp, case)), _free_port()
     if path == "train":
         if case == "bug":
