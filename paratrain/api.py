@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from pathlib import PurePath
+from dataclasses import replace
+from pathlib import Path, PurePath
 
 import torch.distributed as dist
 
@@ -15,6 +16,7 @@ from paratrain.distributed import init_distributed, uses_cuda
 from paratrain.engine import Engine
 from paratrain.engine.strategies import strategies_of
 from paratrain.errors import InvalidValueError
+from paratrain.failure import install_excepthook
 from paratrain.layout.mesh import ParallelDims
 from paratrain.model_spec import pretrained_for
 from paratrain.moe.layer import expert_parallel_size_of
@@ -62,6 +64,22 @@ def resolve_layout(source, world_size: int) -> tuple[Config, ParallelDims]:
     return cfg, cfg.parallel_dims(world_size)
 
 
+def layout_label(dims: ParallelDims, zero_stage: int = 0) -> str:
+    """The layout as a run's summary shows it: `dims.describe()` with a replicated dp named HSDP, and the ZeRO stage
+    where it shards anything (over dp_shard x cp; `unsharded_zero` warns of the others)."""
+    label = dims.describe().replace("(dp: replicate", "(HSDP: replicate")
+    return label + (f" ZeRO-{zero_stage}" if zero_stage and dims.dp_shard * dims.cp > 1 else "")
+
+
+def unsharded_zero(stage: int, dims: ParallelDims) -> str | None:
+    """The warning for a ZeRO stage with nothing to shard: it shards over dp_shard x cp, which is 1 here."""
+    if not stage or dims.dp_shard * dims.cp > 1:
+        return None
+    return (f"zero_optimization.stage {stage} shards over the data x context-parallel ranks, of which this layout "
+            f"({dims.describe()}) has {dims.dp_shard * dims.cp}: nothing is sharded; raise data_parallel.size (or "
+            f"lower tensor_parallel / pipeline sizes), or set zero_optimization.stage to 0")
+
+
 def resolve_config(source, world_size: int) -> Config:
     """`resolve_layout`'s config (every check included)."""
     return resolve_layout(source, world_size)[0]
@@ -75,12 +93,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     (docs/objectives.md).
     A model on the meta device (`paratrain.init_empty()`) is materialized shard by shard: with the values
     eager construction gives, or `init_fn(module)` run module by module, or `checkpoint.load_weights`.
-    A path (str) as `model` is a saved model (a Hugging Face directory): `from_pretrained`."""
+    A path (str) as `model` is a saved model (a Hugging Face directory): `from_pretrained`.
+    Under a launcher (torchrun) an uncaught error is then reported once for the job (`paratrain.failure`)."""
+    install_excepthook()
     if model is None:
         raise InvalidValueError("initialize() needs model=")
     pretrained = None
     if isinstance(model, (str, PurePath)):  # resolved before any process group: a bad path fails at once
-        pretrained = pretrained_for(model)
+        pretrained, directory = pretrained_for(model), Path(model).expanduser().resolve()
         model = pretrained.model
         if callable(model_parameters):  # the model is built here, so its param groups can only be a function of it
             model_parameters = model_parameters(model)
@@ -98,6 +118,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     init_distributed(timeout=cfg.comm.timeout_s)
     world = dist.get_world_size()
     cfg, dims = resolve_layout(cfg, world)
+    if dist.get_rank() == 0 and (warning := unsharded_zero(cfg.zero_optimization.stage, dims)):
+        log.warning(warning)
     if mesh is None:
         mesh = build_mesh(dims, device_type="cuda" if uses_cuda() else "cpu")
     engine = Engine(model, cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -105,8 +127,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                     init_fn=init_fn, objective=objective)
     if pretrained is not None:
         engine.tokenizer = pretrained.tokenizer
+        if engine.adapters is not None and engine.adapters.base_model_name_or_path is None:
+            # the saved adapter names its base, so peft's AutoPeftModel*.from_pretrained(adapter) finds it
+            engine.adapters = replace(engine.adapters, base_model_name_or_path=str(directory))
     if cfg.checkpoint.auto_resume:  # a restarted job continues from the newest complete checkpoint
-        path, client_state = engine.load_checkpoint(cfg.checkpoint.dir)
+        path, client_state = engine.load_checkpoint(cfg.checkpoint.dir,
+                                                    load_module_strict=cfg.checkpoint.load_module_strict)
         if path is not None:
             engine.auto_resumed = (path, client_state)
             if engine.global_rank == 0:

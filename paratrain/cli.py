@@ -71,14 +71,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         opts = options_from_args(args)
         opts.module = True  # torchrun runs `python -m paratrain.cli train ...` on every rank
         return launch(opts, "paratrain.cli", forwarded)
-    from paratrain.config import ConfigError
+    from paratrain.failure import DEBUG_ENV, INTERRUPTED, install_excepthook, report
     from paratrain.trainer import train
 
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
+    install_excepthook()  # an error outside train() (an import) is reported the same way
     try:
         train(args.config, run_dir=args.run_dir, steps=args.steps)
-    except ConfigError as exc:
-        print(f"paratrain train: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # reported once for the whole job, without a traceback unless a bug or --debug
+        return report(exc)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it once, a single process here
+        if not _in_launched_world():
+            print("paratrain train: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 
@@ -147,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="JSON config (DeepSpeed keys + parallel sections)")
     train.add_argument("--run-dir", default=None, help="output directory (default: trainer.run_dir)")
     train.add_argument("--steps", type=int, default=None, help="override trainer.steps")
-    add_launch_arguments(train)
+    add_launch_arguments(train, script=False)
     train.set_defaults(func=cmd_train)
 
     from paratrain.testing.verify import add_verify_arguments

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from paratrain.comm.guard import CollectiveTimeout
 from paratrain.errors import RunError
+from paratrain.failure import install_excepthook
 
 
 def default_backend() -> str:
@@ -33,8 +34,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     store, so scripts and the single-process reference run unchanged. `verbose`, `config` (DeepSpeed's comms
     logger) and `dist_init_required` change nothing here; `distributed_port` only serves DeepSpeed's MPI
     discovery, which paratrain does not do: a job started by mpirun without torchrun's variables is refused
-    rather than silently split into one-process worlds.
+    rather than silently split into one-process worlds. Under torchrun an uncaught error is then reported once
+    for the whole job (`paratrain.failure`).
     """
+    install_excepthook()
     if dist.is_initialized():
         return
     if isinstance(timeout, (int, float)):

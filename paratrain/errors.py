@@ -17,6 +17,9 @@ This module imports nothing from paratrain: it is the lowest layer, importable f
 class Error(Exception):
     """Base class of every paratrain error."""
 
+    exit_code = 2
+    """The exit code of a job this error ends (`paratrain.failure`): 2, the job's input is wrong; 1, the run failed."""
+
 
 class InvalidValueError(Error, ValueError):
     """A value passed to paratrain (an argument, a batch, a model's shape) that cannot work; the message names
@@ -30,6 +33,8 @@ class InvalidTypeError(Error, TypeError):
 class RunError(Error, RuntimeError):
     """A call at a time it cannot run (inside an accumulation window, after destroy, in a pipeline), or a
     failure while running; the message says what happened and what to do."""
+
+    exit_code = 1
 
 
 class MissingKeyError(Error, KeyError):

@@ -48,9 +48,13 @@ def autocast_context(enabled: bool, device: torch.device):
 class LossScaleError(Error, RuntimeError):
     """An fp16 overflow at the minimum loss scale: training cannot continue."""
 
+    exit_code = 1  # the run failed, not its input
+
 
 class NonFiniteLossError(Error, RuntimeError):
     """bf16/fp32 with `nonfinite_loss: "stop"` or "stop_at_log": the loss or a gradient became NaN/inf."""
+
+    exit_code = 1  # the run failed, not its input
 
     @classmethod
     def at(cls, step: int, norm: float) -> NonFiniteLossError:

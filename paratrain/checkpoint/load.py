@@ -154,6 +154,9 @@ def resolve_tag(world, load_dir, tag) -> str | None:
     return tags[0]
 
 
+STRICT_KEY = "with checkpoint.auto_resume: the config's checkpoint.load_module_strict = false"
+
+
 def load_checkpoint(target: CheckpointTarget, load_dir, tag=None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True):
     """Load a checkpoint saved under any layout into `target` (its model, optimizer states when
@@ -187,7 +190,8 @@ def load_checkpoint(target: CheckpointTarget, load_dir, tag=None, load_module_st
             raise CheckpointError(f"checkpoint '{path}' was saved without its frozen base "
                                   f"(exclude_frozen_parameters), and this model's base is not that base: {problem}; "
                                   f"build the model from the base the run started from (the same weights), or "
-                                  f"pass load_module_strict=False to keep this model's frozen tensors as they are")
+                                  f"pass load_module_strict=False ({STRICT_KEY}) to keep this model's frozen tensors "
+                                  f"as they are")
     if load_module_strict:  # names over every rank (a pipeline stage alone does not hold the whole model)
         held = set().union(*(set(names) for _, names in everyone))
         held -= set(excluded["fingerprint"]) if excluded is not None else set()
@@ -196,11 +200,12 @@ def load_checkpoint(target: CheckpointTarget, load_dir, tag=None, load_module_st
         if missing:
             raise CheckpointError(f"checkpoint '{path}' lacks {len(missing)} tensor(s) of this model: "
                                   f"{', '.join(missing[:8])}: it is of a different model; load a checkpoint of "
-                                  f"this model, or pass load_module_strict=False to keep their current values")
+                                  f"this model, or pass load_module_strict=False ({STRICT_KEY}) to keep their current "
+                                  f"values")
         if extra:
             raise CheckpointError(f"checkpoint '{path}' has {len(extra)} tensor(s) this model does not: "
                                   f"{', '.join(extra[:8])}: it is of a different model; load a checkpoint of this "
-                                  f"model, or pass load_module_strict=False to ignore them")
+                                  f"model, or pass load_module_strict=False ({STRICT_KEY}) to ignore them")
     return str(path), _apply(target, plan, optimizer_states)
 
 

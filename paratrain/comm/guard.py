@@ -52,6 +52,8 @@ from paratrain.errors import Error, InvalidValueError
 class CollectiveTimeout(Error, RuntimeError):
     """A collective did not complete within comm.timeout_s (or the backend failed while waiting)."""
 
+    exit_code = 1  # the run failed, not its input
+
     def __init__(self, message: str, report: dict):
         super().__init__(message)
         self.report = report

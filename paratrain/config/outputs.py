@@ -89,6 +89,10 @@ class CheckpointConfig(Section):
     """The checkpoints the engine saves by itself (save_every, the trainer's) leave the frozen parameters out
     (DeepSpeed's save_checkpoint argument): a LoRA run stores its adapters and their state, not the base; a
     fingerprint of the base is kept, and resuming on a different base is refused."""
+    load_module_strict: bool = True
+    """DeepSpeed's load_checkpoint argument, for auto_resume: false keeps the model's own values of the tensors the
+    checkpoint lacks (a checkpoint saved without its frozen base, resumed on another base) and ignores the
+    checkpoint's tensors the model does not have; true refuses both, naming them."""
     load_universal: bool = False
     """Accepted for DeepSpeed compatibility: every paratrain checkpoint loads under any layout."""
     load_weights: str | None = None
@@ -165,8 +169,9 @@ class TrainerConfig(Section):
     """A directory the trained model is written to at the end (`engine.save_pretrained`: what transformers'
     from_pretrained loads), and every `save_pretrained_every` steps."""
     save_merged: bool = False
-    """With adapters (the `peft` section, or a peft model): save_pretrained writes the model with every adapter folded
-    into its base weight (what transformers loads alone) instead of the adapter in peft's format."""
+    """With adapters (the `peft` section, or a peft model): save_pretrained writes both the adapter in peft's format,
+    in `<save_pretrained>/adapter`, and the model with every adapter folded into its base weight (what transformers
+    loads alone), in `<save_pretrained>/merged`; without, the adapter alone in `<save_pretrained>`."""
     save_pretrained_every: int = Field(0, ge=0)
     """Also write save_pretrained every N steps (0: only at the end)."""
     progress_bar: bool = True

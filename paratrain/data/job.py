@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from paratrain.config.data import DataConfig
 from paratrain.config.errors import ConfigError
+from paratrain.data.json_records import DataError
 from paratrain.data.rows import Rows
 from paratrain.data.sources import iter_records, resolve_sources
 from paratrain.data.stream import CHUNK_RECORDS, RowStream
@@ -36,6 +37,12 @@ class JobData:
 def job_data(cfg: DataConfig, model_dir: str | None, seq_len: int, vocab_size: int) -> JobData:
     """Read, tokenize and lay out `cfg.train` (and `cfg.validation`) in rows of `seq_len` tokens, with the
     tokenizer of `model_dir` (bytes for None)."""
+    for key, path in (("data.train", cfg.train), ("data.validation", cfg.validation)):
+        if path:  # a missing file is named by its key, before any tokenizer loads
+            try:
+                resolve_sources(path)
+            except DataError as exc:
+                raise DataError(f"{key} = '{path}': {exc}") from None
     tokenizer = load_tokenizer(model_dir)
     _check_vocabulary(tokenizer, vocab_size)
     pad_id = _pad_id(tokenizer)
@@ -45,8 +52,7 @@ def job_data(cfg: DataConfig, model_dir: str | None, seq_len: int, vocab_size: i
     try:
         validation, val_summary = (_rows(cfg, cfg.validation, pool, pad_id, None)
                                    if cfg.validation else (None, None))
-        if cfg.streaming:
-            resolve_sources(cfg.train)  # a missing file stops the job now, not at the first step
+        if cfg.streaming:  # a missing file has stopped the job above, not at the first step
             train = RowStream(lambda: _records(cfg, cfg.train, cfg.max_samples), spec, pool, seq_len=seq_len,
                               packing=cfg.packing, pad_id=pad_id, window_records=cfg.stream_window)
             summary = {"streaming": True, "stream_window": cfg.stream_window}

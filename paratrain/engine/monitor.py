@@ -85,7 +85,7 @@ class Monitor:
             self._start("mlflow", lambda: MlflowTracker(mlflow, run_config()))
         self.enabled = bool(self.backends)
         if self.enabled:  # closed (files flushed, the W&B / MLflow runs finished) by close(), else at exit
-            self._closer = weakref.finalize(self, _close_all, self.backends)
+            self._closer = weakref.finalize(self, _close_all, self.backends, True)
 
     def _start(self, name: str, make: Callable) -> None:
         try:
@@ -130,8 +130,8 @@ class Monitor:
 
     def close(self) -> None:
         """Flush and close every backend (finish the runs); later writes are dropped. Safe to call twice."""
-        if self._closer is not None:
-            self._closer()
+        if self._closer is not None and self._closer.detach() is not None:
+            _close_all(self.backends)
 
 
 def _each(backends: list, call: Callable, owner: list | None = None) -> None:
@@ -148,8 +148,16 @@ def _each(backends: list, call: Callable, owner: list | None = None) -> None:
                 backend.close()  # keep what it has written so far
 
 
-def _close_all(backends: list) -> None:
-    _each(backends, lambda backend: backend.close())
+def _close_all(backends: list, at_exit: bool = False) -> None:
+    """Close every backend. One that fails is named (what it wrote is kept); at exit (after Ctrl-C, an error, or a
+    script that never closed) quietly: a tracker whose service the signal also stopped fails there as a matter of
+    course, and the job is ending, not continuing without it."""
+    for backend in backends:
+        try:
+            backend.close()
+        except Exception as error:
+            log.log(logging.DEBUG if at_exit else logging.WARNING, "%s failed while closing (%s: %s)", backend.name,
+                    type(error).__name__, error)
     backends.clear()
 
 

@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
 from paratrain.errors import InvalidValueError
+from paratrain.failure import DEBUG_ENV, clear_claims, conclude, debugging, interrupted
 
 
 @dataclass
@@ -30,7 +32,8 @@ class LaunchOptions:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+def add_launch_arguments(parser: argparse.ArgumentParser, script: bool = True) -> None:
+    """The torchrun flags; `script`: also -m / --no-python, which say what the target is (`paratrain run` only)."""
     parser.add_argument("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num-gpus", dest="nproc_per_node",
                         type=int, default=None,
                         help="processes per node (one per GPU, or CPU workers); with --hostfile: the first N slots")
@@ -41,18 +44,22 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=29500)
     parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
                         help="restart the whole job up to K times when a worker fails")
-    parser.add_argument("-m", "--module", action="store_true", help="run the target as a python module")
-    parser.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
-                        help="the target is an executable, not a python script")
+    if script:
+        parser.add_argument("-m", "--module", action="store_true", help="run the target as a python module")
+        parser.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                            help="the target is an executable, not a python script")
     parser.add_argument("--log-dir", dest="log_dir", default=None, help="torchrun's per-worker log directory")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of a paratrain error too (same as {DEBUG_ENV}=1)")
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     return LaunchOptions(nproc_per_node=args.nproc_per_node or 1, nnodes=str(args.nnodes or 1),
                          node_rank=args.node_rank,
                          master_addr=args.master_addr, master_port=args.master_port,
-                         max_restarts=args.max_restarts, module=args.module, no_python=args.no_python,
-                         log_dir=args.log_dir)
+                         max_restarts=args.max_restarts, module=getattr(args, "module", False),
+                         no_python=getattr(args, "no_python", False), log_dir=args.log_dir,
+                         env={DEBUG_ENV: "1"} if getattr(args, "debug", False) else {})
 
 
 def restart_env(opts: LaunchOptions) -> dict[str, str]:
@@ -92,19 +99,50 @@ def torchrun_argv(opts: LaunchOptions, target: str, target_args: list[str]) -> l
     return argv + [target, *target_args]
 
 
+def _could_not_start(exc: Exception, port: int) -> int:
+    """The line for a job torchrun could not start; 2 when the fix is the user's (a port in use)."""
+    if "EADDRINUSE" in str(exc) or "address already in use" in str(exc):
+        print(f"paratrain: --master-port {port} is in use (another job on this machine?); pass another "
+              f"--master-port", file=sys.stderr)
+        return 2
+    print(f"paratrain: the job could not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1
+
+
 def launch(opts: LaunchOptions, target: str, target_args: list[str]) -> int:
-    """Run torchrun in this process; returns its exit code (0 when every worker succeeded)."""
-    from torch.distributed.run import main as torchrun_main
+    """Run torchrun in this process; returns its exit code (0 when every worker succeeded).
+
+    A failed job ends with one line of paratrain's, not torchrun's summary block: the rank that reported first
+    has printed the error (`paratrain.failure`), and its exit code is the job's."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
     os.environ.update(opts.env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for key, value in restart_env(opts).items():
         os.environ.setdefault(key, value)
+    agent = os.getpid()  # every worker's parent: the name of this job's failure claim
+    clear_claims(agent)
+    # torchrun's per-worker "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... SIGTERM" lines:
+    # the final line says which rank failed and how (restarts are logged by the agent's own logger, kept)
+    workers = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = workers.level
+    if not debugging():
+        workers.setLevel(logging.CRITICAL)
     try:
-        torchrun_main(torchrun_argv(opts, target, target_args))
-    except SystemExit as exc:  # torchrun exits on failure with a ChildFailedError summary printed
+        run(parse_args(torchrun_argv(opts, target, target_args)))
+    except ChildFailedError as exc:
+        return conclude(agent, exc.failures)
+    except SignalException as exc:  # Ctrl-C (or a scheduler's SIGTERM): torchrun has stopped the workers
+        return interrupted(exc.sigval)
+    except Exception as exc:  # torchrun itself failed (its rendezvous): no worker has run
+        if debugging():
+            raise
+        return _could_not_start(exc, opts.master_port)
+    except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
-    except Exception as exc:  # ChildFailedError and friends: their message says which rank failed
-        print(f"paratrain run: {exc}", file=sys.stderr)
-        return 1
+    finally:
+        workers.setLevel(level)
+        clear_claims(agent)
     return 0

@@ -44,9 +44,10 @@ def _spread(values: list[int]) -> str:
     return _bytes(low) if low == high else f"{_bytes(low)} to {_bytes(high)}"
 
 
-def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations: list[dict] = ()) -> str:
+def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations: list[dict] = (),
+              events: str | None = None) -> str:
     """The text summary: layout, loss, speed, memory and communication, in a few lines of markdown.
-    `evaluations`: the rows of evaluations outside a training step (step 0)."""
+    `evaluations`: the rows of evaluations outside a training step (step 0); `events`: `events_summary`'s line."""
     from paratrain.report.plots import comm_per_axis
 
     lines = [f"# Run summary: {summary.get('run_dir', '')}".rstrip(), ""]
@@ -86,7 +87,7 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations
     if per_axis:
         parts = ", ".join(f"{axis} {_bytes(statistics.median(v))}" for axis, v in sorted(per_axis.items()))
         lines.append(f"- communication per step on rank 0 (median): {parts}")
-    for extra in (moe_summary(rows), data_summary(rows, summary), samples_summary([*evaluations, *rows])):
+    for extra in (events, moe_summary(rows), data_summary(rows, summary), samples_summary([*evaluations, *rows])):
         if extra:
             lines.append(extra)
     lines += ["", "Pictures: " + ", ".join(p.name for p in pictures)]
@@ -153,6 +154,34 @@ def data_summary(rows: list[dict], summary: dict) -> str | None:
     return line
 
 
+def step_events(rows: list[dict], config: dict) -> dict[str, list[int]]:
+    """The steps that did more than train, from the rows and the run's config.json: checkpoint saves (inside the
+    step's time: its spikes), evaluations (after the step) and every steps_per_print step's all-gather of the
+    per-rank memory (counted in the next step's communication). Kinds without steps are left out."""
+    steps = [r["step"] for r in rows]
+    every = (config.get("checkpoint") or {}).get("save_every") or 0
+    saves = [s for s in steps if every and s % every == 0] if (config.get("checkpoint") or {}).get("dir") else []
+    events = {"checkpoint save": saves, "evaluation": [r["step"] for r in rows if r.get("val_loss") is not None],
+              "per-rank memory gather": [r["step"] for r in rows if "state_bytes_per_rank" in r]}
+    return {kind: found for kind, found in events.items() if found}
+
+
+def events_summary(rows: list[dict], events: dict[str, list[int]]) -> str | None:
+    """The steps of each event kind against the others: what a spike or dip in the pictures is."""
+    if not events:
+        return None
+    eventful = {s for found in events.values() for s in found}
+    plain = [r["step_time_s"] for r in rows if r["step"] not in eventful]
+    parts = []
+    for kind, found in events.items():
+        at = set(found)
+        times = [r["step_time_s"] for r in rows if r["step"] in at]
+        shown = ", ".join(map(str, found[:6])) + (", ..." if len(found) > 6 else "")
+        parts.append(f"{kind} at steps {shown} (median step {statistics.median(times) * 1000:.1f} ms)")
+    rest = f"; the other steps {statistics.median(plain) * 1000:.1f} ms" if plain else ""
+    return f"- marked in throughput.png and comm.png: {'; '.join(parts)}{rest}"
+
+
 def metrics_report(run_dir: Path) -> str | None:
     """metrics.jsonl -> loss.png, throughput.png, memory.png, comm.png (moe_tokens.png for an MoE model, data.png
     for a data-section job) and
@@ -170,18 +199,20 @@ def metrics_report(run_dir: Path) -> str | None:
     from paratrain.report import plots
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    config_path = run_dir / "config.json"
+    events = step_events(rows, json.loads(config_path.read_text()) if config_path.is_file() else {})
     pictures = [plots.plot_loss(rows, run_dir / "loss.png", evaluations),
-                plots.plot_throughput(rows, run_dir / "throughput.png")]
+                plots.plot_throughput(rows, run_dir / "throughput.png", events)]
     last = next((r for r in reversed(rows) if "state_bytes_per_rank" in r), None)
     state = last["state_bytes_per_rank"] if last else [rows[-1]["state_bytes"]]
     pictures.append(plots.plot_memory(state, last.get("peak_rss_per_rank") if last else None,
                                       run_dir / "memory.png"))
-    comm_png = plots.plot_comm(rows, run_dir / "comm.png")
+    comm_png = plots.plot_comm(rows, run_dir / "comm.png", events)
     if comm_png is not None:
         pictures.append(comm_png)
     for extra in (plots.plot_moe_tokens(rows, run_dir / "moe_tokens.png"), plots.plot_data(rows, run_dir / "data.png")):
         if extra is not None:
             pictures.append(extra)
-    text = summarize(rows, summary, pictures, evaluations)
+    text = summarize(rows, summary, pictures, evaluations, events_summary(rows, events))
     (run_dir / "summary.md").write_text(text + "\n")
     return text

@@ -48,7 +48,19 @@ def plot_loss(rows: list[dict], path: Path, evaluations: list[dict] = ()) -> Pat
     return _save(fig, path)
 
 
-def plot_throughput(rows: list[dict], path: Path) -> Path:
+EVENT_STYLE = {"checkpoint save": ("tab:red", "--"), "evaluation": ("tab:green", ":"),
+               "per-rank memory gather": ("tab:gray", ":")}
+
+
+def mark_events(ax, events: dict[str, list[int]]) -> None:
+    """A vertical line at each step that did more than train (`metrics.step_events`), one legend entry a kind."""
+    for kind, steps in events.items():
+        color, style = EVENT_STYLE[kind]
+        for i, step in enumerate(steps):
+            ax.axvline(step, color=color, ls=style, lw=0.8, alpha=0.7, label=kind if i == 0 else None)
+
+
+def plot_throughput(rows: list[dict], path: Path, events: dict[str, list[int]] | None = None) -> Path:
     plt = _pyplot()
     steps = [r["step"] for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
@@ -63,6 +75,9 @@ def plot_throughput(rows: list[dict], path: Path) -> Path:
     bottom.plot(steps, times, lw=0.6, alpha=0.4, color="tab:orange")
     bottom.plot(steps, _rolling_median(times, window), lw=1.6, color="tab:orange")
     bottom.set(xlabel="optimizer step", ylabel="step time (ms)")
+    mark_events(bottom, events or {})
+    if events:
+        bottom.legend(fontsize=8)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
@@ -110,7 +125,7 @@ def comm_per_axis(row: dict) -> dict[str, int]:
     return {axis: sum(op["bytes"] for op in ops.values()) for axis, ops in row.get("comm", {}).items()}
 
 
-def plot_comm(rows: list[dict], path: Path) -> Path | None:
+def plot_comm(rows: list[dict], path: Path, events: dict[str, list[int]] | None = None) -> Path | None:
     per_step = [comm_per_axis(r) for r in rows]
     axes = sorted({axis for step in per_step for axis in step})
     if not axes:
@@ -123,6 +138,7 @@ def plot_comm(rows: list[dict], path: Path) -> Path | None:
     ax.stackplot(steps, [[step.get(axis, 0) / scale for step in per_step] for axis in axes], labels=axes,
                  alpha=0.8, step="mid")
     ax.set(xlabel="optimizer step", ylabel=f"{unit} per step (rank 0)", title="Communication per step, by axis")
+    mark_events(ax, events or {})
     ax.grid(alpha=0.3)
     ax.legend(title="axis", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)

@@ -28,7 +28,7 @@ from paratrain.errors import Error
 
 
 class WorldError(Error, RuntimeError):
-    pass
+    exit_code = 1  # a spawned rank failed
 
 
 def _free_port() -> int:

@@ -13,6 +13,7 @@ from paratrain.config import ConfigError
 from paratrain.data import corpus_text
 from paratrain.data.job import job_data
 from paratrain.models.hf.pretrained import build_empty, load_tokenizer
+from paratrain.models.registry import FAMILIES
 
 
 def check_validation_size(engine, val_data) -> None:
@@ -24,14 +25,35 @@ def check_validation_size(engine, val_data) -> None:
                           f"or set trainer.eval_every to 0")
 
 
-def job_rows(cfg, model_dir: Path | None, model_seq_len: int, vocab: int):
-    """The `data` section's rows, tokenized by the model directory's tokenizer (bytes without one)."""
+def job_rows(cfg, model_dir: Path | None, model_seq_len: int, vocab: int, positions: int | None = None):
+    """The `data` section's rows, tokenized by the model directory's tokenizer (bytes without one).
+    `positions`: a model directory's max_position_embeddings, which data.seq_len may not pass."""
     seq_len = cfg.data.seq_len or model_seq_len
     if model_dir is None and seq_len > model_seq_len:
         raise ConfigError(f"data.seq_len = {seq_len} is longer than the model's seq_len {model_seq_len}; lower "
                           f"data.seq_len or raise trainer.model_overrides.seq_len")
+    if positions is not None and seq_len > positions:
+        raise ConfigError(f"data.seq_len = {seq_len} is longer than the model's max_position_embeddings {positions} "
+                          f"('{model_dir}/config.json'); lower data.seq_len to at most {positions}")
     data = job_data(cfg.data, model_dir, seq_len, vocab)
     return data.train, data.validation, data.summary
+
+
+def model_directory(t) -> Path | None:
+    """trainer.model as a Hugging Face directory (one with config.json), None for a preset name; a path that is
+    not such a directory is named as what it is (missing, or without config.json), not as an unknown preset."""
+    path = Path(t.model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if any(t.model in presets for presets, _, _ in FAMILIES.values()):
+        return None
+    if path.is_dir():
+        raise ConfigError(f"trainer.model = '{t.model}' is a directory without config.json; give a Hugging Face model "
+                          f"directory (what save_pretrained writes), or a preset name")
+    if "/" in t.model or t.model.startswith((".", "~")) or path.suffix:
+        raise ConfigError(f"trainer.model = '{t.model}': the directory does not exist (relative to {Path.cwd()}); "
+                          f"give a Hugging Face model directory, or a preset name")
+    return None  # a name: the registry says which presets exist
 
 
 def trainer_text(t) -> str:
@@ -56,15 +78,20 @@ def split_validation(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pretrained_model(t):
     """A Hugging Face model directory as trainer.model: its weights (`from_pretrained`), sequences of
-    model_overrides.seq_len tokens (default 128)."""
+    model_overrides.seq_len tokens (default 128), and its max_position_embeddings (None when it has none)."""
     path = Path(t.model).expanduser()
     extra = sorted(set(t.model_overrides) - {"seq_len"})
     if extra:
         raise ConfigError(f"trainer.model_overrides {extra}: a Hugging Face model directory takes only seq_len "
                           f"(the training sequence length); change the model's config.json instead")
     meta = build_empty(path)  # the parameter count, from config.json alone
-    return (str(path), int(t.model_overrides.get("seq_len", 128)), sum(p.numel() for p in meta.parameters()),
-            meta.config.vocab_size)
+    positions = getattr(meta.config, "max_position_embeddings", None)
+    seq_len = int(t.model_overrides.get("seq_len", 128))
+    if "seq_len" in t.model_overrides and positions is not None and seq_len > positions:
+        raise ConfigError(f"trainer.model_overrides.seq_len = {seq_len} is longer than the model's "
+                          f"max_position_embeddings {positions} ('{path}/config.json'); lower it to at most "
+                          f"{positions}")
+    return str(path), seq_len, sum(p.numel() for p in meta.parameters()), meta.config.vocab_size, positions
 
 
 def corpus_ids(text: str, model_dir: Path | None, vocab: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import paratrain.comm as comm
-from paratrain.api import initialize
+from paratrain.api import initialize, layout_label
 from paratrain.config import ConfigError, load_config
 from paratrain.data import (
     TokenWindows,
@@ -30,6 +30,7 @@ from paratrain.data import (
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.distributed import init_distributed
 from paratrain.engine.monitor import peak_rss_bytes
+from paratrain.failure import install_excepthook
 from paratrain.models import build_model
 from paratrain.trainer.early_stop import ValidationTracker
 from paratrain.trainer.inputs import (
@@ -37,6 +38,7 @@ from paratrain.trainer.inputs import (
     check_validation_size,
     corpus_ids,
     job_rows,
+    model_directory,
     pretrained_model,
     split_validation,
     trainer_text,
@@ -78,16 +80,16 @@ def _start(cfg, run_dir: str | None):
     if cfg.data.train and t.text:
         raise ConfigError(f"trainer.text = '{t.text}' and data.train = '{cfg.data.train}' both name what to train "
                           f"on; keep one (data.train reads .jsonl/.json/.parquet/.txt with formats and packing)")
-    if (Path(t.model).expanduser() / "config.json").is_file():
-        model, seq_len, num_params, vocab = pretrained_model(t)
-        model_dir = Path(t.model).expanduser()
+    model_dir = model_directory(t)
+    if model_dir is not None:
+        model, seq_len, num_params, vocab, positions = pretrained_model(t)
     else:
         model = build_model(t.model, **t.model_overrides)
         num_params = sum(p.numel() for p in model.parameters())  # before parallelizing: split in place
-        seq_len, vocab, model_dir = model.config.seq_len, model.config.vocab_size, None
+        seq_len, vocab, positions = model.config.seq_len, model.config.vocab_size, None
     info = {"params": num_params, "seq_len": seq_len}
     if cfg.data.train:
-        train_data, val_data, info["data"] = job_rows(cfg, model_dir, seq_len, vocab)
+        train_data, val_data, info["data"] = job_rows(cfg, model_dir, seq_len, vocab, positions)
         info["seq_len"] = train_data.seq_len
     else:
         ids = corpus_ids(trainer_text(t), model_dir, vocab)
@@ -146,6 +148,16 @@ def _step(engine, loader: TimedLoader, evaluator: Evaluator | None, step: int, s
     return row
 
 
+def save_pretrained_model(engine, directory: str) -> None:
+    """trainer.save_pretrained (collective): the model as transformers loads it; with adapters, the adapter as peft
+    loads it, or with trainer.save_merged both: the adapter in `adapter/`, the merged model in `merged/`."""
+    if engine.adapters is None or not engine.config.trainer.save_merged:
+        engine.save_pretrained(directory)
+        return
+    engine.save_pretrained(Path(directory) / "adapter")
+    engine.save_pretrained(Path(directory) / "merged", merged=True)
+
+
 def _finish(engine, out: Path, steps: int, done: int) -> None:
     """The final checkpoint (unless the last step just saved it) and the pipeline timeline (collective)."""
     ck = engine.config.checkpoint
@@ -160,10 +172,10 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
           save_pretrained: str | None = None) -> dict:
     """Train the configured model (a GPT or Llama preset); returns the summary (also written to
     run_dir/summary.json on rank 0)."""
+    install_excepthook()  # under a launcher an uncaught error is reported once for the job (paratrain.failure)
     cfg = load_config(config_source)
     init_distributed(timeout=cfg.comm.timeout_s)
-    steps = steps or cfg.trainer.steps
-    save_pretrained = save_pretrained or cfg.trainer.save_pretrained
+    steps, save_pretrained = steps or cfg.trainer.steps, save_pretrained or cfg.trainer.save_pretrained
     engine, loader, evaluator, out, model = _start(cfg, run_dir)
     rank0 = engine.global_rank == 0
     validating = evaluator is not None and (cfg.trainer.eval_every > 0 or cfg.trainer.eval_at_start)
@@ -175,12 +187,10 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     if bar is not None and done:
         bar.update(done)
     engine.comm_stats(reset=True)
-    timed = TimedLoader(loader)
-    start = time.perf_counter()
-    tracker = ValidationTracker(cfg.trainer.early_stopping)
+    start, tracker = time.perf_counter(), ValidationTracker(cfg.trainer.early_stopping)
     try:
-        rows = _run_steps(engine, timed, evaluator, range(done + 1, steps + 1), tokens_per_step, metrics, bar,
-                          save_pretrained, tracker)
+        rows = _run_steps(engine, TimedLoader(loader), evaluator, range(done + 1, steps + 1), tokens_per_step,
+                          metrics, bar, save_pretrained, tracker)
     finally:
         if hasattr(loader, "stream"):  # data.streaming: stop making rows, end the tokenizer workers
             loader.close()
@@ -196,7 +206,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     last = trained[-1]["step"] if trained else done  # before `steps` when early stopping ended the run
     _finish(engine, out, last, done)
     if save_pretrained:  # a directory transformers (or peft, for an adapter) loads (collective)
-        engine.save_pretrained(save_pretrained, merged=cfg.trainer.save_merged)
+        save_pretrained_model(engine, save_pretrained)
     counts = engine.parameter_counts()  # (collective)
     total = time.perf_counter() - start
     val_losses = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -204,8 +214,9 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
                "last_loss": trained[-1]["loss"] if trained else None,
                "val_loss": val_losses[-1] if val_losses else None, **tracker.summary(),
                "resumed_at": done, "tokens_per_s": (last - done) * tokens_per_step / max(total, 1e-9),
-               "wall_s": total, "world_size": engine.world_size, "layout": engine.mesh.dims.describe(),
-               "params": model["params"], "trainable_params": counts["trainable"],
+               "wall_s": total, "world_size": engine.world_size,
+               "layout": layout_label(engine.mesh.dims, cfg.zero_optimization.stage),
+               "params": counts["trainable"] + counts["frozen"], "trainable_params": counts["trainable"],
                "frozen_params": counts["frozen"], "run_dir": str(out)}
     if "data" in model:  # the data section: what reading and tokenizing did, and the rows' padding
         summary |= {"data": model["data"], "padding_fraction": _mean(r.get("padding_fraction") for r in rows),
@@ -247,7 +258,7 @@ def _run_steps(engine, loader: TimedLoader, evaluator: Evaluator | None, steps: 
         stop = "val_loss" in row and tracker.observe(step, row["val_loss"])  # the same on every rank
         if save_pretrained and t.save_pretrained_every and step % t.save_pretrained_every == 0 \
                 and step != steps[-1] and not stop:
-            engine.save_pretrained(save_pretrained, merged=t.save_merged)  # collective
+            save_pretrained_model(engine, save_pretrained)  # collective
         _show(bar, row)
         if stop:
             break

@@ -89,8 +89,39 @@ def test_run_command_launches_a_user_script(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_master_port_in_use_is_named_without_a_traceback(tmp_path):
+    import socket
+
+    (tmp_path / "script.py").write_text("print('never runs')\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        run = _paratrain("run", "--nproc-per-node", "2", "--master-port", port, "script.py", cwd=tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"paratrain: --master-port {port} is in use (another job on this machine?); pass another --master-port" \
+        in run.stderr
+
+
+@pytest.mark.multiprocess
 def test_run_command_propagates_failure(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys; sys.exit(3)\n")
     run = _paratrain("run", "--nproc-per-node", "2", "--master-port", _free_port(), str(script), cwd=tmp_path)
     assert run.returncode != 0
+
+
+def test_train_takes_no_script_flags_and_debug_reaches_the_ranks():
+    from paratrain.cli import build_parser
+    from paratrain.failure import DEBUG_ENV
+    from paratrain.launcher.run import options_from_args
+
+    parser = build_parser()
+    train_help = parser._subparsers._group_actions[0].choices["train"].format_help()
+    assert "--no-python" not in train_help and "--module" not in train_help and "--debug" in train_help
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--config", "c.json", "-m"])
+    args = parser.parse_args(["train", "--config", "c.json", "--nproc-per-node", "2", "--debug"])
+    assert options_from_args(args).env == {DEBUG_ENV: "1"}  # the workers' environment: their tracebacks too
+    run = parser.parse_args(["run", "-m", "--debug", "pkg.main"])
+    assert options_from_args(run).module and options_from_args(run).env == {DEBUG_ENV: "1"}

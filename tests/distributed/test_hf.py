@@ -212,13 +212,27 @@ def test_paratrain_train_takes_a_model_directory(world2, tmp_path):
 
 
 def test_a_model_directory_takes_only_seq_len_as_override(tmp_path):
-    from paratrain.config import ConfigError
+    """...within its max_position_embeddings (64), as data.seq_len; a path that is no model directory is named so."""
+    from paratrain.config import ConfigError, load_config
     from paratrain.config.outputs import TrainerConfig
-    from paratrain.trainer.inputs import corpus_ids, pretrained_model
+    from paratrain.trainer.inputs import corpus_ids, job_rows, model_directory, pretrained_model
 
     tiny_hf("llama").save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"trainer.model_overrides \['n_layer'\]"):
         pretrained_model(TrainerConfig(model=str(tmp_path), model_overrides={"n_layer": 2}))
+    with pytest.raises(ConfigError, match="trainer.model_overrides.seq_len = 128 is longer than the model's "
+                                          "max_position_embeddings 64 .*; lower it to at most 64"):
+        pretrained_model(TrainerConfig(model=str(tmp_path), model_overrides={"seq_len": 128}))
+    assert pretrained_model(TrainerConfig(model=str(tmp_path)))[4] == 64
+    with pytest.raises(ConfigError, match="data.seq_len = 96 is longer than the model's max_position_embeddings 64"):
+        job_rows(load_config({"data": {"train": "x.jsonl", "seq_len": 96}}), tmp_path, 128, 256, 64)
+    assert model_directory(TrainerConfig(model=str(tmp_path))) == tmp_path
+    assert model_directory(TrainerConfig(model="llama-tiny")) is None
+    with pytest.raises(ConfigError, match=f"trainer.model = '{tmp_path}/no_model': the directory does not exist"):
+        model_directory(TrainerConfig(model=str(tmp_path / "no_model")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is a directory without config.json"):
+        model_directory(TrainerConfig(model=str(tmp_path / "empty")))
     small = tiny_hf("llama", vocab_size=64)
     small.save_pretrained(tmp_path / "small")
     with pytest.raises(ConfigError, match="vocab_size is 64"):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import paratrain
+from paratrain.checkpoint.load import STRICT_KEY
 from paratrain.config import ConfigError, load_config, resolve_batch
 from paratrain.data.batch_check import BatchChecker, BatchError
 from paratrain.launcher.hostfile import HostfileError, parse_hostfile
@@ -116,11 +117,11 @@ def test_broken_checkpoints_fail_identically_on_every_rank_before_touching_state
                        f"the model with the checkpoint's sizes",
         "fewer_layers": f"checkpoint '{good / TAG}' has 10 tensor(s) this model does not: {', '.join(LAYERS_1[:8])}: "
                         f"it is of a different model; load a checkpoint of this model, or pass "
-                        f"load_module_strict=False to ignore them",
+                        f"load_module_strict=False ({STRICT_KEY}) to ignore them",
         "more_layers": f"checkpoint '{good / TAG}' lacks 10 tensor(s) of this model: "
                        f"{', '.join(n.replace('blocks.1', 'blocks.2') for n in LAYERS_1[:8])}: it is of a different "
-                       f"model; load a checkpoint of this model, or pass load_module_strict=False to keep their "
-                       f"current values",
+                       f"model; load a checkpoint of this model, or pass load_module_strict=False ({STRICT_KEY}) to "
+                       f"keep their current values",
         "other_optimizer": f"checkpoint '{good / TAG}' holds AdamW optimizer states but the engine's optimizer is "
                            f"SGD; use the same optimizer, or pass load_optimizer_states=False to start it fresh",
     }

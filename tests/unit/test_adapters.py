@@ -141,3 +141,14 @@ def test_a_layer_starts_from_zero_adapters_until_initialized():
     assert torch.allclose(layer(x), layer.base_layer(x), atol=1e-6)
     with pytest.raises(ValueError, match="rank r > 0"):
         layer.add_adapter("b", r=0, alpha=1)
+
+
+def test_an_adapter_directory_of_another_rank_is_refused_by_name():
+    from paratrain.adapters.settings import AdapterSettings
+    from paratrain.engine.adapters import check_same_adapters
+
+    saved = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    with pytest.raises(AdapterError, match="the adapter in 'lora' has r = 8 but the model's adapters have 4; set "
+                                           "peft.r to 8"):
+        check_same_adapters(saved, AdapterSettings(target_modules=("q_proj",), r=4, alpha=8), "lora")
+    check_same_adapters(saved, AdapterSettings(target_modules=("q_proj",), r=8, alpha=8), "lora")  # the same: kept

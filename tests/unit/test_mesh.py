@@ -109,3 +109,19 @@ def test_samples_split_over_dp_and_gradients_average_over_dp_x_cp(world, pp, cp,
                           {"stages": pp}, "context_parallel": {"size": cp}, "tensor_parallel": {"size": tp}})
     assert config.dp_size(world) == dims.sample_parallel_size
     assert resolve_batch(config, world).train_batch_size == 2 * 3 * dims.sample_parallel_size
+
+
+def test_the_summary_layout_names_the_zero_stage_and_hsdp_and_an_unsharded_zero_is_warned_about():
+    from paratrain.api import layout_label, unsharded_zero
+
+    assert layout_label(ParallelDims(2, dp=2), 3) == "dp2 ZeRO-3"
+    assert layout_label(ParallelDims(2, dp=2), 0) == "dp2"
+    assert layout_label(ParallelDims(4, dp=4, dp_replicate=2), 3) == "dp4 (HSDP: replicate 2 x shard 2) ZeRO-3"
+    assert layout_label(ParallelDims(2, cp=2), 1) == "cp2 ZeRO-1"  # ZeRO shards over dp_shard x cp
+    assert layout_label(ParallelDims(2, tp=2), 3) == "tp2"  # nothing sharded: the stage does nothing
+    assert unsharded_zero(3, ParallelDims(2, dp=2)) is None and unsharded_zero(0, ParallelDims(2, tp=2)) is None
+    assert unsharded_zero(3, ParallelDims(2, tp=2)) == (
+        "zero_optimization.stage 3 shards over the data x context-parallel ranks, of which this layout (tp2) has 1: "
+        "nothing is sharded; raise data_parallel.size (or lower tensor_parallel / pipeline sizes), or set "
+        "zero_optimization.stage to 0")
+    assert unsharded_zero(2, ParallelDims(4, dp=2, dp_replicate=2, tp=2)) is not None  # replicas only: no shards

@@ -31,6 +31,7 @@ def test_metrics_report_draws_and_summarizes(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows()) + "\n")
     (tmp_path / "summary.json").write_text(json.dumps({"layout": "dp2 x tp2", "world_size": 4, "params": 2_500_000,
                                                         "wall_s": 2.5, "run_dir": "runs/x"}))
+    (tmp_path / "config.json").write_text(json.dumps({"checkpoint": {"dir": "ck", "save_every": 2}}))
     assert cli_main(["report", str(tmp_path)]) == 0
     for name in ("loss", "throughput", "memory", "comm"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG
@@ -41,6 +42,10 @@ def test_metrics_report_draws_and_summarizes(tmp_path):
     assert "- model state per rank (params + grads + optimizer state): 1.00 MiB to 3.00 MiB" in summary
     assert "- peak RSS per rank: 400.00 MiB to 410.00 MiB" in summary
     assert "- communication per step on rank 0 (median): dp 3.91 KiB, tp 9.00 KiB" in summary
+    # the steps that did more than train, marked in the pictures and timed apart (step time: 0.1 s x step)
+    assert ("- marked in throughput.png and comm.png: checkpoint save at steps 2, 4, 6 (median step 400.0 ms); "
+            "evaluation at steps 3, 6 (median step 450.0 ms); per-rank memory gather at steps 3, 6 (median step "
+            "450.0 ms); the other steps 300.0 ms") in summary
 
 
 def test_report_errors_name_the_problem(tmp_path):

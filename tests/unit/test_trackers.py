@@ -82,3 +82,19 @@ def test_file_monitors_keep_deepspeeds_names_and_trackers_get_the_trainers(tmp_p
     assert (job / "Train_Samples_moe_aux_loss.csv").read_text().splitlines() == ["step,moe_aux_loss", "8,0.25"]
     assert (job / "eval_loss.csv").read_text().splitlines() == ["step,loss", "2,3.0"]
     assert not list(job.glob("train_*.csv"))  # the trainer's names are the trackers'
+
+
+def test_a_backend_failing_as_the_job_ends_is_not_said_to_be_dropped(tmp_path, warnings_logged):
+    """At exit (Ctrl-C stops W&B's service too, then the finalizer closes its run): quiet; on close(): named, and
+    never "training continues without it"."""
+
+    def stopped():
+        raise BrokenPipeError("the service is gone")
+
+    cfg = load_config({"csv_monitor": {"enabled": True, "output_path": str(tmp_path)}})
+    for how in ("at exit", "close"):
+        monitor = Monitor(cfg.tensorboard, cfg.csv_monitor, 0)
+        monitor.backends[0].close = stopped
+        monitor._closer() if how == "at exit" else monitor.close()  # the finalizer is what runs at exit
+        monitor.close()  # twice: nothing more
+    assert warnings_logged == ["csv_monitor failed while closing (BrokenPipeError: the service is gone)"]
