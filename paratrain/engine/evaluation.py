@@ -74,12 +74,14 @@ class Evaluation:
         if self.objective is None:
             yield
             return
-        kept = self.objective.take_metrics()
+        kept, head_training = self.objective.take_metrics(), self.objective.head.training
+        self.objective.head.eval()  # a pipeline's head is no child of the module: it counts in eval mode only
         try:
             yield
         finally:
             self.objective.take_metrics()
             self.objective.metrics.sums.copy_(kept)
+            self.objective.head.train(head_training)
 
     def evaluation_metrics(self) -> dict[str, float]:
         """The last evaluation's objective metrics over its whole data (TRL's names: rewards/accuracies, ...;
