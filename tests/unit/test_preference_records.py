@@ -15,6 +15,7 @@ from paratrain.config import ConfigError, load_config
 from paratrain.data.preference_records import Pairs, extract_prompt, tokenize_pair, tokenize_pairs
 from paratrain.data.sources import DataError, iter_records
 from paratrain.data.tokenizer import ByteTokenizer
+from paratrain.errors import InvalidValueError
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 
@@ -43,6 +44,15 @@ def test_plain_pair_prompt_with_special_tokens_completions_with_eos(tok):
     assert implicit == pair
     assert tokenize_pair({"prompt": "ab", "chosen": "c", "rejected": "de"}, ByteTokenizer()).rejected_ids == \
         [100, 101, ByteTokenizer.eos_token_id]
+
+
+def test_data_fields_rename_the_pair_fields(tok):
+    row = {"question": "The capital of France is", "good": " Paris.", "bad": " Rome."}
+    fields = {"prompt": "question", "chosen": "good", "rejected": "bad"}
+    assert tokenize_pair(row, tok, fields=fields) == \
+        tokenize_pair({"prompt": row["question"], "chosen": row["good"], "rejected": row["bad"]}, tok)
+    with pytest.raises(InvalidValueError, match=r"data.fields maps \['answer'\], which format 'preference' does not"):
+        tokenize_pairs([row], tok, fields={"answer": "good"})
 
 
 def test_conversational_pair_rendered_by_the_chat_template(tok):
