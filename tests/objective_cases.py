@@ -149,6 +149,23 @@ def dpo_loss(model, reference, batch: dict, loss_type: str = "sigmoid", beta: fl
     return torch.stack(losses).mean()
 
 
+@torch.no_grad()
+def dpo_metrics(model, reference, batch: dict, beta: float = 0.1) -> dict[str, float]:
+    """TRL's DPO metrics over the whole global batch: each a mean over its pairs."""
+    values = {name: [] for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                                    "logps/chosen", "logps/rejected")}
+    for prompt, chosen, rejected in _pair_parts(batch):
+        seq = [float(_completion_log_probs(model, prompt, c).sum()) for c in (chosen, rejected)]
+        ref = [float(_completion_log_probs(reference, prompt, c).sum()) for c in (chosen, rejected)]
+        reward_c, reward_r = beta * (seq[0] - ref[0]), beta * (seq[1] - ref[1])
+        for name, value in (("rewards/chosen", reward_c), ("rewards/rejected", reward_r),
+                            ("rewards/accuracies", float(reward_c > reward_r)),
+                            ("rewards/margins", reward_c - reward_r), ("logps/chosen", seq[0]),
+                            ("logps/rejected", seq[1])):
+            values[name].append(value)
+    return {name: sum(v) / len(v) for name, v in values.items()}
+
+
 def grpo_loss(model, batch: dict, loss_type: str = "dapo", beta: float = 0.0, epsilon: tuple = (0.2, 0.2),
               max_completion_length: int = COMPLETION, reference=None) -> torch.Tensor:
     """TRL's GRPO policy loss (token-level ratio, two-sided min, k3 KL times the ratio) over the global batch,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from paratrain.config.section import Section
+from paratrain.errors import InvalidValueError
 
 
 class DataConfig(Section):
@@ -20,9 +21,11 @@ class DataConfig(Section):
     validation: str | None = None
     """The same kinds of path, read the same way, for the validation loss (trainer.eval_every); none: no
     validation."""
-    format: Literal["text", "prompt_completion", "chat"] = "text"
+    format: Literal["text", "prompt_completion", "chat", "preference"] = "text"
     """"text": loss on every token of the `text` field; "prompt_completion": loss on `completion` only;
-    "chat": `messages` rendered by the tokenizer's chat template, loss on the assistant turns only."""
+    "chat": `messages` rendered by the tokenizer's chat template, loss on the assistant turns only;
+    "preference": TRL's preference pairs (`prompt`, `chosen`, `rejected`: text or messages; the prompt may be
+    implicit) for the dpo objective, each pair padded to seq_len and cut TRL's keep_start way (never packed)."""
     fields: dict[str, str] = Field(default_factory=dict)
     """The format's field -> the records' field, e.g. {"prompt": "question", "completion": "answer"}."""
     seq_len: int | None = Field(None, ge=2)
@@ -30,10 +33,10 @@ class DataConfig(Section):
     directory's trainer.model_overrides.seq_len)."""
     packing: bool = True
     """Pack several documents per row (best fit; attention and targets stay inside each document), or one
-    document per row padded to seq_len."""
+    document per row padded to seq_len. Preference pairs are never packed (true set with them is refused)."""
     overflow: Literal["truncate", "split"] = "split"
     """A document longer than seq_len: cut to seq_len, or cut into consecutive pieces of seq_len (counted in
-    the summary either way)."""
+    the summary either way). Preference pairs are always cut to seq_len ("split" set with them is refused)."""
     on_untrainable: Literal["error", "skip"] = "skip"
     """A record with no token to train on (e.g. a chat without an assistant turn): stop with its file and line,
     or skip it (counted in the summary)."""
@@ -53,3 +56,17 @@ class DataConfig(Section):
     workers: int = Field(0, ge=0)
     """Processes per rank that tokenize (started with "spawn"); 0: the rank's own process (with streaming, a
     background thread of it)."""
+
+    @model_validator(mode="after")
+    def _pairs_whole(self) -> DataConfig:
+        """Preference pairs are trained whole, one pair per two padded rows: what cuts or packs documents is
+        refused by name when it is set (its default is left alone)."""
+        if self.format != "preference":
+            return self
+        for name, value, why in (("packing", True, "a pair is its two rows, padded to seq_len"),
+                                 ("overflow", "split", "a pair longer than seq_len is cut to it, TRL's keep_start"),
+                                 ("streaming", True, "pairs are tokenized before the first step")):
+            if name in self.model_fields_set and getattr(self, name) == value:
+                raise InvalidValueError(f"data.{name} = {value!r} does not apply to data.format \"preference\" "
+                                        f"({why}); remove data.{name}")
+        return self

@@ -127,6 +127,20 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _pairs_for_dpo(self) -> Config:
+        """Preference pairs train the dpo objective, and the dpo objective trains on pairs."""
+        pairs = self.data.format == "preference"
+        if pairs and self.objective.type != "dpo":
+            raise InvalidValueError(f"data.format \"preference\" gives pairs, which the {self.objective.type} "
+                                    f"objective does not train on: add \"objective\": {{\"type\": \"dpo\"}}, or "
+                                    f"choose another data.format")
+        if self.data.train and self.objective.type == "dpo" and not pairs:
+            raise InvalidValueError(f"objective.type \"dpo\" trains on preference pairs, but data.format is "
+                                    f"\"{self.data.format}\": set data.format to \"preference\" (records with "
+                                    f"prompt, chosen, rejected)")
+        return self
+
+    @model_validator(mode="after")
     def _one_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise InvalidValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")

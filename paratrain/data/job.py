@@ -5,6 +5,9 @@ on (docs/data.md).
     data.train[i]          # a row: {"input_ids", "labels", "position_ids", "attention_mask"} of seq_len
     data.summary           # what reading and tokenizing did, every record counted
 
+With `data.format: "preference"` the rows are Pairs (`preference_records.py`): each sample a pair of token-id
+lists, collated by `data.train.collate_fn` into TRL's preference form padded to seq_len; never packed.
+
 Every rank reads and tokenizes the same files the same way, so a bad file stops every rank with the same
 error before any collective, and the rows (and so the sample order the sampler deals) are the same in every
 layout. Tokenizing runs in `data.workers` processes (`workers.py`). With `data.streaming` the training rows
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from paratrain.config.data import DataConfig
 from paratrain.config.errors import ConfigError
 from paratrain.data.json_records import DataError
+from paratrain.data.preference_records import Pairs
 from paratrain.data.rows import Rows
 from paratrain.data.sources import iter_records, resolve_sources
 from paratrain.data.stream import CHUNK_RECORDS, RowStream
@@ -29,8 +33,8 @@ from paratrain.data.workers import TokenizerPool, TokenizeSpec, chunks, merge_su
 
 @dataclass
 class JobData:
-    train: Rows | RowStream
-    validation: Rows | None
+    train: Rows | RowStream | Pairs
+    validation: Rows | Pairs | None
     summary: dict  # {"train": DataSummary fields, "validation": ..., "rows": ..., "padding_fraction": ...}
 
 
@@ -82,6 +86,8 @@ def _rows(cfg: DataConfig, path: str, pool: TokenizerPool, pad_id: int, limit: i
     if not examples:
         raise ConfigError(f"data: '{path}' gave no example to train on ({summary.describe()}); check data.format "
                           f"and data.fields against the records")
+    if cfg.format == "preference":
+        return Pairs(examples, pool.spec.seq_len, pad_id), summary
     return Rows(examples, pool.spec.seq_len, cfg.packing, pad_id), summary
 
 

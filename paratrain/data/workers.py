@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from paratrain.data.formats import DataSummary, Example, tokenize_records
+from paratrain.data.preference_records import Pair, tokenize_pairs
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.errors import InvalidValueError
 
@@ -122,6 +123,9 @@ def _tokenize_chunk(chunk: list) -> tuple[list[Example], DataSummary]:
     return _tokenize(chunk, _WORKER["spec"], _WORKER["tokenizer"])
 
 
-def _tokenize(chunk: list, spec: TokenizeSpec, tokenizer) -> tuple[list[Example], DataSummary]:
+def _tokenize(chunk: list, spec: TokenizeSpec, tokenizer) -> tuple[list[Example] | list[Pair], DataSummary]:
+    if spec.fmt == "preference":  # pairs, never split: cut as TRL's keep_start (preference_records.py)
+        return tokenize_pairs(chunk, tokenizer, fields=spec.fields or None, seq_len=spec.seq_len,
+                              on_untrainable=spec.on_untrainable)
     return tokenize_records(chunk, spec.fmt, tokenizer, fields=spec.fields or None, seq_len=spec.seq_len,
                             overflow=spec.overflow, on_untrainable=spec.on_untrainable)

@@ -87,7 +87,8 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations
     if per_axis:
         parts = ", ".join(f"{axis} {_bytes(statistics.median(v))}" for axis, v in sorted(per_axis.items()))
         lines.append(f"- communication per step on rank 0 (median): {parts}")
-    for extra in (events, moe_summary(rows), data_summary(rows, summary), samples_summary([*evaluations, *rows])):
+    for extra in (events, moe_summary(rows), data_summary(rows, summary), preference_summary([*evaluations, *rows]),
+                  samples_summary([*evaluations, *rows])):
         if extra:
             lines.append(extra)
     lines += ["", "Pictures: " + ", ".join(p.name for p in pictures)]
@@ -116,6 +117,28 @@ def moe_summary(rows: list[dict]) -> str | None:
     return (f"- MoE routing ({len(layers)} layers x {'/'.join(map(str, sorted(experts)))} experts, {len(rows)} steps): "
             f"most loaded expert {e_high} of {l_high} ({high:.2f}x its layer's mean), least loaded expert {e_low} "
             f"of {l_low} ({low:.2f}x); {dropped / routed if routed else 0.0:.2%} of the routed choices dropped")
+
+
+def preference_summary(rows: list[dict]) -> str | None:
+    """A dpo run: the reward accuracy and margin at the first and last step (the mean of the last tenth of the
+    steps, whose global batches are small and noisy) and on the held-out pairs; None without them."""
+    trained = [r for r in rows if "rewards/accuracies" in r]
+    held_out = [r for r in rows if "eval/rewards/accuracies" in r]
+    if not trained and not held_out:
+        return None
+    parts = []
+    if trained:
+        tail = trained[-max(1, len(trained) // 10):]
+        parts.append(f"training reward accuracy {trained[0]['rewards/accuracies']:.1%} (step {trained[0]['step']}) "
+                     f"-> {statistics.fmean(r['rewards/accuracies'] for r in tail):.1%}, margin "
+                     f"{statistics.fmean(r['rewards/margins'] for r in tail):.3f} (mean of steps {tail[0]['step']}-"
+                     f"{tail[-1]['step']})")
+    if held_out:
+        first, last = held_out[0], held_out[-1]
+        parts.append(f"held-out pairs: reward accuracy {first['eval/rewards/accuracies']:.1%} (step {first['step']}) "
+                     f"-> {last['eval/rewards/accuracies']:.1%} (step {last['step']}), margin "
+                     f"{first['eval/rewards/margins']:.3f} -> {last['eval/rewards/margins']:.3f}")
+    return "- preference (dpo): " + "; ".join(parts)
 
 
 def samples_summary(rows: list[dict]) -> str | None:
@@ -184,8 +207,7 @@ def events_summary(rows: list[dict], events: dict[str, list[int]]) -> str | None
 
 def metrics_report(run_dir: Path) -> str | None:
     """metrics.jsonl -> loss.png, throughput.png, memory.png, comm.png (moe_tokens.png for an MoE model, data.png
-    for a data-section job) and
-    summary.md; None without metrics."""
+    for a data-section job, preference.png for a dpo run) and summary.md; None without metrics."""
     source = run_dir / "metrics.jsonl"
     if not source.is_file():
         return None
@@ -210,7 +232,8 @@ def metrics_report(run_dir: Path) -> str | None:
     comm_png = plots.plot_comm(rows, run_dir / "comm.png", events)
     if comm_png is not None:
         pictures.append(comm_png)
-    for extra in (plots.plot_moe_tokens(rows, run_dir / "moe_tokens.png"), plots.plot_data(rows, run_dir / "data.png")):
+    for extra in (plots.plot_moe_tokens(rows, run_dir / "moe_tokens.png"), plots.plot_data(rows, run_dir / "data.png"),
+                  plots.plot_preference([*evaluations, *rows], run_dir / "preference.png")):
         if extra is not None:
             pictures.append(extra)
     text = summarize(rows, summary, pictures, evaluations, events_summary(rows, events))

@@ -1,5 +1,5 @@
-"""The pictures of a run's per-step metrics: loss, throughput, per-rank memory, communication per axis, and for
-an MoE model the tokens per expert.
+"""The pictures of a run's per-step metrics: loss, throughput, per-rank memory, communication per axis, for
+an MoE model the tokens per expert, and for a dpo run the reward accuracy and margin.
 
 Each function takes the rows of `metrics.jsonl` (one dict per optimizer step, see paratrain/trainer/job.py) and
 writes one PNG. matplotlib is optional (`pip install paratrain[plot]`); it is imported here only.
@@ -99,6 +99,36 @@ def plot_data(rows: list[dict], path: Path) -> Path | None:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
+    return _save(fig, path)
+
+
+def plot_preference(rows: list[dict], path: Path) -> Path | None:
+    """A dpo run's reward accuracy and margin per step (training: the global batch; evaluations: the held-out
+    pairs), TRL's rewards/accuracies and rewards/margins; None without them."""
+    trained = [r for r in rows if "rewards/accuracies" in r]
+    held_out = [r for r in rows if "eval/rewards/accuracies" in r]
+    if not trained and not held_out:
+        return None
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    for ax, name, label in ((top, "rewards/accuracies", "reward accuracy"), (bottom, "rewards/margins",
+                                                                              "reward margin")):
+        if trained:
+            steps, values = [r["step"] for r in trained], [r[name] for r in trained]
+            ax.plot(steps, values, lw=0.6, alpha=0.4, color="tab:blue")
+            window = max(1, len(values) // 20)
+            ax.plot(steps, _rolling_median(values, window), lw=1.6, color="tab:blue",
+                    label=f"training (median of {window} step{'s' if window > 1 else ''})")
+        if held_out:
+            ax.plot([r["step"] for r in held_out], [r[f"eval/{name}"] for r in held_out], "o-", ms=4,
+                    color="tab:red", label="held-out pairs")
+        ax.set(ylabel=label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    top.set(title="DPO: rewards of chosen over rejected (beta x log-ratio to the reference)", ylim=(-0.02, 1.02))
+    top.axhline(0.5, color="gray", lw=0.8, ls=":")
+    bottom.axhline(0.0, color="gray", lw=0.8, ls=":")
+    bottom.set(xlabel="optimizer step")
     return _save(fig, path)
 
 

@@ -7,7 +7,9 @@ row has the step's epoch, sample ids and `loader_wait_s`, a data job's its `padd
 `summary.json`, and with pipeline.stages > 1 `timeline.json` (the last step's actions per rank, for
 `paratrain report`). Rank 0 shows a progress bar with loss, tokens/s, model-state memory, comm bytes/step and
 the time left. Rows carry `eta_s`; evaluations add `val_loss` (`engine.evaluate`), trainer.eval_at_start a
-row of step 0, and trainer.early_stopping may end the run early (docs/evaluation.md).
+row of step 0, and trainer.early_stopping may end the run early (docs/evaluation.md). With an objective (dpo on
+data.format "preference") rows add its metrics by TRL's names (`rewards/accuracies`, ...; evaluations
+`eval/rewards/accuracies`, ...), also sent to the trackers (`objective_metrics.py`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from paratrain.trainer.inputs import (
     trainer_text,
 )
 from paratrain.trainer.metrics_writer import MetricsWriter
+from paratrain.trainer.objective_metrics import check_objective_job, eval_columns, metric_names, tracked
 from paratrain.trainer.samples import Evaluator
 
 # A row's values that every monitor and tracker gets too (engine.log_metrics), by transformers' Trainer names.
@@ -76,6 +79,7 @@ def _start(cfg, run_dir: str | None):
     """The model, its data (the `data` section's files, or the corpus) and the engine (resumed when
     checkpoint.auto_resume finds a checkpoint)."""
     t = cfg.trainer
+    check_objective_job(cfg)
     torch.manual_seed(cfg.seed)
     if cfg.data.train and t.text:
         raise ConfigError(f"trainer.text = '{t.text}' and data.train = '{cfg.data.train}' both name what to train "
@@ -105,7 +109,9 @@ def _start(cfg, run_dir: str | None):
         key = needs_validation[0]
         raise ConfigError(f"{key} needs validation rows, but data.train = '{cfg.data.train}' has no data.validation; "
                           f"set data.validation to a file of validation records, or remove {key}")
-    engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data)
+    info["sequences_per_sample"] = getattr(train_data, "sequences_per_sample", 1)  # a preference pair: 2 rows
+    engine, _, loader, _ = initialize(model=model, config=cfg, training_data=train_data,
+                                      collate_fn=getattr(train_data, "collate_fn", None))  # pairs: their collator
     check_validation_size(engine, val_data)
     evaluator = None if val_data is None else \
         Evaluator(val_data, t.samples, load_tokenizer(model_dir) if t.samples else None,
@@ -126,6 +132,7 @@ def _step(engine, loader: TimedLoader, evaluator: Evaluator | None, step: int, s
     tic = time.perf_counter()
     loss = float(engine.train_batch(loader))
     elapsed = time.perf_counter() - tic
+    objective = engine.objective_metrics()  # rewards/accuracies, ... (TRL's names); empty for next-token loss
     stats = engine.comm_stats(reset=True)
     memory = engine.memory_stats()
     row = {"step": step, "loss": loss, "lr": engine.get_lr()[0], "grad_norm": engine.get_global_grad_norm(),
@@ -134,6 +141,7 @@ def _step(engine, loader: TimedLoader, evaluator: Evaluator | None, step: int, s
            "loader_wait_s": loader.take_wait(), "epoch": epoch, "samples": samples}
     if padding is not None:
         row["padding_fraction"] = padding
+    row.update(objective)
     routing = engine.moe_routing()  # MoE: the step's routing over dp x cp (every step reduces it: _run_steps)
     if routing is not None:
         row.update(routing.row())
@@ -179,8 +187,8 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     engine, loader, evaluator, out, model = _start(cfg, run_dir)
     rank0 = engine.global_rank == 0
     validating = evaluator is not None and (cfg.trainer.eval_every > 0 or cfg.trainer.eval_at_start)
-    metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps, columns=("val_loss",) if validating else ())
-    tokens_per_step = engine.train_batch_size() * model["seq_len"]
+    metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps, columns=eval_columns(engine, validating))
+    tokens_per_step = engine.train_batch_size() * model["seq_len"] * model["sequences_per_sample"]
     redirect = contextlib.ExitStack()
     done = engine.global_steps  # > 0 when initialize() resumed from a checkpoint (checkpoint.auto_resume)
     bar = _progress(steps, rank0 and cfg.trainer.progress_bar, redirect)
@@ -244,7 +252,7 @@ def _run_steps(engine, loader: TimedLoader, evaluator: Evaluator | None, steps: 
         tracker.observe(0, row["val_loss"])
         rows.append(row)
         metrics.write(row)
-        engine.log_metrics({"eval/loss": row["val_loss"]}, step=0)
+        engine.log_metrics(tracked(row, TRACKED, metric_names(engine)), step=0)
     engine.moe_routing()  # every row carries its step's routing: each step reduces it (MoE models only)
     start = time.perf_counter()
     for step in steps if tracker.stopped_at is None else ():
@@ -254,7 +262,7 @@ def _run_steps(engine, loader: TimedLoader, evaluator: Evaluator | None, steps: 
         keep = ("step", "loss", "val_loss", "padding_fraction", "loader_wait_s")
         rows.append({k: row[k] for k in keep if k in row})
         metrics.write(row)
-        engine.log_metrics({name: row[key] for key, name in TRACKED.items() if row.get(key) is not None})
+        engine.log_metrics(tracked(row, TRACKED, metric_names(engine)))
         stop = "val_loss" in row and tracker.observe(step, row["val_loss"])  # the same on every rank
         if save_pretrained and t.save_pretrained_every and step % t.save_pretrained_every == 0 \
                 and step != steps[-1] and not stop:

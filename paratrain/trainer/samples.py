@@ -1,4 +1,5 @@
-"""What `paratrain train` does at each evaluation: the validation loss, and with `trainer.samples` the model's
+"""What `paratrain train` does at each evaluation: the validation loss (and an objective's metrics, as
+`eval/rewards/accuracies`, ...), and with `trainer.samples` the model's
 greedy answers to a few prompts (`engine.generate`, in the training layout), written into the evaluation's
 metrics row as `generations` [{"prompt", "completion"}] and shown by `paratrain report`."""
 
@@ -34,6 +35,7 @@ class Evaluator:
     def __call__(self, engine) -> dict:
         batches = engine.config.trainer.eval_batches
         row = {"val_loss": float(engine.evaluate(self.val_data, max_batches=batches or None))}
+        row |= {f"eval/{name}": value for name, value in engine.evaluation_metrics().items()}  # TRL's names
         if self.prompts:
             row["generations"] = self.generations(engine)
         engine.comm_stats(reset=True)  # evaluation traffic is not the next training step's

@@ -7,7 +7,8 @@ acts (asserted on the reference). fp32, clipping active, pairs and completions o
 positions. Per step the loss and the global gradient norm, and at the end every tensor, must be within 1e-5 of the
 one-process reference of `tests/objective_cases.py`, which runs every row's real tokens alone with TRL's formulas.
 Layouts: DDP, ZeRO-1/2/3, tp2 with and without SP, pp2 (1F1B, ZB-H1), cp2 (ring, Ulysses), dp2·tp2 ZeRO-3 and ep2
-on an MoE on 4 ranks; dp2·pp2·tp2 on 8.
+on an MoE on 4 ranks; dp2·pp2·tp2 on 8. `engine.evaluate` on held-out pairs (the ranks' shares padded) gives one
+process's DPO loss and metrics in DDP, pp2 and cp2.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.objective_cases import (
     SequenceMeanNLL,
     completion_collator,
     dpo_loss,
+    dpo_metrics,
     frozen,
     grpo_loss,
     preference_collator,
@@ -289,3 +291,42 @@ def test_references_from_model_directories_4_ranks(world4, tmp_path):
         assert abs(out["same"]["metrics"]["rewards/margins"]) < 1e-6, out
         assert abs(out["other"]["loss"] - out["other"]["log2"]) > 1e-3, out
         assert "objective.reference_model must hold the policy's architecture" in out["wider"], out
+
+
+EVALUATED = ("ddp", "pp2 1f1b", "cp2 ring")  # 7 held-out pairs: every layout pads the ranks' shares
+
+
+def _evaluated() -> dict:
+    """engine.evaluate on held-out pairs after one DPO step: the loss and the objective's metrics (the shares padded
+    with pairs of empty completions, which count nothing), and the trained weights for the reference."""
+    from paratrain.api import initialize
+
+    out = {}
+    for name in EVALUATED:
+        engine, *_ = initialize(model=tiny_llama(), config=case_config(("dpo", "full", "sigmoid", 0.0, name)),
+                                training_data=PreferencePairs(), collate_fn=preference_collator())
+        engine.train_batch()
+        loss = float(engine.evaluate(PreferencePairs(count=7, seed=5)))  # collated by the training loader's collator
+        out[name] = {"loss": loss, "metrics": engine.evaluation_metrics(), "state": engine.full_state_dict()}
+        engine.destroy()
+    return out
+
+
+def test_evaluation_on_held_out_pairs_is_one_processs_4_ranks(world4):
+    import pytest
+
+    per_rank = world4.run(_evaluated)
+    pairs = PreferencePairs(count=7, seed=5)  # a padding pair counted would make every mean over 8
+    batch = preference_collator()([pairs[i] for i in range(len(pairs))])
+    for name in EVALUATED:
+        got = per_rank[0][name]
+        model = tiny_llama()
+        model.load_state_dict(got["state"])
+        initial = frozen(tiny_llama())
+        want = float(dpo_loss(model, initial, batch).detach())
+        metrics = dpo_metrics(model, initial, batch)
+        assert got["loss"] == pytest.approx(want, rel=1e-5), (name, got["loss"], want)
+        assert sorted(got["metrics"]) == sorted(metrics), (name, got["metrics"])
+        for key, value in metrics.items():
+            assert got["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key, got["metrics"], metrics)
+        assert all(other[name]["metrics"] == got["metrics"] for other in per_rank[1:]), name
