@@ -40,7 +40,8 @@ class DPO(Objective):
                                     f"attention_mask, completion_mask: chosen rows, then rejected), got a "
                                     f"{batch.form} micro-batch; feed pairs (data.format \"preference\")")
         logps = lp.row_sum()  # (2P,) chosen, then rejected
-        ref = batch.rows["ref_logps"] if "ref_logps" in batch.rows else lp.row_sum(batch.tokens[REFERENCE])
+        ref = batch.rows["ref_logps"] if "ref_logps" in batch.rows else \
+            lp.row_sum(batch.tokens[REFERENCE].to(lp.values.dtype))  # summed as the policy's: equal ones give 0
         ref = ref.to(logps.dtype)
         lengths = lp.row_count().to(logps.dtype)
         chosen, rejected = logps.chunk(2)
