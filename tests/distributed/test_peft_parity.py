@@ -96,9 +96,9 @@ def _run(matrix: list[tuple[str, str, str, str]], weights: dict[str, str]) -> li
 
 
 def _placement(engine) -> dict:
-    """Under ZeRO-3: the offload policy, the devices of the frozen base's shards, and the model-state bytes."""
+    """Under ZeRO: the offload policy, the devices of the frozen base's shards, and the model-state bytes."""
     sync = engine.grad_sync
-    if not hasattr(sync, "frozen_segments"):
+    if not (hasattr(sync, "frozen_segments") and hasattr(sync, "offload")):  # DDP, tp, pp: nothing to offload
         return {}
     return {"offload_param": sync.offload.offload_param, "host": sync.offload.host,
             "frozen_devices": {shard.device for shard, _ in sync.frozen_segments()}, "memory": engine.memory_stats()}
