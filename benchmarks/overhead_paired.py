@@ -9,14 +9,18 @@ the peer's step in the same round), so a slow moment of the machine hits both si
 step's time is its slowest rank's.
 
     python -m benchmarks.overhead_paired --rounds 40 --warmup 5
+    python -m benchmarks.overhead_paired --suite peft --rounds 20 --warmup 3
 
-writes benchmarks/results/overhead_paired.json and prints the ratios. Nothing here asserts a time.
+writes benchmarks/results/<suite>_paired.json (overhead_paired.json, peft_paired.json) and prints the ratios:
+every pair of the suite's PEERS (the overhead suite's one-unit pair left out). Nothing here asserts a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -24,15 +28,20 @@ from pathlib import Path
 import torch.distributed as dist
 
 import benchmarks.common as common
-from benchmarks.overhead import CASES, PEERS
 from paratrain.testing import World
 
-RESULTS = Path(__file__).resolve().parent / "results" / "overhead_paired.json"
-PAIRS = [(ours, peer) for ours, peer in PEERS.items() if "one unit" not in ours]
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _step_of(case: str):
-    fn, _ = CASES[case]
+def pairs_of(suite: str) -> list[tuple[str, str]]:
+    """(paratrain's case, its peer) for every peer the suite names."""
+    peers = importlib.import_module(f"benchmarks.{suite}").PEERS
+    return [(ours, peer) for ours, named in peers.items() for peer in ([named] if isinstance(named, str) else named)
+            if "one unit" not in ours]
+
+
+def _step_of(suite: str, case: str):
+    fn, _ = importlib.import_module(f"benchmarks.{suite}").CASES[case]
     common.CURRENT_CASE, common.STEP_SINK = case, []
     try:
         fn(0, 0)  # builds the case, checks its setup, hands its step over
@@ -41,8 +50,8 @@ def _step_of(case: str):
         common.STEP_SINK = None
 
 
-def _pair(ours: str, peer: str, rounds: int, warmup: int) -> dict:
-    steps = {ours: _step_of(ours), peer: _step_of(peer)}
+def _pair(suite: str, ours: str, peer: str, rounds: int, warmup: int) -> dict:
+    steps = {ours: _step_of(suite, ours), peer: _step_of(suite, peer)}
     times: dict[str, list[float]] = {ours: [], peer: []}
     losses: dict[str, list[float]] = {ours: [], peer: []}
     for i in range(warmup + rounds):
@@ -61,11 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--suite", default="overhead", help="the suite whose pairs run (overhead, peft)")
     args = parser.parse_args(argv)
-    out = {"rounds": args.rounds, "warmup": args.warmup, "pairs": {}}
-    for ours, peer in PAIRS:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as benchmarks.suite sets it (the DeepSpeed peers)
+    out = {"suite": args.suite, "rounds": args.rounds, "warmup": args.warmup,
+           "load_average": {"start": os.getloadavg()}, "pairs": {}}
+    for ours, peer in pairs_of(args.suite):
         with World(2, timeout_s=1800) as world:
-            ranks = world.run(_pair, ours, peer, args.rounds, args.warmup)
+            ranks = world.run(_pair, args.suite, ours, peer, args.rounds, args.warmup)
         slowest = {name: [max(t) for t in zip(*(r["times"][name] for r in ranks))] for name in (ours, peer)}
         ratios = [a / b for a, b in zip(slowest[ours], slowest[peer])]
         out["pairs"][f"{ours} / {peer}"] = {
@@ -74,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
             "same_losses_to_1e-5": all(abs(a - b) <= 1e-5 * abs(b) for a, b in
                                        zip(ranks[0]["losses"][ours], ranks[0]["losses"][peer]))}
         print(f"{ours} / {peer}: median ratio {out['pairs'][f'{ours} / {peer}']['median_ratio']:.3f}", flush=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    out["load_average"]["end"] = os.getloadavg()
+    (RESULTS / f"{args.suite}_paired.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

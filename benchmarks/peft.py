@@ -3,14 +3,19 @@ ZeRO-3 + peft, 2 ranks, CPU/gloo:
 
     python -m benchmarks.suite --only peft
 
-Every case trains the same transformers Llama (4 layers, width 512, SwiGLU 1,376, grouped-query attention, 12.6M
-parameters) from the same seed on the same batches (`benchmarks.common`: fused AdamW, clipping 1.0, fp32); the
-LoRA cases wrap it with peft (r 8, alpha 16, every projection of the decoder: 0.29M trainable parameters) before
-anything else, so all of them train the very same adapters. paratrain takes the peft model as it comes (ZeRO-3
-shards the frozen base: one shard per rank). FSDP2 shards each decoder layer and the root with `fully_shard` (it
-shards frozen weights too and reduces only the trainable ones); DeepSpeed's ZeRO-3 gets the trainable parameters
-(`model_parameters`), shards everything, with overlap_comm on. "reference" is the same peft model in one
-process on the whole global batch: every case's losses must equal its losses; its time is not comparable.
+Every case trains the same transformers Llama (4 layers, width 512, SwiGLU 1,376, grouped-query attention,
+11,866,624 parameters) from the same seed on the same batches (`benchmarks.common`: fused AdamW, clipping 1.0,
+fp32); the LoRA cases wrap it with peft (r 8, alpha 16, every projection of the decoder: 295,936 trainable
+parameters) before anything else, so all of them train the very same adapters. paratrain takes the peft model as
+it comes (ZeRO-3 shards the frozen base: one shard per rank). FSDP2 shards each decoder layer and the root with
+`fully_shard` (it shards frozen weights too and reduces only the trainable ones); DeepSpeed's ZeRO-3 gets the
+trainable parameters (`model_parameters`) and the options a DeepSpeed user sets for it (overlap_comm,
+contiguous_gradients, and transformers' "auto" bucket sizes for this width: reduce hidden², prefetch 0.9·hidden²).
+Every tensor is sharded in all three, as FSDP2 shards them: paratrain and DeepSpeed get
+stage3_param_persistence_threshold 0 (at their default of 1e5 elements the 4,096- to 11,008-element adapters and
+the norms would stay whole on every rank). Model state is counted at the same point in every case, between steps
+with the step's gradients present (FSDP2's before its zero_grad frees them). "reference" is the same peft model
+in one process on the whole global batch: every case's losses must equal its losses; its time is not comparable.
 """
 
 from __future__ import annotations
@@ -59,6 +64,16 @@ def bench_llama(lora: bool = True):
     return model
 
 
+SHARD_EVERY_TENSOR = {"stage3_param_persistence_threshold": 0}  # as FSDP2 shards them (see the module note)
+
+
+def deepspeed_zero3_options() -> dict:
+    """What a DeepSpeed user sets for ZeRO-3 (its docs' advice, transformers' "auto" values for the width)."""
+    hidden = llama_shape()["hidden_size"]
+    return {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden), **SHARD_EVERY_TENSOR}
+
+
 def _loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=x).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -76,7 +91,7 @@ def _paratrain(steps: int, warmup: int, lora: bool) -> dict:
     import paratrain
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
-           "optimizer": paratrain_optimizer(), "zero_optimization": {"stage": 3}}
+           "optimizer": paratrain_optimizer(), "zero_optimization": {"stage": 3, **SHARD_EVERY_TENSOR}}
     model = bench_llama(lora)
     engine, *_ = paratrain.initialize(model=model, config=cfg)
     batches = _batches()
@@ -104,6 +119,7 @@ def torch_fsdp2_peft(steps: int, warmup: int) -> dict:
     fully_shard(model)
     opt = torch_adamw(_trainable(model))
     batches = _batches()
+    grads = {"bytes": 0}  # the step's gradient shards, counted before zero_grad frees them
 
     def step():
         x, y = next(batches)
@@ -111,14 +127,14 @@ def torch_fsdp2_peft(steps: int, warmup: int) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(_trainable(model), 1.0)
         opt.step()
+        grads["bytes"] = _tensor_bytes([p.grad for p in model.parameters()])
         opt.zero_grad()
         return _mean_loss(loss)
 
     timer = Timer(warmup, record_setup(opt, model, batches))
     timer.measure(steps, step)
     states = [v for s in opt.state.values() for v in s.values()]
-    return timer.result(state_bytes=_tensor_bytes([*model.parameters(), *(p.grad for p in model.parameters())]
-                                                  + states),
+    return timer.result(state_bytes=_tensor_bytes([*model.parameters(), *states]) + grads["bytes"],
                         extra_optimizer_state_mib=_tensor_bytes(states) / 2**20,
                         extra_frozen_mib=_tensor_bytes([p for p in model.parameters() if not p.requires_grad]) / 2**20)
 
@@ -130,7 +146,7 @@ def deepspeed_zero3_peft(steps: int, warmup: int) -> dict:
     model = bench_llama()
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0,
               "optimizer": deepspeed_optimizer(), "steps_per_print": 10**9,
-              "zero_optimization": {"stage": 3, "overlap_comm": True}}
+              "zero_optimization": deepspeed_zero3_options()}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=_trainable(model), config=config,
                                       dist_init_required=False)
     batches = _batches()
@@ -184,3 +200,6 @@ BASELINE = "torch FSDP2 + peft LoRA"
 PEERS = {"paratrain ZeRO-3 LoRA": ["torch FSDP2 + peft LoRA", "DeepSpeed ZeRO-3 + peft LoRA",
                                    "paratrain ZeRO-3 full fine-tuning"]}
 REFERENCE = "reference LoRA (1 process)"
+NOTE = ("Measured on a 2-core machine shared with other developers' jobs (see load_average): separate worlds' step "
+        "times move with the load; benchmarks/results/peft_paired.json alternates paratrain's steps with each "
+        "peer's in one world (python -m benchmarks.overhead_paired --suite peft)")

@@ -51,6 +51,7 @@ def machine() -> str:
 
 def run_suite(name: str, repeats: int, steps: int, warmup: int) -> dict:
     module = importlib.import_module(f"benchmarks.{name}")
+    load_at_start = os.getloadavg()
     raw: dict[str, list[list[dict]]] = {case: [] for case in module.CASES}
     for r in range(repeats):
         for case, (fn, world_size) in module.CASES.items():
@@ -63,6 +64,8 @@ def run_suite(name: str, repeats: int, steps: int, warmup: int) -> dict:
     return {"suite": name, "baseline": module.BASELINE, "repeats": repeats, "steps": steps,
             "setup": {case: runs[0][0]["setup"] for case, runs in raw.items()}, "raw": raw,
             "peers": peers, "reference": reference,
+            # the machine's 1/5/15-minute load averages (other users' jobs share these cores), and the suite's note
+            "load_average": {"start": load_at_start, "end": os.getloadavg()}, "note": getattr(module, "NOTE", None),
             "summary": summarize(raw, module.BASELINE, peers, reference)}
 
 
@@ -76,7 +79,7 @@ def summarize(raw: dict[str, list[list[dict]]], baseline: str, peers: dict[str, 
         for ranks in runs:
             slowest = [max(step) for step in zip(*(r["step_times"] for r in ranks))]
             medians.append(statistics.median(slowest))
-        out[case] = {"median_step_s": statistics.median(medians),
+        out[case] = {"median_step_s": statistics.median(medians), "repeat_median_step_s": medians,
                      "peak_rss_mib": statistics.median(max(r["peak_rss"] for r in ranks) for ranks in runs) / 2**20,
                      "state_mib": max(r["state_bytes"] for r in runs[0]) / 2**20,
                      "last_loss": runs[0][0]["losses"][-1]}
@@ -87,6 +90,9 @@ def summarize(raw: dict[str, list[list[dict]]], baseline: str, peers: dict[str, 
     for case, others in (peers or {}).items():
         others = [others] if isinstance(others, str) else others
         out[case]["peer_ratios"] = {p: out[case]["median_step_s"] / out[p]["median_step_s"] for p in others}
+        out[case]["peer_ratios_per_repeat"] = {  # repeat r of the case against repeat r of the peer
+            p: [a / b for a, b in zip(out[case]["repeat_median_step_s"], out[p]["repeat_median_step_s"])]
+            for p in others}
     if reference is not None:
         want = raw[reference][0][0]["losses"]
         for case, runs in raw.items():
@@ -118,7 +124,10 @@ def table(result: dict) -> str:
     for case, row in rows.items():
         cells = [case, f"{row['median_step_s'] * 1e3:.1f}", f"{row['ratio']:.3f}"]
         if peers:
-            cells.append(", ".join(f"{r:.3f} vs {p}" for p, r in row.get("peer_ratios", {}).items()) or "—")
+            per_repeat = row.get("peer_ratios_per_repeat", {})
+            cells.append(", ".join(f"{r:.3f} ({' / '.join(f'{x:.2f}' for x in per_repeat.get(p, []))} per repeat) "
+                                   f"vs {p}" if per_repeat.get(p) else f"{r:.3f} vs {p}"
+                                   for p, r in row.get("peer_ratios", {}).items()) or "—")
         cells += [f"{row['peak_rss_mib']:.0f}", f"{row['state_mib']:.2f}", f"{row['last_loss']:.5f}"]
         if reference:
             cells.append(f"{row['loss_diff']:.1e}")

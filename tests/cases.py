@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from paratrain.data import TokenWindows, load_corpus
 from paratrain.models import GPT, Llama
@@ -159,3 +162,32 @@ class WarningLines(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The bytes of tensor storage made inside the block and still alive, and their peak: seen from outside the
+    code under test, at every operator (a storage is counted when an operator first returns it, unless it is one
+    of the operator's inputs, i.e. a view or an in-place result, and uncounted when its last tensor dies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and not t.is_meta}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                if storage not in self._seen and storage.data_ptr() not in inputs:
+                    self._seen.add(storage)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._freed, storage.nbytes())
+                    self.peak = max(self.peak, self.live)
+        return out

@@ -205,15 +205,15 @@ def _write_all(stream: FullTensorStream, partial: Path, sink: ShardSink | None, 
     receiving after one, so no rank is left waiting)."""
     error = None
     for names, full in stream:
-        if sink is None or error is not None:
-            continue
-        try:
-            out = full if merger is None else merger.take(names[0], full)
-            for name in names if out is not None else ():
-                sink.write(merger.rename(name) if merger else name, cast(out))
-        except (OSError, CheckpointError) as exc:
-            error = f"writing '{names[0]}' into '{partial}': {exc}"
-            sink.abort()
+        if sink is not None and error is None:
+            try:
+                out = full if merger is None else merger.take(names[0], full)
+                for name in names if out is not None else ():
+                    sink.write(merger.rename(name) if merger else name, cast(out))
+            except (OSError, CheckpointError) as exc:
+                error = f"writing '{names[0]}' into '{partial}': {exc}"
+                sink.abort()
+        full = out = None  # dropped before the stream assembles the next one: one whole tensor at a time
     return error
 
 

@@ -107,8 +107,8 @@ def read_region(pieces: list[Piece], fetch: Fetch, shape: tuple[int, ...], offse
     """Elements [start, end) of the flattened box `full[offsets : offsets + box]`, as a new 1-d tensor of
     `dtype`; elements outside `shape` (padding) are zero."""
     needed = pieces_needed(pieces, shape, offsets, box, start, end)
-    out = torch.zeros(end - start, dtype=dtype)
     if all(p.offsets == offsets and p.box == box for p in needed):  # the same box: flat ranges only
+        out = torch.zeros(end - start, dtype=dtype)
         for p in needed:
             lo, hi = max(start, p.start), min(end, p.end)
             out[lo - start:hi - start] = fetch(p, lo - p.start, hi - p.start)
@@ -119,13 +119,18 @@ def read_region(pieces: list[Piece], fetch: Fetch, shape: tuple[int, ...], offse
         groups.setdefault((p.offsets, p.box), []).append(p)
     for (s_off, s_box), group in groups.items():
         inter = _intersection(shape, offsets, box, s_off, s_box)
-        stored = torch.zeros(math.prod(s_box), dtype=dtype)
-        for p in group:
-            stored[p.start:p.end] = fetch(p, 0, p.end - p.start)
+        whole = len(group) == 1 and group[0].start == 0 and group[0].end == math.prod(s_box)
+        if whole:  # one piece is the whole stored box: read it where it is (no copy of a weight-sized piece)
+            stored = fetch(group[0], 0, group[0].end)
+        else:
+            stored = torch.zeros(math.prod(s_box), dtype=dtype)
+            for p in group:
+                stored[p.start:p.end] = fetch(p, 0, p.end - p.start)
         src = stored.view(s_box)[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, s_off))]
         region[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offsets))] = src
-    out.copy_(region.reshape(-1)[start:end])
-    return out
+        del stored, src
+    flat = region.reshape(-1)
+    return flat if (start, end) == (0, flat.numel()) else flat[start:end].clone()  # the whole box: no second copy
 
 
 def read_full(pieces: list[Piece], fetch: Fetch, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """engine.evaluate against one process: the token-weighted loss over a whole dataset (sum of every target
-token's loss / number of target tokens over all rows), in ddp2, ZeRO-3 over dp2, tp2 and a 1F1B pipeline over
-2 stages, on rows of different lengths (right padding) and rows with masked prompts, with row counts that do
-not divide into micro_batch x dp (the tail is padded with masked rows), an iterable whose ranks hold unequal
-shares, and max_batches. Every rank must return the same number bit for bit: the trainer's early stopping
-decides on it on every rank without another exchange."""
+token's loss / number of target tokens over all rows), in ddp2, ZeRO-1/2/3 over dp2, tp2, a 1F1B pipeline over
+2 stages, cp2 (ring and Ulysses) and ep2 (an MoE), on rows of different lengths (right padding) and rows with
+masked prompts, with row counts that do not divide into micro_batch x dp (the tail is padded with masked rows),
+an iterable whose ranks hold unequal shares, and max_batches. Every rank must return the same number bit for
+bit: the trainer's early stopping decides on it on every rank without another exchange."""
 
 from __future__ import annotations
 
@@ -20,8 +20,25 @@ from tests.real_data import RealRows, documents, logits_of
 pytestmark = pytest.mark.multiprocess
 
 MICRO = 2
-LAYOUTS = {"ddp2": {}, "zero3 dp2": {"zero_optimization": {"stage": 3}}, "tp2": {"tensor_parallel": {"size": 2}},
-           "pp2 1f1b": {"pipeline": {"stages": 2, "schedule": "1f1b"}, "gradient_accumulation_steps": 2}}
+LAYOUTS = {"ddp2": {}, "zero1 dp2": {"zero_optimization": {"stage": 1}},
+           "zero2 dp2": {"zero_optimization": {"stage": 2}}, "zero3 dp2": {"zero_optimization": {"stage": 3}},
+           "tp2": {"tensor_parallel": {"size": 2}},
+           "pp2 1f1b": {"pipeline": {"stages": 2, "schedule": "1f1b"}, "gradient_accumulation_steps": 2},
+           "cp2 ring": {"context_parallel": {"size": 2, "method": "ring"}},
+           "cp2 ulysses": {"context_parallel": {"size": 2, "method": "ulysses"}},
+           "ep2 moe": {"expert_parallel": {"size": 2}}}
+
+
+def _model(layout: str):
+    """The tiny GPT, or for expert parallelism a dropless tiny Mixtral-style MoE (4 experts, top-2) without router
+    losses: the model adds aux_loss_coef · aux + z_loss_coef · z to its loss per micro-batch, and those depend on
+    how the rows are batched, so only the language-model loss is one process's number (docs/evaluation.md)."""
+    if layout.startswith("ep"):
+        from paratrain.models.llama_moe.model import LlamaMoE
+
+        torch.manual_seed(3)
+        return LlamaMoE("mixtral-tiny", aux_loss_coef=0.0, z_loss_coef=0.0)
+    return tiny_gpt(seed=3)
 
 
 def _rows() -> dict[str, RealRows]:
@@ -44,10 +61,10 @@ def one_process_loss(model, rows) -> float:
 
 def _evaluate_layouts() -> list[dict]:
     results = []
-    reference = tiny_gpt(seed=3).eval()
     for name, layout in LAYOUTS.items():
+        reference = _model(name).eval()
         cfg = adamw_config(train_micro_batch_size_per_gpu=MICRO, **layout)
-        engine, *_ = paratrain.initialize(model=tiny_gpt(seed=3), config=cfg)
+        engine, *_ = paratrain.initialize(model=_model(name), config=cfg)
         dp, dp_rank = engine.mesh.size("dp"), engine.mesh.local_rank("dp")
         for rows_name, rows in _rows().items():
             got = float(engine.evaluate(rows))

@@ -1,7 +1,9 @@
 """engine.generate in every layout equals transformers' own `generate` on the same weights: greedy tokens of
 left-padded prompts of different lengths, before and after training steps; the uncached path (the whole
 sequence each step) equals the KV-cached one; seeded sampling (temperature, top-p) draws the same tokens as
-transformers' sampling from the same seed. Under ZeRO-3 a call gathers each unit once, not once per token.
+transformers' sampling from the same seed. paratrain's GPT, which transformers cannot load, is compared with a
+one-process copy decoded by this file's own loop (each prompt alone, no cache, transformers' warpers and the same
+seed). Under ZeRO-3 a call gathers each unit once, not once per token.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _transformers_copy(engine, model, directory: str):
         reference = transformers.LlamaForCausalLM(config)
         reference.load_state_dict(engine.full_state_dict())
         return reference
-    if type(model).__name__ == "GPT":  # no transformers class: the one-process model, decoded without a cache
+    if type(model).__name__ == "GPT":  # no transformers format: the one-process model, decoded by the test's loop
         return _OneProcess(engine.full_state_dict(), model.config)
     engine.save_pretrained(directory)
     return transformers.AutoModelForCausalLM.from_pretrained(directory)
@@ -82,7 +84,10 @@ def _transformers_copy(engine, model, directory: str):
 
 class _OneProcess:
     """The single-process reference for a family transformers does not load (paratrain's GPT): a plain copy of
-    the model given the engine's full state dict, run by the decoding loop without a cache (greedy only)."""
+    the model given the engine's full state dict, decoded by this test's own loop, not paratrain's: each prompt
+    alone (its padding removed), the whole sequence through the model at every step (no cache), the next token
+    by argmax or, sampling, through transformers' warpers (temperature, then top-p) and `torch.multinomial` over
+    the batch's rows from the global seed, as transformers' `generate` draws."""
 
     def __init__(self, state: dict, config):
         from paratrain.models import build_model
@@ -95,16 +100,21 @@ class _OneProcess:
         return self
 
     def generate(self, ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id=None, do_sample=False,
-                 **_):
-        from paratrain.generation import GenerationSettings, decode
+                 temperature=1.0, top_p=None, **_):
+        from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
-        if do_sample:
-            pytest.skip("sampling is compared with transformers' (the transformers families)")
-        settings = GenerationSettings(max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                      use_cache=False)
-        forward = lambda i, p, d: self.model(i, position_ids=p, **({"documents": d} if d else {}))  # noqa: E731
+        assert eos_token_id is None  # no row stops early: every row takes max_new_tokens steps
+        warpers = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)] if do_sample else []
+        rows, new = [row[mask.bool()] for row, mask in zip(ids, attention_mask)], []
         with torch.no_grad():
-            return decode(forward, self.model, ids, attention_mask, settings)
+            for _ in range(max_new_tokens):
+                scores = torch.stack([self.model(row[None])[0, -1] for row in rows]).float()
+                for warp in warpers:
+                    scores = warp(None, scores)
+                token = torch.multinomial(scores.softmax(-1), 1).squeeze(-1) if do_sample else scores.argmax(-1)
+                rows = [torch.cat([row, t[None]]) for row, t in zip(rows, token)]
+                new.append(token)
+        return torch.cat([ids, torch.stack(new, 1)], 1)
 
 
 def _case(family: str, overrides: dict, layout: dict, directory: str) -> dict:
@@ -127,11 +137,11 @@ def _case(family: str, overrides: dict, layout: dict, directory: str) -> dict:
     trained = _transformers_copy(engine, model, f"{directory}/after")
     theirs = lambda m, **kw: _hf_generate(m, ids, mask, eos_token_id=eos, **kw)  # noqa: E731
     want_before, want_after = theirs(reference), theirs(trained)
-    want_sampled = sampled if isinstance(reference, _OneProcess) else \
-        _sample(lambda **kw: theirs(reference, top_k=0, **kw))
+    want_sampled = _sample(lambda **kw: theirs(reference, top_k=0, **kw))
     return {"before": torch.equal(before, want_before), "uncached": torch.equal(uncached, want_before),
             "after": torch.equal(after, want_after), "after_uncached": torch.equal(after_uncached, want_after),
             "sampled": torch.equal(sampled, want_sampled), "trained": not torch.equal(want_after, want_before),
+            "sampling_differs": not torch.equal(sampled, want_before),
             "gathers": gathers, "units": units, "tokens": before[:, 7:].tolist()}
 
 
@@ -161,6 +171,7 @@ def _check(results: dict) -> None:
     for name, r in results.items():
         assert r["before"] and r["uncached"] and r["after"] and r["after_uncached"] and r["sampled"], (name, r)
         assert r["trained"], (name, "training changed no generated token: the 'after' comparison shows nothing")
+        assert r["sampling_differs"], (name, "sampling drew the greedy tokens: the 'sampled' comparison shows nothing")
         if name.startswith("zero3") or "zero3" in name:
             assert 0 < r["gathers"] <= r["units"], (name, r)  # once per unit per call, not per token
 

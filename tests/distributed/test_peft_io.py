@@ -6,8 +6,9 @@ labels=).loss`) and in pp2·tp2 (Qwen2, LoRA), then writes its adapter
 (`engine.save_pretrained`) and the merged model (`merged=True`). In the test process: `PeftModel.from_pretrained`
 of the adapter on the same base gives the logits of the trained model (its full state loaded into a fresh peft
 model) within 1e-5, with the key set of peft's own save of that model and no empty tensor; transformers'
-`from_pretrained` of the merged directory gives the same logits; the merge held at most one weight and one
-layer's adapters (counted). The adapter directory then goes into a plain transformers model through the `peft`
+`from_pretrained` of the merged directory gives the same logits; rank 0 held at most twice the largest weight
+(a tensor's pieces and the tensor assembled from them) and one layer's adapters, counted from outside (the tensor
+storage alive at every operator). The adapter directory then goes into a plain transformers model through the `peft`
 section (`peft.load`, dp4 ZeRO-1): its adapters start exactly where the saved ones were.
 """
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from tests.cases import import_or_skip, tiny_hf
+from tests.cases import LiveTensorBytes, import_or_skip, tiny_hf
 from tests.distributed.test_real_data import real_layout
 from tests.peft_cases import peft_hf
 from tests.real_data import RealRows
@@ -46,9 +47,10 @@ def _train_and_save(root: str) -> dict:
                 engine.step()
             assert torch.isfinite(output.loss)
         engine.save_pretrained(f"{root}/{name}")
-        engine.save_pretrained(f"{root}/{name}_merged", merged=True)
+        with LiveTensorBytes() as live:  # what rank 0 allocates for the merged save, counted from outside
+            engine.save_pretrained(f"{root}/{name}_merged", merged=True)
         state = engine.full_state_dict()
-        out[name] = {"state": state if dist.get_rank() == 0 else None, "peak": engine.merge_peak_bytes}
+        out[name] = {"state": state if dist.get_rank() == 0 else None, "peak": live.peak}
     cfg = {**real_layout(1, 4, zero=1), "peft": {"load": f"{root}/tp_zero3"}}
     engine, *_ = initialize(model=tiny_hf("llama"), config=cfg, training_data=RealRows("masked"))
     state = engine.full_state_dict()  # (collective)
@@ -93,7 +95,8 @@ def test_adapters_saved_from_sharded_layouts_load_with_peft_and_merged_with_tran
             if ".lora_" in n:
                 layers[n.split(".lora_")[0]] = layers.get(n.split(".lora_")[0], 0) + p.numel() * 4
         layer = max(layers.values())
-        assert 0 < results[name]["peak"] <= largest + layer, (results[name]["peak"], largest, layer)
+        # a tensor's pieces as they arrive and the tensor assembled from them, and one layer's adapters
+        assert largest <= results[name]["peak"] <= 2 * largest + layer, (results[name]["peak"], largest, layer)
     saved = results["tp_zero3"]["state"]
     continued = results["continued"]
     adapters = [k for k in saved if "lora_" in k]

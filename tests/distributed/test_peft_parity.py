@@ -3,13 +3,13 @@
 peft's LoRA and DoRA on every linear layer of a transformers Llama (grouped-query attention) and Qwen2 (q/k/v
 biases in the frozen base) train 3 AdamW steps on rows with masked prompts (and packed documents in a few
 layouts), fp32, clipping active (asserted on the reference), with no plan written: DDP, ZeRO-1/2/3, ZeRO-3 with
-optimizer offload, and with the model built on the meta device and its base loaded from a Hugging Face
-directory (the adapters then start as paratrain draws them), tp2 with and without sequence parallelism,
-dp2·tp2 ZeRO-3 SP, pp2 (1F1B, ZB-H1), cp2 (ring, Ulysses) on 4 ranks, dp2·pp2·tp2 on 8. Per step the loss and
-the global gradient norm (what sees a wrongly weighted loss) and at the end every adapter and base tensor must
-be within 1e-5 of the reference, which runs each document alone through peft's own layers
-(`tests/real_data.py`). paratrain's own `peft` section is checked the same way on its built-in Llama (LoRA, DoRA,
-LoRA under Muon), GPT and MoE (LoRA on every expert, ep2 with ZeRO and tp).
+optimizer and parameter offload (the frozen base's shards on the host, asserted), and with the model built on
+the meta device and its base loaded from a Hugging Face directory (the adapters then start as paratrain draws
+them), tp2 with and without sequence parallelism, dp2·tp2 ZeRO-3 SP, pp2 (1F1B, ZB-H1), cp2 (ring, Ulysses) on
+4 ranks, dp2·pp2·tp2 on 8. Per step the loss and the global gradient norm (what sees a wrongly weighted loss)
+and at the end every adapter and base tensor must be within 1e-5 of the reference, which runs each document
+alone through peft's own layers (`tests/real_data.py`). paratrain's own `peft` section is checked the same way
+on its built-in Llama (LoRA, DoRA, LoRA under Muon), GPT and MoE (LoRA on every expert, ep2 with ZeRO and tp).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import_or_skip("peft")
 CLIP = 0.05  # below every reference step's gradient norm (asserted): clipping is active
 
 LAYOUTS_4 = {"ddp": real_layout(1, 4), "zero1": real_layout(1, 4, zero=1), "zero2": real_layout(1, 4, zero=2),
-             "zero3": real_layout(1, 4, zero=3), "zero3 offload": real_layout(1, 4, zero=3, offload=True),
+             "zero3": real_layout(1, 4, zero=3),
+             "zero3 offload": real_layout(1, 4, zero=3, offload=True, offload_param=True),
              "zero3 meta": real_layout(1, 4, zero=3), "tp2": real_layout(2, 2, tp=2),
              "tp2 sp": real_layout(2, 2, tp=2, sp=True), "dp2·tp2 zero3 sp": real_layout(2, 2, tp=2, sp=True, zero=3),
              "pp2 1f1b": real_layout(2, 2, pp=2), "pp2 zb-h1": real_layout(2, 2, pp=2, schedule="zb-h1"),
@@ -88,10 +89,29 @@ def _run(matrix: list[tuple[str, str, str, str]], weights: dict[str, str]) -> li
     for family, method, kind, name in matrix:
         start = time.perf_counter()
         run = run_layout(run_config(family, method, name, weights), factory(family, method, name), RealRows(kind),
-                         STEPS, keep_state=dist.get_rank() == 0)
+                         STEPS, keep_state=dist.get_rank() == 0, inspect=_placement)
         run.extra["seconds"] = time.perf_counter() - start
         runs.append(run)
     return runs
+
+
+def _placement(engine) -> dict:
+    """Under ZeRO: the offload policy, the devices of the frozen base's shards, and the model-state bytes."""
+    sync = engine.grad_sync
+    if not (hasattr(sync, "frozen_segments") and hasattr(sync, "offload")):  # DDP, tp, pp: nothing to offload
+        return {}
+    return {"offload_param": sync.offload.offload_param, "host": sync.offload.host,
+            "frozen_devices": {shard.device for shard, _ in sync.frozen_segments()}, "memory": engine.memory_stats()}
+
+
+def _frozen_shards_on_the_host(extra: dict) -> None:
+    """offload_param: every frozen shard lives on the host, and the memory statistics count it there. (On this
+    CPU-only machine host and device are one memory; tests/unit/test_zero_offload.py tells them apart with a
+    stand-in device, tests/unit/test_gpu_path.py on CUDA.)"""
+    memory = extra["memory"]
+    assert extra["offload_param"] and extra["frozen_devices"] == {extra["host"]}, extra
+    assert memory["frozen_params"] > 0 and memory["host"] >= memory["frozen_params"], memory
+    assert memory["device"] == memory["total"] - memory["host"], memory
 
 
 def compared(per_rank: list[list], matrix: list[tuple[str, str, str, str]]) -> list[dict]:
@@ -110,6 +130,9 @@ def compared(per_rank: list[list], matrix: list[tuple[str, str, str, str]]) -> l
         summary = summarize(compare(run, refs[key]))
         if method == "moe experts":
             _every_expert_trained(run.final_state, refs[key].state)
+        if name == "zero3 offload":
+            for ranks in per_rank:
+                _frozen_shards_on_the_host(ranks[i].extra)
         out.append({"case": f"{family} {method} {kind} {name}", "layout": run.case, **summary,
                     "same_on_every_rank": all(other[i].losses == run.losses for other in per_rank[1:]),
                     "seconds": run.extra["seconds"]})

@@ -30,7 +30,7 @@ CLIP = 0.5  # below every reference step's gradient norm: clipping is active (as
 
 def real_layout(micro: int, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0, sp: bool = False,
                 schedule: str = "1f1b", cp_method: str = "ring", ulysses: int | None = None, ep: int = 1,
-                ckpt: str | None = None, offload: bool = False) -> dict:
+                ckpt: str | None = None, offload: bool = False, offload_param: bool = False) -> dict:
     cfg = adamw_config(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=ROWS // (micro * dp),
                        gradient_clipping=CLIP, data_parallel={"size": dp},
                        tensor_parallel={"size": tp, "sequence_parallel": sp},
@@ -45,6 +45,8 @@ def real_layout(micro: int, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, zero
         cfg["activation_checkpointing"] = {"enabled": True, "granularity": ckpt}
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if offload_param:  # ZeRO-3: the parameter shards (a frozen base's too) wait on the host between gathers
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     assert cfg["gradient_accumulation_steps"] >= 2
     return cfg
 

@@ -182,3 +182,66 @@ def _only_mlflow_run(uri: str, experiment: str):
 
 def _history(client, run_id: str, name: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
+
+
+
+CLIP = 0.05  # below every step's norm: clipping acts at each step
+
+
+def _tracker_config(directory: str, reduction: str) -> dict:
+    return adamw_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2, gradient_clipping=CLIP,
+                        loss={"reduction": reduction}, mlflow={"enabled": True, "experiment_name": reduction,
+                                                               "tracking_uri": f"file:{directory}/mlruns"})
+
+
+def train_two_ranks_with_mlflow(directory: str) -> dict:
+    """3 steps on 2 data-parallel ranks through forward/backward/step, so each rank's micro-batch losses are
+    seen, once per loss reduction."""
+    import paratrain
+
+    out = {}
+    with _environment(**QUIET):
+        for reduction in ("token", "micro_batch"):
+            engine, _, loader, _ = paratrain.initialize(model=tiny_gpt(), config=_tracker_config(directory, reduction),
+                                                        training_data=corpus_windows())
+            batches, micro_losses, norms = iter(loader), [], []
+            for _ in range(3):
+                step_losses = []
+                for _ in range(engine.gradient_accumulation_steps()):
+                    loss = engine(*next(batches))
+                    engine.backward(loss)
+                    engine.step()
+                    step_losses.append(float(loss.detach()))
+                micro_losses.append(step_losses)
+                norms.append(engine.get_global_grad_norm())
+            engine.destroy()
+            out[reduction] = {"micro_losses": micro_losses, "norms": norms}
+    return out
+
+
+def test_the_tracker_logs_the_engines_loss_and_the_norm_before_clipping_on_2_ranks(world2, tmp_path):
+    """train/grad_norm is the global norm before clipping, and train/loss the step's loss (under the "token"
+    reduction the global mean, under "micro_batch" rank 0's mean micro-batch loss), at every step: against the
+    ranks' own losses and a one-process reference's pre-clip norm (torch's clip_grad_norm_)."""
+    import_or_skip("mlflow")
+    from paratrain.testing.reference import reference_run
+
+    ranks = world2.run(train_two_ranks_with_mlflow, str(tmp_path))
+    # every micro-batch has as many target tokens: both reductions train the reference's steps
+    reference = reference_run(tiny_gpt, {**_tracker_config(str(tmp_path), "token"), "train_batch_size": 8},
+                              corpus_windows(), 3)
+    assert all(norm > 2 * CLIP for norm in reference.grad_norms)  # the clip acts at every step
+    for reduction in ("token", "micro_batch"):
+        with _environment(**QUIET, MLFLOW_ALLOW_FILE_STORE="true"):
+            client, run = _only_mlflow_run(f"file:{tmp_path / 'mlruns'}", reduction)
+            losses, norms = (_history(client, run.info.run_id, name) for name in ("train/loss", "train/grad_norm"))
+        rank0, rank1 = (r[reduction]["micro_losses"] for r in ranks)
+        every_rank = [sum(a + b) / (len(a) + len(b)) for a, b in zip(rank0, rank1)]
+        assert every_rank == pytest.approx(reference.losses, rel=1e-5), reduction  # the ranks' losses are real
+        rank0_mean = [sum(step) / len(step) for step in rank0]
+        assert rank0_mean != pytest.approx(every_rank, rel=1e-6)  # rank 0's mean is not the global one
+        logged = every_rank if reduction == "token" else rank0_mean
+        assert losses == [(step, pytest.approx(loss, rel=1e-5)) for step, loss in enumerate(logged, 1)], reduction
+        assert ranks[0][reduction]["norms"] == ranks[1][reduction]["norms"] == \
+            pytest.approx(reference.grad_norms, rel=1e-5), reduction
+        assert norms == [(step, pytest.approx(norm, rel=1e-5)) for step, norm in enumerate(reference.grad_norms, 1)]

@@ -7,6 +7,9 @@ here from the module structure, not read from the strategy.
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,6 +62,31 @@ class _CopyOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _hooks_entered(engine, loader) -> Counter:
+    """One more step, watched from outside: every Python function the autograd engine enters during its
+    backwards (tensor hooks, post-accumulate hooks, hooks on a gradient accumulator node, custom Functions'
+    backwards, multi-grad hooks), counted per function. A hook of any kind on every parameter shows as a
+    function entered once per parameter."""
+    entered: Counter = Counter()
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_back is not None and frame.f_back.f_code.co_name == "_engine_run_backward":
+            entered[f"{frame.f_code.co_filename}:{frame.f_code.co_firstlineno}:{frame.f_code.co_name}"] += 1
+
+    sys.setprofile(watch)
+    try:
+        engine.train_batch(loader)
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def _tensor_hooks(engine) -> int:
+    """Hooks the parameters themselves carry: `register_hook` (`_backward_hooks`) and post-accumulate hooks."""
+    return sum(len(p._backward_hooks or {}) + len(p._post_accumulate_grad_hooks or {})
+               for p in engine.module.parameters())
+
+
 def _step_counts(engine, loader, copies: dict | None = None) -> dict:
     engine.train_batch(loader)  # warm-up step, then count one step
     engine.comm_stats(reset=True)
@@ -86,9 +114,11 @@ def _count_cases() -> dict:
         copies: dict = {}
         counts = _step_counts(engine, loader, copies)
         buckets = [b.layout.numel for b in getattr(engine.grad_sync, "buckets", [])]
-        hooks = sum(p._post_accumulate_grad_hooks is not None for p in engine.module.parameters())
-        out[name] = {"counts": counts, "bucket_numels": buckets, "memory": engine.memory_stats(),
-                     "copies": copies, "grad_hooks": hooks, "params": len(list(engine.module.parameters()))}
+        memory = engine.memory_stats()
+        entered = _hooks_entered(engine, loader) if stage == 3 else Counter()
+        out[name] = {"counts": counts, "bucket_numels": buckets, "memory": memory, "copies": copies,
+                     "grad_hooks": _tensor_hooks(engine), "most_entered": max(entered.values(), default=0),
+                     "params": len(list(engine.module.parameters()))}
     return out
 
 
@@ -145,12 +175,21 @@ def test_collectives_per_step_match_the_zero_formulas(world, request):
     big_root = _padded(root - (small(model) - sum(small(b) for b in model.blocks)), n)
     check("s3_persist", 2 * big_blocks + big_root + persist_pad, big_blocks + big_root + persist_pad,
           2 * units + 2, units + 2)
-    # The reduce has no per-parameter cost: no gradient hook on any parameter, and the gradients go into
-    # each unit's staging buffer with one cat (fewer copies in the whole step than the model has parameters)
-    for name in ("s3", "s3_acc2", "s3_root_empty", "s3_bf16"):
+    # The reduce has no per-parameter cost: no gradient hook of any kind on any parameter (none on the tensors,
+    # and no function the autograd engine enters once per parameter in a backward), and per micro-step each
+    # unit's gradients go into its staging buffer with one cat and its shard moves with one copy_ (bf16: two,
+    # the cast): 3 of each for the 25-tensor GPT in 3 units.
+    leaf_units = len(leaves)
+    want_copies = {"s3": (units + 1, units + 1, 1), "s3_acc2": (units + 1, units + 1, 2),
+                   "s3_no_reshard": (units + 1, units + 1, 1), "s3_root_empty": (leaf_units, leaf_units, 1),
+                   "s3_persist": (units + 2, units + 2, 1), "s3_bf16": (units + 1, 2 * (units + 1), 1)}
+    assert result["s3"]["params"] == 25 and units + 1 == 3
+    for name, (cats, copy_, micro_steps) in want_copies.items():
         r = result[name]
-        assert r["grad_hooks"] == 0, name
-        assert r["copies"]["copy_"] < r["params"], (name, r["copies"], r["params"])
+        assert r["grad_hooks"] == 0, (name, r["grad_hooks"])
+        assert 0 < r["most_entered"] < micro_steps * r["params"], (name, r["most_entered"], r["params"])
+        assert r["copies"]["cat"] == micro_steps * cats, (name, r["copies"])
+        assert r["copies"]["copy_"] == micro_steps * copy_, (name, r["copies"])
     # The average's division is folded into the update's one scaling pass (with the token count and the clip
     # factor): no div_, and one mul_ per flat gradient (a bucket at stages 1-2, a unit's flat buffer at 3)
     flats = {"s1": len(result["s1"]["bucket_numels"]), "s2": len(result["s2"]["bucket_numels"]), "s3": units + 1}

@@ -2,9 +2,10 @@
 
 One process: NCCL allows one rank per GPU. What runs on this machine's CPUs elsewhere (parity at every
 layout) is checked here for the parts only a GPU has: the NCCL world routing host tensors to gloo, the
-model compiled by torch.compile under every data-parallel strategy, pinned host shards under offload, fused
-AdamW, bf16 autocast on CUDA. In a world of one rank every all-reduce is a no-op: that NCCL reduces across
-ranks is checked only by `bash benchmarks/gpu_check.sh --multi` on a machine with several GPUs.
+model compiled by torch.compile under every data-parallel strategy, pinned host shards under offload, a frozen
+base's shards on the host under offload_param, fused AdamW, bf16 autocast on CUDA. In a world of one rank every
+all-reduce is a no-op: that NCCL reduces across ranks is checked only by `bash benchmarks/gpu_check.sh --multi`
+on a machine with several GPUs.
 """
 
 from __future__ import annotations
@@ -74,6 +75,23 @@ def test_offloaded_optimizer_shards_are_pinned_and_exact(stage):
     offloaded, engine = _train(_config(stage, zero={"offload_optimizer": {"device": "cpu", "pin_memory": True}}))
     masters = [p for group in engine.optimizer.param_groups for p in group["params"]]
     assert masters and all(p.device.type == "cpu" and p.is_pinned() for p in masters)
+    assert max(abs(a - b) / abs(b) for a, b in zip(offloaded, plain)) <= 1e-5, (offloaded, plain)
+
+
+def test_offload_param_keeps_a_frozen_base_shard_on_the_host():
+    """LoRA on a frozen GPT base under ZeRO-3 with offload_param: the base's shards live in host memory, the
+    parameters (views of the gathered buffer) on the GPU, and training is the same as without offload."""
+    from tests.peft_cases import SECTIONS
+
+    lora = SECTIONS["gpt lora"]
+    plain, _ = _train(_config(3, peft=lora))
+    offloaded, engine = _train(_config(3, peft=lora, zero={"offload_optimizer": {"device": "cpu"},
+                                                           "offload_param": {"device": "cpu"}}))
+    shards = [shard for shard, _ in engine.grad_sync.frozen_segments()]
+    assert shards and all(shard.device.type == "cpu" for shard in shards)
+    frozen = [p for p in engine.module.parameters() if not p.requires_grad]
+    assert frozen and all(p.is_cuda for p in frozen)
+    assert engine.memory_stats()["host"] >= engine.memory_stats()["frozen_params"] > 0
     assert max(abs(a - b) / abs(b) for a, b in zip(offloaded, plain)) <= 1e-5, (offloaded, plain)
 
 
