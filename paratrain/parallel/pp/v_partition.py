@@ -14,6 +14,7 @@ innermost rank the whole middle, cut where its two chunks are most even.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -30,7 +31,7 @@ def v_balanced_boundaries(weights: Sequence[float], ranks: int) -> list[int]:
         raise PartitionError(f"cannot cut {n} layers into the {2 * p} chunks of a V over {p} ranks: every chunk "
                              f"needs at least one layer; use fewer pipeline stages or more layers")
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=np.float64))])
-    solver = _VCut(prefix.tolist(), prune=min(weights) >= 0)
+    solver = _solver(tuple(prefix.tolist()), min(weights) >= 0)
     bounds = [0] * (2 * p + 1)
     i, j = 0, n
     bounds[2 * p] = n
@@ -41,6 +42,12 @@ def v_balanced_boundaries(weights: Sequence[float], ranks: int) -> list[int]:
     # the innermost rank holds [i, j) as chunks p - 1 and p: cut where the two are most even
     bounds[p] = min(range(i + 1, j), key=lambda k: ((prefix[k] - prefix[i]) ** 2 + (prefix[j] - prefix[k]) ** 2, k))
     return bounds
+
+
+@functools.lru_cache(maxsize=8)
+def _solver(prefix: tuple[float, ...], prune: bool) -> _VCut:
+    """One solver per weights: its sub-problems do not depend on the number of ranks (the planner asks for many)."""
+    return _VCut(list(prefix), prune)
 
 
 class _VCut:
