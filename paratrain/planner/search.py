@@ -88,12 +88,13 @@ class PartCosts:
         return memo[key]
 
 
-def memory_of(costs: PartCosts, f: tuple, layout: Layout | None) -> tuple[float, int, Layout | None]:
-    """(peak bytes, index of the peak stage, the layout if it had to be built) of the layout with fields `f`."""
+def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
+    """(peak bytes, the `MemoryEstimate` maker of the peak stage, the layout if it had to be built) of the layout
+    with fields `f`."""
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
     memo = costs.memo
     keys = (("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)),
-            ("activations", (pp, schedule, v, m, recompute, precision, tp, sp, mb, cp, method, u)),
+            ("activations", activations_key(f)),
             ("transient", transient_key(f)))
     parts = []
     for part, key in keys:
@@ -102,12 +103,18 @@ def memory_of(costs: PartCosts, f: tuple, layout: Layout | None) -> tuple[float,
             layout = layout or Layout(*f)
             found = memo[part][key] = getattr(costs, part)(key, layout)
         parts.append(found)
-    worst, peak = None, 0
-    for i, ((_, _, states), act, trans) in enumerate(zip(*parts)):
-        total = states + act + trans  # MemoryEstimate.total
+    worst, peak = None, None
+    for states, act, trans in zip(*parts):
+        total = states[2] + act + trans  # MemoryEstimate.total
         if worst is None or total > worst:
-            worst, peak = total, i
+            worst, peak = total, (states, act, trans)
     return worst, peak, layout
+
+
+def activations_key(f: tuple) -> tuple:
+    """What `activation_bytes` reads: the micro-batches in flight only in a pipeline."""
+    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
+    return pp, schedule, v, m if pp > 1 else None, recompute, precision, tp, sp, mb, cp, method, u
 
 
 def transient_key(f: tuple) -> tuple:
@@ -119,25 +126,24 @@ def transient_key(f: tuple) -> tuple:
         ((sp, method, u) if full else ())
 
 
-def evaluate_fitting(costs: PartCosts, f: tuple, layout: Layout, peak: int):
-    """The memory and time estimates of a layout that fits (its peak memory stage known)."""
+def evaluate_fitting(costs: PartCosts, f: tuple, layout: Layout, peak: tuple):
+    """The memory and time estimates of a layout that fits (the parts of its peak memory stage known)."""
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    stage, states, _ = costs.get("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep,
-                                            optimizer), layout)[peak]
-    act = costs.get("activations", (pp, schedule, v, m, recompute, precision, tp, sp, mb, cp, method, u), layout)
-    trans = costs.get("transient", transient_key(f), layout)
-    memory = with_states(states, act[peak], trans[peak], stage)
+    (stage, states, _), act, trans = peak
+    memory = with_states(states, act, trans, stage)
     slowest, micro_batch = costs.get("micro_batch", (pp, schedule, v, recompute, sp, tp, mb, cp), layout)
-    mesh = (dp, pp, cp, tp, ep, method, u, rep)
+    mesh, model = (dp, pp, cp, tp, ep, method, u, rep), (pp, cp, tp)
     lora = (mb, sp, recompute) if costs.shape.lora is not None else ()
-    # data: the micro-batches count under ZeRO-2/3 only (adapters: always); experts: nothing for a dense model
+    # data: the micro-batches count under ZeRO-2/3 only (adapters: always); experts: nothing for a dense model.
+    # tp, pp and cp name only their own dims, whose groups (members, nodes) the other sizes do not change
     data_m = m if zero >= 2 or costs.shape.lora is not None else None
-    keys = ((zero, data_m, schedule, v, precision, optimizer) + lora, (m, precision, schedule, v, mb, recompute, sp),
-            (v, m, mb, sp, precision, schedule), (m, precision, mb, recompute, schedule, v),
-            (schedule, v, m, recompute, mb, sp, precision, zero) if costs.shape.moe else (), (zero,))
+    keys = (mesh + (zero, data_m, schedule, v, precision, optimizer) + lora,
+            model + (m, precision, schedule, v, mb, recompute, sp), model + (v, m, mb, sp, precision, schedule),
+            model + (method, u, m, precision, mb, recompute, schedule, v),
+            mesh + (schedule, v, m, recompute, mb, sp, precision, zero) if costs.shape.moe else (), mesh + (zero,))
     transfers = []
     for source, key in zip(TRANSFER_SOURCES, keys):
-        transfers += costs.get("source", (source, slowest, mesh) + key, layout)
+        transfers += costs.get("source", (source, slowest) + key, layout)
     update = costs.get("update", (slowest, tp, pp, schedule, v, ep, zero, dp, cp, rep, offload, precision), layout)
     return memory, step_time(costs.shape, layout, costs.hw, slowest, micro_batch, transfers, update)
 
