@@ -2,21 +2,25 @@
 
 Evaluating each layout from scratch (`enumerate.exhaustive_plan`: `invalid_reason`, `estimate_memory`,
 `estimate_time`) repeats the same work over and over: a 70B model on 1,024 GPUs has 175,180 valid layouts, but
-its ZeRO states take a few hundred distinct values, its activations a few thousand. Here each part of the cost is
-a function of a few layout fields (its shape) and is computed once per distinct value of those fields, by the
-very functions the exhaustive path calls, then looked up:
+its ZeRO states take a few thousand distinct values. Here each part of the cost is a function of a few layout fields
+(its shape) and is computed once per distinct value of those fields, by the very functions the exhaustive path
+calls, then looked up:
 
   part                                      fields it reads (its key)
-  validity (`invalid_reason`)               all but micro_batch, recompute, precision and optimizer
+  validity (`invalid_reason`)               all but micro_batch, recompute, precision, optimizer (and grad_accum
+                                            but for 'interleaved' and 'dualpipev'; sp and offload checked apart)
   HSDP replicas (`hsdp_variants`)           zero > 0, dp, the mesh
   model states per stage (`stage_states`)   tp, pp, schedule, v, dp, cp, replicas, zero, precision, offload, ep,
                                             optimizer
   activations, transient bytes per stage    the micro-batch, its split, the schedule, recompute, precision (and for
-                                            the transient buffers zero and ep)
+                                            the transient buffers ZeRO-2/3 and ep): `activations_key`,
+                                            `transient_key`
   the slowest stage and its micro-batch     tp, pp, cp, schedule, v, recompute, sequence parallelism, micro_batch
-  each source of transfers, timed           its own fields and the mesh (`comm.TRANSFER_SOURCES`)
+  each source of transfers, timed           its own fields and the dims its axes name (`comm.TRANSFER_SOURCES`;
+                                            tp, pp and cp groups do not change with dp, ep or the replicas)
   the optimizer update                      the states' fields but optimizer
 
+A key missing a field the part reads would give some layout another's cost, which the comparison below catches.
 Memory comes first and prunes: a layout that does not fit is never timed, nor built. The result is the exhaustive
 one exactly (same layouts, same order, the same floats: the same functions on the same values, summed in the
 same order): tests/unit/test_planner_search.py compares the two.
