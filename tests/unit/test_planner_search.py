@@ -76,3 +76,17 @@ def test_node_spans_and_axis_names_are_the_meshes_own():
             for per_node in (3, 4):
                 assert spans_nodes(dims, (name,), per_node) == spans_nodes_by_groups(dims, (name,), per_node), \
                     (dims, name, per_node)
+
+
+def test_docs_show_the_committed_speed_table():
+    import json
+    from pathlib import Path
+
+    from benchmarks.planner_speed import RESULTS, table
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    result = json.loads(RESULTS.read_text())
+    assert table(result) in docs
+    after = {r["gpus"]: r for r in result["after"]["runs"]}
+    assert all(r["answer_sha256"] == after[r["gpus"]]["answer_sha256"]  # the same answers, where both answered
+               for r in result["before"]["runs"] if not r["timed_out"] and r["gpus"] in after)
