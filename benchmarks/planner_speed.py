@@ -8,9 +8,9 @@ interpreter (imports included), timed from outside by wall clock; a run past `--
 such (`timed_out`, its time the timeout); with `--repeats` the fastest run is the record. `before` runs a `git
 archive` of `--ref` (the planner as it was), `after` this tree. Each side is written into
 benchmarks/results/planner_speed.json next to the other side's earlier record, with the load average around every
-run (the machine is shared: a loaded machine shows). Where both sides answered, the table's `same answer` says whether their
-JSON (layouts considered and fitting, the ranked layouts and every number) is equal (sha256). Nothing here asserts a time;
-docs/planner.md quotes the table this prints.
+run (the machine is shared: a loaded machine shows). Where both sides answered, the table's `same answer` says
+whether their JSON (layouts considered and fitting, the ranked layouts and every number) is equal (sha256). Nothing
+here asserts a time; docs/planner.md quotes the table this prints.
 """
 
 from __future__ import annotations
