@@ -235,13 +235,14 @@ class ParallelDims:
         members (("dp", "cp") is "dp_cp", or "dp" when cp is 1), "world" for the world itself, the names joined
         for a combination of its own; None when the group is one rank (collectives on it are skipped)."""
         key = self.canonical(names)
-        members = self._members(0, key)
-        if len(members) == 1:
+        size = self.size(key)  # the number of members (refusing overlapping dims)
+        if size == 1:
             return None
         if key == ("world",):
             return "world"
-        for name in self.dims:
-            if name != "world" and self._members(0, (name,)) == members:
+        members = self._members(0, key)
+        for name, d in self.dims.items():  # only a dim of as many members can have the same ones
+            if name != "world" and d.size == size and self._members(0, (name,)) == members:
                 return name
         return "_".join(key)
 

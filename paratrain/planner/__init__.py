@@ -10,12 +10,13 @@ See docs/planner.md.
 """
 
 from paratrain.planner.comm import Transfer, predict_comm, rank_transfers
-from paratrain.planner.enumerate import Evaluation, PlanResult, SearchSpace, enumerate_layouts, evaluate, plan
+from paratrain.planner.enumerate import Evaluation, PlanResult, SearchSpace, enumerate_layouts, evaluate
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory, expert_state_bytes
 from paratrain.planner.model_shape import ModelShape, PlannerError, model_shape, shape_from_config
 from paratrain.planner.report import layout_config
+from paratrain.planner.search import plan
 from paratrain.planner.states import model_state_bytes
 from paratrain.planner.step_time import TimeEstimate, estimate_time
 

@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 from paratrain.planner.adapters import LoraPlan, projections
-from paratrain.planner.enumerate import SearchSpace, plan
+from paratrain.planner.enumerate import SearchSpace
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES
 from paratrain.planner.model_shape import PlannerError, config_batch_size, model_shape, with_adapters
 from paratrain.planner.report import compact_json, render
+from paratrain.planner.search import plan
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
 
 DEFAULT_GLOBAL_BATCH = 1024

@@ -46,7 +46,7 @@ from collections import defaultdict
 
 from paratrain.layout.dims import ParallelDims
 from paratrain.planner.adapters import adapter_tp_transfers, lora_units
-from paratrain.planner.layout import Layout
+from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import rank_params
 from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import all_to_all_elements, count_elements, dense_blocks, moe_blocks, rank_expert_params
@@ -253,25 +253,28 @@ def routing_transfer(shape: ModelShape, layout: Layout, stage: int = 0) -> Trans
     return Transfer(DP_CP, "all_reduce", blocks * (shape.num_experts + 4), 8, 1, "scalar")
 
 
-def rank_transfers(shape: ModelShape, layout: Layout, stage: int = 0) -> list[Transfer]:
-    """Everything a rank of pipeline stage `stage` communicates in one optimizer step (`train_batch`)."""
+def data_transfers(shape: ModelShape, layout: Layout, stage: int = 0) -> list[Transfer]:
+    """Gradient reductions and ZeRO's gathers of the dense parameters (of the adapters when they train)."""
+    if shape.lora is not None:  # adapters train, the base is frozen
+        return lora_data_transfers(shape, layout, stage) + \
+            adapter_tp_transfers(shape, layout, rank_blocks(shape, layout, stage))
     units = zero3_units(shape, layout, stage) if layout.zero_stage == 3 else None
     dense = rank_params(shape, layout, stage) + (rank_expert_params(shape, layout, stage) if layout.ep == 1 else 0)
-    # Muon's matrices and AdamW's rest are separate groups, so separate flat buffers, padded apart (ZeRO-3: in each
-    # block's unit; zero3_units lists the blocks, gathered twice, then the root, which holds no Muon matrix)
-    matrices = muon_params(shape, layout, stage)
+    matrices = muon_params(shape, layout, stage)  # Muon's group and AdamW's rest: flat buffers padded apart
     block, blocks = layer_matrix_params(shape, layout.tp) if matrices else 0, dense_blocks(shape, layout, stage)
     rest_units = [(p - block, t) if t == 2 else (p, t) for p, t in units] if units is not None else None
-    data = data_parallel_transfers(layout, dense - matrices, rest_units) + muon_transfers(shape, layout, stage) + \
+    return data_parallel_transfers(layout, dense - matrices, rest_units) + muon_transfers(shape, layout, stage) + \
         data_parallel_transfers(layout, matrices, [(block, 2)] * blocks if units is not None else None)
-    if shape.lora is not None:  # adapters train, the base is frozen
-        data = lora_data_transfers(shape, layout, stage) + \
-            adapter_tp_transfers(shape, layout, rank_blocks(shape, layout, stage))
-    transfers = (data
-                 + tensor_parallel_transfers(shape, layout, stage) + pipeline_transfers(shape, layout, stage)
-                 + context_parallel_transfers(shape, layout, stage) + expert_parallel_transfers(shape, layout, stage)
-                 + scalar_transfers(shape, layout, stage))
-    return [t for t in transfers if layout.dims.axis_name(t.axes) is not None and t.elements > 0]
+
+
+TRANSFER_SOURCES = (data_transfers, tensor_parallel_transfers, pipeline_transfers, context_parallel_transfers,
+                    expert_parallel_transfers, scalar_transfers)
+
+
+def rank_transfers(shape: ModelShape, layout: Layout, stage: int = 0) -> list[Transfer]:
+    """Everything a rank of pipeline stage `stage` communicates in one optimizer step (`train_batch`)."""
+    return [t for source in TRANSFER_SOURCES for t in source(shape, layout, stage)  # each source costed apart by
+            if axis_name(layout.dims, t.axes) is not None and t.elements > 0]  # the search (search.py), same order
 
 
 def by_axis(transfers: list[Transfer], dims: ParallelDims) -> dict[str, dict[str, dict[str, int]]]:

@@ -187,13 +187,12 @@ class PlanResult:
     smallest: Evaluation | None  # the least memory-hungry layout (shown when nothing fits)
 
 
-def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: SearchSpace = SearchSpace()
-         ) -> PlanResult:
-    """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory)."""
-    if gpus < 1:
-        raise PlannerError(f"--gpus must be >= 1, got {gpus}")
-    if global_batch < 1:
-        raise PlannerError(f"--global-batch must be >= 1, got {global_batch}")
+def exhaustive_plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware,
+                    space: SearchSpace = SearchSpace()) -> PlanResult:
+    """`search.plan` the slow way, every layout evaluated from scratch: the reference the search must equal
+    (tests/unit/test_planner_search.py). Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step
+    time (then memory)."""
+    check_request(gpus, global_batch)
     fitting, considered, smallest = [], 0, None
     for layout in enumerate_layouts(shape, gpus, global_batch, hw.gpus_per_node, space):
         considered += 1
@@ -203,6 +202,19 @@ def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: S
                 smallest = Evaluation(layout, memory, estimate_time(shape, layout, hw), False)
             continue
         fitting.append(Evaluation(layout, memory, estimate_time(shape, layout, hw), True))
+    return ranked(fitting, considered, smallest, gpus, global_batch)
+
+
+def check_request(gpus: int, global_batch: int) -> None:
+    if gpus < 1:
+        raise PlannerError(f"--gpus must be >= 1, got {gpus}")
+    if global_batch < 1:
+        raise PlannerError(f"--global-batch must be >= 1, got {global_batch}")
+
+
+def ranked(fitting: list[Evaluation], considered: int, smallest: Evaluation | None, gpus: int,
+           global_batch: int) -> PlanResult:
+    """The result from the fitting layouts in enumeration order (ties keep it) and the smallest that does not fit."""
     if considered == 0:
         raise PlannerError(f"no valid layout: {gpus} GPUs cannot split a global batch of {global_batch} sequences "
                         f"(dp must divide it) with the model's constraints; choose a --global-batch that is a "

@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 from paratrain.errors import InvalidValueError
 from paratrain.layout.dims import ParallelDims
 
@@ -105,10 +107,29 @@ def collective_seconds(op: str, payload_bytes: float, group_size: int, bandwidth
     return calls * RING_STEPS[op](group_size) * latency + RING_MOVED[op](group_size) * payload_bytes / bandwidth
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=65536)  # a search asks each of a few thousand meshes about each of its axes
 def spans_nodes(dims: ParallelDims, axes: tuple[str, ...], gpus_per_node: int) -> bool:
     """True when some group along `axes` (named dims) contains ranks of two different nodes (ranks fill nodes
-    in order)."""
+    in order). One dim: with numpy, every rank at once (`spans_nodes_by_groups` walks the groups one by one, slow on
+    a big mesh's split dims): a group is the ranks that agree on every grid coordinate outside the dim and on the
+    dim's grid index but its digit, (index // stride) % size."""
+    key = dims.canonical(axes)
+    if len(key) > 1:
+        return spans_nodes_by_groups(dims, axes, gpus_per_node)
+    d = dims.dim(key[0])
+    coords = dict(zip((g for g, _ in dims.grid), np.indices([s for _, s in dims.grid]).reshape(len(dims.grid), -1)))
+    index = np.zeros(dims.world_size, dtype=np.int64)
+    for g in d.grid:
+        index = index * dims.dims[g].size + coords[g]
+    group = index - (index // d.stride) % d.size * d.stride
+    for g, size in dims.grid:  # np.indices enumerates ranks in order (the grid, outer to inner)
+        if g not in d.grid:
+            group = group * size + coords[g]
+    nodes = np.arange(dims.world_size) // gpus_per_node
+    return len(np.unique(group * (nodes[-1] + 1) + nodes)) > len(np.unique(group))
+
+
+def spans_nodes_by_groups(dims: ParallelDims, axes: tuple[str, ...], gpus_per_node: int) -> bool:
     return any(min(g) // gpus_per_node != max(g) // gpus_per_node for g in dims.groups(axes))
 
 

@@ -10,6 +10,8 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from paratrain.config.parallel import SCHEDULES, V_SCHEDULES
 from paratrain.layout.dims import ParallelDims
 from paratrain.parallel.pp.schedules import partial_backwards
@@ -22,6 +24,47 @@ Optimizer = Literal["adamw", "muon"]
 
 CP_METHODS: tuple[str, ...] = ("ring", "ulysses", "usp")
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+
+
+@functools.lru_cache(maxsize=4096)
+def mesh_dims(world: int, dp: int, pp: int, cp: int, tp: int, ep: int, cp_ulysses: int, dp_replicate: int
+              ) -> ParallelDims:
+    """One `ParallelDims` per mesh, shared by every layout on it (with the groups and names it has worked out)."""
+    return ParallelDims(world, dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, cp_ulysses=cp_ulysses, dp_replicate=dp_replicate)
+
+
+@functools.lru_cache(maxsize=65536)
+def axis_name(dims: ParallelDims, axes: tuple[str, ...]) -> str | None:
+    """`dims.axis_name(axes)`, once per mesh and axes, and for one dim with numpy (`dims.axis_name` walks the
+    members rank by rank: slow on a big mesh): the first named dim with the same members as rank 0's group."""
+    key = dims.canonical(axes)
+    if len(key) > 1:
+        return dims.axis_name(axes)
+    size = dims.size(key)
+    if size == 1:
+        return None
+    if key == ("world",):
+        return "world"
+    members = first_group(dims, key[0])
+    for name, d in dims.dims.items():
+        if name != "world" and d.size == size and np.array_equal(first_group(dims, name), members):
+            return name
+    return "_".join(key)
+
+
+@functools.lru_cache(maxsize=65536)
+def first_group(dims: ParallelDims, name: str) -> np.ndarray:
+    """Rank 0's group along the dim `name`, in order: its grid index over the dim's grid dims steps by the stride
+    (every other grid coordinate 0)."""
+    d = dims.dims[name]
+    index = np.arange(d.size) * d.stride
+    rank, place = np.zeros(d.size, dtype=np.int64), 1
+    for g, size in reversed(dims.grid):  # inner to outer
+        if g in d.grid:
+            index, digit = np.divmod(index, size)
+            rank += digit * place
+        place *= size
+    return rank
 
 
 @dataclass(frozen=True)
@@ -61,9 +104,8 @@ class Layout:
     def dims(self) -> ParallelDims:
         """The mesh's named dims, as the engine builds them from this layout's config (the names comm stats
         are keyed by)."""
-        return ParallelDims(self.world, dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep,
-                            cp_ulysses=self.ulysses_size if self.cp_method == "usp" else 1,
-                            dp_replicate=self.dp_replicate)
+        return mesh_dims(self.world, self.dp, self.pp, self.cp, self.tp, self.ep,
+                         self.ulysses_size if self.cp_method == "usp" else 1, self.dp_replicate)
 
     @property
     def head_rank(self) -> int:

@@ -241,14 +241,29 @@ class MemoryEstimate:
 def estimate_memory(shape: ModelShape, layout: Layout, flash_attention: bool = True) -> MemoryEstimate:
     """Per-rank memory of `layout`: the worst of the first and the last pipeline stage."""
     worst = None
-    for stage in sorted({0, layout.head_rank, layout.pp - 1}):
-        states = rank_model_states(shape, layout, stage)
-        experts = expert_state_bytes(shape, layout, stage)
-        est = MemoryEstimate(states.params + experts.params, states.grads + experts.grads,
-                             states.optimizer_state + experts.optimizer_state,
-                             activation_bytes(shape, layout, stage, flash_attention),
-                             transient_bytes(shape, layout, stage, flash_attention), states.host + experts.host,
-                             stage, experts.total)
+    for stage in memory_stages(layout):
+        est = with_states(stage_states(shape, layout, stage), activation_bytes(shape, layout, stage, flash_attention),
+                          transient_bytes(shape, layout, stage, flash_attention), stage)
         if worst is None or est.total > worst.total:
             worst = est
     return worst
+
+
+def memory_stages(layout: Layout) -> list[int]:
+    """The pipeline stages whose memory `estimate_memory` weighs: the first, the head's and the last."""
+    return sorted({0, layout.head_rank, layout.pp - 1})
+
+
+def stage_states(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
+    """The model states of a rank of `stage` (dense and routed experts), as a `MemoryEstimate` without
+    activations or transient buffers."""
+    states = rank_model_states(shape, layout, stage)
+    experts = expert_state_bytes(shape, layout, stage)
+    return MemoryEstimate(states.params + experts.params, states.grads + experts.grads,
+                          states.optimizer_state + experts.optimizer_state, 0.0, 0.0, states.host + experts.host,
+                          stage, experts.total)
+
+
+def with_states(states: MemoryEstimate, activations: float, transient: float, stage: int) -> MemoryEstimate:
+    return MemoryEstimate(states.params, states.grads, states.optimizer_state, activations, transient, states.host,
+                          stage, states.experts)

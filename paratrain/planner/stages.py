@@ -10,8 +10,13 @@ from paratrain.planner.layout import V_SCHEDULES, Layout
 
 def stage_layers(n_layer: int, stages: int) -> list[int]:
     """Blocks per pipeline stage for a uniform split: the first `n_layer % stages` stages take one more."""
+    return list(_stage_layers(n_layer, stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_layers(n_layer: int, stages: int) -> tuple[int, ...]:
     base, extra = divmod(n_layer, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)]
+    return tuple(base + (1 if i < extra else 0) for i in range(stages))
 
 
 def rank_blocks(shape, layout: Layout, rank: int) -> int:
@@ -19,7 +24,7 @@ def rank_blocks(shape, layout: Layout, rank: int) -> int:
     its two chunks (rank and 2p - 1 - rank) in the pipeline's uniform split of the n_layer + 2 pipeline layers
     (embedding, blocks, head) into 2p chunks balanced per rank (`v_balanced_boundaries`)."""
     if layout.schedule not in V_SCHEDULES:
-        return stage_layers(shape.n_layer, layout.pp)[rank]
+        return _stage_layers(shape.n_layer, layout.pp)[rank]
     return _v_blocks(shape.n_layer, layout.pp)[rank]
 
 

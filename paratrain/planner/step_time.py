@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from paratrain.planner.adapters import layer_adapter_params
 from paratrain.planner.comm import Transfer, rank_transfers
 from paratrain.planner.hardware import Hardware, axis_bandwidth, collective_seconds, measured_seconds
-from paratrain.planner.layout import Layout
+from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import rank_params
 from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import dense_blocks, moe_blocks, rank_expert_params
@@ -105,53 +105,69 @@ def _seconds(t: Transfer, layout: Layout, hw: Hardware) -> float:
     return collective_seconds(t.op, t.bytes, group, bandwidth, hw.latency, t.calls)
 
 
-def _key(t: Transfer, layout: Layout) -> str | None:
-    """The axis name the exposed time is reported under (the mesh group's)."""
-    return layout.dims.axis_name(t.axes)
+Timed = tuple[Transfer, str, float]  # a transfer, the axis name its exposed time is reported under, its seconds
+
+
+def timed(transfers: list[Transfer], layout: Layout, hw: Hardware) -> list[Timed]:
+    return [(t, axis_name(layout.dims, t.axes), _seconds(t, layout, hw)) for t in transfers]
+
+
+def slowest_stage(shape: ModelShape, layout: Layout) -> int:
+    """The pipeline stage that sets the pace of the pipeline (the only one when pp = 1)."""
+    return max(range(layout.pp), key=lambda s: stage_flops_per_token(shape, layout, s))
 
 
 def estimate_time(shape: ModelShape, layout: Layout, hw: Hardware) -> TimeEstimate:
-    m, p = layout.grad_accum, layout.pp
+    stage = slowest_stage(shape, layout)
+    return step_time(shape, layout, hw, stage, micro_batch_seconds(shape, layout, hw, stage),
+                     timed(rank_transfers(shape, layout, stage), layout, hw), update_seconds(shape, layout, hw, stage))
+
+
+def micro_batch_seconds(shape: ModelShape, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
+    """(compute, attention) seconds of one micro-batch forward+backward on a rank of `stage`."""
     tokens_mb = layout.micro_batch * shape.seq_len
     rate = hw.peak_flops * hw.mfu
     split = layout.tp * layout.cp
-
-    # The slowest stage sets the pace of the pipeline (and is the only stage when pp = 1).
-    stage = max(range(p), key=lambda s: stage_flops_per_token(shape, layout, s))
     if layout.world > 1:  # the node's processes compute at once (a CPU's share its caches and memory)
         rate /= hw.shared_host_slowdown
     compute_mb = hw.micro_batch_overhead + tokens_mb * stage_flops_per_token(shape, layout, stage) / split / rate
     attention_mb = tokens_mb * rank_blocks(shape, layout, stage) * \
         shape.attention_flops_per_token_per_layer() / split / rate
+    return compute_mb, attention_mb
 
-    transfers = rank_transfers(shape, layout, stage)
+
+def step_time(shape: ModelShape, layout: Layout, hw: Hardware, stage: int, micro_batch: tuple[float, float],
+              transfers: list[Timed], update: tuple[float, float]) -> TimeEstimate:
+    """The step of a rank of the slowest `stage` from its micro-batch's (compute, attention) seconds, its timed
+    transfers and its (optimizer, offload) seconds."""
+    m, p = layout.grad_accum, layout.pp
+    compute_mb, attention_mb = micro_batch
     exposed: dict[str, float] = defaultdict(float)
-    seconds = {id(t): _seconds(t, layout, hw) for t in transfers}
-    by_kind: dict[str, list[Transfer]] = defaultdict(list)
-    for t in transfers:
-        by_kind[t.kind].append(t)
+    by_kind: dict[str, list[Timed]] = defaultdict(list)
+    for entry in transfers:
+        by_kind[entry[0].kind].append(entry)
 
-    tp_mb = sum(seconds[id(t)] for t in by_kind["tp"]) / m
-    cp_mb = max(0.0, sum(seconds[id(t)] for t in by_kind["cp"] if t.op == "send") / m - hw.overlap * attention_mb)
-    cp_mb += sum(seconds[id(t)] for t in by_kind["cp"] if t.op == "all_to_all") / m  # Ulysses: on the path
-    ep_mb = sum(seconds[id(t)] for t in by_kind["ep"]) / m  # dispatch and combine: on the critical path
+    tp_mb = sum(s for _, _, s in by_kind["tp"]) / m
+    cp_mb = max(0.0, sum(s for t, _, s in by_kind["cp"] if t.op == "send") / m - hw.overlap * attention_mb)
+    cp_mb += sum(s for t, _, s in by_kind["cp"] if t.op == "all_to_all") / m  # Ulysses: on the path
+    ep_mb = sum(s for _, _, s in by_kind["ep"]) / m  # dispatch and combine: on the critical path
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb
     bubble = bubble_factor(layout) * t_mb
-    for t in by_kind["tp"]:  # the bubble (in units of t_mb) already holds the idle share of these
-        exposed[layout.dims.axis_name(t.axes)] += seconds[id(t)]
+    for _, name, s in by_kind["tp"]:  # the bubble (in units of t_mb) already holds the idle share of these
+        exposed[name] += s
     if by_kind["cp"]:
         exposed["cp"] += m * cp_mb
     if by_kind["ep"]:
         exposed["ep"] += m * ep_mb
 
     if p > 1:  # one message per forward and backward slot on the critical path
-        message = next(t for t in by_kind["pp"] if t.op == "send")
+        message = next(t for t, _, _ in by_kind["pp"] if t.op == "send")
         one = collective_seconds("send", message.bytes / message.calls, p,
                                  axis_bandwidth(hw, layout.dims, ("pp",)), hw.latency)
         exposed["pp"] += 2 * (m * layout.virtual_stages + p - 1) * one
 
-    _add_data_parallel_exposure(exposed, by_kind, seconds, layout, hw, compute_mb)
-    optimizer, offload = _update_seconds(shape, layout, hw, stage)
+    _add_data_parallel_exposure(exposed, by_kind, layout, hw, compute_mb)
+    optimizer, offload = update
 
     tokens = layout.global_batch * shape.seq_len
     return TimeEstimate(compute=m * compute_mb, bubble=bubble, comm={k: v for k, v in exposed.items() if v > 0},
@@ -159,27 +175,27 @@ def estimate_time(shape: ModelShape, layout: Layout, hw: Hardware) -> TimeEstima
                         model_flops=float(shape.flops_per_token) * tokens, world=layout.world)
 
 
-def _add_data_parallel_exposure(exposed: dict[str, float], by_kind: dict[str, list[Transfer]], seconds: dict,
-                                layout: Layout, hw: Hardware, compute_mb: float) -> None:
+def _add_data_parallel_exposure(exposed: dict[str, float], by_kind: dict[str, list[Timed]], layout: Layout,
+                                hw: Hardware, compute_mb: float) -> None:
     """The exposed seconds of the gradient reductions, parameter gathers and scalar collectives: each hides
     behind the backward (reductions) or forward and backward (ZeRO-3 gathers) of a micro-batch, up to
     `hw.overlap` of it."""
     m = layout.grad_accum
     backward_mb, forward_mb = compute_mb * 2 / 3, compute_mb / 3
-    for t in by_kind["dp_grad"]:  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
-        each = seconds[id(t)] / t.calls
-        exposed[_key(t, layout)] += t.calls * max(0.0, each - hw.overlap * backward_mb)
-    for t in by_kind["dp_param"] + by_kind["dp_replicate"]:  # after the update; after the backward (HSDP)
-        exposed[_key(t, layout)] += seconds[id(t)]
-    for t in by_kind["zero3_param"]:  # about half the gathered bytes feed forwards, half feed backwards
-        each = seconds[id(t)] / (2 * m)
+    for t, name, s in by_kind["dp_grad"]:  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
+        each = s / t.calls
+        exposed[name] += t.calls * max(0.0, each - hw.overlap * backward_mb)
+    for _, name, s in by_kind["dp_param"] + by_kind["dp_replicate"]:  # after the update; after the backward (HSDP)
+        exposed[name] += s
+    for _, name, s in by_kind["zero3_param"]:  # about half the gathered bytes feed forwards, half feed backwards
+        each = s / (2 * m)
         hidden = max(0.0, each - hw.overlap * forward_mb) + max(0.0, each - hw.overlap * backward_mb)
-        exposed[_key(t, layout)] += m * hidden
-    for t in by_kind["scalar"]:
-        exposed[_key(t, layout)] += seconds[id(t)]
+        exposed[name] += m * hidden
+    for _, name, s in by_kind["scalar"]:
+        exposed[name] += s
 
 
-def _update_seconds(shape: ModelShape, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
+def update_seconds(shape: ModelShape, layout: Layout, hw: Hardware, stage: int) -> tuple[float, float]:
     """(optimizer, offload) seconds of one update of this rank's parameters (its shard under ZeRO)."""
     updated, experts = rank_params(shape, layout, stage), rank_expert_params(shape, layout, stage)
     if layout.zero_stage >= 1:

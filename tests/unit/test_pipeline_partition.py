@@ -168,6 +168,60 @@ def test_v_chunks_balance_each_rank_against_brute_force():
         v_balanced_boundaries([1.0] * 3, 2)
 
 
+def _table_v_boundaries(weights, p):
+    """The V cut as it was first written: the same dynamic program over every middle (i, j) of every level,
+    bottom-up with numpy. `v_balanced_boundaries` now solves it on demand and skips candidates that cannot win;
+    the cuts must not change (the engine's V stages and the planner's blocks per rank depend on them)."""
+    import numpy as np
+
+    n = len(weights)
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=np.float64))])
+    size, inf = n + 1, np.inf
+    best_b, best_s = np.full((size, size), inf), np.full((size, size), inf)
+    for i in range(size):
+        for j in range(i + 2, size):
+            left = prefix[i + 1:j] - prefix[i]
+            best_b[i, j] = prefix[j] - prefix[i]
+            best_s[i, j] = float((left * left + (best_b[i, j] - left) ** 2).min())
+    choices: list[dict] = [{} for _ in range(p - 1)]
+    for r in range(p - 2, -1, -1):
+        need = 2 * (p - 1 - r)
+        new_b, new_s = np.full((size, size), inf), np.full((size, size), inf)
+        for i in range(size):
+            for j in range(i + 2 + need, size):
+                a, b = np.arange(i + 1, j - need), np.arange(i + 1 + need, j)
+                first, last = (prefix[a] - prefix[i])[:, None], (prefix[j] - prefix[b])[None, :]
+                inner_b, inner_s = best_b[np.ix_(a, b)], best_s[np.ix_(a, b)]
+                valid = (b[None, :] - a[:, None] >= need) & np.isfinite(inner_b)
+                cand_b = np.where(valid, np.maximum(first + last, inner_b), inf)
+                cand_s = np.where(valid, inner_s + first * first + last * last, inf)
+                top = cand_b.min()
+                if np.isfinite(top):
+                    ties = cand_b <= top + 1e-9 * max(1.0, abs(top))
+                    x, y = divmod(int(np.where(ties, cand_s, inf).argmin()), len(b))
+                    new_b[i, j], new_s[i, j] = top, cand_s[x, y]
+                    choices[r][(i, j)] = (int(a[x]), int(b[y]))
+        best_b, best_s = new_b, new_s
+    bounds, (i, j) = [0] * (2 * p) + [n], (0, n)
+    for r in range(p - 1):
+        bounds[r + 1], bounds[2 * p - 1 - r] = i, j = choices[r][(i, j)]
+    bounds[p] = min(range(i + 1, j), key=lambda k: ((prefix[k] - prefix[i]) ** 2 + (prefix[j] - prefix[k]) ** 2, k))
+    return bounds
+
+
+def test_v_cut_is_the_table_dynamic_programs_cut():
+    import random
+
+    from paratrain.parallel.pp.v_partition import v_balanced_boundaries
+
+    rng = random.Random(0)
+    for n in range(2, 17):
+        for p in range(1, n // 2 + 1):
+            for weights in ([1.0] * n, [0.3] + [1.0] * (n - 2) + [0.7], [float(rng.randint(0, 4)) for _ in range(n)],
+                            [rng.random() for _ in range(n)]):
+                assert v_balanced_boundaries(weights, p) == _table_v_boundaries(weights, p), (weights, p)
+
+
 def test_the_parameter_partition_counts_frozen_weights():
     """A LoRA model balances on its base: a frozen weight costs its layer the same forward and input gradient."""
     from paratrain.parallel.pp.partition import parameter_counts

@@ -10,11 +10,12 @@ import pytest
 
 from paratrain.cli import main
 from paratrain.config import load_config, resolve_batch
-from paratrain.planner.enumerate import SearchSpace, enumerate_layouts, evaluate, invalid_reason, plan
+from paratrain.planner.enumerate import SearchSpace, enumerate_layouts, evaluate, invalid_reason
 from paratrain.planner.hardware import GiB, Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.model_shape import model_shape
 from paratrain.planner.report import layout_config
+from paratrain.planner.search import plan
 
 SPEC = model_shape("gpt-1.3b")  # 24 layers, 32 heads, seq 2048
 

@@ -14,6 +14,8 @@ innermost rank the whole middle, cut where its two chunks are most even.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,52 +31,79 @@ def v_balanced_boundaries(weights: Sequence[float], ranks: int) -> list[int]:
         raise PartitionError(f"cannot cut {n} layers into the {2 * p} chunks of a V over {p} ranks: every chunk "
                              f"needs at least one layer; use fewer pipeline stages or more layers")
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=np.float64))])
-    inf = np.inf
-    # (bottleneck, sum of squares) of ranks r.. given the middle [i, j) they hold; choice[r][i, j] = (a, b)
-    size = n + 1
-    best_b, best_s = np.full((size, size), inf), np.full((size, size), inf)
-    for i in range(size):
-        for j in range(i + 2, size):  # the innermost rank: the whole middle, at least two layers
-            left = prefix[i + 1:j] - prefix[i]  # its first chunk [i, k) for each k
-            best_b[i, j] = prefix[j] - prefix[i]
-            best_s[i, j] = float((left * left + (best_b[i, j] - left) ** 2).min())
-    choices: list[dict] = [{} for _ in range(p - 1)]
-    for r in range(p - 2, -1, -1):
-        need = 2 * (p - 1 - r)  # layers the inner ranks' chunks take at least
-        new_b, new_s = np.full((size, size), inf), np.full((size, size), inf)
-        for i in range(size):
-            for j in range(i + 2 + need, size):
-                a = np.arange(i + 1, j - 1 - need + 1)  # this rank's prefix chunk is [i, a)
-                b = np.arange(i + 1 + need, j)  # ... its suffix chunk [b, j)
-                first, last = (prefix[a] - prefix[i])[:, None], (prefix[j] - prefix[b])[None, :]
-                load = first + last
-                inner_b, inner_s = best_b[np.ix_(a, b)], best_s[np.ix_(a, b)]
-                valid = (b[None, :] - a[:, None] >= need) & np.isfinite(inner_b)
-                cand_b = np.where(valid, np.maximum(load, inner_b), inf)
-                cand_s = np.where(valid, inner_s + first * first + last * last, inf)
-                top = cand_b.min()
-                if not np.isfinite(top):
-                    continue
-                ties = cand_b <= top + 1e-9 * max(1.0, abs(top))  # sums in another order differ in the last bit
-                flat = np.where(ties, cand_s, inf).argmin()
-                x, y = divmod(int(flat), len(b))
-                new_b[i, j], new_s[i, j] = top, cand_s[x, y]
-                choices[r][(i, j)] = (int(a[x]), int(b[y]))
-        best_b, best_s = new_b, new_s
-    return _bounds(choices, prefix, n, p)
-
-
-def _bounds(choices: list[dict], prefix: np.ndarray, n: int, p: int) -> list[int]:
+    solver = _solver(tuple(prefix.tolist()), min(weights) >= 0)
     bounds = [0] * (2 * p + 1)
     i, j = 0, n
     bounds[2 * p] = n
     for r in range(p - 1):
-        a, b = choices[r][(i, j)]
+        a, b = solver.solve(p - r, i, j)[2]
         bounds[r + 1], bounds[2 * p - 1 - r] = a, b
         i, j = a, b
     # the innermost rank holds [i, j) as chunks p - 1 and p: cut where the two are most even
     bounds[p] = min(range(i + 1, j), key=lambda k: ((prefix[k] - prefix[i]) ** 2 + (prefix[j] - prefix[k]) ** 2, k))
     return bounds
+
+
+@functools.lru_cache(maxsize=8)
+def _solver(prefix: tuple[float, ...], prune: bool) -> _VCut:
+    """One solver per weights: its sub-problems do not depend on the number of ranks (the planner asks for many)."""
+    return _VCut(list(prefix), prune)
+
+
+class _VCut:
+    """The dynamic program of `v_balanced_boundaries`, from the outside in: `solve(k, i, j)` is (bottleneck, sum of
+    squares, (a, b)) of the k innermost ranks holding the middle [i, j), the outer of them taking the prefix piece
+    [i, a) and the suffix piece [b, j). Solved on demand (memoized), so only the middles the outer ranks can
+    leave are visited; with non-negative weights a candidate (a, b) whose outer load exceeds a feasible
+    bottleneck (plus the tie tolerance) is skipped: it can be neither the minimum nor tied with it."""
+
+    def __init__(self, prefix: list[float], prune: bool) -> None:
+        self.prefix, self.prune, self.memo = prefix, prune, {}
+
+    def solve(self, k: int, i: int, j: int) -> tuple[float, float, tuple[int, int] | None]:
+        key = (k, i, j)
+        if key not in self.memo:
+            self.memo[key] = self._innermost(i, j) if k == 1 else self._outer(k, i, j)
+        return self.memo[key]
+
+    def _innermost(self, i: int, j: int) -> tuple[float, float, None]:
+        """The innermost rank holds the whole middle (at least two layers), cut where its chunks are most even."""
+        pre = self.prefix
+        total = pre[j] - pre[i]
+        return total, min(left * left + (total - left) * (total - left)
+                          for left in (pre[k] - pre[i] for k in range(i + 1, j))), None
+
+    def _outer(self, k: int, i: int, j: int) -> tuple[float, float, tuple[int, int] | None]:
+        pre, need = self.prefix, 2 * (k - 1)  # layers the inner ranks' chunks take at least
+        if j - i < 2 + need:
+            return math.inf, math.inf, None
+        bound = math.inf
+        if self.prune:  # a feasible cut: each piece about half this rank's share of the layers
+            side = max(1, (j - i) // (2 * k))
+            load = (pre[i + side] - pre[i]) + (pre[j] - pre[j - side])
+            top = max(load, self.solve(k - 1, i + side, j - side)[0])
+            bound = top + 1e-9 * max(1.0, abs(top))
+        candidates = []
+        for a in range(i + 1, j - need):
+            first = pre[a] - pre[i]
+            if first > bound:
+                break  # loads only grow with a
+            for b in range(j - 1, a + need - 1, -1):
+                last = pre[j] - pre[b]
+                load = first + last
+                if load > bound:
+                    break  # ... and as b moves left
+                inner_b, inner_s, _ = self.solve(k - 1, a, b)
+                if inner_b == math.inf:
+                    continue
+                candidates.append((a, b, max(load, inner_b), inner_s + first * first + last * last))
+        if not candidates:
+            return math.inf, math.inf, None
+        top = min(c[2] for c in candidates)
+        tied = top + 1e-9 * max(1.0, abs(top))  # sums in another order differ in the last bit
+        # the first (a, then b ascending) of the ties with the smallest sum of squares
+        a, b, _, s = min((c for c in candidates if c[2] <= tied), key=lambda c: (c[3], c[0], c[1]))
+        return top, s, (a, b)
 
 
 def rank_loads(weights: Sequence[float], bounds: Sequence[int]) -> list[float]:

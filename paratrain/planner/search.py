@@ -1,0 +1,223 @@
+"""The planner's search: every valid layout, in `enumerate_layouts`' order, costed from parts computed once per shape.
+
+Evaluating each layout from scratch (`enumerate.exhaustive_plan`: `invalid_reason`, `estimate_memory`,
+`estimate_time`) repeats the same work over and over: a 70B model on 1,024 GPUs has 175,180 valid layouts, but
+its ZeRO states take a few thousand distinct values. Here each part of the cost is a function of a few layout fields
+(its shape) and is computed once per distinct value of those fields, by the very functions the exhaustive path
+calls, then looked up:
+
+  part                                      fields it reads (its key)
+  validity (`invalid_reason`)               all but micro_batch, recompute, precision, optimizer (and grad_accum
+                                            but for 'interleaved' and 'dualpipev'; sp and offload checked apart)
+  HSDP replicas (`hsdp_variants`)           zero > 0, dp, the mesh
+  model states per stage (`stage_states`)   tp, pp, schedule, v, dp, cp, replicas, zero, precision, offload, ep,
+                                            optimizer
+  activations, transient bytes per stage    the micro-batch, its split, the schedule, recompute, precision (and for
+                                            the transient buffers ZeRO-2/3 and ep): `activations_key`,
+                                            `transient_key`
+  the slowest stage and its micro-batch     tp, pp, cp, schedule, v, recompute, sequence parallelism, micro_batch
+  each source of transfers, timed           its own fields and the dims its axes name (`comm.TRANSFER_SOURCES`;
+                                            tp, pp and cp groups do not change with dp, ep or the replicas)
+  the optimizer update                      the states' fields but optimizer
+
+A key missing a field the part reads would give some layout another's cost, which the comparison below catches.
+Memory comes first and prunes: a layout that does not fit is never timed, nor built. The result is the exhaustive
+one exactly (same layouts, same order, the same floats: the same functions on the same values, summed in the
+same order): tests/unit/test_planner_search.py compares the two.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+from paratrain.planner.comm import TRANSFER_SOURCES
+from paratrain.planner.enumerate import (
+    Evaluation,
+    PlanResult,
+    SearchSpace,
+    check_request,
+    divisors,
+    evaluate,
+    expert_sizes,
+    hsdp_variants,
+    invalid_reason,
+    ranked,
+)
+from paratrain.planner.hardware import Hardware
+from paratrain.planner.layout import V_SCHEDULES, Layout, axis_name
+from paratrain.planner.memory import activation_bytes, memory_stages, stage_states, transient_bytes, with_states
+from paratrain.planner.model_shape import ModelShape
+from paratrain.planner.step_time import micro_batch_seconds, slowest_stage, step_time, timed, update_seconds
+
+
+class PartCosts:
+    """The parts of one plan's costs (one model, one machine, one search space), each cached by its key."""
+
+    def __init__(self, shape: ModelShape, hw: Hardware, flash_attention: bool) -> None:
+        self.shape, self.hw, self.flash = shape, hw, flash_attention
+        self.memo: dict[str, dict] = defaultdict(dict)
+
+    def states(self, key: tuple, layout: Layout) -> list[tuple]:
+        """Per memory stage: (stage, its model states, their bytes on the device)."""
+        out = []
+        for stage in memory_stages(layout):
+            states = stage_states(self.shape, layout, stage)
+            out.append((stage, states, states.states))
+        return out
+
+    def activations(self, key: tuple, layout: Layout) -> list[float]:
+        return [activation_bytes(self.shape, layout, s, self.flash) for s in memory_stages(layout)]
+
+    def transient(self, key: tuple, layout: Layout) -> list[float]:
+        return [transient_bytes(self.shape, layout, s, self.flash) for s in memory_stages(layout)]
+
+    def micro_batch(self, key: tuple, layout: Layout) -> tuple[int, tuple[float, float]]:
+        stage = slowest_stage(self.shape, layout)
+        return stage, micro_batch_seconds(self.shape, layout, self.hw, stage)
+
+    def source(self, key: tuple, layout: Layout) -> list:
+        source, stage = key[0], key[1]
+        kept = [t for t in source(self.shape, layout, stage)
+                if axis_name(layout.dims, t.axes) is not None and t.elements > 0]
+        return timed(kept, layout, self.hw)
+
+    def update(self, key: tuple, layout: Layout) -> tuple[float, float]:
+        return update_seconds(self.shape, layout, self.hw, key[0])
+
+    def get(self, part: str, key: tuple, layout: Layout):
+        memo = self.memo[part]
+        if key not in memo:
+            memo[key] = getattr(self, part)(key, layout)
+        return memo[key]
+
+
+def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
+    """(peak bytes, the `MemoryEstimate` maker of the peak stage, the layout if it had to be built) of the layout
+    with fields `f`."""
+    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
+    memo = costs.memo
+    keys = (("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)),
+            ("activations", activations_key(f)),
+            ("transient", transient_key(f)))
+    parts = []
+    for part, key in keys:
+        found = memo[part].get(key)
+        if found is None:
+            layout = layout or Layout(*f)
+            found = memo[part][key] = getattr(costs, part)(key, layout)
+        parts.append(found)
+    worst, peak = None, None
+    for states, act, trans in zip(*parts):
+        total = states[2] + act + trans  # MemoryEstimate.total
+        if worst is None or total > worst:
+            worst, peak = total, (states, act, trans)
+    return worst, peak, layout
+
+
+def activations_key(f: tuple) -> tuple:
+    """What `activation_bytes` reads: the micro-batches in flight only in a pipeline."""
+    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
+    return pp, schedule, v, m if pp > 1 else None, recompute, precision, tp, sp, mb, cp, method, u
+
+
+def transient_key(f: tuple) -> tuple:
+    """What `transient_bytes` reads: ZeRO only as 'stage 2' or 'stage 3', recompute only as 'full', and the
+    sequence split only for the layer that full recompute rebuilds."""
+    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
+    full = recompute == "full"
+    return (pp, schedule, v, zero if zero >= 2 else 0, tp, ep, full, precision, mb, cp) + \
+        ((sp, method, u) if full else ())
+
+
+def evaluate_fitting(costs: PartCosts, f: tuple, layout: Layout, peak: tuple):
+    """The memory and time estimates of a layout that fits (the parts of its peak memory stage known)."""
+    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
+    (stage, states, _), act, trans = peak
+    memory = with_states(states, act, trans, stage)
+    slowest, micro_batch = costs.get("micro_batch", (pp, schedule, v, recompute, sp, tp, mb, cp), layout)
+    mesh, model = (dp, pp, cp, tp, ep, method, u, rep), (pp, cp, tp)
+    lora = (mb, sp, recompute) if costs.shape.lora is not None else ()
+    # data: the micro-batches count under ZeRO-2/3 only (adapters: always); experts: nothing for a dense model.
+    # tp, pp and cp name only their own dims, whose groups (members, nodes) the other sizes do not change
+    data_m = m if zero >= 2 or costs.shape.lora is not None else None
+    keys = (mesh + (zero, data_m, schedule, v, precision, optimizer) + lora,
+            model + (m, precision, schedule, v, mb, recompute, sp), model + (v, m, mb, sp, precision, schedule),
+            model + (method, u, m, precision, mb, recompute, schedule, v),
+            mesh + (schedule, v, m, recompute, mb, sp, precision, zero) if costs.shape.moe else (), mesh + (zero,))
+    transfers = []
+    for source, key in zip(TRANSFER_SOURCES, keys):
+        transfers += costs.get("source", (source, slowest) + key, layout)
+    update = costs.get("update", (slowest, tp, pp, schedule, v, ep, zero, dp, cp, rep, offload, precision), layout)
+    return memory, step_time(costs.shape, layout, costs.hw, slowest, micro_batch, transfers, update)
+
+
+def candidates(shape: ModelShape, gpus: int, global_batch: int, gpus_per_node: int, space, costs: PartCosts):
+    """The fields (Layout's, in order) of every valid layout, in `enumerate_layouts`' order."""
+    recomputes = [r for r in space.recompute if not (r == "selective" and space.flash_attention)]
+    valid, replicas = costs.memo["valid"], costs.memo["replicas"]
+    for tp, pp, cp in itertools.product(divisors(gpus), repeat=3):
+        if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp)):
+            continue
+        dp = gpus // (tp * pp * cp)
+        per_rank = global_batch // dp
+        zero_stages = space.zero_stages if dp * cp > 1 else (0,)
+        sps = space.sequence_parallel if tp > 1 else (False,)
+        schedules = [("none", 1)] if pp == 1 else \
+            [(s, v) for s in space.schedules
+             for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
+        methods = [("ring", 1)] if cp == 1 else \
+            [(meth, u) for meth in space.cp_methods
+             for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
+        eps = expert_sizes(shape, dp * cp, space)
+        for mb in [mb for mb in divisors(per_rank) if mb <= space.max_micro_batch]:
+            m = per_rank // mb
+            for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
+                    schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
+                base = (dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u,
+                        ep, space.optimizer)
+                mesh = (zero > 0, dp, pp, cp, tp, ep, method, u)
+                if mesh not in replicas:
+                    replicas[mesh] = [c.dp_replicate for c in hsdp_variants(Layout(*base), gpus_per_node, space)]
+                for rep in [1] + replicas[mesh]:
+                    if valid_layout(shape, base + (rep,), gpus_per_node, valid):
+                        yield base + (rep,)
+
+
+def valid_layout(shape: ModelShape, f: tuple, gpus_per_node: int, valid: dict) -> bool:
+    """`invalid_reason(...) is None` for the layout with fields `f`. Of its checks, sequence parallelism and
+    offload are read by one each (`sp needs tp > 1`, `offload needs ZeRO >= 1`), checked here; the rest is asked
+    once per value of the fields they read, micro_batch, recompute, precision and optimizer not among them, nor
+    grad_accum but under 'interleaved' and 'dualpipev'."""
+    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
+    if (sp and tp == 1) or (offload and zero == 0):
+        return False
+    key = (dp, m if schedule in ("interleaved", "dualpipev") else None, tp, pp, cp, zero, schedule, v, method, u,
+           ep, rep)
+    if key not in valid:
+        layout = Layout(dp, mb, m, tp, pp, cp, zero, False, schedule, v, recompute, False, precision, method, u, ep,
+                        optimizer, rep)
+        valid[key] = invalid_reason(shape, layout, gpus_per_node) is None
+    return valid[key]
+
+
+def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: SearchSpace | None = None
+         ) -> PlanResult:
+    """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory)."""
+    check_request(gpus, global_batch)
+    space = space or SearchSpace()
+    costs = PartCosts(shape, hw, space.flash_attention)
+    fitting, considered, smallest, least = [], 0, None, None
+    for fields in candidates(shape, gpus, global_batch, hw.gpus_per_node, space, costs):
+        considered += 1
+        total, peak, layout = memory_of(costs, fields, None)
+        if total > hw.usable_memory:
+            if least is None or total < least:
+                smallest, least = fields, total
+            continue
+        layout = layout or Layout(*fields)
+        memory, time = evaluate_fitting(costs, fields, layout, peak)
+        fitting.append(Evaluation(layout, memory, time, True))
+    if not fitting and smallest is not None:
+        smallest = evaluate(shape, Layout(*smallest), hw, space.flash_attention)
+    return ranked(fitting, considered, smallest, gpus, global_batch)
