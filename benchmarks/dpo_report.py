@@ -17,13 +17,25 @@ def step_table(result: dict) -> str:
     lines = ["| mode | paratrain step (ms) | TRL step (ms) | paratrain / TRL (median of rounds) | rounds' ratios "
              "(min–max) | target ≤ 0.90 | loss diff, first step | max loss diff, all steps |",
              "|---|---:|---:|---:|---|---|---:|---:|"]
-    for mode, p in result["paired"].items():
+    runs = [(mode, p) for mode, p in result["paired"].items()]
+    runs += [(f"{mode}, TRL on DeepSpeed's default buckets", p)
+             for mode, p in result.get("paired_deepspeed_defaults", {}).items()]
+    for mode, p in runs:
         ratios = p["ratios"]
         lines.append(f"| {mode} | {_ms(p['median_step_s']['paratrain'])} | {_ms(p['median_step_s']['trl'])} | "
                      f"{p['median_ratio']:.3f} | {min(ratios):.3f}–{max(ratios):.3f} | "
                      f"{_met(p['median_ratio'], STEP_TARGET)} | {p['first_step_loss_diff']:.1e} | "
                      f"{p['max_loss_diff']:.1e} |")
     return "\n".join(lines)
+
+
+def _defaults_note(result: dict) -> str:
+    if not result.get("paired_deepspeed_defaults"):
+        return ""
+    return ("\nThe rows \"TRL on DeepSpeed's default buckets\" pair paratrain with TRL on DeepSpeed's own ZeRO-3 "
+            "defaults (5e8-element reduce bucket, 5e7 prefetch, no overlap_comm; the same persistence threshold 0), "
+            "in worlds of their own: whichever TRL configuration is faster here is its best, and the target is "
+            "read against it.\n")
 
 
 def memory_table(result: dict) -> str:
@@ -60,10 +72,11 @@ def section(result: dict) -> str:
     m, v = result["model"], result["versions"]
     loads = ", ".join(f"{k} {' / '.join(f'{x:.1f}' for x in val)}" for k, val in result["load_average"].items())
     command = (f"DS_ACCELERATOR=cpu python -m benchmarks.dpo_run --rounds {result['rounds']} --warmup "
-               f"{result['warmup']} --memory-steps {result['memory_steps']}")
+               f"{result['warmup']} --memory-steps {result['memory_steps']}"
+               + (" --with-defaults" if result.get("paired_deepspeed_defaults") else ""))
     return f"""### dpo
 
-Measured {result['started']} on {result['machine']}; torch {v['torch']}, transformers {v['transformers']}, TRL
+Measured {result['started']} on {result['machine']}; transformers {v['transformers']}, TRL
 {v['trl']}, DeepSpeed {v['deepspeed']}, accelerate {v['accelerate']}, peft {v['peft']}. The whole run took
 {result['wall_s'] / 60:.1f} min; load average (1 / 5 / 15 min) {loads} — the machine was shared with other
 developers' runs.
@@ -93,7 +106,7 @@ paratrain's `engine.train_batch`. A step's time is its slowest rank's; {result['
 step's DPO loss is ln 2 on both sides, as the policy is its reference; the later steps check the updates).
 
 {step_table(result)}
-
+{_defaults_note(result)}
 **Peak memory**, each case alone in a fresh 2-rank world that imports the same libraries first and runs
 {result['memory_steps']} steps: `ru_maxrss` of the larger rank; its growth over the RSS after imports; and the
 tensors held between steps (paratrain: `memory_stats()['total']`; TRL: DeepSpeed's partitions, flat buffers,
