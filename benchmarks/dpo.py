@@ -241,6 +241,41 @@ def trl_state_bytes(trainer) -> dict:
     return {"total": policy + reference, "reference_params": reference}
 
 
+COLLECTIVES = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter", "all_reduce",
+               "broadcast", "all_to_all_single")
+
+
+def collective_counter():
+    """A Trainer callback counting torch.distributed's collectives called in the last step (DeepSpeed's comm calls
+    them through the module's attributes, so wrapping those counts them); used where nothing is timed."""
+    import collections
+
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    counts = collections.Counter()
+
+    def counted(fn, name: str):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(getattr(dist, name), name))
+
+    class Counter(TrainerCallback):
+        last_step: dict = {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            counts.clear()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.last_step = dict(counts)
+
+    return Counter()
+
+
 class Stopwatch:
     """Barrier, then wall time of `fn()`; this rank's seconds."""
 

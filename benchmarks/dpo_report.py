@@ -52,6 +52,25 @@ def memory_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def collectives_note(result: dict) -> str:
+    """Collectives per step, rank 0, the last step of the memory runs (torch.distributed's calls for TRL;
+    paratrain's own count, `engine.comm_stats()`)."""
+    rows = []
+    for mode in result["paired"]:
+        trl = result["memory"][f"trl {mode}"].get("collectives_last_step_rank0")
+        ours = result["memory"][f"paratrain {mode}"].get("collectives_last_step_rank0")
+        if trl is None or ours is None:
+            return ""
+        rows.append(f"| {mode} | {sum(ours.values())} ({_calls(ours)}) | {sum(trl.values())} ({_calls(trl)}) |")
+    return ("\nCollectives per step (rank 0, the last step of the memory runs; paratrain's `engine.comm_stats()`, "
+            "TRL's the torch.distributed calls DeepSpeed and accelerate make):\n\n| mode | paratrain | TRL |\n"
+            "|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
+def _calls(counts: dict) -> str:
+    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def reference_table(result: dict) -> str:
     lines = ["| mode | reference | median step (ms) | / precomputed (`batch`) | reference tensors / rank (MiB) | "
              "all tensors / rank (MiB) | peak RSS / rank, alone (MiB) |", "|---|---|---:|---:|---:|---:|---:|"]
@@ -114,6 +133,7 @@ gradients and optimizer state, plus its reference engine's partitions).
 
 {memory_table(result)}
 
+{collectives_note(result)}
 **The reference forward's cost**, paratrain alone, one world per mode, the engines' steps in rotation:
 `adapters_off` (the base with the adapters off: no second copy), `initial` (a frozen copy of the model as handed
 in, ZeRO-3-sharded), `batch` (TRL's `precompute_ref_log_probs`: the log-probs computed beforehand and carried by

@@ -150,16 +150,21 @@ def _alone(side: str, lora: bool, steps: int, reference: str | None) -> dict:
     after_imports = _import_all()
     examples = dpo.pairs(dist.get_world_size() * dpo.PAIRS * steps)
     if side == "trl":
-        trainer = dpo.trl_trainer(lora, examples, steps, dpo.temp_dir())
+        counter = dpo.collective_counter()
+        trainer = dpo.trl_trainer(lora, examples, steps, dpo.temp_dir(), callbacks=[counter])
         trainer.train()
-        state = dpo.trl_state_bytes(trainer)
+        state, collectives = dpo.trl_state_bytes(trainer), counter.last_step
     else:
         case = dpo.paratrain_case(lora, examples, steps, reference)
         for _ in range(steps):
+            case["engine"].comm_stats(reset=True)
             case["step"]()
+        stats = case["engine"].comm_stats()
+        collectives = {f"{axis} {op}": v["calls"] for axis, ops in stats.items() for op, v in ops.items()}
         state = case["memory"]()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"peak_rss": peak, "rss_after_imports": after_imports, "state_bytes": state}
+    return {"peak_rss": peak, "rss_after_imports": after_imports, "state_bytes": state,
+            "collectives_last_step": collectives}
 
 
 def alone(side: str, lora: bool, steps: int, reference: str | None = None) -> dict:
@@ -169,7 +174,8 @@ def alone(side: str, lora: bool, steps: int, reference: str | None = None) -> di
     return {"peak_rss_mib": worst["peak_rss"] / 2**20,
             "growth_mib": max(r["peak_rss"] - r["rss_after_imports"] for r in ranks) / 2**20,
             "state_mib": max(r["state_bytes"]["total"] for r in ranks) / 2**20,
-            "reference_mib": max(r["state_bytes"]["reference_params"] for r in ranks) / 2**20, "ranks": ranks}
+            "reference_mib": max(r["state_bytes"]["reference_params"] for r in ranks) / 2**20,
+            "collectives_last_step_rank0": ranks[0]["collectives_last_step"], "ranks": ranks}
 
 
 # ---- the reference modes: paratrain's engines in rotation ------------------------------------------------------
