@@ -62,9 +62,19 @@ def collectives_note(result: dict) -> str:
         if trl is None or ours is None:
             return ""
         rows.append(f"| {mode} | {sum(ours.values())} ({_calls(ours)}) | {sum(trl.values())} ({_calls(trl)}) |")
+    def _trl_step(mode: str) -> float:
+        return result["paired"][mode]["median_step_s"]["trl"] if mode in result["paired"] else 0.0
+
+    gathers = {mode: result["memory"][f"trl {mode}"]["collectives_last_step_rank0"].get("all_gather_into_tensor", 0)
+               for mode in result["paired"]}
+    why = (f"DeepSpeed's ZeRO-3 under peft gathers parameters module by module — {gathers.get('LoRA')} all-gathers in "
+           f"TRL's LoRA step against {gathers.get('full')} in its full step (the adapters' many small modules, in the "
+           f"policy's forward, the reference forward with the adapters off and the backward) — which is why TRL's LoRA "
+           f"step is slower than its full one here; paratrain gathers a whole unit (a decoder layer) at once.\n"
+           if "LoRA" in gathers and "full" in gathers and _trl_step("LoRA") > _trl_step("full") else "")
     return ("\nCollectives per step (rank 0, the last step of the memory runs; paratrain's `engine.comm_stats()`, "
             "TRL's the torch.distributed calls DeepSpeed and accelerate make):\n\n| mode | paratrain | TRL |\n"
-            "|---|---|---|\n" + "\n".join(rows) + "\n")
+            "|---|---|---|\n" + "\n".join(rows) + "\n\n" + why)
 
 
 def _calls(counts: dict) -> str:
