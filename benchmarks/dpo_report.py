@@ -132,7 +132,10 @@ TRL's in even rounds and before it in odd ones, a barrier before each; TRL's ste
 `on_step_end` (forward, reference forward, backward, DeepSpeed's reduce, clip and update, TRL's metric gathers),
 paratrain's `engine.train_batch`. A step's time is its slowest rank's; {result['rounds']} rounds after
 {result['warmup']} warm-up. Losses: TRL's mean over ranks against paratrain's global mean, every step (the first
-step's DPO loss is ln 2 on both sides, as the policy is its reference; the later steps check the updates).
+step's DPO loss is ln 2 on both sides, as the policy is its reference; the later steps check the updates). Both
+sides record what they built (`benchmarks.common.record_setup`: the optimizer below DeepSpeed's wrapper, its flags,
+threads, dtype, seeds) and the run is refused unless the records are equal; TRL's micro-batches are checked to be
+paratrain's (their token sums, step by step and rank by rank).
 
 {step_table(result)}
 {_defaults_note(result)}

@@ -10,7 +10,8 @@ Three parts, each in fresh 2-rank worlds:
   barrier before each. TRL's step is on_step_begin to on_step_end (its forward, reference forward, backward,
   DeepSpeed's reduce, clip and step, metric gathers); paratrain's is `engine.train_batch`. A step's time is its
   slowest rank's; a round's ratio is paratrain's step over TRL's, the result the median over rounds. Losses of
-  every step are compared (the mean over ranks of TRL's per-rank losses against paratrain's global mean).
+  every step are compared (the mean over ranks of TRL's per-rank losses against paratrain's global mean); the two
+  sides' setups (`benchmarks.common.record_setup`) must be equal and TRL's micro-batches paratrain's.
 - **Peak memory, alone.** One world per case (each side, each mode, each reference mode), so ru_maxrss is the
   case's own: every world imports the same libraries first (torch, transformers, peft, deepspeed, trl,
   accelerate, paratrain), then builds its case and runs `--memory-steps` steps; reported: the peak RSS of the
@@ -70,6 +71,7 @@ def _paired(lora: bool, rounds: int, warmup: int, zero: dict | None) -> dict:
     from transformers import TrainerCallback
 
     from benchmarks import dpo
+    from benchmarks.common import check_same_setup, record_setup
 
     _import_all()
     steps = warmup + rounds
@@ -97,6 +99,10 @@ def _paired(lora: bool, rounds: int, warmup: int, zero: dict | None) -> dict:
 
     trainer = dpo.trl_trainer(lora, examples, steps, dpo.temp_dir(), callbacks=[Alternate()], zero=zero)
     trainer.train()
+    # what TRL's side built (optimizer class and flags below DeepSpeed's wrapper, threads, dtype, seeds): refused
+    # unless it is paratrain's
+    trl_setup = record_setup(trainer.model_wrapped.optimizer, trainer.model, ours["batches"])
+    check_same_setup({"paratrain": ours["setup"], "TRL DPOTrainer on DeepSpeed": trl_setup})
     ours_tokens = [int(b["input_ids"].sum()) for b in ours["batches"].batches]
     if trainer.bench_tokens != ours_tokens:
         raise RuntimeError("TRL's micro-batches are not paratrain's: token sums "
@@ -104,7 +110,8 @@ def _paired(lora: bool, rounds: int, warmup: int, zero: dict | None) -> dict:
     return {"times": {k: v[warmup:] for k, v in times.items()},
             "warmup_times": {k: v[:warmup] for k, v in times.items()},
             "trl_losses": [float(t) for t in trainer.bench_losses], "paratrain_losses": [float(t) for t in losses],
-            "setup": ours["setup"], "paratrain_config": ours["config"], "deepspeed_config": dpo.deepspeed_config(zero),
+            "setup": ours["setup"], "trl_setup": trl_setup, "paratrain_config": ours["config"],
+            "deepspeed_config": dpo.deepspeed_config(zero),
             "trl_args": {k: v for k, v in trainer.args.to_dict().items() if k in TRL_ARGS},
             "state_bytes": {"paratrain": ours["memory"](), "trl": dpo.trl_state_bytes(trainer)}}
 
@@ -134,7 +141,8 @@ def paired(lora: bool, rounds: int, warmup: int, zero: dict | None = None) -> di
             "losses": {"paratrain": r0["paratrain_losses"], "trl_mean_over_ranks": trl_mean,
                        "trl_per_rank": [r["trl_losses"] for r in ranks]},
             "first_step_loss_diff": diffs[0], "max_loss_diff": max(diffs), "loss_diffs": diffs,
-            "state_bytes_per_rank": [r["state_bytes"] for r in ranks], "setup": r0["setup"],
+            "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
+            "setup": {"paratrain": r0["setup"], "trl": r0["trl_setup"]},
             "ran_with": {"paratrain": r0["paratrain_config"], "trl_deepspeed": r0["deepspeed_config"],
                          "trl_args": r0["trl_args"]}}
 
