@@ -149,9 +149,9 @@ def test_a_worker_killed_at_a_random_step_restarts_and_ends_equal(uninterrupted,
     allowed = {(step // EVERY) * EVERY for step in range(kill_at, done + 2)}
     found = re.search(r"\(resumed at step (\d+)\)", log)
     resumed = int(found.group(1)) if found else 0
-    # torchrun names the first failure its agent sees: the killed worker (-9), or its peer, whose collective
-    # broke when the victim vanished (1); either way the group was restarted.
-    assert "failed (exitcode: -9)" in log or "failed (exitcode: 1)" in log, (seed, log[-3000:])
+    # the group was restarted: the new attempt resumed from a checkpoint, or (killed before the first one) started
+    # again from nothing. (paratrain's launcher keeps torchrun's per-worker "failed (exitcode: -9)" lines quiet.)
+    assert found is not None or log.count("no checkpoint to load") >= 2, (seed, log[-3000:])
     assert resumed in allowed and (found is not None) == (resumed > 0), (seed, allowed, log[-3000:])
     assert _losses(tmp_path) == _losses(uninterrupted), seed  # bit for bit, the metrics of one uninterrupted run
     assert _samples(tmp_path) == _samples(uninterrupted), seed  # the same rows, step by step

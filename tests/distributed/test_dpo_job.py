@@ -58,7 +58,8 @@ def test_a_dpo_job_logs_trls_metrics_evaluates_held_out_pairs_and_resumes_bit_fo
     assert [r["step"] for r in want] == list(range(1, STEPS + 1))
     for row in want:
         assert all(name in row for name in METRICS), row
-        assert abs(row["rewards/margins"] - (row["rewards/chosen"] - row["rewards/rejected"])) < 1e-9, row
+        # each pair's margin is its two float32 rewards' difference: equal to the means' difference to float32 rounding
+        assert abs(row["rewards/margins"] - (row["rewards/chosen"] - row["rewards/rejected"])) < 1e-7, row
     evaluated = [r for r in want if "val_loss" in r]
     assert [r["step"] for r in evaluated] == [3, 6]
     assert all(0 <= r["eval/rewards/accuracies"] <= 1 and all(f"eval/{n}" in r for n in METRICS) for r in evaluated)
