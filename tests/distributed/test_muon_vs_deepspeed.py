@@ -1,10 +1,10 @@
 """paratrain's Muon against DeepSpeed 0.19.8's (ZeRO-1 and ZeRO-2, 2 ranks, same model, weights, batches, groups).
 
-Without clipping the per-step losses agree within 5e-5 (1.8e-7 on one CPU, 3.5e-5 on another). With clipping they differ, for a reason this file shows:
-DeepSpeed's ZeRO-1/2 write Muon's orthogonalized update where the gradient was (`get_flat_partition`) and then
-compute the global norm over those updates and clip them, where torch's order (and paratrain's, and the
-one-process reference) clips the gradient before the momentum. A one-process run in DeepSpeed's order
-(`_deepspeed_order`) reproduces DeepSpeed's clipped losses within 1e-5.
+Without clipping the per-step losses agree within 5e-5 (1.8e-7 on one CPU, 3.5e-5 on another). With clipping they
+differ, for a reason this file shows: DeepSpeed's ZeRO-1/2 write Muon's orthogonalized update where the gradient was
+(`get_flat_partition`) and then compute the global norm over those updates and clip them, where torch's order (and
+paratrain's, and the one-process reference) clips the gradient before the momentum. A one-process run in DeepSpeed's
+order (`_deepspeed_order`) reproduces DeepSpeed's clipped losses within 1e-5.
 
 Same groups: DeepSpeed gives Muon every 2-d parameter whose name holds neither "embed" nor "lm_head", so this
 GPT's output layer ("head") is Muon's there; `muon_names` gives it to paratrain's Muon too. DeepSpeed's
