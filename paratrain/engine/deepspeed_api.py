@@ -39,7 +39,9 @@ class DeepSpeedEngineAPI:
     device: torch.device
     _grad_norm: torch.Tensor | None
     _step_applied: bool
-    _times: dict[str, float]
+    _phases: object  # paratrain.engine.phases.Phases
+    _reporter: object  # paratrain.engine.monitor.StepReporter
+    objective: object | None  # paratrain.engine.objective_step.ObjectiveStep
 
     @property
     def device_mesh(self):
@@ -257,9 +259,9 @@ class DeepSpeedEngineAPI:
     def timings(self, reset: bool = False) -> dict[str, float]:
         """Seconds spent so far in forward, backward, step (with comm_wait, the wait for gradient reductions,
         inside it) and, with a pipeline, the pipeline's part of the step."""
-        out = dict(self._times)
+        out = dict(self._phases.times)
         if reset:
-            self._times.clear()
+            self._phases.times.clear()
         return out
 
     def pipeline_timeline(self) -> dict | None:

@@ -8,37 +8,44 @@
 
 The engine knows strategies only through `parallelize`: gradient synchronization, sharding and the update
 belong to the `GradSync` it returns. Its own state is a `TrainState` (counters, data position) and a
-`RandomState`; checkpoints receive those with the model, optimizer, scheduler and loss scaler as stateful
-objects (`CheckpointTarget`), never the engine. The DeepSpeed accessors (`engine/deepspeed_api.py`) only read it.
+`RandomState`. It is composed of parts, each given what it uses when it is built (docs/architecture.md):
+
+    ForwardPass      a micro-batch through the model in its layout          engine/forward_pass.py
+    ObjectiveStep    the objective's head, reference and metrics            engine/objective_step.py
+    LossWindow       the step's token-weighted loss and its one all-reduce  engine/token_loss.py
+    OptimizerUpdate  gradients finished, clipped, the optimizer stepped     engine/update.py
+    Checkpoints      checkpoints and pretrained directories                 engine/checkpoints.py
+    Evaluator        eval_batch and evaluate                                engine/evaluation.py
+    Generator        generate                                               engine/generation.py
+    StepReporter     the monitors' lines and scalars                        engine/monitor.py
+    Phases           each phase's seconds, destroy, failures shared         engine/phases.py
+
+The engine keeps the step contract (forward, backward, step, train_batch, the pipeline's whole steps) and
+DeepSpeed's surface: the accessors it inherits (`engine/deepspeed_api.py`) only read its state.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from paratrain.adapters.tensors import adapter_tensors
-from paratrain.comm import gather_from_region
 from paratrain.config import Config
-from paratrain.data.agreement import FIRST_STEPS, check_same_batches
-from paratrain.data.batch_check import BatchChecker
-from paratrain.data.micro_batch import MicroBatch, as_micro_batch, in_flight, loss_of_output, split_loss
-from paratrain.data.nested import to_device
+from paratrain.data.micro_batch import as_micro_batch, split_loss
 from paratrain.distributed import current_device
 from paratrain.engine.adapters import adapted_model
-from paratrain.engine.checkpoints import EngineCheckpoints
-from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI
-from paratrain.engine.evaluation import Evaluation
-from paratrain.engine.generation import Generation
+from paratrain.engine.checkpoints import Checkpoints
+from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI, check_eval_arguments
+from paratrain.engine.evaluation import Evaluator
+from paratrain.engine.forward_pass import ForwardPass
+from paratrain.engine.generation import Generator
 from paratrain.engine.monitor import MonitorSettings, StepReporter, setup_logging
 from paratrain.engine.muon_setup import bind_muon, muon_param_groups
 from paratrain.engine.objective_step import ObjectiveStep
-from paratrain.engine.pipeline_steps import PipelineSteps
+from paratrain.engine.phases import Phases
 from paratrain.engine.setup import (
     local_param_groups,
     make_loader,
@@ -47,10 +54,12 @@ from paratrain.engine.setup import (
     optimizer_factory,
 )
 from paratrain.engine.strategies import strategies_of
-from paratrain.engine.token_loss import LossWindow
+from paratrain.engine.token_loss import LossWindow, mean_over_ranks, target_positions
 from paratrain.engine.train_state import RandomState, TrainState
 from paratrain.engine.update import OptimizerUpdate
+from paratrain.engine.weights import fill_initial_values, fill_reference, load_adapter, load_weights
 from paratrain.errors import InvalidValueError, RunError
+from paratrain.generation import GenerationSettings
 from paratrain.init.replay import return_freed_heap, template_of
 from paratrain.layout.mesh import Mesh
 from paratrain.objectives import NextToken, Objective, build_objective
@@ -60,20 +69,18 @@ from paratrain.precision import make_loss_scaler
 log = logging.getLogger("paratrain")
 
 
-class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeedEngineAPI):
-    """DeepSpeed's engine contract. Construction helpers live in `engine/setup.py`, the update in `engine/update.py`,
-    pipeline steps in `engine/pipeline_steps.py`, the token loss's bookkeeping in `engine/token_loss.py`,
-    checkpoints and pretrained directories in `engine/checkpoints.py`, the read-only accessors (DeepSpeed's and
-    paratrain's introspection) in `engine/deepspeed_api.py`."""
+class Engine(DeepSpeedEngineAPI):
+    """DeepSpeed's engine contract over the parts the module docstring lists. Construction helpers live in
+    `engine/setup.py`; DeepSpeed's read-only accessors and paratrain's introspection in `engine/deepspeed_api.py`."""
 
     def __init__(self, model: nn.Module, config: Config, mesh: Mesh, optimizer=None, lr_scheduler=None,
                  model_parameters=None, training_data=None, collate_fn=None, init_fn=None, objective=None):
         self.config = config
         self.mesh = mesh  # the explicit mesh every strategy was given (axes, comm stats, guard)
-        self.destroyed = False
         setup_logging(mesh.rank)
         if mesh.guard is not None:  # every collective below waits at most comm.timeout_s, then reports
             mesh.guard.configure(timeout_s=config.comm.timeout_s, report_dir=config.comm.report_dir or ".")
+        self._phases = Phases(mesh.guard)
         self.device = current_device()
         # A transformers model's layered view (same names); its adapters (LoRA, DoRA: a peft model's or the config's)
         model, self.adapters, self.model_config = adapted_model(model, config)
@@ -89,7 +96,6 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self.module = self.parallel.module
         self.grad_sync = self.parallel.grad_sync
         self.pipeline = self.parallel.pipeline  # set when pipeline.stages > 1: whole steps only
-        self._autocast = self.parallel.autocast
         self.optimizer = self.grad_sync.build_optimizer(factory,
                                                         local_param_groups(groups, self.parallel,
                                                                            self.grad_sync.named_params))
@@ -97,11 +103,18 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self.lr_scheduler = make_scheduler(config, self.optimizer, lr_scheduler)
         if template is not None:  # the local state is allocated, not yet written: trim before the writes peak
             return_freed_heap()
-        self._fill_initial_values(template, init_fn)  # load_weights, a meta model's init; adapters without values
+        # load_weights, a meta model's init; adapters without values
+        fill_initial_values(self.parallel, mesh, config, template, init_fn, self.adapters, self._adapter_tensors)
         self.objective = None if reference_mode is None else ObjectiveStep.build(
             objective, self.parallel, mesh, self.device, reference_mode, reference_source, strategies_of(config))
-        self._fill_reference(template, init_fn)  # the frozen copy's initial values, as the policy's
+        if self.objective is not None and self.objective.reference is not None:  # the policy's initial values
+            fill_reference(self.objective.reference, mesh, config, template, init_fn, self._adapter_tensors)
         self._objective_metrics: torch.Tensor | None = None  # the last step's reduced metric sums
+        self._build_parts(training_data, collate_fn)
+
+    def _build_parts(self, training_data, collate_fn) -> None:
+        """The step's state and the parts that share it, each given what it uses."""
+        config, mesh = self.config, self.mesh
         self.training_dataloader = make_loader(self, training_data, collate_fn) if training_data is not None \
             else None
         sampler = self.training_dataloader.sampler if self.training_dataloader is not None else None
@@ -116,14 +129,22 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         # "token" reduction: each window's losses and target counts, divided by the global count at the boundary
         self._window = LossWindow(mesh.axis("dp_cp"), self.device, token_loss=config.loss.reduction == "token"
                                   and self.parallel.spec.loss_is_token_mean(self.module))
-        self._last_batch: MicroBatch | None = None  # the token micro-batch of the last forward, for its count
         self._window_loss: torch.Tensor | None = None  # the last window's global token mean
-        self._times: dict[str, float] = defaultdict(float)
         self._step_applied = False
         self._reporter = StepReporter(MonitorSettings.of(config), mesh.rank, self.module, mesh.axis("dp_cp"))
         self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled, close)
-        self._check_train_batch = BatchChecker(config.batch_check, "training")
-        self._check_eval_batch = BatchChecker(config.batch_check, "evaluation")
+        self._forward = ForwardPass(self.parallel, self.objective, mesh, self.device, config.batch_check,
+                                    config.batch_agreement, self.train_state, self._phases)
+        self._checkpoints = Checkpoints(self.parallel, self.optimizer, mesh, self.device, config,
+                                        {"train": self.train_state, "lr_scheduler": self.lr_scheduler,
+                                         "loss_scaler": self.loss_scaler}, self.random_state, self.model_config,
+                                        self.adapters, self._update)
+        loader_collate = getattr(self.training_dataloader, "collate_fn", None)
+        self._evaluator = Evaluator(self._forward, self.objective, self._window, mesh, self.device, self._phases,
+                                    self.train_state.accumulation, config.train_micro_batch_size_per_gpu,
+                                    loader_collate)
+        self._generator = Generator(self.parallel, mesh, self.device, config.tensor_parallel.sequence_parallel,
+                                    self._phases)
         self.auto_resumed: tuple[str, dict] | None = None  # (path, client_state) when initialize() resumed
 
     def _reference_source(self, model: nn.Module, objective: Objective) -> tuple[str | None, nn.Module | None]:
@@ -138,6 +159,10 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         return mode, ObjectiveStep.frozen_copy(model) if mode == "initial" else None
 
     # ---- state of the step ----------------------------------------------------------------------
+    @property
+    def destroyed(self) -> bool:
+        return self._phases.destroyed
+
     def train(self, mode: bool = True):
         self.module.train(mode)
         return self
@@ -152,29 +177,6 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
             yield
 
     # ---- the step contract -----------------------------------------------------------------------
-    @contextmanager
-    def _timed(self, name: str):
-        if self.destroyed:  # every forward, backward, step and pipeline step passes here
-            raise RunError(f"engine.{name}: engine.destroy() was called, which freed its process groups; "
-                           f"build a new engine with paratrain.initialize")
-        start = time.perf_counter()
-        try:
-            with self._together():
-                yield
-        finally:
-            self._times[name] += time.perf_counter() - start
-
-    @contextmanager
-    def _together(self):
-        """An error raised here on one rank is published for the others, which stop at their next wait instead
-        of at the communication timeout (`comm/guard.py`)."""
-        try:
-            yield
-        except Exception as exc:
-            if self.mesh.guard is not None:
-                self.mesh.guard.publish_failure(exc)
-            raise
-
     def _not_in_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
             raise RunError(f"engine.{what} is not available with pipeline.stages > 1: a pipeline runs whole "
@@ -184,43 +186,12 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
     def forward(self, *inputs, **kwargs):
         """Token data (ids with targets, transformers' `labels`, `attention_mask`, packing) is brought to the
         normal form (`paratrain.data.micro_batch`), split for context parallelism, and given to the model by its
-        spec; anything else goes to the model as it is."""
+        spec; anything else goes to the model as it is (`engine/forward_pass.py`). Without targets under tp the
+        logits are the whole vocabulary's; under cp that is refused by name."""
         self._not_in_pipeline("forward()")
         return self._forward(as_micro_batch(inputs, kwargs), inputs, kwargs)
 
     __call__ = forward
-
-    def _forward(self, batch: MicroBatch | None, inputs: tuple, kwargs: dict):
-        """Run token data (`batch`, already on the device) through the model's spec, anything else as given."""
-        self._last_batch = None
-        with self._timed("forward"), self._autocast():
-            self._check_agreement([batch if batch is not None else (inputs, kwargs)])
-            if batch is None:
-                self.parallel.check_unsplit(inputs, kwargs)
-                return self.module(*inputs, **kwargs)
-            if batch.targets is None:  # the model's outputs (logits): whole, never this rank's slice unsaid
-                return self._whole_outputs(batch)
-            batch = self.parallel.prepare_batch(batch)
-            if self.objective is not None:  # the reference log-probs the batch lacks, on the same split
-                self.objective.prepare(batch)
-            self._last_batch = batch
-            with in_flight(batch):
-                return self.parallel.spec.call(self.module, batch)
-
-    def _whole_outputs(self, batch: MicroBatch):
-        """A forward without targets returns the logits over the whole vocabulary (gathered over tp, with the
-        gradient going back to each rank's slice); under context parallelism it is refused by name: each rank
-        holds a chunk of the sequence, and a loss of the user's over gathered chunks would be counted cp times."""
-        if self.parallel.context is not None:
-            raise RunError("engine(...) without targets under context parallelism would return this rank's chunk of "
-                           "the sequence only: give the targets (labels=, or (input_ids, targets)) and let the engine "
-                           "compute the loss, or train your own loss as an objective on exact per-token log-probs "
-                           "(the `objective` section, docs/objectives.md), which is exact under every split")
-        out = self.parallel.spec.call(self.module, batch)
-        vocab = self._vocab_parallel_loss()
-        if vocab is None or not isinstance(out, torch.Tensor) or out.shape[-1] != vocab.local_vocab:
-            return out
-        return gather_from_region(out, vocab.axis, dim=-1, tag="logits")[..., :vocab.vocab_size]
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """`loss`: the forward's scalar loss, or a model's `(sum, count)`. Under the "token" reduction a loss
@@ -230,12 +201,12 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         self.grad_sync.prepare_backward(sync=self.is_gradient_accumulation_boundary())
-        with self._timed("backward"):
+        with self._phases.timed("backward"):
             scaled.backward(retain_graph=retain_graph)
 
     def _weighted(self, loss, scale_wrt_gas: bool) -> torch.Tensor:
         """The micro-batch's loss as backward differentiates it, recorded in the window (`engine/token_loss.py`)."""
-        batch, self._last_batch = self._last_batch, None
+        batch = self._forward.take_last()
         scaled, token = self._window.weigh(loss, batch, self.gradient_accumulation_steps(), scale_wrt_gas)
         if not token:
             self._reporter.record_loss(loss)
@@ -246,7 +217,7 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         self._not_in_pipeline("step()")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            with self._timed("step"):
+            with self._phases.timed("step"):
                 self._optimizer_update()
         else:
             self._step_applied = False
@@ -256,13 +227,13 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         state.global_samples += self.train_micro_batch_size_per_gpu() * self.mesh.size("dp")
         if boundary:
             self._reporter.after_step(self)
-            self._save_if_due()
+            self._checkpoints.save_if_due()
 
     def _optimizer_update(self, grad_scale: torch.Tensor | float = 1.0) -> None:
         """Update once (the same branch on every rank: the norm is the same number everywhere); a skipped
         step still counts (DeepSpeed's behaviour on an fp16 overflow). `grad_scale`: the token-weighted
         loss's division by the global count (`engine/token_loss.py`)."""
-        with self._timed("comm_wait"):
+        with self._phases.timed("comm_wait"):
             self.grad_sync.finish_gradients()
         if self._window.token_weighted:  # the one count exchange of the step (engine/token_loss.py)
             extra = self.objective.take_metrics() if self.objective is not None else None
@@ -280,47 +251,141 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
                 log.warning("step %d skipped: %s (skipped_steps=%d)", state.global_steps, update.skipped,
                             state.skipped_steps)
 
-    def _run_micro_batch(self, batch) -> torch.Tensor:
-        (self._check_train_batch if self.module.training else self._check_eval_batch)(batch)
-        inputs, kwargs = ((), batch) if isinstance(batch, dict) else \
-            (tuple(batch), {}) if isinstance(batch, (tuple, list)) else ((batch,), {})
-        token = as_micro_batch(inputs, kwargs)  # from the loader's tensors, before the copy (token_layout's note)
-        if token is not None:
-            out = self._forward(token.to(self.device), (), {})
-        else:
-            inputs, kwargs = to_device((inputs, kwargs), self.device)
-            out = self._forward(None, inputs, kwargs)
-        return out if split_loss(out) is not None else loss_of_output(out)
-
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Run one global batch (every micro-batch of this rank), step, and return the global mean loss."""
-        with self._together():
-            return self._train_batch(data_iter)
+        with self._phases.together():
+            if data_iter is None:
+                if self.training_dataloader is None:
+                    raise InvalidValueError("train_batch() needs data_iter= or training_data= passed to "
+                                            "initialize()")
+                data_iter = self.training_dataloader
+            if self.pipeline is not None:
+                return self._train_pipeline(data_iter)
+            return self._train_micro_batches(data_iter)
 
-    def _train_batch(self, data_iter=None) -> torch.Tensor:
-        if data_iter is None:
-            if self.training_dataloader is None:
-                raise InvalidValueError("train_batch() needs data_iter= or training_data= passed to initialize()")
-            data_iter = self.training_dataloader
-        if self.pipeline is not None:
-            return self._train_pipeline(data_iter)
+    def _train_micro_batches(self, data_iter) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.device)  # no host sync per micro-batch
         self._window_loss = None
         for _ in range(self.gradient_accumulation_steps()):
-            loss = self._run_micro_batch(next(data_iter))
+            loss = self._forward.run(next(data_iter))
             self.backward(loss)
             self.step()
             if self._window_loss is None and split_loss(loss) is None:  # (a (sum, count): the window's)
                 total += loss.detach().float()
         if self._window_loss is not None:  # token-weighted: the step's all-reduce already gave the global mean
             return self._window_loss
-        return self._mean_over_dp(total / self.gradient_accumulation_steps())
+        return mean_over_ranks(total / self.gradient_accumulation_steps(), self.mesh.axis("dp_cp"))
 
-    def _check_agreement(self, batches: list) -> None:
-        """The peers of this replica hold the same micro-batches (`data/agreement.py`): first steps, or always."""
-        mode = self.config.batch_agreement
-        if mode == "every_step" or (mode == "first_steps" and self.train_state.global_steps < FIRST_STEPS):
-            check_same_batches(batches, self.mesh, self.train_state.global_steps + 1, self.device)
+    def _train_pipeline(self, data_iter) -> torch.Tensor:
+        """A pipeline's whole step: every rank of a dp replica draws the same micro-batches; the first stage uses
+        the inputs, the last the targets. The runner accumulates the step's gradients and shares the
+        token-weighted loss over pp in its all-reduce; the update is the engine's as always."""
+        count = self.gradient_accumulation_steps()
+        batches = [self._forward.pipeline_batch(next(data_iter)) for _ in range(count)]
+        self._forward.check_agreement(batches)
+        if self.objective is not None:  # the reference log-probs the batches lack: a forward-only pass first
+            self.objective.prepare_pipeline(batches)
+        unit = self._window.set_unit(target_positions(batches[0]), count)
+        with self._phases.timed("pipeline"):
+            losses = self.pipeline.train_step(batches, unit)
+        grad_scale = 1.0
+        if losses.token_weighted:  # every pp rank holds the step's sums: one count exchange over dp x cp
+            self._window.add(losses.total, losses.weight)
+            mean, grad_scale, self._objective_metrics = self._window.finish(losses.extra)
+        else:
+            mean = mean_over_ranks(losses.mean.to(self.device), self.mesh.axis("dp_cp"))
+        self._window.reset()
+        self._reporter.record_loss(mean)
+        with self._phases.timed("step"):
+            self._optimizer_update(grad_scale)
+        self.train_state.micro_steps += count
+        self.train_state.global_samples += self.train_micro_batch_size_per_gpu() * self.mesh.size("dp") * count
+        self._reporter.after_step(self)
+        self._checkpoints.save_if_due()
+        return mean
+
+    # ---- evaluation and generation (engine/evaluation.py, engine/generation.py) ----------------------
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> torch.Tensor:
+        """Mean loss over `num_micro_batches` (default: gradient_accumulation_steps) without updating.
+        DeepSpeed's PipelineEngine signature; only its defaults are supported (the loss, averaged)."""
+        check_eval_arguments(return_logits, compute_loss, reduce_output, bcast_loss)
+        return self._evaluator.eval_batch(data_iter, num_micro_batches)
+
+    def evaluate(self, data, max_batches: int | None = None, collate_fn=None) -> torch.Tensor:
+        """The loss over a whole dataset without updating: sum of every target token's loss / number of target
+        tokens over all rows (one process's number, in every layout; engine/evaluation.py's note), or the
+        objective's over its unit (pairs for dpo; its metrics then in `evaluation_metrics()`). `data`: rows (a
+        map-style Dataset or a list: each rank takes its data-parallel share, micro_batch rows at a time, collated
+        by `collate_fn` (default: the training loader's), the tail padded with masked rows) or an iterable of this
+        rank's micro-batches (a DataLoader). `max_batches`: at most this many micro-batches per rank. The model
+        returns to the mode it was in."""
+        return self._evaluator.evaluate(data, max_batches, collate_fn)
+
+    def evaluation_metrics(self) -> dict[str, float]:
+        """The last evaluation's objective metrics over its whole data (TRL's names: rewards/accuracies, ...;
+        the trainer logs them as eval/...); one host read. Empty for next-token loss."""
+        return self._evaluator.metrics()
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """The prompts followed by the generated tokens, (b, prompt + new), as transformers' `generate` returns
+        them for a decoder-only model (left-padded prompts; a finished row continues with `pad_token_id`).
+        Call it on every rank with the same arguments (a collective in tensor, expert and ZeRO-3 layouts)."""
+        settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                                      pad_token_id, use_cache)
+        return self._generator.generate(input_ids, attention_mask, settings, generator)
+
+    # ---- checkpoints and weights (engine/checkpoints.py, engine/weights.py) ---------------------------
+    def checkpoint_target(self, states: bool = True, lr_scheduler: bool = True):
+        """The model, optimizer and stateful objects a checkpoint saves or loads (without `states`: the model
+        and optimizer only)."""
+        return self._checkpoints.target(states, lr_scheduler)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool | None = None) -> bool:
+        """Save everything needed to continue exactly (collective). `tag` defaults to global_step{N};
+        `exclude_frozen_parameters` to the config's checkpoint.exclude_frozen_parameters."""
+        self._checkpoints.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load a checkpoint saved under any layout (collective); returns (path, client_state), (None, None)
+        when `load_dir` holds none. `tag` defaults to the one the `latest` file names."""
+        return self._checkpoints.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only)
+
+    def load_weights(self, path, name_map=None, strict: bool = True) -> set[str]:
+        """Model weights only, from safetensors (file, directory, HF sharded) or a paratrain checkpoint; each rank
+        reads its slices (collective). `name_map`: {weights' name: model name}, or a function (None: skip). An
+        adapted model's base takes the names it has without adapters ("q_proj.weight" fills
+        "q_proj.base_layer.weight"); adapters the weights do not hold keep their values. Returns those names."""
+        return load_weights(self.parallel, self.mesh, self._adapter_tensors, path, name_map, strict)
+
+    def load_adapter(self, directory) -> None:
+        """An adapter directory's weights (peft's format: adapter_model.safetensors) into the model's adapters, each
+        rank reading its slices (collective); its adapter_config.json must describe the same adapters."""
+        load_adapter(self.parallel, self.mesh, self.adapters, directory)
+
+    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", dtype=None,
+                        merged: bool = False) -> None:
+        """The model as a directory `from_pretrained` loads (transformers' too): config files, safetensors
+        shards of at most `max_shard_size` (+ index), the tokenizer; from any layout (collective: a tensor at
+        a time, rank 0 writes, atomic). `dtype` ("bf16", torch.bfloat16): cast floating tensors (default fp32).
+        A model with adapters writes the adapter in peft's format (`PeftModel.from_pretrained` loads it), or,
+        `merged`, the model with every adapter folded into its base weight (`merge_peak_bytes`: what rank 0 held
+        at most for it, counted)."""
+        self._checkpoints.save_pretrained(save_directory, max_shard_size, dtype, merged, self.tokenizer)
+
+    @property
+    def merge_peak_bytes(self) -> int:
+        """Bytes rank 0 held at most for the last merged `save_pretrained` (0 before one)."""
+        return self._checkpoints.merge_peak_bytes
 
     # ---- changing the engine's state -----------------------------------------------------------
     def set_accumulation(self, steps: int) -> None:
@@ -346,5 +411,4 @@ class Engine(EngineCheckpoints, PipelineSteps, Evaluation, Generation, DeepSpeed
         if self.objective is not None:
             self.objective.destroy()
         self.mesh.destroy()
-        self.destroyed = True
-
+        self._phases.destroyed = True

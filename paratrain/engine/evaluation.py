@@ -1,7 +1,8 @@
 """The engine's evaluation and its means over ranks: `eval_batch` (DeepSpeed's PipelineEngine signature) runs
 micro-batches without updating and returns the loss averaged over every rank's target tokens (token-weighted)
 or over the ranks' means; `evaluate` does the same over a whole dataset, each rank reading its data-parallel
-share. A mixin of `Engine`, which owns everything used here.
+share. A part of the engine (`Evaluator`): it runs micro-batches through the step's `ForwardPass` and weighs them
+with the step's `LossWindow`, and changes neither.
 
 [Note: an exact mean over a dataset whose rows do not divide among the ranks]
 Every rank must run the same number of forwards (ZeRO-3 gathers, tensor-parallel reductions and a pipeline's
@@ -24,37 +25,65 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 
 import paratrain.comm as comm
-from paratrain.data.batch_check import BatchChecker
 from paratrain.data.datasets import default_collate
 from paratrain.data.micro_batch import IGNORE
-from paratrain.engine.deepspeed_api import check_eval_arguments
+from paratrain.engine.forward_pass import ForwardPass
+from paratrain.engine.objective_step import ObjectiveStep
+from paratrain.engine.phases import Phases
+from paratrain.engine.token_loss import LossWindow, mean_over_ranks
 from paratrain.errors import InvalidValueError
+from paratrain.layout.mesh import Mesh
 
 
-class Evaluation:
+class Evaluator:
+    def __init__(self, forward: ForwardPass, objective: ObjectiveStep | None, window: LossWindow, mesh: Mesh,
+                 device: torch.device, phases: Phases, accumulation: Callable[[], int], micro_batch_size: int,
+                 default_collate_fn: Callable | None):
+        self.forward, self.objective, self.window = forward, objective, window
+        self.parallel, self.mesh, self.device, self.phases = forward.parallel, mesh, device, phases
+        self.accumulation, self.micro_batch_size = accumulation, micro_batch_size
+        self.default_collate_fn = default_collate_fn or default_collate
+        self.sums: torch.Tensor | None = None  # the last evaluation's objective metric sums, reduced
+
     @torch.no_grad()
-    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: str = "avg", bcast_loss: bool = True,
-                   num_micro_batches: int | None = None) -> torch.Tensor:
-        """Mean loss over `num_micro_batches` (default: gradient_accumulation_steps) without updating.
-        DeepSpeed's PipelineEngine signature; only its defaults are supported (the loss, averaged)."""
-        check_eval_arguments(return_logits, compute_loss, reduce_output, bcast_loss)
-        with self._together(), self._metrics_apart():
-            return self._eval_batch(data_iter, num_micro_batches)
-
-    def _eval_batch(self, data_iter, num_micro_batches: int | None) -> torch.Tensor:
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            batches = [next(data_iter) for _ in range(num_micro_batches or self.gradient_accumulation_steps())]
+    def eval_batch(self, data_iter, num_micro_batches: int | None = None) -> torch.Tensor:
+        """Mean loss over `num_micro_batches` (default: gradient_accumulation_steps) without updating."""
+        with self.phases.together(), self._metrics_apart(), self._in_eval_mode():
+            batches = [next(data_iter) for _ in range(num_micro_batches or self.accumulation())]
             return self._mean_of(*self._evaluate_round(batches))
+
+    @torch.no_grad()
+    def evaluate(self, data, max_batches: int | None = None, collate_fn=None) -> torch.Tensor:
+        """`engine.evaluate` (its docstring says what it computes)."""
+        if max_batches is not None and max_batches < 1:
+            raise InvalidValueError(f"engine.evaluate(max_batches={max_batches}): pass a positive number of "
+                                    f"micro-batches per rank, or None for the whole dataset")
+        with self.phases.together(), self._metrics_apart(), self.forward.own_evaluation_checker(), \
+                self._in_eval_mode():
+            return self._evaluate(self._rank_share(data, collate_fn), max_batches)
+
+    def metrics(self) -> dict[str, float]:
+        """The last evaluation's objective metrics over its whole data; one host read. Empty for next-token loss."""
+        if self.objective is None or self.sums is None:
+            return {}
+        return self.objective.metrics.values(self.sums)
+
+    @contextmanager
+    def _in_eval_mode(self):
+        """The model in eval mode, and back in the mode it was in."""
+        module = self.parallel.module
+        was_training = module.training
+        module.eval()
+        try:
+            yield
         finally:
-            self.module.train(was_training)
+            module.train(was_training)
 
     def _mean_of(self, sums: torch.Tensor, token_weighted: bool) -> torch.Tensor:
         """An evaluation's mean from this rank's (loss sum, weight): over every rank's target tokens when
@@ -63,14 +92,14 @@ class Evaluation:
             extra = self.objective.take_metrics() if self.objective is not None else None
             both = sums if extra is None else torch.cat([sums, extra.to(sums.device, torch.float64)])
             comm.all_reduce(both, self.mesh.axis("dp_cp"), tag="metrics")
-            self._evaluation_sums = None if extra is None else both[2:]
+            self.sums = None if extra is None else both[2:]
             return (both[0] / both[1].clamp(min=1)).float()
-        return self._mean_over_dp((sums[0] / sums[1]).float())
+        return mean_over_ranks((sums[0] / sums[1]).float(), self.mesh.axis("dp_cp"))
 
     @contextmanager
     def _metrics_apart(self):
         """The objective's metric sums of the step in progress set aside while an evaluation runs (the note)."""
-        self._evaluation_sums = None
+        self.sums = None
         if self.objective is None:
             yield
             return
@@ -83,51 +112,15 @@ class Evaluation:
             self.objective.metrics.sums.copy_(kept)
             self.objective.head.train(head_training)
 
-    def evaluation_metrics(self) -> dict[str, float]:
-        """The last evaluation's objective metrics over its whole data (TRL's names: rewards/accuracies, ...;
-        the trainer logs them as eval/...); one host read. Empty for next-token loss."""
-        sums = getattr(self, "_evaluation_sums", None)
-        if self.objective is None or sums is None:
-            return {}
-        return self.objective.metrics.values(sums)
-
-    def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        axis = self.mesh.axis("dp_cp")
-        comm.all_reduce(value, axis, tag="metrics")
-        return value / axis.size
-
-    @torch.no_grad()
-    def evaluate(self, data, max_batches: int | None = None, collate_fn=None) -> torch.Tensor:
-        """The loss over a whole dataset without updating: sum of every target token's loss / number of target
-        tokens over all rows (one process's number, in every layout; see the note), or the objective's over its
-        unit (pairs for dpo; its metrics then in `evaluation_metrics()`). `data`: rows (a map-style Dataset or a
-        list: each rank takes its data-parallel share, micro_batch rows at a time, collated by `collate_fn` (default:
-        the training loader's), the tail padded with masked rows) or an iterable of this rank's micro-batches (a
-        DataLoader). `max_batches`: at most this many micro-batches per rank. The model returns to the mode it was
-        in."""
-        if max_batches is not None and max_batches < 1:
-            raise InvalidValueError(f"engine.evaluate(max_batches={max_batches}): pass a positive number of "
-                                    f"micro-batches per rank, or None for the whole dataset")
-        with self._together(), self._metrics_apart():
-            was_training, checker = self.module.training, self._check_eval_batch
-            # a dataset's micro-batches are compared with its own first one, not with another dataset's
-            self._check_eval_batch = BatchChecker(self.config.batch_check, "evaluation")
-            self.module.eval()
-            try:
-                return self._evaluate(self._rank_share(data, collate_fn), max_batches)
-            finally:
-                self.module.train(was_training)
-                self._check_eval_batch = checker
-
     def _rank_share(self, data, collate_fn=None):
         """This rank's micro-batches: rows split as the training sampler splits them (micro-step j of dp rank r
         takes rows [(j·dp + r)·micro, ... + micro)), or the iterable as given."""
         if not _is_rows(data):
             return iter(data)
-        collate = collate_fn or getattr(self.training_dataloader, "collate_fn", None) or default_collate
+        collate = collate_fn or self.default_collate_fn
         if len(data) == 0:
             raise InvalidValueError("engine.evaluate got a dataset of 0 rows; pass at least one row")
-        micro, dp, rank = self.train_micro_batch_size_per_gpu(), self.mesh.size("dp"), self.mesh.local_rank("dp")
+        micro, dp, rank = self.micro_batch_size, self.mesh.size("dp"), self.mesh.local_rank("dp")
         rounds = math.ceil(len(data) / (micro * dp))
         return (collate([data[i] if i < len(data) else _masked(data[0])
                                  for i in range((j * dp + rank) * micro, (j * dp + rank + 1) * micro)])
@@ -136,7 +129,8 @@ class Evaluation:
     def _evaluate(self, batches, max_batches: int | None) -> torch.Tensor:
         """Rounds of micro-batches (a pipeline's: one schedule of gradient_accumulation_steps of them) until
         every rank's share is spent; a rank with fewer runs masked copies (the note)."""
-        round_size = self.gradient_accumulation_steps() if self.pipeline is not None else 1
+        pipeline = self.parallel.pipeline is not None
+        round_size = self.accumulation() if pipeline else 1
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, weight)
         weighted, template, taken = False, None, 0
         while max_batches is None or taken < max_batches:
@@ -150,7 +144,7 @@ class Evaluation:
             if template is None:
                 raise InvalidValueError("engine.evaluate: this rank's data gave no micro-batch while another "
                                         "rank's did; give every rank at least one micro-batch (or pass rows)")
-            padded = own + [_masked(template)] * ((round_size if self.pipeline is not None else int(most)) - len(own))
+            padded = own + [_masked(template)] * ((round_size if pipeline else int(most)) - len(own))
             part, token = self._evaluate_round(padded)
             sums += part
             weighted |= token
@@ -159,27 +153,29 @@ class Evaluation:
 
     def _evaluate_round(self, batches: list) -> tuple[torch.Tensor, bool]:
         """(loss sum, weight) of one round on this rank, and whether it is token-weighted."""
-        if self.pipeline is not None:
-            batches = [self._pipeline_batch(b, self._check_eval_batch) for b in batches]
-            # a pipeline step takes the objective's metric sums (its step_extras, summed over pp): those of the
-            # rounds so far are kept apart and put back with this round's
-            so_far = self.objective.take_metrics() if self.objective is not None else None
-            if self.objective is not None:  # the reference log-probs the batches lack, as in training
-                self.objective.prepare_pipeline(batches)
-            losses = self.pipeline.eval_step(batches)
-            if so_far is not None:
-                self.objective.metrics.sums += so_far + (0 if losses.extra is None else losses.extra.to(so_far))
-            part = torch.stack([losses.total, losses.weight]).to(self.device, torch.float64)
-            return part, losses.token_weighted
+        if self.parallel.pipeline is not None:
+            return self._pipeline_round(batches)
         part = torch.zeros(2, dtype=torch.float64, device=self.device)
         token = False
         for batch in batches:
-            loss = self._run_micro_batch(batch)
-            micro, self._last_batch = self._last_batch, None
-            one, token = self._window.evaluate(loss, micro)
+            loss = self.forward.run(batch)
+            one, token = self.window.evaluate(loss, self.forward.take_last())
             # a micro-batch of masked rows has no target: some models' mean over none is NaN (0 / 0)
             part += torch.where(one[1] > 0, one, torch.zeros_like(one)) if token else one
         return part, token
+
+    def _pipeline_round(self, batches: list) -> tuple[torch.Tensor, bool]:
+        batches = [self.forward.pipeline_batch(b) for b in batches]
+        # a pipeline step takes the objective's metric sums (its step_extras, summed over pp): those of the
+        # rounds so far are kept apart and put back with this round's
+        so_far = self.objective.take_metrics() if self.objective is not None else None
+        if self.objective is not None:  # the reference log-probs the batches lack, as in training
+            self.objective.prepare_pipeline(batches)
+        losses = self.parallel.pipeline.eval_step(batches)
+        if so_far is not None:
+            self.objective.metrics.sums += so_far + (0 if losses.extra is None else losses.extra.to(so_far))
+        part = torch.stack([losses.total, losses.weight]).to(self.device, torch.float64)
+        return part, losses.token_weighted
 
 
 def _is_rows(data) -> bool:

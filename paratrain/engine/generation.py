@@ -1,5 +1,5 @@
-"""`engine.generate`: transformers' decoding from the model in its training layout, on every rank. A mixin
-of `Engine`, which owns everything used here.
+"""`engine.generate`: transformers' decoding from the model in its training layout, on every rank. A part of the
+engine (`Generator`), given the parallel model, the mesh and the phases it runs in.
 
 Every rank runs the same prompts through its part of the model (the forward of training, in eval mode and
 without gradients), so every rank computes the same logits and chooses the same tokens: data-parallel ranks
@@ -20,64 +20,56 @@ import torch
 
 import paratrain.comm as comm
 from paratrain.attention import Documents
+from paratrain.engine.forward_pass import vocab_parallel_loss
+from paratrain.engine.phases import Phases
 from paratrain.errors import RunError
 from paratrain.generation import GenerationSettings, decode
+from paratrain.layout.mesh import Mesh
 from paratrain.parallel.pp.decode import pipeline_logits
 from paratrain.parallel.tp.loss import VocabParallelCrossEntropy
 
 
-class Generation:
+class Generator:
+    def __init__(self, parallel, mesh: Mesh, device: torch.device, sequence_parallel: bool, phases: Phases):
+        self.parallel, self.mesh, self.device, self.phases = parallel, mesh, device, phases
+        # sequence parallelism splits each forward's tokens over tp: a multiple of tp per forward
+        tp = mesh.size("tp")
+        self.tokens_per_forward = tp if tp > 1 and sequence_parallel else 1
+
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> torch.Tensor:
-        """The prompts followed by the generated tokens, (b, prompt + new), as transformers' `generate` returns
-        them for a decoder-only model (left-padded prompts; a finished row continues with `pad_token_id`).
-        Call it on every rank with the same arguments (a collective in tensor, expert and ZeRO-3 layouts)."""
-        settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-                                      pad_token_id, use_cache)
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 settings: GenerationSettings, generator: torch.Generator | None) -> torch.Tensor:
+        """`engine.generate`'s result (its arguments gathered in `settings`)."""
         settings.check()
-        self._check_generation_layout()
-        with self._together():
+        self._check_layout()
+        module = self.parallel.module
+        with self.phases.together():
             ids = input_ids.to(self.device)
             mask = attention_mask.to(self.device) if attention_mask is not None else None
-            was_training = self.module.training
-            self.module.eval()
+            was_training = module.training
+            module.eval()
             try:
-                logits_of = partial(self._logits_of, self._vocab_parallel_loss())  # found once per call
-                with self.grad_sync.gathered_for_inference():
-                    return decode(logits_of, self.module, ids, mask, settings, generator,
-                                  multiple=self._tokens_per_forward())
+                logits_of = partial(self._logits_of, vocab_parallel_loss(self.parallel))  # found once per call
+                with self.parallel.grad_sync.gathered_for_inference():
+                    return decode(logits_of, module, ids, mask, settings, generator, multiple=self.tokens_per_forward)
             finally:
-                self.module.train(was_training)
+                module.train(was_training)
 
-    def _check_generation_layout(self) -> None:
+    def _check_layout(self) -> None:
         if self.mesh.size("cp") > 1:
             raise RunError(f"engine.generate under context_parallel.size = {self.mesh.size('cp')}: its attention "
                            f"cores hold chunks of each row, which a token-by-token decode does not have; generate "
                            f"from a layout without context parallelism (save, then load the checkpoint there)")
 
-    def _tokens_per_forward(self) -> int:
-        """Sequence parallelism splits each forward's tokens over tp: a multiple of tp per forward."""
-        tp = self.mesh.size("tp")
-        return tp if tp > 1 and self.config.tensor_parallel.sequence_parallel else 1
-
     def _logits_of(self, vocab_loss: VocabParallelCrossEntropy | None, ids: torch.Tensor, positions: torch.Tensor,
                    documents: Documents | None) -> torch.Tensor:
         """The full-vocabulary logits (b, s, V) of the model in its layout, on every rank."""
         whole = partial(_whole_vocabulary, vocab_loss)
-        if self.pipeline is not None:  # the stages in order, the last one's logits on every pp rank
-            return pipeline_logits(self.pipeline, ids, positions, documents, whole)
+        if self.parallel.pipeline is not None:  # the stages in order, the last one's logits on every pp rank
+            return pipeline_logits(self.parallel.pipeline, ids, positions, documents, whole)
         extra = {"documents": documents} if documents is not None else {}
-        logits = self.module(ids, position_ids=positions, **extra)
+        logits = self.parallel.module(ids, position_ids=positions, **extra)
         return whole(getattr(logits, "logits", logits))
-
-    def _vocab_parallel_loss(self) -> VocabParallelCrossEntropy | None:
-        """The vocab-parallel loss when the head's logits stay split over tp (it knows the vocabulary's size)."""
-        modules = [*self.module.modules(), *([self.pipeline.loss_fn] if self.pipeline is not None else [])]
-        return next((m for m in modules if isinstance(m, VocabParallelCrossEntropy)), None)
 
 
 def _whole_vocabulary(loss: VocabParallelCrossEntropy | None, logits: torch.Tensor) -> torch.Tensor:

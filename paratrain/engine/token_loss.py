@@ -137,3 +137,9 @@ def target_positions(batch) -> int:
     targets = batch.targets if isinstance(batch, MicroBatch) else batch[1] if isinstance(batch, (tuple, list)) \
         else None
     return targets.numel() if isinstance(targets, torch.Tensor) else 1
+
+
+def mean_over_ranks(value: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """The mean of each rank's `value` over `axis` (the ranks' means, for a loss that is not token-weighted)."""
+    comm.all_reduce(value, axis, tag="metrics")
+    return value / axis.size
