@@ -59,7 +59,7 @@ from paratrain.engine.train_state import RandomState, TrainState
 from paratrain.engine.update import OptimizerUpdate
 from paratrain.engine.weights import fill_initial_values, fill_reference, load_adapter, load_weights
 from paratrain.errors import InvalidValueError, RunError
-from paratrain.generation import GenerationSettings
+from paratrain.generation import GenerationSettings, Rollout
 from paratrain.init.replay import return_freed_heap, template_of
 from paratrain.layout.mesh import Mesh
 from paratrain.objectives import NextToken, Objective, build_objective
@@ -339,6 +339,18 @@ class Engine(DeepSpeedEngineAPI):
         settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                                       pad_token_id, use_cache)
         return self._generator.generate(input_ids, attention_mask, settings, generator)
+
+    def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor | None, keys: torch.Tensor,
+                max_new_tokens: int = 20, do_sample: bool = True, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                pad_token_id: int | None = None, use_cache: bool = True) -> Rollout:
+        """Completions of this rank's prompts (left-padded; each data-parallel replica its own, its tp, pp and cp
+        peers the same), for training on them: each row sampled by its key (`paratrain.generation.rollout_keys`:
+        seed, step, global prompt index, generation index), so every layout draws the same completions; with the
+        log-probs the sampler used, which training recomputes (TRL's `old_per_token_logps`). Collective."""
+        settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                                      pad_token_id, use_cache)
+        return self._generator.rollout(prompt_ids, prompt_mask, keys, settings, self.global_steps + 1)
 
     # ---- checkpoints and weights (engine/checkpoints.py, engine/weights.py) ---------------------------
     def checkpoint_target(self, states: bool = True, lr_scheduler: bool = True):

@@ -20,10 +20,11 @@ import torch
 
 import paratrain.comm as comm
 from paratrain.attention import Documents
+from paratrain.data.agreement import check_same_batches
 from paratrain.engine.forward_pass import vocab_parallel_loss
 from paratrain.engine.phases import Phases
 from paratrain.errors import RunError
-from paratrain.generation import GenerationSettings, decode
+from paratrain.generation import GenerationSettings, Rollout, decode, decode_rollout
 from paratrain.layout.mesh import Mesh
 from paratrain.parallel.pp.decode import pipeline_logits
 from paratrain.parallel.tp.loss import VocabParallelCrossEntropy
@@ -54,6 +55,43 @@ class Generator:
                     return decode(logits_of, module, ids, mask, settings, generator, multiple=self.tokens_per_forward)
             finally:
                 module.train(was_training)
+
+    @torch.no_grad()
+    def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor | None, keys: torch.Tensor,
+                settings: GenerationSettings, step: int) -> Rollout:
+        """`engine.rollout`: this rank's prompts (its replica's: the same on its tp, pp and cp peers, checked),
+        each row drawn by its key; ranks whose forwards meet across prompts (expert parallelism) stop together."""
+        settings.check()
+        self._check_layout()
+        module = self.parallel.module
+        with self.phases.together():
+            ids, keys = prompt_ids.to(self.device), keys.to(self.device)
+            mask = prompt_mask.to(self.device) if prompt_mask is not None else None
+            check_same_batches([(ids, mask if mask is not None else ids, keys)], self.mesh, step, self.device)
+            was_training = module.training
+            module.eval()
+            try:
+                logits_of = partial(self._logits_of, vocab_parallel_loss(self.parallel))
+                with self.parallel.grad_sync.gathered_for_inference():
+                    decoded = decode_rollout(logits_of, module, ids, mask, settings, keys,
+                                             multiple=self.tokens_per_forward, all_finished=self._all_finished())
+            finally:
+                module.train(was_training)
+        return Rollout.of(decoded, ids.shape[1], settings.eos_ids)
+
+    def _all_finished(self):
+        """Expert parallelism's all-to-all meets ranks of other replicas at every forward: they agree to stop (one
+        all-reduce of a flag per token); elsewhere a replica's ranks decide alike from the same logits."""
+        if self.mesh.size("ep") == 1:
+            return None
+        axis = self.mesh.axis("ep")
+
+        def agreed(done: bool) -> bool:
+            flag = torch.tensor([1 if done else 0], dtype=torch.int64, device=self.device)
+            comm.all_reduce(flag, axis, op="min", tag="generate")
+            return bool(flag.item())
+
+        return agreed
 
     def _check_layout(self) -> None:
         if self.mesh.size("cp") > 1:

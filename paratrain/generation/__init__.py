@@ -1,8 +1,10 @@
 """Generation from a model in its training layout: a KV cache that lives in the attention cores, token
-choice (greedy, sampling), and the decoding loop (docs/evaluation.md)."""
+choice (greedy, sampling, keyed sampling for rollouts), and the decoding loop (docs/evaluation.md)."""
 
 from paratrain.generation.kv_cache import DecodeRows, KVCache, kv_caches
-from paratrain.generation.loop import GenerationSettings, decode
-from paratrain.generation.sampling import next_tokens
+from paratrain.generation.loop import Decoded, GenerationSettings, decode, decode_rollout
+from paratrain.generation.rollout import Rollout, rollout_keys
+from paratrain.generation.sampling import keyed_next_tokens, keyed_uniform, next_tokens
 
-__all__ = ["DecodeRows", "GenerationSettings", "KVCache", "decode", "kv_caches", "next_tokens"]
+__all__ = ["Decoded", "DecodeRows", "GenerationSettings", "KVCache", "Rollout", "decode", "decode_rollout",
+           "keyed_next_tokens", "keyed_uniform", "kv_caches", "next_tokens", "rollout_keys"]

@@ -17,7 +17,7 @@ from torch import nn
 from paratrain.attention import PADDING, Documents
 from paratrain.errors import InvalidValueError
 from paratrain.generation.kv_cache import DecodeRows, kv_caches
-from paratrain.generation.sampling import next_tokens
+from paratrain.generation.sampling import keyed_next_tokens, next_tokens
 
 Forward = Callable[[torch.Tensor, torch.Tensor, Documents | None], torch.Tensor]
 
@@ -85,16 +85,56 @@ def _pad_to_multiple(ids, positions, documents, multiple: int):
             torch.cat([documents, torch.full((b, extra), PADDING, dtype=documents.dtype, device=ids.device)], 1))
 
 
+Choose = Callable[[torch.Tensor, int], torch.Tensor]  # (last logits (b, V), token index) -> (b,) tokens
+
+
+@dataclass
+class Decoded:
+    ids: torch.Tensor  # (b, prompt + new): the prompts followed by the generated tokens
+    log_probs: torch.Tensor  # (b, new) fp32 log p of each generated token under logits / temperature, unwarped
+
+
 def decode(forward: Forward, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
            settings: GenerationSettings, generator: torch.Generator | None = None, multiple: int = 1) -> torch.Tensor:
     """The prompts followed by up to max_new_tokens tokens per row: (b, prompt + generated)."""
+    def choose(last: torch.Tensor, index: int) -> torch.Tensor:
+        return next_tokens(last, settings.do_sample, settings.temperature, settings.top_k, settings.top_p, generator)
+
+    return _decode(forward, module, input_ids, attention_mask, settings, choose, multiple).ids
+
+
+def decode_rollout(forward: Forward, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   settings: GenerationSettings, keys: torch.Tensor, multiple: int = 1,
+                   all_finished: Callable[[bool], bool] | None = None) -> Decoded:
+    """A rollout: each row's tokens drawn by its key (`sampling.keyed_next_tokens`; greedy without do_sample), with
+    the log-probs training recomputes (TRL's: the logits divided by the temperature, before top-k and top-p).
+    `all_finished(local)`: whether every rank that decodes together has finished (ranks whose forwards are
+    collectives across different prompts, expert parallelism's, must stop at the same token)."""
+    if keys.dim() != 2 or keys.shape[0] != input_ids.shape[0]:
+        raise InvalidValueError(f"a rollout takes one key row per prompt row: keys of shape {tuple(keys.shape)} for "
+                                f"{input_ids.shape[0]} prompts")
+
+    def choose(last: torch.Tensor, index: int) -> torch.Tensor:
+        if not settings.do_sample:
+            return last.float().argmax(dim=-1)
+        return keyed_next_tokens(last, keys.to(last.device), index, settings.temperature, settings.top_k,
+                                 settings.top_p)
+
+    return _decode(forward, module, input_ids, attention_mask, settings, choose, multiple, all_finished,
+                   with_log_probs=True)
+
+
+def _decode(forward: Forward, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            settings: GenerationSettings, choose: Choose, multiple: int,
+            all_finished: Callable[[bool], bool] | None = None, with_log_probs: bool = False) -> Decoded:
     documents, positions = prompt_layout(input_ids, attention_mask)
     out, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     eos = torch.tensor(settings.eos_ids, dtype=input_ids.dtype, device=input_ids.device)
     rows = DecodeRows(documents[:, :0])
     chunk = (input_ids, positions, documents)  # what the next forward brings (cached: only the new tokens)
+    log_probs: list[torch.Tensor] = []
     with kv_caches(module, rows) if settings.use_cache else nullcontext():
-        for _ in range(settings.max_new_tokens):
+        for index in range(settings.max_new_tokens):
             ids, pos, docs = _pad_to_multiple(*chunk, multiple)
             if settings.use_cache:
                 rows.extend(docs)
@@ -103,15 +143,17 @@ def decode(forward: Forward, module: nn.Module, input_ids: torch.Tensor, attenti
             else:
                 logits = forward(ids, pos, Documents(docs) if bool((docs == PADDING).any()) else None)
             last = logits[:, chunk[0].shape[1] - 1]
-            token = next_tokens(last, settings.do_sample, settings.temperature, settings.top_k, settings.top_p,
-                                generator)
-            token = torch.where(finished, settings.pad_id, token)
+            token = torch.where(finished, settings.pad_id, choose(last, index))
+            if with_log_probs:
+                scaled = last.float() / settings.temperature
+                log_probs.append(scaled.log_softmax(dim=-1).gather(1, token[:, None]).squeeze(1))
             out = torch.cat([out, token[:, None]], dim=1)
             if eos.numel():
                 finished |= torch.isin(token, eos)
-                if bool(finished.all()):
+                done = bool(finished.all())
+                if all_finished(done) if all_finished is not None else done:
                     break
             new = (token[:, None], chunk[1][:, -1:] + 1, torch.zeros_like(chunk[2][:, -1:]))
             chunk = new if settings.use_cache else tuple(torch.cat([a, b], 1) for a, b in zip(chunk, new))
-    return out
-
+    new_log_probs = torch.stack(log_probs, dim=1) if log_probs else out.new_zeros((out.shape[0], 0), dtype=torch.float)
+    return Decoded(out, new_log_probs)

@@ -9,6 +9,10 @@ normalised globally, over the whole optimizer step's batch (TRL divides per micr
     dapo, bnpo   sum of l_t over every completion token / the number of completion tokens
     grpo         mean over completions of (sum of l_t over its tokens / its length)
     dr_grpo      sum of l_t / (completions · max_completion_length)
+
+`logprob_mismatch` (logged when the batch carries `old_per_token_logps`): the mean |log p - log p_old| over the
+completion tokens, which is 0 up to rounding on the first update of a rollout batch when training recomputes what
+the sampler computed (`engine.rollout`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ OLD, REFERENCE = "old_per_token_logps", "ref_per_token_logps"
 class GRPO(Objective):
     name = "grpo"
     needs_entropy = True
-    metric_names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
+    metric_names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy",
+                    "logprob_mismatch")
 
     def __init__(self, settings: ObjectiveConfig):
         self.loss_type = settings.loss_types[0]
@@ -52,6 +57,8 @@ class GRPO(Objective):
         capped = ratio if self.delta is None else torch.clamp(ratio, max=self.delta)
         per_token = -torch.min(capped * advantages, clipped * advantages)
         metrics = self._clip_metrics(lp, ratio.detach(), advantages)
+        if OLD in batch.tokens:  # the sampler's log-probs against training's: 0 where the layouts are exact
+            metrics["logprob_mismatch"] = (lp.token_sum((logps.detach() - old).abs()).double(), lp.token_count())
         if self.beta != 0.0:
             ref = batch.tokens[REFERENCE].to(logps.dtype)
             kl = torch.exp(ref - logps) - (ref - logps) - 1
