@@ -1,0 +1,123 @@
+"""One online GRPO step in the training layout: rollouts of this rank's prompts, rewards gathered over the
+data-parallel ranks, group advantages of the global batch, and `num_iterations` updates on the same rollouts.
+
+    step = GRPOStep(engine, RewardFunctions.named(["rewards.py:correct"]), GRPOSettings(num_generations=4, ...))
+    result = step(prompt_ids, prompt_mask, prompt_index, prompts=texts, columns={"answer": [...]})
+
+Nothing in it depends on the layout: a rollout's tokens are a function of (seed, step, global prompt index,
+generation index) (`engine.rollout`), the rewards and advantages are the global batch's, and the objective is
+normalised by global counts. Each data-parallel replica passes its own prompts, dealt by the caller (the global
+prompt index says which); the ranks of one replica pass the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import paratrain.comm as comm
+from paratrain.errors import InvalidValueError
+from paratrain.generation import Rollout, rollout_keys
+from paratrain.rl import RewardFunctions, group_advantages
+
+
+@dataclass
+class GRPOSettings:
+    """TRL's names and defaults (GRPOConfig), except max_completion_length's (TRL: 512)."""
+
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    num_iterations: int = 1
+    scale_rewards: str = "group"
+    seed: int = 0
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int = 0
+
+
+@dataclass
+class GRPOResult:
+    losses: list[float]  # one per update (num_iterations of them)
+    grad_norms: list[float]  # the global gradient norm before clipping, per update
+    rollout: Rollout  # this rank's completions
+    rewards: torch.Tensor  # (global rows,) weighted rewards, NaN where nothing scored
+    advantages: torch.Tensor  # (this rank's rows,)
+    metrics: dict[str, float] = field(default_factory=dict)  # TRL's names
+
+
+class GRPOStep:
+    def __init__(self, engine, rewards: RewardFunctions, settings: GRPOSettings,
+                 decode_text: Callable[[list[int]], str] | None = None):
+        self.engine, self.rewards, self.settings, self.decode_text = engine, rewards, settings, decode_text
+        if engine.objective is None or engine.objective.objective.name != "grpo":
+            raise InvalidValueError("a GRPO step trains the grpo objective: set objective.type to \"grpo\"")
+
+    def __call__(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
+                 prompts: list | None = None, columns: dict[str, list] | None = None) -> GRPOResult:
+        s, engine = self.settings, self.engine
+        generations = s.num_generations
+        rows = prompt_ids.shape[0] * generations
+        self._check_rows(rows)
+        ids, mask = prompt_ids.repeat_interleave(generations, 0), prompt_mask.repeat_interleave(generations, 0)
+        keys = rollout_keys(s.seed, engine.global_steps, torch.as_tensor(prompt_index).repeat_interleave(generations),
+                            torch.arange(generations).repeat(prompt_ids.shape[0]))
+        rollout = engine.rollout(ids, mask, keys, max_new_tokens=s.max_completion_length, temperature=s.temperature,
+                                 top_k=s.top_k, top_p=s.top_p, eos_token_id=s.eos_token_id,
+                                 pad_token_id=s.pad_token_id)
+        rollout = Rollout(*(t.cpu() for t in (rollout.completion_ids, rollout.completion_mask, rollout.log_probs)))
+        rollout = rollout.padded(s.max_completion_length)
+        scored = self._rewards(rollout, prompts, columns, generations)
+        advantage = group_advantages(scored, self.rewards.weights, self.rewards.names, generations, s.scale_rewards)
+        dp, rank = engine.mesh.size("dp"), engine.mesh.local_rank("dp")
+        mine = advantage.advantages[rank * rows:(rank + 1) * rows]
+        batches = self._micro_batches(rollout.to_batch(ids, mask, mine))
+        losses, norms, metrics = [], [], dict(advantage.metrics)
+        for iteration in range(s.num_iterations):
+            losses.append(float(engine.train_batch(iter(batches))))
+            norms.append(engine.get_global_grad_norm())
+            step_metrics = engine.objective_metrics()
+            if iteration == 0 and "logprob_mismatch" in step_metrics:  # the first update recomputes the sampler's
+                metrics["logprob_mismatch"] = step_metrics.pop("logprob_mismatch")
+            metrics.update({k: v for k, v in step_metrics.items() if k != "logprob_mismatch"})
+        metrics.update(self._completion_metrics(rollout, dp))
+        return GRPOResult(losses, norms, rollout, advantage.rewards, mine, metrics)
+
+    def _check_rows(self, rows: int) -> None:
+        engine = self.engine
+        expected = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
+        if rows != expected:
+            raise InvalidValueError(f"a GRPO step of {rows // self.settings.num_generations} prompts x "
+                                    f"num_generations {self.settings.num_generations} = {rows} completions per "
+                                    f"data-parallel rank, but train_micro_batch_size_per_gpu x "
+                                    f"gradient_accumulation_steps is {expected}: they must be equal (each micro-batch "
+                                    f"counts completions, as TRL's per_device_train_batch_size)")
+
+    def _rewards(self, rollout: Rollout, prompts, columns, generations: int) -> torch.Tensor:
+        completion_ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        texts = [self.decode_text(c) for c in completion_ids] if self.decode_text is not None else completion_ids
+        repeated = [p for p in (prompts or [None] * (len(completion_ids) // generations)) for _ in range(generations)]
+        extra = {name: [v for v in values for _ in range(generations)] for name, values in (columns or {}).items()}
+        return self.rewards.score(repeated, texts, completion_ids, extra, self.engine.mesh.axis("dp"))
+
+    def _micro_batches(self, batch: dict) -> list[dict]:
+        size = self.engine.train_micro_batch_size_per_gpu()
+        rows = batch["completion_ids"].shape[0]
+        return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+    def _completion_metrics(self, rollout: Rollout, dp: int) -> dict[str, float]:
+        """TRL's completions/mean_length and completions/clipped_ratio (the share that ended without an end token)
+        over the global batch (one all-reduce)."""
+        mask = rollout.completion_mask.bool()
+        eos = self.settings.eos_token_id
+        ends = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        ended = (torch.isin(rollout.completion_ids, torch.tensor(ends, dtype=torch.long)) & mask).any(dim=1)
+        totals = torch.tensor([float(mask.sum()), float((~ended).sum()), float(mask.shape[0])], dtype=torch.float64,
+                              device=self.engine.device)
+        comm.all_reduce(totals, self.engine.mesh.axis("dp"), tag="metrics")
+        totals = totals.cpu()
+        return {"completions/mean_length": float(totals[0] / totals[2]),
+                "completions/clipped_ratio": float(totals[1] / totals[2])}
