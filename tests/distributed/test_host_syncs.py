@@ -63,8 +63,7 @@ def _device_copies():
     def on_host(*tensors):
         return all(t is None or (t.device.type == "cpu" and not getattr(t, "on_device", False)) for t in tensors)
 
-    with mock.patch("paratrain.engine.engine.to_device", move), \
-            mock.patch("paratrain.engine.pipeline_steps.to_device", move), \
+    with mock.patch("paratrain.engine.forward_pass.to_device", move), \
             mock.patch.object(micro_batch.MicroBatch, "to", move_micro_batch), \
             mock.patch.object(micro_batch, "on_host", on_host):
         yield
