@@ -21,14 +21,14 @@ log = logging.getLogger("paratrain")
 
 class Checkpoints:
     def __init__(self, parallel, optimizer: torch.optim.Optimizer, mesh: Mesh, device: torch.device, config,
-                 states: dict, random_state: RandomState, model_config, adapters, update: OptimizerUpdate):
+                 states: dict, random_state: RandomState, model_config, update: OptimizerUpdate):
         """`states`: the stateful objects saved once per job (train, lr_scheduler, loss_scaler; None: absent);
         `config`: the job's Config, which a checkpoint records; `update`: refuses to save what a nonfinite step
         reached."""
         self.parallel, self.optimizer, self.mesh, self.device = parallel, optimizer, mesh, device
         self.config, self.settings = config, config.checkpoint
         self.states = {name: state for name, state in states.items() if state is not None}
-        self.random_state, self.model_config, self.adapters, self.update = random_state, model_config, adapters, update
+        self.random_state, self.model_config, self.update = random_state, model_config, update
         self.merge_peak_bytes = 0
 
     @property
@@ -60,12 +60,14 @@ class Checkpoints:
         return load_checkpoint(target, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only)
 
-    def save_pretrained(self, save_directory, max_shard_size: int | str, dtype, merged: bool, tokenizer) -> None:
+    def save_pretrained(self, save_directory, max_shard_size: int | str, dtype, merged: bool, adapters,
+                        tokenizer) -> None:
+        """`adapters` and `tokenizer`: the engine's at the call (from_pretrained sets them after construction)."""
         dtype = compute_dtype(dtype) if isinstance(dtype, str) else dtype
-        if self.adapters is not None and not merged:
-            save_adapter(self.parallel, self.mesh, self.device, save_directory, self.adapters, dtype)
+        if adapters is not None and not merged:
+            save_adapter(self.parallel, self.mesh, self.device, save_directory, adapters, dtype)
             return
-        merger = Merger(merge_plan(self.parallel, self.mesh)) if self.adapters is not None else None
+        merger = Merger(merge_plan(self.parallel, self.mesh)) if adapters is not None else None
         save_pretrained(self.parallel, self.mesh, self.device, save_directory, self.model_config, tokenizer,
                         max_shard_size, dtype, merger)
         self.merge_peak_bytes = merger.peak_bytes if merger is not None else 0

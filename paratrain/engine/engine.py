@@ -138,7 +138,7 @@ class Engine(DeepSpeedEngineAPI):
         self._checkpoints = Checkpoints(self.parallel, self.optimizer, mesh, self.device, config,
                                         {"train": self.train_state, "lr_scheduler": self.lr_scheduler,
                                          "loss_scaler": self.loss_scaler}, self.random_state, self.model_config,
-                                        self.adapters, self._update)
+                                        self._update)
         loader_collate = getattr(self.training_dataloader, "collate_fn", None)
         self._evaluator = Evaluator(self._forward, self.objective, self._window, mesh, self.device, self._phases,
                                     self.train_state.accumulation, config.train_micro_batch_size_per_gpu,
@@ -392,7 +392,7 @@ class Engine(DeepSpeedEngineAPI):
         A model with adapters writes the adapter in peft's format (`PeftModel.from_pretrained` loads it), or,
         `merged`, the model with every adapter folded into its base weight (`merge_peak_bytes`: what rank 0 held
         at most for it, counted)."""
-        self._checkpoints.save_pretrained(save_directory, max_shard_size, dtype, merged, self.tokenizer)
+        self._checkpoints.save_pretrained(save_directory, max_shard_size, dtype, merged, self.adapters, self.tokenizer)
 
     @property
     def merge_peak_bytes(self) -> int:
