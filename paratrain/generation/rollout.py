@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paratrain.errors import InvalidValueError
 from paratrain.generation.loop import Decoded
 
 
@@ -36,7 +37,8 @@ class Rollout:
         that stopped at different lengths, or a length sequence parallelism divides."""
         extra = length - self.completion_ids.shape[1]
         if extra < 0:
-            raise ValueError(f"Rollout.padded({length}): the completions already have {self.completion_ids.shape[1]}")
+            raise InvalidValueError(f"Rollout.padded({length}): the completions already have "
+                                    f"{self.completion_ids.shape[1]} columns; pad to at least that many")
         pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731
         return Rollout(pad(self.completion_ids), pad(self.completion_mask), pad(self.log_probs))
 
