@@ -72,12 +72,38 @@ def _runs() -> dict:
     return {name: _run(layout) for name, layout in LAYOUTS.items()}
 
 
+def _one_rank_fails() -> str:
+    """A reward function that raises on data-parallel rank 1 only: every rank raises the error, naming it."""
+    import torch.distributed as dist
+
+    from paratrain.rl import RewardError, RewardFunctions
+
+    def flaky(prompts, completions, completion_ids, **columns):
+        if dist.get_rank() == 1:
+            raise KeyError("answer")
+        return [0.0] * len(completions)
+
+    from paratrain.layout.mesh import Axis
+
+    world = Axis("dp", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
+    try:
+        RewardFunctions([flaky]).score([None], [[1]], [[1]], {}, world)
+    except RewardError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * max(abs(b), 1e-3)
 
 
 def _same_rewards(a: list, b: list) -> bool:
     return all((math.isnan(x) and math.isnan(y)) or abs(x - y) <= 1e-6 for x, y in zip(a, b))
+
+
+def test_a_reward_that_fails_on_one_rank_stops_every_rank_with_its_name(world2):
+    messages = world2.run(_one_rank_fails)
+    assert all("data-parallel rank 1" in m and "'flaky'" in m and "KeyError" in m for m in messages), messages
 
 
 def test_a_grpo_step_is_the_same_run_in_every_layout(world2):
