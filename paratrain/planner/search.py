@@ -12,9 +12,13 @@ calls, then looked up:
   HSDP replicas (`hsdp_variants`)           zero > 0, dp, the mesh
   model states per stage (`stage_states`)   tp, pp, schedule, v, dp, cp, replicas, zero, precision, offload, ep,
                                             optimizer
-  activations, transient bytes per stage    the micro-batch, its split, the schedule, recompute, precision (and for
-                                            the transient buffers ZeRO-2/3 and ep): `activations_key`,
-                                            `transient_key`
+  a micro-batch's activation parts         mb, cp, tp, sp, the cp method, u, precision, recompute
+  (`memory.activation_parts`)
+  what each stage holds of them             pp, schedule, v, and m when pp > 1 (micro-batches in flight)
+  (`memory.stage_counts`)
+  transient terms (`memory.transient_bytes`)  ZeRO-2's unsharded gradient: tp, pp, schedule, v, ep, precision;
+                                            full recompute's layer: the parts without recompute; ZeRO-3's
+                                            gathered units: tp, ep, precision; the logits: mb, cp, tp, precision
   the slowest stage and its micro-batch     tp, pp, cp, schedule, v, recompute, sequence parallelism, micro_batch
   each source of transfers, timed           its own fields and the dims its axes name (`comm.TRANSFER_SOURCES`;
                                             tp, pp and cp groups do not change with dp, ep or the replicas)
@@ -46,7 +50,22 @@ from paratrain.planner.enumerate import (
 )
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import V_SCHEDULES, Layout, axis_name
-from paratrain.planner.memory import activation_bytes, memory_stages, stage_states, transient_bytes, with_states
+from paratrain.planner.memory import (
+    ActivationParts,
+    StageCounts,
+    activation_parts,
+    logits_bytes,
+    memory_stages,
+    recompute_bytes,
+    stage_activation_bytes,
+    stage_counts,
+    stage_states,
+    sum_transient,
+    unsharded_gradient_bytes,
+    uses_unsharded_gradient,
+    with_states,
+    zero3_gathered_bytes,
+)
 from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.step_time import micro_batch_seconds, slowest_stage, step_time, timed, update_seconds
 
@@ -66,11 +85,24 @@ class PartCosts:
             out.append((stage, states, states.states))
         return out
 
-    def activations(self, key: tuple, layout: Layout) -> list[float]:
-        return [activation_bytes(self.shape, layout, s, self.flash) for s in memory_stages(layout)]
+    def parts(self, key: tuple, layout: Layout) -> ActivationParts:
+        """The micro-batch's activation parts under the recompute policy `key[0]`."""
+        return activation_parts(self.shape, layout, self.flash, key[0])
 
-    def transient(self, key: tuple, layout: Layout) -> list[float]:
-        return [transient_bytes(self.shape, layout, s, self.flash) for s in memory_stages(layout)]
+    def counts(self, key: tuple, layout: Layout) -> list[StageCounts]:
+        return [stage_counts(self.shape, layout, s) for s in memory_stages(layout)]
+
+    def gradient(self, key: tuple, layout: Layout) -> list[float] | None:
+        """ZeRO-2's unsharded gradient per stage, where the pipeline's backwards are partial (else None)."""
+        if not uses_unsharded_gradient(layout):
+            return None
+        return [unsharded_gradient_bytes(self.shape, layout, s) for s in memory_stages(layout)]
+
+    def gathered(self, key: tuple, layout: Layout) -> float:
+        return zero3_gathered_bytes(self.shape, layout)
+
+    def logits(self, key: tuple, layout: Layout) -> float:
+        return logits_bytes(self.shape, layout)
 
     def micro_batch(self, key: tuple, layout: Layout) -> tuple[int, tuple[float, float]]:
         stage = slowest_stage(self.shape, layout)
@@ -93,41 +125,41 @@ class PartCosts:
 
 
 def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
-    """(peak bytes, the `MemoryEstimate` maker of the peak stage, the layout if it had to be built) of the layout
-    with fields `f`."""
+    """(peak bytes, the (states, activations, transient) of the peak stage, the layout if it had to be built) of
+    the layout with fields `f`: `estimate_memory`'s terms, each looked up by what it reads (the module's table)."""
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    memo = costs.memo
-    keys = (("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)),
-            ("activations", activations_key(f)),
-            ("transient", transient_key(f)))
-    parts = []
+    batch = (mb, cp, tp, sp, method, u, precision)
+    keys = [("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)),
+            ("parts", (recompute,) + batch), ("counts", (pp, schedule, v, m if pp > 1 else None))]
+    if zero == 2:  # ZeRO-2's unsharded gradient under partial backwards, per stage (None otherwise)
+        keys.append(("gradient", (tp, pp, schedule, v, ep, precision)))
+    if recompute == "full":
+        keys.append(("parts", ("none",) + batch))
+    if zero == 3:
+        keys.append(("gathered", (tp, ep, precision)))
+    keys.append(("logits", (mb, cp, tp, precision)))
+    memo, found = costs.memo, []
     for part, key in keys:
-        found = memo[part].get(key)
-        if found is None:
+        value = memo[part].get(key, memo)  # memo: not there yet (None is a value: no unsharded gradient)
+        if value is memo:
             layout = layout or Layout(*f)
-            found = memo[part][key] = getattr(costs, part)(key, layout)
-        parts.append(found)
+            value = memo[part][key] = getattr(costs, part)(key, layout)
+        found.append(value)
+    states, parts, counts = found[0], found[1], found[2]
+    rest = iter(found[3:])
+    gradient = next(rest) if zero == 2 else None
+    full = recompute_bytes(costs.shape, next(rest)) if recompute == "full" else None
+    gathered = next(rest) if zero == 3 else None
+    logits = next(rest)
     worst, peak = None, None
-    for states, act, trans in zip(*parts):
-        total = states[2] + act + trans  # MemoryEstimate.total
+    for i, (stage_states_, stage_count) in enumerate(zip(states, counts)):
+        act = stage_activation_bytes(stage_count, parts)
+        trans = sum_transient(gradient[i] if gradient is not None else None, full, gathered,
+                              logits if stage_count.head_flights is not None else None)
+        total = stage_states_[2] + act + trans  # MemoryEstimate.total
         if worst is None or total > worst:
-            worst, peak = total, (states, act, trans)
+            worst, peak = total, (stage_states_, act, trans)
     return worst, peak, layout
-
-
-def activations_key(f: tuple) -> tuple:
-    """What `activation_bytes` reads: the micro-batches in flight only in a pipeline."""
-    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    return pp, schedule, v, m if pp > 1 else None, recompute, precision, tp, sp, mb, cp, method, u
-
-
-def transient_key(f: tuple) -> tuple:
-    """What `transient_bytes` reads: ZeRO only as 'stage 2' or 'stage 3', recompute only as 'full', and the
-    sequence split only for the layer that full recompute rebuilds."""
-    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    full = recompute == "full"
-    return (pp, schedule, v, zero if zero >= 2 else 0, tp, ep, full, precision, mb, cp) + \
-        ((sp, method, u) if full else ())
 
 
 def evaluate_fitting(costs: PartCosts, f: tuple, layout: Layout, peak: tuple):
