@@ -19,10 +19,18 @@ calls, then looked up:
   transient terms (`memory.transient_bytes`)  ZeRO-2's unsharded gradient: tp, pp, schedule, v, ep, precision;
                                             full recompute's layer: the parts without recompute; ZeRO-3's
                                             gathered units: tp, ep, precision; the logits: mb, cp, tp, precision
-  the slowest stage and its micro-batch     tp, pp, cp, schedule, v, recompute, sequence parallelism, micro_batch
-  each source of transfers, timed           its own fields and the dims its axes name (`comm.TRANSFER_SOURCES`;
-                                            tp, pp and cp groups do not change with dp, ep or the replicas)
-  the optimizer update                      the states' fields but optimizer
+  "place" below: which blocks each pp rank holds and which holds the head, the V placement or the loop (for an
+  MoE model also v, whose dense blocks are counted per chunk); the schedule's name is read only by the bubble
+  the slowest stage and its micro-batch     tp, pp, cp, place, recompute, micro_batch (sp: MoE only)
+  each source of transfers, timed           its own fields and the dims its axes name (`comm.TRANSFER_SOURCES`):
+                                            data: dp, pp, cp, tp, ep, replicas, zero, place, ZeRO-2's partial
+                                            backwards, precision, optimizer (m under ZeRO-2/3; adapters: also
+                                            mb, sp, recompute); tp: recompute only as 'full'; cp: only as 'none';
+                                            pp: the chunks held (place, v). tp, pp and cp groups do not change
+                                            with dp, ep or the replicas, nor dp x cp's with the cp method
+  the micro-batch's path (`path_time`)      the micro-batch part, the sources with tp, cp, ep or pp transfers,
+                                            m, schedule, v (keyed by the identity of the cached parts)
+  the optimizer update                      the states' fields (place for schedule, v) but optimizer
 
 A key missing a field the part reads would give some layout another's cost, which the comparison below catches.
 Memory comes first and prunes: a layout that does not fit is never timed, nor built. The result is the exhaustive
@@ -67,7 +75,16 @@ from paratrain.planner.memory import (
     zero3_gathered_bytes,
 )
 from paratrain.planner.model_shape import ModelShape
-from paratrain.planner.step_time import micro_batch_seconds, slowest_stage, step_time, timed, update_seconds
+from paratrain.planner.step_time import (
+    MODEL_KINDS,
+    by_kind,
+    micro_batch_seconds,
+    path_time,
+    slowest_stage,
+    time_from_path,
+    timed,
+    update_seconds,
+)
 
 
 class PartCosts:
@@ -108,11 +125,13 @@ class PartCosts:
         stage = slowest_stage(self.shape, layout)
         return stage, micro_batch_seconds(self.shape, layout, self.hw, stage)
 
-    def source(self, key: tuple, layout: Layout) -> list:
+    def source(self, key: tuple, layout: Layout) -> tuple[dict, bool]:
+        """A source's timed transfers by kind, and whether any lies on the micro-batch's path (`MODEL_KINDS`)."""
         source, stage = key[0], key[1]
         kept = [t for t in source(self.shape, layout, stage)
                 if axis_name(layout.dims, t.axes) is not None and t.elements > 0]
-        return timed(kept, layout, self.hw)
+        kinds = dict(by_kind(timed(kept, layout, self.hw)))
+        return kinds, any(kind in kinds for kind in MODEL_KINDS)
 
     def update(self, key: tuple, layout: Layout) -> tuple[float, float]:
         return update_seconds(self.shape, layout, self.hw, key[0])
@@ -167,53 +186,108 @@ def evaluate_fitting(costs: PartCosts, f: tuple, layout: Layout, peak: tuple):
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
     (stage, states, _), act, trans = peak
     memory = with_states(states, act, trans, stage)
-    slowest, micro_batch = costs.get("micro_batch", (pp, schedule, v, recompute, sp, tp, mb, cp), layout)
-    mesh, model = (dp, pp, cp, tp, ep, method, u, rep), (pp, cp, tp)
-    lora = (mb, sp, recompute) if costs.shape.lora is not None else ()
-    # data: the micro-batches count under ZeRO-2/3 only (adapters: always); experts: nothing for a dense model.
-    # tp, pp and cp name only their own dims, whose groups (members, nodes) the other sizes do not change
-    data_m = m if zero >= 2 or costs.shape.lora is not None else None
-    keys = (mesh + (zero, data_m, schedule, v, precision, optimizer) + lora,
-            model + (m, precision, schedule, v, mb, recompute, sp), model + (v, m, mb, sp, precision, schedule),
-            model + (method, u, m, precision, mb, recompute, schedule, v),
-            mesh + (schedule, v, m, recompute, mb, sp, precision, zero) if costs.shape.moe else (), mesh + (zero,))
-    transfers = []
+    shape = costs.shape
+    lora, moe = shape.lora is not None, shape.moe
+    # which blocks each pp rank holds and which holds the head: the V placement or the loop (and under
+    # interleaving the virtual stages, for an MoE model's dense blocks); ZeRO-2 reads the partial backwards
+    place = (schedule in V_SCHEDULES, v if moe else None)
+    partial = zero == 2 and layout.partial_backwards
+    slowest, micro_batch = costs.get("micro_batch", (pp, place, recompute, sp if moe else None, tp, mb, cp), layout)
+    # the data-parallel dims' groups do not change with the cp method (the Ulysses split is inside cp); the
+    # micro-batches count under ZeRO-2/3 only (adapters: always). tp, pp and cp name only their own dims, whose
+    # groups (members, nodes) the other sizes do not change
+    mesh, model = (dp, pp, cp, tp, ep, rep), (pp, cp, tp, place)
+    data_m = m if zero >= 2 or lora else None
+    keys = (mesh + (zero, data_m, place, partial, precision, optimizer) + ((mb, sp, recompute) if lora else ()),
+            model + (m, precision, mb, recompute == "full", sp),
+            model + (schedule in V_SCHEDULES, v, m, mb, sp, precision),
+            model + (method, u, m, precision, mb, recompute == "none"),
+            mesh + (place, partial, m, recompute, mb, sp, precision, zero) if moe else (),
+            mesh + (zero,))
+    memo = costs.memo["source"]
+    groups, path_key = [], [id(micro_batch), m, schedule, v]
     for source, key in zip(TRANSFER_SOURCES, keys):
-        transfers += costs.get("source", (source, slowest) + key, layout)
-    update = costs.get("update", (slowest, tp, pp, schedule, v, ep, zero, dp, cp, rep, offload, precision), layout)
-    return memory, step_time(costs.shape, layout, costs.hw, slowest, micro_batch, transfers, update)
+        key = (source, slowest) + key
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = costs.source(key, layout)
+        groups.append(found[0])
+        if found[1]:  # it has transfers on the micro-batch's path
+            path_key.append(id(found[0]))
+    kinds = merged(groups)
+    path_key = tuple(path_key)
+    path = costs.memo["path"].get(path_key)
+    if path is None:
+        path = costs.memo["path"][path_key] = path_time(layout, costs.hw, micro_batch, kinds)
+    update = costs.get("update", (slowest, tp, pp, place, ep, zero, dp, cp, rep, offload, precision), layout)
+    return memory, time_from_path(shape, layout, costs.hw, path, kinds, update)
+
+
+def merged(groups: list[dict]) -> dict:
+    """The sources' timed transfers by kind, each kind's in the sources' order (`step_time.by_kind`)."""
+    out: dict = {}
+    for group in groups:
+        for kind, entries in group.items():
+            out[kind] = out[kind] + entries if kind in out else entries
+    return out
 
 
 def candidates(shape: ModelShape, gpus: int, global_batch: int, gpus_per_node: int, space, costs: PartCosts):
-    """The fields (Layout's, in order) of every valid layout, in `enumerate_layouts`' order."""
+    """The fields (Layout's, in order) of every valid layout, in `enumerate_layouts`' order: for each mesh, the
+    valid variants (schedule, cp method, ZeRO, offload, sp, recompute, ep, replicas) are found once and then
+    walked for each micro-batch size, asking only 'interleaved' and 'dualpipev' again (they read the
+    micro-batches per step)."""
     recomputes = [r for r in space.recompute if not (r == "selective" and space.flash_attention)]
-    valid, replicas = costs.memo["valid"], costs.memo["replicas"]
     for tp, pp, cp in itertools.product(divisors(gpus), repeat=3):
         if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp)):
             continue
         dp = gpus // (tp * pp * cp)
         per_rank = global_batch // dp
-        zero_stages = space.zero_stages if dp * cp > 1 else (0,)
-        sps = space.sequence_parallel if tp > 1 else (False,)
-        schedules = [("none", 1)] if pp == 1 else \
-            [(s, v) for s in space.schedules
-             for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
-        methods = [("ring", 1)] if cp == 1 else \
-            [(meth, u) for meth in space.cp_methods
-             for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
-        eps = expert_sizes(shape, dp * cp, space)
-        for mb in [mb for mb in divisors(per_rank) if mb <= space.max_micro_batch]:
+        micro_batches = [mb for mb in divisors(per_rank) if mb <= space.max_micro_batch]
+        if not micro_batches:
+            continue
+        variants = mesh_variants(shape, (dp, tp, pp, cp), per_rank // micro_batches[0], recomputes, gpus_per_node,
+                                 space, costs)
+        for mb in micro_batches:
             m = per_rank // mb
-            for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
-                    schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
-                base = (dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u,
-                        ep, space.optimizer)
-                mesh = (zero > 0, dp, pp, cp, tp, ep, method, u)
-                if mesh not in replicas:
-                    replicas[mesh] = [c.dp_replicate for c in hsdp_variants(Layout(*base), gpus_per_node, space)]
-                for rep in [1] + replicas[mesh]:
-                    if valid_layout(shape, base + (rep,), gpus_per_node, valid):
-                        yield base + (rep,)
+            for zero, offload, schedule, v, recompute, sp, method, u, ep, rep, per_m in variants:
+                f = (dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u, ep,
+                     space.optimizer, rep)
+                if per_m is None or valid_layout(shape, f, gpus_per_node, costs.memo["valid"]):
+                    yield f
+
+
+def mesh_variants(shape: ModelShape, mesh: tuple, m: int, recomputes: list[str], gpus_per_node: int, space,
+                  costs: PartCosts) -> list[tuple]:
+    """For the mesh (dp, tp, pp, cp): (zero, offload, schedule, v, recompute, sp, method, u, ep, replicas, per_m)
+    of each variant `enumerate_layouts` tries, in its order, that is valid (`valid_layout` with `m` micro-batches
+    per step); `per_m` is True where validity depends on the micro-batches (then asked for each)."""
+    dp, tp, pp, cp = mesh
+    zero_stages = space.zero_stages if dp * cp > 1 else (0,)
+    sps = space.sequence_parallel if tp > 1 else (False,)
+    schedules = [("none", 1)] if pp == 1 else \
+        [(s, v) for s in space.schedules
+         for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
+    methods = [("ring", 1)] if cp == 1 else \
+        [(meth, u) for meth in space.cp_methods
+         for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
+    eps = expert_sizes(shape, dp * cp, space)
+    valid, replicas, out = costs.memo["valid"], costs.memo["replicas"], []
+    for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
+            schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
+        base = (dp, 1, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u, ep,
+                space.optimizer)
+        key = (zero > 0, dp, pp, cp, tp, ep, method, u)
+        if key not in replicas:
+            replicas[key] = [c.dp_replicate for c in hsdp_variants(Layout(*base), gpus_per_node, space)]
+        per_m = True if schedule in M_SCHEDULES else None
+        for rep in [1] + replicas[key]:
+            if per_m or valid_layout(shape, base + (rep,), gpus_per_node, valid):
+                out.append((zero, offload, schedule, v, recompute, sp, method, u, ep, rep, per_m))
+    return out
+
+
+M_SCHEDULES = ("interleaved", "dualpipev")  # schedules whose validity reads the micro-batches per step
 
 
 def valid_layout(shape: ModelShape, f: tuple, gpus_per_node: int, valid: dict) -> bool:
@@ -224,13 +298,13 @@ def valid_layout(shape: ModelShape, f: tuple, gpus_per_node: int, valid: dict) -
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
     if (sp and tp == 1) or (offload and zero == 0):
         return False
-    key = (dp, m if schedule in ("interleaved", "dualpipev") else None, tp, pp, cp, zero, schedule, v, method, u,
-           ep, rep)
+    key = (dp, m if schedule in M_SCHEDULES else None, tp, pp, cp, zero, schedule, v, method, u, ep, rep)
     if key not in valid:
         layout = Layout(dp, mb, m, tp, pp, cp, zero, False, schedule, v, recompute, False, precision, method, u, ep,
                         optimizer, rep)
         valid[key] = invalid_reason(shape, layout, gpus_per_node) is None
     return valid[key]
+
 
 
 def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: SearchSpace | None = None
