@@ -92,6 +92,7 @@ class PartCosts:
 
     def __init__(self, shape: ModelShape, hw: Hardware, flash_attention: bool) -> None:
         self.shape, self.hw, self.flash = shape, hw, flash_attention
+        self.reference_forward = shape.reference is not None and shape.reference.forward
         self.memo: dict[str, dict] = defaultdict(dict)
 
     def states(self, key: tuple, layout: Layout) -> list[tuple]:
@@ -152,7 +153,8 @@ def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
             ("parts", (recompute,) + batch), ("counts", (pp, schedule, v, m if pp > 1 else None))]
     if zero == 2:  # ZeRO-2's unsharded gradient under partial backwards, per stage (None otherwise)
         keys.append(("gradient", (tp, pp, schedule, v, ep, precision)))
-    if recompute == "full":
+    rebuilt = recompute == "full" or costs.reference_forward  # memory.rebuilds_a_layer
+    if rebuilt:
         keys.append(("parts", ("none",) + batch))
     if zero == 3:
         keys.append(("gathered", (tp, ep, precision)))
@@ -167,7 +169,7 @@ def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
     states, parts, counts = found[0], found[1], found[2]
     rest = iter(found[3:])
     gradient = next(rest) if zero == 2 else None
-    full = recompute_bytes(costs.shape, next(rest)) if recompute == "full" else None
+    full = recompute_bytes(costs.shape, next(rest)) if rebuilt else None
     gathered = next(rest) if zero == 3 else None
     logits = next(rest)
     worst, peak = None, None

@@ -2,7 +2,8 @@
 
   t_mb      one micro-batch forward+backward on the slowest stage: micro_batch_overhead +
             FLOPs / (peak * mfu), FLOPs = tokens * (6 * stage parameters + 12 h s per layer) / (tp cp)
-            (+ one more forward of the layers under full recompute, of attention under selective),
+            (+ one more forward of the layers under full recompute, of attention under selective, and an
+            objective's reference forward: planner/reference.py),
             plus the tensor-parallel collectives (on the critical path), whatever ring-attention
             traffic the attention compute does not hide, and Ulysses' all-to-alls (on the path).
             MoE: a block's matmul FLOPs are those of its active parameters (top_k routed experts); the MoE
@@ -34,6 +35,7 @@ from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import rank_params
 from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import dense_blocks, moe_blocks, rank_expert_params
+from paratrain.planner.reference import reference_forward_flops_per_token
 from paratrain.planner.stages import rank_blocks
 from paratrain.planner.states import ceil_div
 
@@ -92,6 +94,10 @@ def stage_flops_per_token(shape: ModelShape, layout: Layout, stage: int, recompu
         total += per_param * shape.embed_params()
     if stage == layout.head_rank:
         total += per_param * shape.head_params()
+    if shape.reference is not None and shape.reference.forward:  # the objective's reference forward, no_grad
+        total += reference_forward_flops_per_token(shape, dense_blocks(shape, layout, stage),
+                                                   moe_blocks(shape, layout, stage), stage == 0,
+                                                   stage == layout.head_rank)
     return total
 
 
