@@ -26,9 +26,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from paratrain.config.objective import ObjectiveConfig
-from paratrain.engine.objective_step import ObjectiveStep
 from paratrain.errors import Error
-from paratrain.objectives import build_objective
 from paratrain.planner.model_shape import ModelShape, PlannerError
 
 
@@ -59,6 +57,10 @@ class ReferencePlan:
 def resolve_reference(section: dict, has_adapters: bool, source: str) -> ReferencePlan | None:
     """The objective section (`source` names where it came from, for errors) resolved as the engine resolves it;
     None for next-token cross-entropy."""
+    # the engine's rule, imported here only: the planner's formulas (step_time imports this module) need no engine
+    from paratrain.engine.objective_step import ObjectiveStep
+    from paratrain.objectives import build_objective
+
     try:
         settings = ObjectiveConfig.model_validate(section)
         if settings.type == "sft":
