@@ -42,13 +42,16 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Sequence
 
+from paratrain.parallel.pp.schedules import partial_backwards
 from paratrain.planner.comm import TRANSFER_SOURCES
 from paratrain.planner.enumerate import (
     Evaluation,
     PlanResult,
     SearchSpace,
     check_request,
+    complexity,
     divisors,
     evaluate,
     expert_sizes,
@@ -81,7 +84,9 @@ from paratrain.planner.step_time import (
     micro_batch_seconds,
     path_time,
     slowest_stage,
-    time_from_path,
+    step_parts,
+    step_total,
+    time_estimate,
     timed,
     update_seconds,
 )
@@ -183,18 +188,22 @@ def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
     return worst, peak, layout
 
 
-def evaluate_fitting(costs: PartCosts, f: tuple, layout: Layout, peak: tuple):
-    """The memory and time estimates of a layout that fits (the parts of its peak memory stage known)."""
+def step_of(costs: PartCosts, f: tuple, layout: Layout | None) -> tuple:
+    """(compute, bubble, exposed comm, update) seconds of the layout with fields `f` (`estimate_time`'s parts), and
+    the layout if it had to be built (only a part computed for the first time needs it)."""
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    (stage, states, _), act, trans = peak
-    memory = with_states(states, act, trans, stage)
-    shape = costs.shape
+    shape, memo = costs.shape, costs.memo
     lora, moe = shape.lora is not None, shape.moe
     # which blocks each pp rank holds and which holds the head: the V placement or the loop (and under
     # interleaving the virtual stages, for an MoE model's dense blocks); ZeRO-2 reads the partial backwards
     place = (schedule in V_SCHEDULES, v if moe else None)
-    partial = zero == 2 and layout.partial_backwards
-    slowest, micro_batch = costs.get("micro_batch", (pp, place, recompute, sp if moe else None, tp, mb, cp), layout)
+    partial = zero == 2 and partial_backwards(schedule, pp, v)
+    key = (pp, place, recompute, sp if moe else None, tp, mb, cp)
+    found = memo["micro_batch"].get(key)
+    if found is None:
+        layout = layout or Layout(*f)
+        found = memo["micro_batch"][key] = costs.micro_batch(key, layout)
+    slowest, micro_batch = found
     # the data-parallel dims' groups do not change with the cp method (the Ulysses split is inside cp); the
     # micro-batches count under ZeRO-2/3 only (adapters: always). tp, pp and cp name only their own dims, whose
     # groups (members, nodes) the other sizes do not change
@@ -206,23 +215,30 @@ def evaluate_fitting(costs: PartCosts, f: tuple, layout: Layout, peak: tuple):
             model + (method, u, m, precision, mb, recompute == "none"),
             mesh + (place, partial, m, recompute, mb, sp, precision, zero) if moe else (),
             mesh + (zero,))
-    memo = costs.memo["source"]
+    sources = memo["source"]
     groups, path_key = [], [id(micro_batch), m, schedule, v]
     for source, key in zip(TRANSFER_SOURCES, keys):
         key = (source, slowest) + key
-        found = memo.get(key)
+        found = sources.get(key)
         if found is None:
-            found = memo[key] = costs.source(key, layout)
+            layout = layout or Layout(*f)
+            found = sources[key] = costs.source(key, layout)
         groups.append(found[0])
         if found[1]:  # it has transfers on the micro-batch's path
             path_key.append(id(found[0]))
     kinds = merged(groups)
     path_key = tuple(path_key)
-    path = costs.memo["path"].get(path_key)
+    path = memo["path"].get(path_key)
     if path is None:
-        path = costs.memo["path"][path_key] = path_time(layout, costs.hw, micro_batch, kinds)
-    update = costs.get("update", (slowest, tp, pp, place, ep, zero, dp, cp, rep, offload, precision), layout)
-    return memory, time_from_path(shape, layout, costs.hw, path, kinds, update)
+        layout = layout or Layout(*f)
+        path = memo["path"][path_key] = path_time(layout, costs.hw, micro_batch, kinds)
+    key = (slowest, tp, pp, place, ep, zero, dp, cp, rep, offload, precision)
+    update = memo["update"].get(key)
+    if update is None:
+        layout = layout or Layout(*f)
+        update = memo["update"][key] = costs.update(key, layout)
+    compute, comm = step_parts(m, costs.hw, path, kinds)
+    return (compute, path.bubble, comm, update), layout
 
 
 def merged(groups: list[dict]) -> dict:
@@ -311,11 +327,13 @@ def valid_layout(shape: ModelShape, f: tuple, gpus_per_node: int, valid: dict) -
 
 def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: SearchSpace | None = None
          ) -> PlanResult:
-    """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory)."""
+    """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory). The fitting
+    layouts are ranked by `rank_key` from their parts; their estimates are built when read (`Ranked`)."""
     check_request(gpus, global_batch)
     space = space or SearchSpace()
     costs = PartCosts(shape, hw, space.flash_attention)
     fitting, considered, smallest, least = [], 0, None, None
+    simplicity = costs.memo["complexity"]
     for fields in candidates(shape, gpus, global_batch, hw.gpus_per_node, space, costs):
         considered += 1
         total, peak, layout = memory_of(costs, fields, None)
@@ -323,9 +341,49 @@ def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: S
             if least is None or total < least:
                 smallest, least = fields, total
             continue
-        layout = layout or Layout(*fields)
-        memory, time = evaluate_fitting(costs, fields, layout, peak)
-        fitting.append(Evaluation(layout, memory, time, True))
-    if not fitting and smallest is not None:
-        smallest = evaluate(shape, Layout(*smallest), hw, space.flash_attention)
-    return ranked(fitting, considered, smallest, gpus, global_batch)
+        step, layout = step_of(costs, fields, layout)
+        dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = \
+            fields
+        mechanisms = (tp, pp, cp, zero, recompute, sp, offload, v, ep)  # what `complexity` reads
+        if mechanisms not in simplicity:
+            simplicity[mechanisms] = complexity(layout or Layout(*fields))
+        # `rank_key`: the step's total to a microsecond, the mechanisms switched on, the memory
+        fitting.append(((round(step_total(*step), 6), simplicity[mechanisms], total), fields, peak, step))
+    if not fitting:
+        if smallest is not None:
+            smallest = evaluate(shape, Layout(*smallest), hw, space.flash_attention)
+        return ranked([], considered, smallest, gpus, global_batch)
+    fitting.sort(key=lambda record: record[0])  # stable: ties keep the enumeration's order, as `ranked` does
+    result = Ranked(shape, fitting)
+    least_memory = min(range(len(fitting)), key=lambda i: fitting[i][0][2])  # `ranked`'s smallest: the first
+    return PlanResult(result, considered, result[least_memory])
+
+
+class Ranked(Sequence):
+    """The fitting layouts, fastest first, as the `Evaluation`s `ranked` would list: each built when first read
+    from its ranking record (key, fields, the peak stage's memory parts, the step's time parts)."""
+
+    def __init__(self, shape: ModelShape, records: list[tuple]) -> None:
+        self.shape, self.records, self.built = shape, records, {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]
+        if index not in self.built:
+            _, fields, ((stage, states, _), act, trans), (compute, bubble, comm, update) = self.records[index]
+            layout = Layout(*fields)
+            self.built[index] = Evaluation(layout, with_states(states, act, trans, stage),
+                                           time_estimate(self.shape, layout, compute, bubble, comm, update), True)
+        return self.built[index]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment] (a list's)
+
+    def __repr__(self) -> str:
+        return f"Ranked({len(self)} layouts)"

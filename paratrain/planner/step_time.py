@@ -55,7 +55,7 @@ class TimeEstimate:
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + sum(self.comm.values()) + self.optimizer + self.offload
+        return step_total(self.compute, self.bubble, self.comm, (self.optimizer, self.offload))
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,6 +63,11 @@ class TimeEstimate:
 
     def mfu(self, peak_flops: float) -> float:
         return self.model_flops / (self.total * self.world * peak_flops)
+
+
+def step_total(compute: float, bubble: float, comm: dict[str, float], update: tuple[float, float]) -> float:
+    """`TimeEstimate.total` of its parts (the search ranks by it before it builds the estimates)."""
+    return compute + bubble + sum(comm.values()) + update[0] + update[1]
 
 
 def bubble_factor(layout: Layout) -> float:
@@ -203,21 +208,30 @@ def step_time(shape: ModelShape, layout: Layout, hw: Hardware, stage: int, micro
 def time_from_path(shape: ModelShape, layout: Layout, hw: Hardware, path: PathTime, kinds: dict[str, list[Timed]],
                    update: tuple[float, float]) -> TimeEstimate:
     """The step from its path (`path_time`), the data-parallel transfers of `kinds` and the update's seconds."""
+    compute, comm = step_parts(layout.grad_accum, hw, path, kinds)
+    return time_estimate(shape, layout, compute, path.bubble, comm, update)
+
+
+def step_parts(m: int, hw: Hardware, path: PathTime, kinds: dict[str, list[Timed]]) -> tuple[float, dict[str, float]]:
+    """(compute seconds, exposed seconds per axis name) of a step of `m` micro-batches."""
     exposed: dict[str, float] = defaultdict(float, path.exposed)
-    _add_data_parallel_exposure(exposed, kinds, layout, hw, path.compute_mb)
+    _add_data_parallel_exposure(exposed, kinds, m, hw, path.compute_mb)
+    return m * path.compute_mb, {k: v for k, v in exposed.items() if v > 0}
+
+
+def time_estimate(shape: ModelShape, layout: Layout, compute: float, bubble: float, comm: dict[str, float],
+                  update: tuple[float, float]) -> TimeEstimate:
     optimizer, offload = update
     tokens = layout.global_batch * shape.seq_len
-    return TimeEstimate(compute=layout.grad_accum * path.compute_mb, bubble=path.bubble,
-                        comm={k: v for k, v in exposed.items() if v > 0}, optimizer=optimizer, offload=offload,
+    return TimeEstimate(compute=compute, bubble=bubble, comm=comm, optimizer=optimizer, offload=offload,
                         tokens=tokens, model_flops=float(shape.flops_per_token) * tokens, world=layout.world)
 
 
-def _add_data_parallel_exposure(exposed: dict[str, float], kinds: dict[str, list[Timed]], layout: Layout,
-                                hw: Hardware, compute_mb: float) -> None:
+def _add_data_parallel_exposure(exposed: dict[str, float], kinds: dict[str, list[Timed]], m: int, hw: Hardware,
+                                compute_mb: float) -> None:
     """The exposed seconds of the gradient reductions, parameter gathers and scalar collectives: each hides
     behind the backward (reductions) or forward and backward (ZeRO-3 gathers) of a micro-batch, up to
     `hw.overlap` of it."""
-    m = layout.grad_accum
     backward_mb, forward_mb = compute_mb * 2 / 3, compute_mb / 3
     for t, name, s in kinds.get("dp_grad", ()):  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
         each = s / t.calls
