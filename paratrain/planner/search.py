@@ -153,30 +153,28 @@ def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
     """(peak bytes, the (states, activations, transient) of the peak stage, the layout if it had to be built) of
     the layout with fields `f`: `estimate_memory`'s terms, each looked up by what it reads (the module's table)."""
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    batch = (mb, cp, tp, sp, method, u, precision)
-    keys = [("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)),
-            ("parts", (recompute,) + batch), ("counts", (pp, schedule, v, m if pp > 1 else None))]
-    if zero == 2:  # ZeRO-2's unsharded gradient under partial backwards, per stage (None otherwise)
-        keys.append(("gradient", (tp, pp, schedule, v, ep, precision)))
-    rebuilt = recompute == "full" or costs.reference_forward  # memory.rebuilds_a_layer
-    if rebuilt:
-        keys.append(("parts", ("none",) + batch))
-    if zero == 3:
-        keys.append(("gathered", (tp, ep, precision)))
-    keys.append(("logits", (mb, cp, tp, precision)))
-    memo, found = costs.memo, []
-    for part, key in keys:
-        value = memo[part].get(key, memo)  # memo: not there yet (None is a value: no unsharded gradient)
-        if value is memo:
+    memo, missing = costs.memo, costs.memo  # `missing`: not there yet (None is a value: no unsharded gradient)
+    found = []
+    for part, key in (("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)),
+                      ("parts", (recompute, mb, cp, tp, sp, method, u, precision)),
+                      ("counts", (pp, schedule, v, m if pp > 1 else None)),
+                      # ZeRO-2's unsharded gradient under partial backwards, per stage (None otherwise)
+                      ("gradient", (tp, pp, schedule, v, ep, precision) if zero == 2 else None),
+                      # full recompute's layer, or the reference forward's: memory.rebuilds_a_layer
+                      ("parts", ("none", mb, cp, tp, sp, method, u, precision)
+                       if recompute == "full" or costs.reference_forward else None),
+                      ("gathered", (tp, ep, precision) if zero == 3 else None),
+                      ("logits", (mb, cp, tp, precision))):
+        if key is None:
+            found.append(None)
+            continue
+        value = memo[part].get(key, missing)
+        if value is missing:
             layout = layout or Layout(*f)
             value = memo[part][key] = getattr(costs, part)(key, layout)
         found.append(value)
-    states, parts, counts = found[0], found[1], found[2]
-    rest = iter(found[3:])
-    gradient = next(rest) if zero == 2 else None
-    full = recompute_bytes(costs.shape, next(rest)) if rebuilt else None
-    gathered = next(rest) if zero == 3 else None
-    logits = next(rest)
+    states, parts, counts, gradient, rebuilt, gathered, logits = found
+    full = recompute_bytes(costs.shape, rebuilt) if rebuilt is not None else None
     worst, peak = None, None
     for i, (stage_states_, stage_count) in enumerate(zip(states, counts)):
         act = stage_activation_bytes(stage_count, parts)
@@ -253,33 +251,39 @@ def merged(groups: list[dict]) -> dict:
 def candidates(shape: ModelShape, gpus: int, global_batch: int, gpus_per_node: int, space, costs: PartCosts):
     """The fields (Layout's, in order) of every valid layout, in `enumerate_layouts`' order: for each mesh, the
     valid variants (schedule, cp method, ZeRO, offload, sp, recompute, ep, replicas) are found once and then
-    walked for each micro-batch size, asking only 'interleaved' and 'dualpipev' again (they read the
-    micro-batches per step)."""
+    walked for each micro-batch size; 'interleaved' and 'dualpipev', whose rules read the micro-batches per step,
+    are asked again per (schedule, pp, v, m) (`mesh_variants`)."""
     recomputes = [r for r in space.recompute if not (r == "selective" and space.flash_attention)]
+    per_step = costs.memo["valid_m"]
     for tp, pp, cp in itertools.product(divisors(gpus), repeat=3):
         if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp)):
             continue
         dp = gpus // (tp * pp * cp)
         per_rank = global_batch // dp
         micro_batches = [mb for mb in divisors(per_rank) if mb <= space.max_micro_batch]
-        if not micro_batches:
-            continue
-        variants = mesh_variants(shape, (dp, tp, pp, cp), per_rank // micro_batches[0], recomputes, gpus_per_node,
-                                 space, costs)
+        variants = mesh_variants(shape, (dp, tp, pp, cp), recomputes, gpus_per_node, space, costs) \
+            if micro_batches else []
         for mb in micro_batches:
             m = per_rank // mb
             for zero, offload, schedule, v, recompute, sp, method, u, ep, rep, per_m in variants:
                 f = (dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u, ep,
                      space.optimizer, rep)
-                if per_m is None or valid_layout(shape, f, gpus_per_node, costs.memo["valid"]):
-                    yield f
+                if per_m is not None:
+                    ok = per_step.get(per_m + (m,))
+                    if ok is None:  # the rest holds (the variant is valid at m*): only the m rules decide
+                        ok = per_step[per_m + (m,)] = valid_layout(shape, f, gpus_per_node, costs.memo["valid"])
+                    if not ok:
+                        continue
+                yield f
 
 
-def mesh_variants(shape: ModelShape, mesh: tuple, m: int, recomputes: list[str], gpus_per_node: int, space,
+def mesh_variants(shape: ModelShape, mesh: tuple, recomputes: list[str], gpus_per_node: int, space,
                   costs: PartCosts) -> list[tuple]:
     """For the mesh (dp, tp, pp, cp): (zero, offload, schedule, v, recompute, sp, method, u, ep, replicas, per_m)
-    of each variant `enumerate_layouts` tries, in its order, that is valid (`valid_layout` with `m` micro-batches
-    per step); `per_m` is True where validity depends on the micro-batches (then asked for each)."""
+    of each variant `enumerate_layouts` tries, in its order, that is valid (`valid_layout`) at m* = 2 pp
+    micro-batches per step, which meets the only rules that read them (interleaving: m divisible by pp;
+    DualPipeV: m >= 2 pp); `per_m` = (schedule, pp, v) for those two schedules, whose validity at another m is
+    then those rules' alone, None for the others."""
     dp, tp, pp, cp = mesh
     zero_stages = space.zero_stages if dp * cp > 1 else (0,)
     sps = space.sequence_parallel if tp > 1 else (False,)
@@ -293,14 +297,14 @@ def mesh_variants(shape: ModelShape, mesh: tuple, m: int, recomputes: list[str],
     valid, replicas, out = costs.memo["valid"], costs.memo["replicas"], []
     for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
             schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
-        base = (dp, 1, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u, ep,
+        base = (dp, 1, 2 * pp, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u, ep,
                 space.optimizer)
         key = (zero > 0, dp, pp, cp, tp, ep, method, u)
         if key not in replicas:
             replicas[key] = [c.dp_replicate for c in hsdp_variants(Layout(*base), gpus_per_node, space)]
-        per_m = True if schedule in M_SCHEDULES else None
+        per_m = (schedule, pp, v) if schedule in M_SCHEDULES else None
         for rep in [1] + replicas[key]:
-            if per_m or valid_layout(shape, base + (rep,), gpus_per_node, valid):
+            if valid_layout(shape, base + (rep,), gpus_per_node, valid):
                 out.append((zero, offload, schedule, v, recompute, sp, method, u, ep, rep, per_m))
     return out
 
