@@ -2,6 +2,7 @@
 
     python -m benchmarks.planner_speed --side before --ref 4cc61fb --timeout 600
     python -m benchmarks.planner_speed --side after --repeats 3
+    python -m benchmarks.planner_speed --side both --ref 878c21a --repeats 3   # alternating, one load
 
 Each run is the CLI a user types, `paratrain plan --model llama3-70b --gpus N --gpu-memory 80GiB --json`, in a fresh
 interpreter (imports included), timed from outside by wall clock; a run past `--timeout` is killed and recorded as
@@ -68,24 +69,56 @@ def best_of(tree: Path, gpus: int, timeout: float, repeats: int) -> dict:
     return best
 
 
-def measure(side: str, ref: str, sizes: list[int], timeout: float, repeats: int) -> dict:
+def tree_of(side: str, ref: str, scratch: str) -> tuple[str, Path]:
+    """(commit, the tree whose paratrain that side runs): `ref` as a `git archive` for 'before', this tree after."""
     commit = _git("rev-parse", ref if side == "before" else "HEAD")
+    if side == "after":
+        return commit, ROOT
+    archive = Path(scratch) / "tree.tar"
+    _git("archive", "--format=tar", "-o", str(archive), commit)
+    tree = Path(scratch) / "tree"
+    with tarfile.open(archive) as tar:
+        tar.extractall(tree, filter="data")
+    return commit, tree
+
+
+def record(side: str, commit: str, timeout: float, runs: list[dict]) -> dict:
+    dirty = side == "after" and bool(_git("status", "--porcelain", "--", "paratrain"))
+    return {"commit": commit, "tree_dirty": dirty, "timeout_s": timeout, "runs": runs,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def measure(side: str, ref: str, sizes: list[int], timeout: float, repeats: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="planner_speed_") as scratch:
-        tree = ROOT
-        if side == "before":
-            archive = Path(scratch) / "tree.tar"
-            _git("archive", "--format=tar", "-o", str(archive), commit)
-            tree = Path(scratch) / "tree"
-            with tarfile.open(archive) as tar:
-                tar.extractall(tree, filter="data")
+        commit, tree = tree_of(side, ref, scratch)
         runs = []
         for gpus in sizes:
             runs.append(best_of(tree, gpus, timeout, repeats))
             print(f"{side} {gpus} GPUs: {runs[-1]['seconds']:.1f} s" + (" (timed out)" if runs[-1]["timed_out"]
                                                                           else ""), file=sys.stderr, flush=True)
-    dirty = side == "after" and bool(_git("status", "--porcelain", "--", "paratrain"))
-    return {"commit": commit, "tree_dirty": dirty, "timeout_s": timeout, "runs": runs,
-            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return record(side, commit, timeout, runs)
+
+
+def measure_pair(ref: str, sizes: list[int], timeout: float, repeats: int) -> tuple[dict, dict]:
+    """Both sides in one run, alternating run by run (before, after, before, ...) for each size, so that both see
+    the same load; each side's record keeps its fastest run and every run's seconds and load."""
+    with tempfile.TemporaryDirectory(prefix="planner_speed_") as scratch:
+        (before_commit, before_tree), (after_commit, after_tree) = tree_of("before", ref, scratch), \
+            tree_of("after", ref, scratch)
+        sides: dict[str, list[dict]] = {"before": [], "after": []}
+        for gpus in sizes:
+            runs: dict[str, list[dict]] = {"before": [], "after": []}
+            for _ in range(repeats):
+                for side, tree in (("before", before_tree), ("after", after_tree)):
+                    runs[side].append(time_plan(tree, gpus, timeout))
+            for side, measured in runs.items():
+                best = min(measured, key=lambda r: r["seconds"])
+                sides[side].append({**best, "repeats": [{k: r[k] for k in ("seconds", "load_before", "load_after")}
+                                                        for r in measured]})
+            print(f"{gpus} GPUs: before {sides['before'][-1]['seconds']:.2f} s, after "
+                  f"{sides['after'][-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
+    return record("before", before_commit, timeout, sides["before"]), \
+        record("after", after_commit, timeout, sides["after"])
 
 
 def table(result: dict) -> str:
@@ -109,7 +142,8 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", choices=["before", "after"], required=True)
+    parser.add_argument("--side", choices=["before", "after", "both"], required=True,
+                        help="both: the two sides alternating run by run in one invocation")
     parser.add_argument("--ref", default="4cc61fb", help="the commit `before` runs (the planner before the change)")
     parser.add_argument("--gpus", default="8,64,256,1024", help="comma-separated cluster sizes")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds after which a run is killed")
@@ -119,16 +153,21 @@ def main(argv: list[str] | None = None) -> None:
     result = json.loads(args.results.read_text()) if args.results.exists() else {}
     result.update({"model": MODEL, "gpu_memory": MEMORY, "cpu": platform.processor() or platform.machine(),
                    "cores": os.cpu_count()})
-    side = measure(args.side, args.ref, [int(g) for g in args.gpus.split(",")], args.timeout, args.repeats)
-    earlier = result.get(args.side, {})
-    if earlier.get("commit") == side["commit"]:  # a rerun of some sizes replaces those and keeps the others
-        measured = {r["gpus"] for r in side["runs"]}
-        side["runs"] = sorted([r for r in earlier["runs"] if r["gpus"] not in measured] + side["runs"],
-                              key=lambda r: r["gpus"])
-    for run in side["runs"]:
-        run.setdefault("command", "python -m benchmarks.planner_speed " + " ".join(
-            sys.argv[1:] if argv is None else argv))
-    result[args.side] = side
+    sizes = [int(g) for g in args.gpus.split(",")]
+    if args.side == "both":
+        measured = dict(zip(("before", "after"), measure_pair(args.ref, sizes, args.timeout, args.repeats)))
+    else:
+        measured = {args.side: measure(args.side, args.ref, sizes, args.timeout, args.repeats)}
+    for name, side in measured.items():
+        earlier = result.get(name, {})
+        if earlier.get("commit") == side["commit"]:  # a rerun of some sizes replaces those and keeps the others
+            done = {r["gpus"] for r in side["runs"]}
+            side["runs"] = sorted([r for r in earlier["runs"] if r["gpus"] not in done] + side["runs"],
+                                  key=lambda r: r["gpus"])
+        for run in side["runs"]:
+            run.setdefault("command", "python -m benchmarks.planner_speed " + " ".join(
+                sys.argv[1:] if argv is None else argv))
+        result[name] = side
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))

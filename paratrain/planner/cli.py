@@ -11,7 +11,8 @@ from paratrain.planner.adapters import LoraPlan, projections
 from paratrain.planner.enumerate import SearchSpace
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES
-from paratrain.planner.model_shape import PlannerError, config_batch_size, model_shape, with_adapters
+from paratrain.planner.model_shape import PlannerError, config_batch_size, model_shape, with_adapters, with_reference
+from paratrain.planner.reference import config_objective, resolve_reference
 from paratrain.planner.report import compact_json, render
 from paratrain.planner.search import plan
 from paratrain.planner.units import parse_bytes, parse_rate, parse_seconds
@@ -55,6 +56,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-targets", type=_names, default=None,
                         help="the projections to adapt (default: all of a block's), e.g. q_proj,v_proj or q,v")
     parser.add_argument("--dora", action="store_true", help="DoRA adapters (with --lora-r)")
+    parser.add_argument("--objective", choices=["sft", "dpo", "grpo"], default=None,
+                        help="what the step trains (default: the config's objective section, else sft): dpo and grpo "
+                             "with beta > 0 read a reference model, costed by --reference")
+    parser.add_argument("--reference", choices=["initial", "adapters_off", "batch"], default=None,
+                        help="the objective's reference (objective.reference): initial, a frozen copy placed like "
+                             "the model; adapters_off, no copy (the default with --lora-r); batch, precomputed")
+    parser.add_argument("--beta", type=float, default=None,
+                        help="objective.beta (grpo: a reference only when > 0)")
     parser.add_argument("--zero", type=_ints, default=(0, 1, 2, 3), help="ZeRO stages to consider, e.g. 1,2")
     parser.add_argument("--schedules", type=_names, default=SCHEDULES, help="pipeline schedules to consider")
     parser.add_argument("--recompute", type=_names, default=RECOMPUTE, help="none,selective,full")
@@ -98,6 +107,20 @@ def adapted_shape(shape, args: argparse.Namespace):
     return with_adapters(shape, LoraPlan(args.lora_r, targets, args.dora))
 
 
+def objective_shape(shape, args: argparse.Namespace):
+    """The model trained by the objective of the config given as --model, with --objective, --reference and --beta
+    put over it; as it is for next-token cross-entropy."""
+    section = dict(config_objective(args.model) or {})
+    flags = [("--objective", "type", args.objective), ("--reference", "reference", args.reference),
+             ("--beta", "beta", args.beta)]
+    given = [flag for flag, _, value in flags if value is not None]
+    section.update({key: value for _, key, value in flags if value is not None})
+    if not section:
+        return shape
+    source = "/".join(given) if given else f"the objective section of {args.model}"
+    return with_reference(shape, resolve_reference(section, shape.lora is not None, source))
+
+
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
     bad = [s for s in args.schedules if s not in SCHEDULES] + [r for r in args.recompute if r not in RECOMPUTE] + \
         [m for m in args.cp_methods if m not in CP_METHODS]
@@ -114,7 +137,7 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        shape = adapted_shape(model_shape(args.model, args.seq), args)
+        shape = objective_shape(adapted_shape(model_shape(args.model, args.seq), args), args)
         hw = hardware_from_args(args)
         global_batch = args.global_batch or config_batch_size(args.model) or DEFAULT_GLOBAL_BATCH
         result = plan(shape, args.gpus, global_batch, hw, space_from_args(args))
@@ -124,7 +147,7 @@ def run_plan(args: argparse.Namespace) -> int:
     base = json.loads(Path(args.model).read_text()) if Path(args.model).is_file() else None
     text, config = render(shape, args.gpus, global_batch, hw, result, args.top, args.precision, base)
     if args.json:
-        print(json.dumps(as_json(result, args.top, hw, config), indent=1))
+        print(json.dumps(as_json(result, args.top, hw, config, shape.reference is not None), indent=1))
     else:
         print(text)
     if config is not None and args.config_out:
@@ -133,7 +156,8 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0 if config is not None else 1
 
 
-def as_json(result, top: int, hw: Hardware, config: dict | None) -> dict:
+def as_json(result, top: int, hw: Hardware, config: dict | None, reference: bool = False) -> dict:
+    """The ranked layouts; `reference`: with the bytes of an objective's frozen reference (of params)."""
     rows = []
     for e in result.ranked[:top]:
         m, t = e.memory, e.time
@@ -143,7 +167,7 @@ def as_json(result, top: int, hw: Hardware, config: dict | None) -> dict:
                      "memory": {"total": m.total, "params": m.params, "grads": m.grads,
                                 "optimizer_state": m.optimizer_state, "activations": m.activations,
                                 "transient": m.transient, "host": m.host, "stage": m.stage,
-                                "experts": m.experts},
+                                "experts": m.experts, **({"reference": m.reference} if reference else {})},
                      "time": {"compute": t.compute, "bubble": t.bubble, "comm": t.comm, "optimizer": t.optimizer,
                               "offload": t.offload}})
     return {"considered": result.considered, "fit": len(result.ranked), "ranked": rows, "config": config}

@@ -47,24 +47,13 @@ from collections import defaultdict
 from paratrain.layout.dims import ParallelDims
 from paratrain.planner.adapters import adapter_tp_transfers, lora_units
 from paratrain.planner.layout import Layout, axis_name
-from paratrain.planner.memory import rank_params
+from paratrain.planner.memory import rank_params, zero3_units
 from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import all_to_all_elements, count_elements, dense_blocks, moe_blocks, rank_expert_params
 from paratrain.planner.muon import layer_matrix_params, muon_params, muon_transfers
 from paratrain.planner.stages import rank_blocks
 from paratrain.planner.states import ceil_div
 from paratrain.planner.transfer import DP_CP, SHARD, Transfer
-
-
-def zero3_units(shape: ModelShape, layout: Layout, stage: int) -> list[tuple[int, int]]:
-    """(parameters, all-gathers per micro-batch) of each ZeRO-3 unit of a rank: its blocks (forward and
-    backward) and the root with the embedding / final norm and head its stage holds (once)."""
-    root = (shape.embed_params(layout.tp) if stage == 0 else 0) + \
-        (shape.head_params(layout.tp) if stage == layout.head_rank else 0)
-    moe = moe_blocks(shape, layout, stage)
-    blocks = [(shape.layer_params(layout.tp), 2)] * dense_blocks(shape, layout, stage) + \
-        [(shape.moe_block_params(layout.tp) + (shape.expert_block_params() if layout.ep == 1 else 0), 2)] * moe
-    return blocks + ([(root, 1)] if root else [])
 
 
 def data_parallel_transfers(layout: Layout, params: int, units: list[tuple[int, int]] | None = None,

@@ -49,53 +49,56 @@ class SearchSpace:
 def invalid_reason(shape: ModelShape, layout: Layout, gpus_per_node: int) -> str | None:
     """Why `layout` cannot run `shape` (None when it can)."""
     checks = [
-        (shape.n_head % layout.tp == 0, f"tp={layout.tp} does not divide the {shape.n_head} heads"),
-        (shape.d_ff % layout.tp == 0, f"tp={layout.tp} does not divide d_ff={shape.d_ff}"),
-        (shape.n_kv_head % layout.tp == 0, f"tp={layout.tp} does not divide n_kv_head={shape.n_kv_head}"),
-        (shape.vocab_size % layout.tp == 0, f"tp={layout.tp} does not divide the vocabulary {shape.vocab_size}"),
-        (layout.tp <= gpus_per_node, f"tp={layout.tp} is larger than a node ({gpus_per_node} GPUs)"),
-        (layout.pp <= shape.n_layer, f"pp={layout.pp} is more than the {shape.n_layer} layers"),
-        (shape.seq_len % layout.cp == 0, f"cp={layout.cp} does not divide the sequence length {shape.seq_len}"),
-        (not (layout.zero_stage == 3 and layout.pp > 1), "ZeRO-3 with pipeline parallelism is not supported"),
-        (not layout.offload_optimizer or layout.zero_stage >= 1, "optimizer offload needs ZeRO stage >= 1"),
-        (not layout.sequence_parallel or layout.tp > 1, "sequence parallelism needs tp > 1"),
-        ((layout.pp == 1) == (layout.schedule == "none"), "a pipeline schedule is needed exactly when pp > 1"),
+        (shape.n_head % layout.tp == 0, lambda: f"tp={layout.tp} does not divide the {shape.n_head} heads"),
+        (shape.d_ff % layout.tp == 0, lambda: f"tp={layout.tp} does not divide d_ff={shape.d_ff}"),
+        (shape.n_kv_head % layout.tp == 0, lambda: f"tp={layout.tp} does not divide n_kv_head={shape.n_kv_head}"),
+        (shape.vocab_size % layout.tp == 0,
+         lambda: f"tp={layout.tp} does not divide the vocabulary {shape.vocab_size}"),
+        (layout.tp <= gpus_per_node, lambda: f"tp={layout.tp} is larger than a node ({gpus_per_node} GPUs)"),
+        (layout.pp <= shape.n_layer, lambda: f"pp={layout.pp} is more than the {shape.n_layer} layers"),
+        (shape.seq_len % layout.cp == 0, lambda: f"cp={layout.cp} does not divide the sequence length {shape.seq_len}"),
+        (not (layout.zero_stage == 3 and layout.pp > 1), lambda: "ZeRO-3 with pipeline parallelism is not supported"),
+        (not layout.offload_optimizer or layout.zero_stage >= 1, lambda: "optimizer offload needs ZeRO stage >= 1"),
+        (not layout.sequence_parallel or layout.tp > 1, lambda: "sequence parallelism needs tp > 1"),
+        ((layout.pp == 1) == (layout.schedule == "none"), lambda: "a pipeline schedule is needed exactly when pp > 1"),
         (layout.virtual_stages == 1 or layout.schedule in ("interleaved", *V_SCHEDULES),
-         "virtual stages need 'interleaved', 'zb-v' or 'dualpipev'"),
-        (layout.cp > 1 or layout.cp_method == "ring", "a context-parallel method needs cp > 1"),
-        (layout.ep == 1 or shape.moe, f"ep={layout.ep} needs a mixture-of-experts model"),
-        (layout.dp % layout.dp_replicate == 0, f"dp_replicate={layout.dp_replicate} does not divide dp={layout.dp}"),
-        (layout.dp_replicate == 1 or layout.zero_stage >= 1, "HSDP (dp_replicate > 1) needs ZeRO stage >= 1"),
-        (layout.shard_group % layout.ep == 0, f"ep={layout.ep} does not divide ZeRO's shard group (dp x cp / "
-                                              f"dp_replicate) = {layout.shard_group}"),
+         lambda: "virtual stages need 'interleaved', 'zb-v' or 'dualpipev'"),
+        (layout.cp > 1 or layout.cp_method == "ring", lambda: "a context-parallel method needs cp > 1"),
+        (layout.ep == 1 or shape.moe, lambda: f"ep={layout.ep} needs a mixture-of-experts model"),
+        (layout.dp % layout.dp_replicate == 0,
+         lambda: f"dp_replicate={layout.dp_replicate} does not divide dp={layout.dp}"),
+        (layout.dp_replicate == 1 or layout.zero_stage >= 1, lambda: "HSDP (dp_replicate > 1) needs ZeRO stage >= 1"),
+        (layout.shard_group % layout.ep == 0, lambda: f"ep={layout.ep} does not divide ZeRO's shard group (dp x cp / "
+                                                      f"dp_replicate) = {layout.shard_group}"),
         (not shape.moe or shape.num_experts % layout.ep == 0,
-         f"ep={layout.ep} does not divide the {shape.num_experts} experts"),
+         lambda: f"ep={layout.ep} does not divide the {shape.num_experts} experts"),
     ]
     if layout.schedule in V_SCHEDULES:
         checks += [
-            (layout.virtual_stages == 2, f"{layout.schedule} runs two chunks per rank (virtual_stages 2)"),
-            (shape.n_layer >= 2 * layout.pp, f"{layout.schedule} needs 2 pp = {2 * layout.pp} chunks of the "
-                                            f"{shape.n_layer} layers"),
+            (layout.virtual_stages == 2, lambda: f"{layout.schedule} runs two chunks per rank (virtual_stages 2)"),
+            (shape.n_layer >= 2 * layout.pp, lambda: f"{layout.schedule} needs 2 pp = {2 * layout.pp} chunks of the "
+                                                    f"{shape.n_layer} layers"),
             (layout.schedule == "zb-v" or layout.grad_accum >= 2 * layout.pp,
-             f"dualpipev needs at least 2 pp = {2 * layout.pp} micro-batches ({layout.grad_accum})"),
+             lambda: f"dualpipev needs at least 2 pp = {2 * layout.pp} micro-batches ({layout.grad_accum})"),
         ]
     if layout.ulysses_degree > 1:
         u, heads = layout.ulysses_degree, shape.n_head // layout.tp if shape.n_head % layout.tp == 0 else 0
-        checks += [(heads % u == 0, f"Ulysses over {u} ranks does not divide the {heads} heads per tp rank")]
+        checks += [(heads % u == 0, lambda: f"Ulysses over {u} ranks does not divide the {heads} heads per tp rank")]
     if layout.cp_method == "usp":
         checks += [(1 < layout.ulysses_size < layout.cp and layout.cp % layout.ulysses_size == 0,
-                    f"usp needs 1 < ulysses_size < cp dividing cp={layout.cp}")]
+                    lambda: f"usp needs 1 < ulysses_size < cp dividing cp={layout.cp}")]
     if layout.schedule == "interleaved":
         checks += [
-            (layout.virtual_stages >= 2, "the interleaved schedule needs virtual_stages >= 2"),
+            (layout.virtual_stages >= 2, lambda: "the interleaved schedule needs virtual_stages >= 2"),
             (shape.n_layer % (layout.pp * layout.virtual_stages) == 0,
-             f"interleaving needs the {shape.n_layer} layers divisible by pp*v = {layout.pp * layout.virtual_stages}"),
+             lambda: f"interleaving needs the {shape.n_layer} layers divisible by pp*v = "
+                     f"{layout.pp * layout.virtual_stages}"),
             (layout.grad_accum % layout.pp == 0,
-             f"interleaving needs the micro-batches ({layout.grad_accum}) divisible by pp={layout.pp}"),
+             lambda: f"interleaving needs the micro-batches ({layout.grad_accum}) divisible by pp={layout.pp}"),
         ]
-    for ok, reason in checks:
+    for ok, reason in checks:  # the reasons are built only for a failing check (a search asks many layouts)
         if not ok:
-            return reason
+            return reason()
     return None
 
 

@@ -28,7 +28,7 @@ from paratrain.planner.layout import Layout
 from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import dense_blocks, moe_blocks, moe_mlp_activations, rank_expert_params
 from paratrain.planner.muon import muon_params
-from paratrain.planner.states import ModelStates, model_state_bytes
+from paratrain.planner.states import ModelStates, ceil_div, model_state_bytes
 
 
 def rank_params(shape: ModelShape, layout: Layout, stage: int) -> int:
@@ -42,6 +42,36 @@ def rank_params(shape: ModelShape, layout: Layout, stage: int) -> int:
     if stage == layout.head_rank:
         total += shape.head_params(layout.tp)
     return total
+
+
+def zero3_units(shape: ModelShape, layout: Layout, stage: int) -> list[tuple[int, int]]:
+    """(parameters, all-gathers per micro-batch) of each ZeRO-3 unit of a rank: its blocks (forward and
+    backward) and the root with the embedding / final norm and head its stage holds (once)."""
+    root = (shape.embed_params(layout.tp) if stage == 0 else 0) + \
+        (shape.head_params(layout.tp) if stage == layout.head_rank else 0)
+    moe = moe_blocks(shape, layout, stage)
+    blocks = [(shape.layer_params(layout.tp), 2)] * dense_blocks(shape, layout, stage) + \
+        [(shape.moe_block_params(layout.tp) + (shape.expert_block_params() if layout.ep == 1 else 0), 2)] * moe
+    return blocks + ([(root, 1)] if root else [])
+
+
+def reference_bytes(shape: ModelShape, layout: Layout, stage: int) -> int:
+    """Bytes of the frozen reference copy on a rank of pipeline stage `stage` (`engine.memory_stats()`'s
+    `reference_params`; 0 without one): the rank's parameters in the compute dtype, placed as frozen weights
+    (`paratrain.zero.estimate_memory`'s frozen term): whole at ZeRO 0-2; at ZeRO-3 ⌈unit/N⌉ of each unit (its
+    blocks and the root holding the embedding and head), the routed experts of each MoE block over edp."""
+    if shape.reference is None or not shape.reference.copy:
+        return 0
+    n, edp, stage3 = layout.shard_group, layout.expert_shard_group, layout.zero_stage == 3
+    dense = sum(ceil_div(p, n) * n for p, _ in zero3_units(shape, layout, stage)) if stage3 else \
+        rank_params(shape, layout, stage) + (rank_expert_params(shape, layout, stage) if layout.ep == 1 else 0)
+    experts = 0
+    if layout.ep > 1:
+        per_block = shape.expert_block_params(layout.ep)
+        experts = moe_blocks(shape, layout, stage) * (ceil_div(per_block, edp) * edp if stage3 else per_block)
+    args = (layout.zero_stage, layout.precision)
+    return model_state_bytes(0, n, *args, frozen_params=dense).params + \
+        model_state_bytes(0, edp, *args, frozen_params=experts).params
 
 
 def rank_model_states(shape: ModelShape, layout: Layout, stage: int) -> ModelStates:
@@ -167,19 +197,64 @@ def in_flight(layout: Layout, stage: int) -> float:
     return float(min(m, p - stage))
 
 
+@dataclass(frozen=True)
+class ActivationParts:
+    """Bytes of one micro-batch that do not depend on the pipeline stage (`activation_parts`): one dense layer's
+    and one MoE layer's `layer_activations`, what the embedding and the head keep."""
+
+    layer: float
+    moe_layer: float
+    embed: float
+    head: float
+
+
+def activation_parts(shape: ModelShape, layout: Layout, flash_attention: bool = True,
+                     recompute: str | None = None) -> ActivationParts:
+    """The micro-batch's parts; they read the micro-batch, its split (tp, sp, cp and its method), the precision
+    and the recompute policy, never the pipeline."""
+    def layer(moe: bool) -> float:
+        return sum(layer_activations(shape, layout, recompute, flash_attention, moe=moe).values())
+    return ActivationParts(layer(False), layer(True) if shape.moe else 0.0, embed_activations(shape, layout),
+                           head_activations(shape, layout))
+
+
+@dataclass(frozen=True)
+class StageCounts:
+    """How many of each part a rank of a pipeline stage holds at its peak (`stage_counts`): micro-batches in
+    flight, its dense and MoE blocks, and the head's micro-batches (None: the stage has no head, likewise
+    `first` for the embedding)."""
+
+    flights: float
+    dense: int
+    moe: int
+    first: bool
+    head_flights: int | None
+
+
+def stage_counts(shape: ModelShape, layout: Layout, stage: int) -> StageCounts:
+    """They read the pipeline (pp, schedule, v, the micro-batches of a step when pp > 1), never the micro-batch."""
+    head = (layout.grad_accum if layout.schedule == "gpipe" else 1) if stage == layout.head_rank else None
+    return StageCounts(in_flight(layout, stage), dense_blocks(shape, layout, stage), moe_blocks(shape, layout, stage),
+                       stage == 0, head)
+
+
+def stage_activation_bytes(counts: StageCounts, parts: ActivationParts) -> float:
+    """Activation bytes of a stage from its counts and the micro-batch's parts."""
+    total = 0.0
+    if counts.dense:
+        total += counts.flights * counts.dense * parts.layer
+    if counts.moe:
+        total += counts.flights * counts.moe * parts.moe_layer
+    if counts.first:
+        total += counts.flights * parts.embed
+    if counts.head_flights is not None:
+        total += counts.head_flights * parts.head
+    return total
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, stage: int, flash_attention: bool = True) -> float:
     """Activation bytes a rank of `stage` holds at its peak."""
-    flights = in_flight(layout, stage)
-    total = 0.0
-    for blocks, moe in ((dense_blocks(shape, layout, stage), False), (moe_blocks(shape, layout, stage), True)):
-        if blocks:
-            total += flights * blocks * sum(layer_activations(shape, layout, flash_attention=flash_attention,
-                                                              moe=moe).values())
-    if stage == 0:
-        total += flights * embed_activations(shape, layout)
-    if stage == layout.head_rank:
-        total += (layout.grad_accum if layout.schedule == "gpipe" else 1) * head_activations(shape, layout)
-    return total
+    return stage_activation_bytes(stage_counts(shape, layout, stage), activation_parts(shape, layout, flash_attention))
 
 
 def zero3_gathered_bytes(shape: ModelShape, layout: Layout, prefetch: int = 1) -> float:
@@ -191,25 +266,56 @@ def zero3_gathered_bytes(shape: ModelShape, layout: Layout, prefetch: int = 1) -
     return (prefetch + 2) * unit * layout.param_bytes
 
 
+def unsharded_gradient_bytes(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """ZeRO-2 under partial backwards: a rank's whole gradient, kept until the step's one reduce-scatter."""
+    return (rank_params(shape, layout, stage) + rank_expert_params(shape, layout, stage)) * layout.param_bytes
+
+
+def recompute_bytes(shape: ModelShape, parts: ActivationParts) -> float:
+    """Full recompute's working memory: the larger layer rebuilt during its backward, from the micro-batch's parts
+    without recompute."""
+    return max(parts.layer, parts.moe_layer) if shape.moe else parts.layer
+
+
+def logits_bytes(shape: ModelShape, layout: Layout) -> float:
+    """The last stage's logits and their fp32 gradient during the loss."""
+    return layout.micro_batch * (shape.seq_len // layout.cp) * shape.vocab_size / layout.tp * \
+        (layout.activation_bytes + 4)
+
+
 def transient_bytes(shape: ModelShape, layout: Layout, stage: int, flash_attention: bool = True,
                     prefetch: int = 1) -> float:
     """Peak working memory beyond states and stored activations on a rank of `stage`:
-    - full recompute: one layer's activations rebuilt during its backward;
-    - ZeRO-3: the gathered parameters of (1 + prefetch) units and one unit's unreduced gradient;
     - ZeRO-2 in a pipeline with partial backwards: the whole unsharded gradient, staged through the step
-      until its one reduce-scatter (`Layout.partial_backwards`);
+      until its one reduce-scatter (`Layout.partial_backwards`, `unsharded_gradient_bytes`);
+    - full recompute: one layer's activations rebuilt during its backward (`recompute_bytes`); the same for the
+      reference forward of an objective (`rebuilds_a_layer`);
+    - ZeRO-3: the gathered parameters of (1 + prefetch) units and one unit's unreduced gradient;
     - the last stage: the logits and their gradient during the loss (fp32 for the gradient)."""
+    full = recompute_bytes(shape, activation_parts(shape, layout, flash_attention, "none")) \
+        if rebuilds_a_layer(shape, layout) else None
+    return sum_transient(unsharded_gradient_bytes(shape, layout, stage) if uses_unsharded_gradient(layout) else None,
+                         full, zero3_gathered_bytes(shape, layout, prefetch) if layout.zero_stage == 3 else None,
+                         logits_bytes(shape, layout) if stage == layout.head_rank else None)
+
+
+def rebuilds_a_layer(shape: ModelShape, layout: Layout) -> bool:
+    """Whether a layer's activations are built outside the kept ones: full recompute's backward, or an objective's
+    reference forward (no_grad; planner/reference.py), never both at once."""
+    return layout.recompute == "full" or (shape.reference is not None and shape.reference.forward)
+
+
+def uses_unsharded_gradient(layout: Layout) -> bool:
+    """Whether `unsharded_gradient_bytes` is part of the layout's transient memory."""
+    return layout.zero_stage == 2 and layout.partial_backwards
+
+
+def sum_transient(gradient: float | None, full: float | None, gathered: float | None, logits: float | None) -> float:
+    """The terms of `transient_bytes` that apply (None: not this layout's), added in one order."""
     out = 0.0
-    if layout.zero_stage == 2 and layout.partial_backwards:
-        out += (rank_params(shape, layout, stage) + rank_expert_params(shape, layout, stage)) * layout.param_bytes
-    if layout.recompute == "full":
-        out += max(sum(layer_activations(shape, layout, recompute="none", flash_attention=flash_attention,
-                                         moe=moe).values()) for moe in {False, shape.moe})
-    if layout.zero_stage == 3:
-        out += zero3_gathered_bytes(shape, layout, prefetch)
-    if stage == layout.head_rank:
-        out += layout.micro_batch * (shape.seq_len // layout.cp) * shape.vocab_size / layout.tp * \
-            (layout.activation_bytes + 4)
+    for term in (gradient, full, gathered, logits):
+        if term is not None:
+            out += term
     return out
 
 
@@ -227,6 +333,7 @@ class MemoryEstimate:
     host: float
     stage: int
     experts: float = 0.0  # of params + grads + optimizer_state: the routed experts' (`expert_state_bytes`)
+    reference: float = 0.0  # of params: an objective's frozen reference copy (`reference_bytes`)
 
     @property
     def states(self) -> float:
@@ -259,11 +366,13 @@ def stage_states(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstimat
     activations or transient buffers."""
     states = rank_model_states(shape, layout, stage)
     experts = expert_state_bytes(shape, layout, stage)
-    return MemoryEstimate(states.params + experts.params, states.grads + experts.grads,
+    params = states.params + experts.params
+    reference = reference_bytes(shape, layout, stage) if shape.reference is not None else 0
+    return MemoryEstimate(params + reference if reference else params, states.grads + experts.grads,
                           states.optimizer_state + experts.optimizer_state, 0.0, 0.0, states.host + experts.host,
-                          stage, experts.total)
+                          stage, experts.total, reference)
 
 
 def with_states(states: MemoryEstimate, activations: float, transient: float, stage: int) -> MemoryEstimate:
     return MemoryEstimate(states.params, states.grads, states.optimizer_state, activations, transient, states.host,
-                          stage, states.experts)
+                          stage, states.experts, states.reference)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paratrain.errors import Error
 from paratrain.models.gpt.model import PRESETS as GPT_PRESETS
@@ -39,6 +40,9 @@ from paratrain.models.llama_moe.model import PRESETS as LLAMA_MOE_PRESETS
 from paratrain.models.llama_moe.model import LlamaMoEConfig
 from paratrain.models.registry import preset_config
 from paratrain.planner.adapters import LoraPlan, layer_adapter_params, projections
+
+if TYPE_CHECKING:
+    from paratrain.planner.reference import ReferencePlan
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS, **LLAMA_MOE_PRESETS}
 
@@ -54,6 +58,7 @@ class ModelShape:
     config: GPTConfig | LlamaConfig | LlamaMoEConfig
     overrides: dict = field(default_factory=dict)  # trainer.model_overrides relative to the preset
     lora: LoraPlan | None = None  # adapters over a frozen base (planner/adapters.py), or full training
+    reference: ReferencePlan | None = None  # an objective's reference model (planner/reference.py), or none
 
     # ---- dimensions (the letters of Korthikanti et al.: s, h, a, L, V) ----------------------------
     @property
@@ -292,4 +297,9 @@ def with_adapters(shape: ModelShape, plan: LoraPlan) -> ModelShape:
                            f"{list(projections(shape))}")
     if shape.moe:
         raise PlannerError(f"--lora-r with {shape.name}: the planner costs adapters on dense models only")
-    return ModelShape(shape.name, shape.config, shape.overrides, plan)
+    return ModelShape(shape.name, shape.config, shape.overrides, plan, shape.reference)
+
+
+def with_reference(shape: ModelShape, reference: ReferencePlan | None) -> ModelShape:
+    """`shape` trained by an objective with this reference (`paratrain plan --objective`; None: none)."""
+    return ModelShape(shape.name, shape.config, shape.overrides, shape.lora, reference)

@@ -68,6 +68,8 @@ def layout_config(shape: ModelShape, layout: Layout, base: dict | None = None) -
     cfg["trainer"] = trainer
     if shape.lora is not None:  # the adapters the plan costs (its base frozen)
         cfg["peft"] = shape.lora.section()
+    if shape.reference is not None:  # the objective the plan costs (its reference model counted)
+        cfg["objective"] = dict(shape.reference.objective)
     load_config(cfg)  # the promise: what we print is a valid config
     return cfg
 
@@ -133,6 +135,7 @@ def render(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, result
             f"{hw.mfu:.2f}, links {hw.intra_node_bandwidth / 1e9:.0f} GB/s in a node / "
             f"{hw.inter_node_bandwidth / 1e9:.0f} GB/s between nodes, latency {format_seconds(hw.latency)}",
             f"batch: {global_batch} sequences x {shape.seq_len} tokens, {precision}, AdamW",
+            *([shape.reference.describe()] if shape.reference is not None else []),
             f"layouts: {result.considered} valid, {len(result.ranked)} fit in memory"]
     if not result.ranked:
         s = result.smallest

@@ -12,13 +12,25 @@ calls, then looked up:
   HSDP replicas (`hsdp_variants`)           zero > 0, dp, the mesh
   model states per stage (`stage_states`)   tp, pp, schedule, v, dp, cp, replicas, zero, precision, offload, ep,
                                             optimizer
-  activations, transient bytes per stage    the micro-batch, its split, the schedule, recompute, precision (and for
-                                            the transient buffers ZeRO-2/3 and ep): `activations_key`,
-                                            `transient_key`
-  the slowest stage and its micro-batch     tp, pp, cp, schedule, v, recompute, sequence parallelism, micro_batch
-  each source of transfers, timed           its own fields and the dims its axes name (`comm.TRANSFER_SOURCES`;
-                                            tp, pp and cp groups do not change with dp, ep or the replicas)
-  the optimizer update                      the states' fields but optimizer
+  a micro-batch's activation parts         mb, cp, tp, sp, the cp method, u, precision, recompute
+  (`memory.activation_parts`)
+  what each stage holds of them             pp, schedule, v, and m when pp > 1 (micro-batches in flight)
+  (`memory.stage_counts`)
+  transient terms (`memory.transient_bytes`)  ZeRO-2's unsharded gradient: tp, pp, schedule, v, ep, precision;
+                                            full recompute's layer: the parts without recompute; ZeRO-3's
+                                            gathered units: tp, ep, precision; the logits: mb, cp, tp, precision
+  "place" below: which blocks each pp rank holds and which holds the head, the V placement or the loop (for an
+  MoE model also v, whose dense blocks are counted per chunk); the schedule's name is read only by the bubble
+  the slowest stage and its micro-batch     tp, pp, cp, place, recompute, micro_batch (sp: MoE only)
+  each source of transfers, timed           its own fields and the dims its axes name (`comm.TRANSFER_SOURCES`):
+                                            data: dp, pp, cp, tp, ep, replicas, zero, place, ZeRO-2's partial
+                                            backwards, precision, optimizer (m under ZeRO-2/3; adapters: also
+                                            mb, sp, recompute); tp: recompute only as 'full'; cp: only as 'none';
+                                            pp: the chunks held (place, v). tp, pp and cp groups do not change
+                                            with dp, ep or the replicas, nor dp x cp's with the cp method
+  the micro-batch's path (`path_time`)      the micro-batch part, the sources with tp, cp, ep or pp transfers,
+                                            m, schedule, v (keyed by the identity of the cached parts)
+  the optimizer update                      the states' fields (place for schedule, v) but optimizer
 
 A key missing a field the part reads would give some layout another's cost, which the comparison below catches.
 Memory comes first and prunes: a layout that does not fit is never timed, nor built. The result is the exhaustive
@@ -30,13 +42,16 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Sequence
 
+from paratrain.parallel.pp.schedules import partial_backwards
 from paratrain.planner.comm import TRANSFER_SOURCES
 from paratrain.planner.enumerate import (
     Evaluation,
     PlanResult,
     SearchSpace,
     check_request,
+    complexity,
     divisors,
     evaluate,
     expert_sizes,
@@ -46,9 +61,35 @@ from paratrain.planner.enumerate import (
 )
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import V_SCHEDULES, Layout, axis_name
-from paratrain.planner.memory import activation_bytes, memory_stages, stage_states, transient_bytes, with_states
+from paratrain.planner.memory import (
+    ActivationParts,
+    StageCounts,
+    activation_parts,
+    logits_bytes,
+    memory_stages,
+    recompute_bytes,
+    stage_activation_bytes,
+    stage_counts,
+    stage_states,
+    sum_transient,
+    unsharded_gradient_bytes,
+    uses_unsharded_gradient,
+    with_states,
+    zero3_gathered_bytes,
+)
 from paratrain.planner.model_shape import ModelShape
-from paratrain.planner.step_time import micro_batch_seconds, slowest_stage, step_time, timed, update_seconds
+from paratrain.planner.step_time import (
+    MODEL_KINDS,
+    by_kind,
+    micro_batch_seconds,
+    path_time,
+    slowest_stage,
+    step_parts,
+    step_total,
+    time_estimate,
+    timed,
+    update_seconds,
+)
 
 
 class PartCosts:
@@ -56,6 +97,7 @@ class PartCosts:
 
     def __init__(self, shape: ModelShape, hw: Hardware, flash_attention: bool) -> None:
         self.shape, self.hw, self.flash = shape, hw, flash_attention
+        self.reference_forward = shape.reference is not None and shape.reference.forward
         self.memo: dict[str, dict] = defaultdict(dict)
 
     def states(self, key: tuple, layout: Layout) -> list[tuple]:
@@ -66,21 +108,36 @@ class PartCosts:
             out.append((stage, states, states.states))
         return out
 
-    def activations(self, key: tuple, layout: Layout) -> list[float]:
-        return [activation_bytes(self.shape, layout, s, self.flash) for s in memory_stages(layout)]
+    def parts(self, key: tuple, layout: Layout) -> ActivationParts:
+        """The micro-batch's activation parts under the recompute policy `key[0]`."""
+        return activation_parts(self.shape, layout, self.flash, key[0])
 
-    def transient(self, key: tuple, layout: Layout) -> list[float]:
-        return [transient_bytes(self.shape, layout, s, self.flash) for s in memory_stages(layout)]
+    def counts(self, key: tuple, layout: Layout) -> list[StageCounts]:
+        return [stage_counts(self.shape, layout, s) for s in memory_stages(layout)]
+
+    def gradient(self, key: tuple, layout: Layout) -> list[float] | None:
+        """ZeRO-2's unsharded gradient per stage, where the pipeline's backwards are partial (else None)."""
+        if not uses_unsharded_gradient(layout):
+            return None
+        return [unsharded_gradient_bytes(self.shape, layout, s) for s in memory_stages(layout)]
+
+    def gathered(self, key: tuple, layout: Layout) -> float:
+        return zero3_gathered_bytes(self.shape, layout)
+
+    def logits(self, key: tuple, layout: Layout) -> float:
+        return logits_bytes(self.shape, layout)
 
     def micro_batch(self, key: tuple, layout: Layout) -> tuple[int, tuple[float, float]]:
         stage = slowest_stage(self.shape, layout)
         return stage, micro_batch_seconds(self.shape, layout, self.hw, stage)
 
-    def source(self, key: tuple, layout: Layout) -> list:
+    def source(self, key: tuple, layout: Layout) -> tuple[dict, bool]:
+        """A source's timed transfers by kind, and whether any lies on the micro-batch's path (`MODEL_KINDS`)."""
         source, stage = key[0], key[1]
         kept = [t for t in source(self.shape, layout, stage)
                 if axis_name(layout.dims, t.axes) is not None and t.elements > 0]
-        return timed(kept, layout, self.hw)
+        kinds = dict(by_kind(timed(kept, layout, self.hw)))
+        return kinds, any(kind in kinds for kind in MODEL_KINDS)
 
     def update(self, key: tuple, layout: Layout) -> tuple[float, float]:
         return update_seconds(self.shape, layout, self.hw, key[0])
@@ -93,95 +150,166 @@ class PartCosts:
 
 
 def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
-    """(peak bytes, the `MemoryEstimate` maker of the peak stage, the layout if it had to be built) of the layout
-    with fields `f`."""
+    """(peak bytes, the (states, activations, transient) of the peak stage, the layout if it had to be built) of
+    the layout with fields `f`: `estimate_memory`'s terms, each looked up by what it reads (the module's table)."""
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    memo = costs.memo
-    keys = (("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)),
-            ("activations", activations_key(f)),
-            ("transient", transient_key(f)))
-    parts = []
-    for part, key in keys:
-        found = memo[part].get(key)
-        if found is None:
+    memo, missing = costs.memo, costs.memo  # `missing`: not there yet (None is a value: no unsharded gradient)
+    found = []
+    for part, key in (("states", (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)),
+                      ("parts", (recompute, mb, cp, tp, sp, method, u, precision)),
+                      ("counts", (pp, schedule, v, m if pp > 1 else None)),
+                      # ZeRO-2's unsharded gradient under partial backwards, per stage (None otherwise)
+                      ("gradient", (tp, pp, schedule, v, ep, precision) if zero == 2 else None),
+                      # full recompute's layer, or the reference forward's: memory.rebuilds_a_layer
+                      ("parts", ("none", mb, cp, tp, sp, method, u, precision)
+                       if recompute == "full" or costs.reference_forward else None),
+                      ("gathered", (tp, ep, precision) if zero == 3 else None),
+                      ("logits", (mb, cp, tp, precision))):
+        if key is None:
+            found.append(None)
+            continue
+        value = memo[part].get(key, missing)
+        if value is missing:
             layout = layout or Layout(*f)
-            found = memo[part][key] = getattr(costs, part)(key, layout)
-        parts.append(found)
+            value = memo[part][key] = getattr(costs, part)(key, layout)
+        found.append(value)
+    states, parts, counts, gradient, rebuilt, gathered, logits = found
+    full = recompute_bytes(costs.shape, rebuilt) if rebuilt is not None else None
     worst, peak = None, None
-    for states, act, trans in zip(*parts):
-        total = states[2] + act + trans  # MemoryEstimate.total
+    for i, (stage_states_, stage_count) in enumerate(zip(states, counts)):
+        act = stage_activation_bytes(stage_count, parts)
+        trans = sum_transient(gradient[i] if gradient is not None else None, full, gathered,
+                              logits if stage_count.head_flights is not None else None)
+        total = stage_states_[2] + act + trans  # MemoryEstimate.total
         if worst is None or total > worst:
-            worst, peak = total, (states, act, trans)
+            worst, peak = total, (stage_states_, act, trans)
     return worst, peak, layout
 
 
-def activations_key(f: tuple) -> tuple:
-    """What `activation_bytes` reads: the micro-batches in flight only in a pipeline."""
+def step_of(costs: PartCosts, f: tuple, layout: Layout | None) -> tuple:
+    """(compute, bubble, exposed comm, update) seconds of the layout with fields `f` (`estimate_time`'s parts), and
+    the layout if it had to be built (only a part computed for the first time needs it)."""
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    return pp, schedule, v, m if pp > 1 else None, recompute, precision, tp, sp, mb, cp, method, u
-
-
-def transient_key(f: tuple) -> tuple:
-    """What `transient_bytes` reads: ZeRO only as 'stage 2' or 'stage 3', recompute only as 'full', and the
-    sequence split only for the layer that full recompute rebuilds."""
-    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    full = recompute == "full"
-    return (pp, schedule, v, zero if zero >= 2 else 0, tp, ep, full, precision, mb, cp) + \
-        ((sp, method, u) if full else ())
-
-
-def evaluate_fitting(costs: PartCosts, f: tuple, layout: Layout, peak: tuple):
-    """The memory and time estimates of a layout that fits (the parts of its peak memory stage known)."""
-    dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
-    (stage, states, _), act, trans = peak
-    memory = with_states(states, act, trans, stage)
-    slowest, micro_batch = costs.get("micro_batch", (pp, schedule, v, recompute, sp, tp, mb, cp), layout)
-    mesh, model = (dp, pp, cp, tp, ep, method, u, rep), (pp, cp, tp)
-    lora = (mb, sp, recompute) if costs.shape.lora is not None else ()
-    # data: the micro-batches count under ZeRO-2/3 only (adapters: always); experts: nothing for a dense model.
-    # tp, pp and cp name only their own dims, whose groups (members, nodes) the other sizes do not change
-    data_m = m if zero >= 2 or costs.shape.lora is not None else None
-    keys = (mesh + (zero, data_m, schedule, v, precision, optimizer) + lora,
-            model + (m, precision, schedule, v, mb, recompute, sp), model + (v, m, mb, sp, precision, schedule),
-            model + (method, u, m, precision, mb, recompute, schedule, v),
-            mesh + (schedule, v, m, recompute, mb, sp, precision, zero) if costs.shape.moe else (), mesh + (zero,))
-    transfers = []
+    shape, memo = costs.shape, costs.memo
+    lora, moe = shape.lora is not None, shape.moe
+    # which blocks each pp rank holds and which holds the head: the V placement or the loop (and under
+    # interleaving the virtual stages, for an MoE model's dense blocks); ZeRO-2 reads the partial backwards
+    place = (schedule in V_SCHEDULES, v if moe else None)
+    partial = zero == 2 and partial_backwards(schedule, pp, v)
+    key = (pp, place, recompute, sp if moe else None, tp, mb, cp)
+    found = memo["micro_batch"].get(key)
+    if found is None:
+        layout = layout or Layout(*f)
+        found = memo["micro_batch"][key] = costs.micro_batch(key, layout)
+    slowest, micro_batch = found
+    # the data-parallel dims' groups do not change with the cp method (the Ulysses split is inside cp); the
+    # micro-batches count under ZeRO-2/3 only (adapters: always). tp, pp and cp name only their own dims, whose
+    # groups (members, nodes) the other sizes do not change
+    mesh, model = (dp, pp, cp, tp, ep, rep), (pp, cp, tp, place)
+    data_m = m if zero >= 2 or lora else None
+    keys = (mesh + (zero, data_m, place, partial, precision, optimizer) + ((mb, sp, recompute) if lora else ()),
+            model + (m, precision, mb, recompute == "full", sp),
+            model + (schedule in V_SCHEDULES, v, m, mb, sp, precision),
+            model + (method, u, m, precision, mb, recompute == "none"),
+            mesh + (place, partial, m, recompute, mb, sp, precision, zero) if moe else (),
+            mesh + (zero,))
+    sources = memo["source"]
+    groups, path_key = [], [id(micro_batch), m, schedule, v]
     for source, key in zip(TRANSFER_SOURCES, keys):
-        transfers += costs.get("source", (source, slowest) + key, layout)
-    update = costs.get("update", (slowest, tp, pp, schedule, v, ep, zero, dp, cp, rep, offload, precision), layout)
-    return memory, step_time(costs.shape, layout, costs.hw, slowest, micro_batch, transfers, update)
+        key = (source, slowest) + key
+        found = sources.get(key)
+        if found is None:
+            layout = layout or Layout(*f)
+            found = sources[key] = costs.source(key, layout)
+        groups.append(found[0])
+        if found[1]:  # it has transfers on the micro-batch's path
+            path_key.append(id(found[0]))
+    kinds = merged(groups)
+    path_key = tuple(path_key)
+    path = memo["path"].get(path_key)
+    if path is None:
+        layout = layout or Layout(*f)
+        path = memo["path"][path_key] = path_time(layout, costs.hw, micro_batch, kinds)
+    key = (slowest, tp, pp, place, ep, zero, dp, cp, rep, offload, precision)
+    update = memo["update"].get(key)
+    if update is None:
+        layout = layout or Layout(*f)
+        update = memo["update"][key] = costs.update(key, layout)
+    compute, comm = step_parts(m, costs.hw, path, kinds)
+    return (compute, path.bubble, comm, update), layout
+
+
+def merged(groups: list[dict]) -> dict:
+    """The sources' timed transfers by kind, each kind's in the sources' order (`step_time.by_kind`)."""
+    out: dict = {}
+    for group in groups:
+        for kind, entries in group.items():
+            out[kind] = out[kind] + entries if kind in out else entries
+    return out
 
 
 def candidates(shape: ModelShape, gpus: int, global_batch: int, gpus_per_node: int, space, costs: PartCosts):
-    """The fields (Layout's, in order) of every valid layout, in `enumerate_layouts`' order."""
+    """The fields (Layout's, in order) of every valid layout, in `enumerate_layouts`' order: for each mesh, the
+    valid variants (schedule, cp method, ZeRO, offload, sp, recompute, ep, replicas) are found once and then
+    walked for each micro-batch size; 'interleaved' and 'dualpipev', whose rules read the micro-batches per step,
+    are asked again per (schedule, pp, v, m) (`mesh_variants`)."""
     recomputes = [r for r in space.recompute if not (r == "selective" and space.flash_attention)]
-    valid, replicas = costs.memo["valid"], costs.memo["replicas"]
+    per_step = costs.memo["valid_m"]
     for tp, pp, cp in itertools.product(divisors(gpus), repeat=3):
         if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp)):
             continue
         dp = gpus // (tp * pp * cp)
         per_rank = global_batch // dp
-        zero_stages = space.zero_stages if dp * cp > 1 else (0,)
-        sps = space.sequence_parallel if tp > 1 else (False,)
-        schedules = [("none", 1)] if pp == 1 else \
-            [(s, v) for s in space.schedules
-             for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
-        methods = [("ring", 1)] if cp == 1 else \
-            [(meth, u) for meth in space.cp_methods
-             for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
-        eps = expert_sizes(shape, dp * cp, space)
-        for mb in [mb for mb in divisors(per_rank) if mb <= space.max_micro_batch]:
+        micro_batches = [mb for mb in divisors(per_rank) if mb <= space.max_micro_batch]
+        variants = mesh_variants(shape, (dp, tp, pp, cp), recomputes, gpus_per_node, space, costs) \
+            if micro_batches else []
+        for mb in micro_batches:
             m = per_rank // mb
-            for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
-                    schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
-                base = (dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u,
-                        ep, space.optimizer)
-                mesh = (zero > 0, dp, pp, cp, tp, ep, method, u)
-                if mesh not in replicas:
-                    replicas[mesh] = [c.dp_replicate for c in hsdp_variants(Layout(*base), gpus_per_node, space)]
-                for rep in [1] + replicas[mesh]:
-                    if valid_layout(shape, base + (rep,), gpus_per_node, valid):
-                        yield base + (rep,)
+            for zero, offload, schedule, v, recompute, sp, method, u, ep, rep, per_m in variants:
+                f = (dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u, ep,
+                     space.optimizer, rep)
+                if per_m is not None:
+                    ok = per_step.get(per_m + (m,))
+                    if ok is None:  # the rest holds (the variant is valid at m*): only the m rules decide
+                        ok = per_step[per_m + (m,)] = valid_layout(shape, f, gpus_per_node, costs.memo["valid"])
+                    if not ok:
+                        continue
+                yield f
+
+
+def mesh_variants(shape: ModelShape, mesh: tuple, recomputes: list[str], gpus_per_node: int, space,
+                  costs: PartCosts) -> list[tuple]:
+    """For the mesh (dp, tp, pp, cp): (zero, offload, schedule, v, recompute, sp, method, u, ep, replicas, per_m)
+    of each variant `enumerate_layouts` tries, in its order, that is valid (`valid_layout`) at m* = 2 pp
+    micro-batches per step, which meets the only rules that read them (interleaving: m divisible by pp;
+    DualPipeV: m >= 2 pp); `per_m` = (schedule, pp, v) for those two schedules, whose validity at another m is
+    then those rules' alone, None for the others."""
+    dp, tp, pp, cp = mesh
+    zero_stages = space.zero_stages if dp * cp > 1 else (0,)
+    sps = space.sequence_parallel if tp > 1 else (False,)
+    schedules = [("none", 1)] if pp == 1 else \
+        [(s, v) for s in space.schedules
+         for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
+    methods = [("ring", 1)] if cp == 1 else \
+        [(meth, u) for meth in space.cp_methods
+         for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
+    eps = expert_sizes(shape, dp * cp, space)
+    valid, replicas, out = costs.memo["valid"], costs.memo["replicas"], []
+    for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
+            schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
+        base = (dp, 1, 2 * pp, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u, ep,
+                space.optimizer)
+        key = (zero > 0, dp, pp, cp, tp, ep, method, u)
+        if key not in replicas:
+            replicas[key] = [c.dp_replicate for c in hsdp_variants(Layout(*base), gpus_per_node, space)]
+        per_m = (schedule, pp, v) if schedule in M_SCHEDULES else None
+        for rep in [1] + replicas[key]:
+            if valid_layout(shape, base + (rep,), gpus_per_node, valid):
+                out.append((zero, offload, schedule, v, recompute, sp, method, u, ep, rep, per_m))
+    return out
+
+
+M_SCHEDULES = ("interleaved", "dualpipev")  # schedules whose validity reads the micro-batches per step
 
 
 def valid_layout(shape: ModelShape, f: tuple, gpus_per_node: int, valid: dict) -> bool:
@@ -192,8 +320,7 @@ def valid_layout(shape: ModelShape, f: tuple, gpus_per_node: int, valid: dict) -
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
     if (sp and tp == 1) or (offload and zero == 0):
         return False
-    key = (dp, m if schedule in ("interleaved", "dualpipev") else None, tp, pp, cp, zero, schedule, v, method, u,
-           ep, rep)
+    key = (dp, m if schedule in M_SCHEDULES else None, tp, pp, cp, zero, schedule, v, method, u, ep, rep)
     if key not in valid:
         layout = Layout(dp, mb, m, tp, pp, cp, zero, False, schedule, v, recompute, False, precision, method, u, ep,
                         optimizer, rep)
@@ -201,13 +328,16 @@ def valid_layout(shape: ModelShape, f: tuple, gpus_per_node: int, valid: dict) -
     return valid[key]
 
 
+
 def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: SearchSpace | None = None
          ) -> PlanResult:
-    """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory)."""
+    """Enumerate, keep what fits in `hw.usable_memory`, rank by predicted step time (then memory). The fitting
+    layouts are ranked by `rank_key` from their parts; their estimates are built when read (`Ranked`)."""
     check_request(gpus, global_batch)
     space = space or SearchSpace()
     costs = PartCosts(shape, hw, space.flash_attention)
     fitting, considered, smallest, least = [], 0, None, None
+    simplicity = costs.memo["complexity"]
     for fields in candidates(shape, gpus, global_batch, hw.gpus_per_node, space, costs):
         considered += 1
         total, peak, layout = memory_of(costs, fields, None)
@@ -215,9 +345,49 @@ def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: S
             if least is None or total < least:
                 smallest, least = fields, total
             continue
-        layout = layout or Layout(*fields)
-        memory, time = evaluate_fitting(costs, fields, layout, peak)
-        fitting.append(Evaluation(layout, memory, time, True))
-    if not fitting and smallest is not None:
-        smallest = evaluate(shape, Layout(*smallest), hw, space.flash_attention)
-    return ranked(fitting, considered, smallest, gpus, global_batch)
+        step, layout = step_of(costs, fields, layout)
+        dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = \
+            fields
+        mechanisms = (tp, pp, cp, zero, recompute, sp, offload, v, ep)  # what `complexity` reads
+        if mechanisms not in simplicity:
+            simplicity[mechanisms] = complexity(layout or Layout(*fields))
+        # `rank_key`: the step's total to a microsecond, the mechanisms switched on, the memory
+        fitting.append(((round(step_total(*step), 6), simplicity[mechanisms], total), fields, peak, step))
+    if not fitting:
+        if smallest is not None:
+            smallest = evaluate(shape, Layout(*smallest), hw, space.flash_attention)
+        return ranked([], considered, smallest, gpus, global_batch)
+    fitting.sort(key=lambda record: record[0])  # stable: ties keep the enumeration's order, as `ranked` does
+    result = Ranked(shape, fitting)
+    least_memory = min(range(len(fitting)), key=lambda i: fitting[i][0][2])  # `ranked`'s smallest: the first
+    return PlanResult(result, considered, result[least_memory])
+
+
+class Ranked(Sequence):
+    """The fitting layouts, fastest first, as the `Evaluation`s `ranked` would list: each built when first read
+    from its ranking record (key, fields, the peak stage's memory parts, the step's time parts)."""
+
+    def __init__(self, shape: ModelShape, records: list[tuple]) -> None:
+        self.shape, self.records, self.built = shape, records, {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]
+        if index not in self.built:
+            _, fields, ((stage, states, _), act, trans), (compute, bubble, comm, update) = self.records[index]
+            layout = Layout(*fields)
+            self.built[index] = Evaluation(layout, with_states(states, act, trans, stage),
+                                           time_estimate(self.shape, layout, compute, bubble, comm, update), True)
+        return self.built[index]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment] (a list's)
+
+    def __repr__(self) -> str:
+        return f"Ranked({len(self)} layouts)"

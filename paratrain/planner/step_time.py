@@ -2,7 +2,8 @@
 
   t_mb      one micro-batch forward+backward on the slowest stage: micro_batch_overhead +
             FLOPs / (peak * mfu), FLOPs = tokens * (6 * stage parameters + 12 h s per layer) / (tp cp)
-            (+ one more forward of the layers under full recompute, of attention under selective),
+            (+ one more forward of the layers under full recompute, of attention under selective, and an
+            objective's reference forward: planner/reference.py),
             plus the tensor-parallel collectives (on the critical path), whatever ring-attention
             traffic the attention compute does not hide, and Ulysses' all-to-alls (on the path).
             MoE: a block's matmul FLOPs are those of its active parameters (top_k routed experts); the MoE
@@ -34,6 +35,7 @@ from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import rank_params
 from paratrain.planner.model_shape import ModelShape
 from paratrain.planner.moe import dense_blocks, moe_blocks, rank_expert_params
+from paratrain.planner.reference import reference_forward_flops_per_token
 from paratrain.planner.stages import rank_blocks
 from paratrain.planner.states import ceil_div
 
@@ -53,7 +55,7 @@ class TimeEstimate:
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + sum(self.comm.values()) + self.optimizer + self.offload
+        return step_total(self.compute, self.bubble, self.comm, (self.optimizer, self.offload))
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,6 +63,11 @@ class TimeEstimate:
 
     def mfu(self, peak_flops: float) -> float:
         return self.model_flops / (self.total * self.world * peak_flops)
+
+
+def step_total(compute: float, bubble: float, comm: dict[str, float], update: tuple[float, float]) -> float:
+    """`TimeEstimate.total` of its parts (the search ranks by it before it builds the estimates)."""
+    return compute + bubble + sum(comm.values()) + update[0] + update[1]
 
 
 def bubble_factor(layout: Layout) -> float:
@@ -92,6 +99,10 @@ def stage_flops_per_token(shape: ModelShape, layout: Layout, stage: int, recompu
         total += per_param * shape.embed_params()
     if stage == layout.head_rank:
         total += per_param * shape.head_params()
+    if shape.reference is not None and shape.reference.forward:  # the objective's reference forward, no_grad
+        total += reference_forward_flops_per_token(shape, dense_blocks(shape, layout, stage),
+                                                   moe_blocks(shape, layout, stage), stage == 0,
+                                                   stage == layout.head_rank)
     return total
 
 
@@ -136,62 +147,103 @@ def micro_batch_seconds(shape: ModelShape, layout: Layout, hw: Hardware, stage: 
     return compute_mb, attention_mb
 
 
+MODEL_KINDS = ("tp", "cp", "ep", "pp")  # transfers on a micro-batch's path; the rest are data parallelism's
+
+
+def by_kind(transfers: list[Timed]) -> dict[str, list[Timed]]:
+    """The timed transfers grouped by `Transfer.kind`, each group in the given order."""
+    out: dict[str, list[Timed]] = defaultdict(list)
+    for entry in transfers:
+        out[entry[0].kind].append(entry)
+    return out
+
+
+@dataclass(frozen=True)
+class PathTime:
+    """A micro-batch's path through the model parallelism (`path_time`): one micro-batch's compute seconds, the
+    pipeline's bubble, and the exposed seconds of the tp, cp, ep and pp transfers per axis name."""
+
+    compute_mb: float
+    bubble: float
+    exposed: dict[str, float]
+
+
+def path_time(layout: Layout, hw: Hardware, micro_batch: tuple[float, float], kinds: dict[str, list[Timed]]
+              ) -> PathTime:
+    """The part of a step that the data parallelism does not change: it reads the micro-batch's (compute,
+    attention) seconds, the `MODEL_KINDS` transfers, the micro-batches per step and the pipeline's schedule."""
+    m, p = layout.grad_accum, layout.pp
+    compute_mb, attention_mb = micro_batch
+    exposed: dict[str, float] = defaultdict(float)
+    tp, cp, ep = kinds.get("tp", ()), kinds.get("cp", ()), kinds.get("ep", ())
+    tp_mb = sum(s for _, _, s in tp) / m
+    cp_mb = max(0.0, sum(s for t, _, s in cp if t.op == "send") / m - hw.overlap * attention_mb)
+    cp_mb += sum(s for t, _, s in cp if t.op == "all_to_all") / m  # Ulysses: on the path
+    ep_mb = sum(s for _, _, s in ep) / m  # dispatch and combine: on the critical path
+    t_mb = compute_mb + tp_mb + cp_mb + ep_mb
+    bubble = bubble_factor(layout) * t_mb
+    for _, name, s in tp:  # the bubble (in units of t_mb) already holds the idle share of these
+        exposed[name] += s
+    if cp:
+        exposed["cp"] += m * cp_mb
+    if ep:
+        exposed["ep"] += m * ep_mb
+
+    if p > 1:  # one message per forward and backward slot on the critical path
+        message = next(t for t, _, _ in kinds["pp"] if t.op == "send")
+        one = collective_seconds("send", message.bytes / message.calls, p,
+                                 axis_bandwidth(hw, layout.dims, ("pp",)), hw.latency)
+        exposed["pp"] += 2 * (m * layout.virtual_stages + p - 1) * one
+    return PathTime(compute_mb, bubble, dict(exposed))
+
+
 def step_time(shape: ModelShape, layout: Layout, hw: Hardware, stage: int, micro_batch: tuple[float, float],
               transfers: list[Timed], update: tuple[float, float]) -> TimeEstimate:
     """The step of a rank of the slowest `stage` from its micro-batch's (compute, attention) seconds, its timed
     transfers and its (optimizer, offload) seconds."""
-    m, p = layout.grad_accum, layout.pp
-    compute_mb, attention_mb = micro_batch
-    exposed: dict[str, float] = defaultdict(float)
-    by_kind: dict[str, list[Timed]] = defaultdict(list)
-    for entry in transfers:
-        by_kind[entry[0].kind].append(entry)
+    kinds = by_kind(transfers)
+    return time_from_path(shape, layout, hw, path_time(layout, hw, micro_batch, kinds), kinds, update)
 
-    tp_mb = sum(s for _, _, s in by_kind["tp"]) / m
-    cp_mb = max(0.0, sum(s for t, _, s in by_kind["cp"] if t.op == "send") / m - hw.overlap * attention_mb)
-    cp_mb += sum(s for t, _, s in by_kind["cp"] if t.op == "all_to_all") / m  # Ulysses: on the path
-    ep_mb = sum(s for _, _, s in by_kind["ep"]) / m  # dispatch and combine: on the critical path
-    t_mb = compute_mb + tp_mb + cp_mb + ep_mb
-    bubble = bubble_factor(layout) * t_mb
-    for _, name, s in by_kind["tp"]:  # the bubble (in units of t_mb) already holds the idle share of these
-        exposed[name] += s
-    if by_kind["cp"]:
-        exposed["cp"] += m * cp_mb
-    if by_kind["ep"]:
-        exposed["ep"] += m * ep_mb
 
-    if p > 1:  # one message per forward and backward slot on the critical path
-        message = next(t for t, _, _ in by_kind["pp"] if t.op == "send")
-        one = collective_seconds("send", message.bytes / message.calls, p,
-                                 axis_bandwidth(hw, layout.dims, ("pp",)), hw.latency)
-        exposed["pp"] += 2 * (m * layout.virtual_stages + p - 1) * one
+def time_from_path(shape: ModelShape, layout: Layout, hw: Hardware, path: PathTime, kinds: dict[str, list[Timed]],
+                   update: tuple[float, float]) -> TimeEstimate:
+    """The step from its path (`path_time`), the data-parallel transfers of `kinds` and the update's seconds."""
+    compute, comm = step_parts(layout.grad_accum, hw, path, kinds)
+    return time_estimate(shape, layout, compute, path.bubble, comm, update)
 
-    _add_data_parallel_exposure(exposed, by_kind, layout, hw, compute_mb)
+
+def step_parts(m: int, hw: Hardware, path: PathTime, kinds: dict[str, list[Timed]]) -> tuple[float, dict[str, float]]:
+    """(compute seconds, exposed seconds per axis name) of a step of `m` micro-batches."""
+    exposed: dict[str, float] = defaultdict(float, path.exposed)
+    _add_data_parallel_exposure(exposed, kinds, m, hw, path.compute_mb)
+    return m * path.compute_mb, {k: v for k, v in exposed.items() if v > 0}
+
+
+def time_estimate(shape: ModelShape, layout: Layout, compute: float, bubble: float, comm: dict[str, float],
+                  update: tuple[float, float]) -> TimeEstimate:
     optimizer, offload = update
-
     tokens = layout.global_batch * shape.seq_len
-    return TimeEstimate(compute=m * compute_mb, bubble=bubble, comm={k: v for k, v in exposed.items() if v > 0},
-                        optimizer=optimizer, offload=offload, tokens=tokens,
-                        model_flops=float(shape.flops_per_token) * tokens, world=layout.world)
+    return TimeEstimate(compute=compute, bubble=bubble, comm=comm, optimizer=optimizer, offload=offload,
+                        tokens=tokens, model_flops=float(shape.flops_per_token) * tokens, world=layout.world)
 
 
-def _add_data_parallel_exposure(exposed: dict[str, float], by_kind: dict[str, list[Timed]], layout: Layout,
-                                hw: Hardware, compute_mb: float) -> None:
+def _add_data_parallel_exposure(exposed: dict[str, float], kinds: dict[str, list[Timed]], m: int, hw: Hardware,
+                                compute_mb: float) -> None:
     """The exposed seconds of the gradient reductions, parameter gathers and scalar collectives: each hides
     behind the backward (reductions) or forward and backward (ZeRO-3 gathers) of a micro-batch, up to
     `hw.overlap` of it."""
-    m = layout.grad_accum
     backward_mb, forward_mb = compute_mb * 2 / 3, compute_mb / 3
-    for t, name, s in by_kind["dp_grad"]:  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
+    for t, name, s in kinds.get("dp_grad", ()):  # one reduction per step (DDP, ZeRO-1) or per micro-batch (ZeRO-2/3)
         each = s / t.calls
         exposed[name] += t.calls * max(0.0, each - hw.overlap * backward_mb)
-    for _, name, s in by_kind["dp_param"] + by_kind["dp_replicate"]:  # after the update; after the backward (HSDP)
+    # parameter gathers after the update; HSDP's replica sums after the backward
+    for _, name, s in [*kinds.get("dp_param", ()), *kinds.get("dp_replicate", ())]:
         exposed[name] += s
-    for _, name, s in by_kind["zero3_param"]:  # about half the gathered bytes feed forwards, half feed backwards
+    for _, name, s in kinds.get("zero3_param", ()):  # about half the gathered bytes feed forwards, half backwards
         each = s / (2 * m)
         hidden = max(0.0, each - hw.overlap * forward_mb) + max(0.0, each - hw.overlap * backward_mb)
         exposed[name] += m * hidden
-    for _, name, s in by_kind["scalar"]:
+    for _, name, s in kinds.get("scalar", ()):
         exposed[name] += s
 
 

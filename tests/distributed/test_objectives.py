@@ -224,29 +224,62 @@ def test_forward_without_targets_returns_whole_logits_or_refuses_4_ranks(world4)
 
 def _reference_memory() -> dict:
     """memory_stats() of a DPO engine: the initial reference under ZeRO-3 holds this rank's shard of every weight,
-    as the policy's own parameters do; with the adapters off it holds nothing."""
+    as the policy's own parameters do; with the adapters off it holds nothing. Next to each, the planner's
+    `reference_bytes` for the same layout and this rank's pipeline stage (ZeRO-1 whole, tp-split, pipeline
+    stages too)."""
     from paratrain.api import initialize
 
     out = {}
-    for mode in ("full", "lora"):
-        cfg = case_config(("dpo", mode, "sigmoid", 0.0, "zero3"))
+    for mode, name in (("full", "zero3"), ("lora", "zero3"), ("full", "zero1"), ("full", "dp2·tp2 zero3"),
+                       ("full", "pp2 1f1b")):
+        cfg = case_config(("dpo", mode, "sigmoid", 0.0, name))
         engine, *_ = initialize(model=tiny_llama(), config=cfg, training_data=PreferencePairs(),
                                 collate_fn=preference_collator())
-        engine.train_batch()
+        if name == "zero3":
+            engine.train_batch()
         stats = engine.memory_stats()
-        out[mode] = {"reference": stats["reference_params"], "policy": stats["params"] - stats["reference_params"]}
+        out[(mode, name)] = {"reference": stats["reference_params"],
+                             "policy": stats["params"] - stats["reference_params"],
+                             "planner": _planned_reference(cfg, engine.mesh.local_rank("pp"))}
         engine.destroy()
     out["psi"] = sum(p.numel() for p in tiny_llama().parameters())
     return out
 
 
+def _planned_reference(cfg: dict, stage: int) -> int:
+    """The planner's bytes of the reference copy on a rank of `stage` of the layout `cfg` runs (fp32)."""
+    from paratrain.models.registry import preset_config
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.memory import reference_bytes
+    from paratrain.planner.model_shape import shape_from_config, with_adapters, with_reference
+    from paratrain.planner.reference import resolve_reference
+    from tests.cases import TINY_LLAMA
+
+    shape = shape_from_config(preset_config("llama-tiny", **TINY_LLAMA), "llama-tiny")
+    if "peft" in cfg:
+        from paratrain.planner.adapters import LoraPlan
+
+        shape = with_adapters(shape, LoraPlan(cfg["peft"]["r"], tuple(cfg["peft"]["target_modules"])))
+    shape = with_reference(shape, resolve_reference(cfg["objective"], "peft" in cfg, "objective"))
+    pipeline = cfg["pipeline"]
+    layout = Layout(dp=cfg["data_parallel"]["size"], micro_batch=cfg["train_micro_batch_size_per_gpu"],
+                    grad_accum=cfg["gradient_accumulation_steps"], tp=cfg["tensor_parallel"]["size"],
+                    pp=pipeline["stages"], zero_stage=cfg["zero_optimization"]["stage"],
+                    schedule=pipeline["schedule"] if pipeline["stages"] > 1 else "none", precision="fp32")
+    return reference_bytes(shape, layout, stage)
+
+
 def test_the_reference_is_placed_like_the_policy_and_adapters_off_cost_nothing_4_ranks(world4):
     for out in world4.run(_reference_memory):
         psi = out["psi"]
-        assert out["lora"]["reference"] == 0, out
-        full = out["full"]
+        assert out[("lora", "zero3")]["reference"] == 0, out
+        full = out[("full", "zero3")]
         assert full["reference"] == full["policy"], out  # the same shards as the policy's weights
         assert 4 * psi / 4 <= full["reference"] <= 4 * psi / 4 * 1.01, out  # 4 bytes x psi / N, padding < 1%
+        assert out[("full", "zero1")]["reference"] == 4 * psi, out  # whole on every rank
+        for case, got in out.items():  # the planner counts what memory_stats() measures, to the byte
+            if case != "psi":
+                assert got["planner"] == got["reference"], (case, got)
 
 
 def _from_directories(root: str) -> dict:

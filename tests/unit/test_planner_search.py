@@ -16,7 +16,8 @@ from paratrain.planner.enumerate import SearchSpace, enumerate_layouts, exhausti
 from paratrain.planner.hardware import Hardware, spans_nodes, spans_nodes_by_groups
 from paratrain.planner.layout import axis_name
 from paratrain.planner.memory import estimate_memory
-from paratrain.planner.model_shape import model_shape, with_adapters
+from paratrain.planner.model_shape import model_shape, with_adapters, with_reference
+from paratrain.planner.reference import ReferencePlan
 from paratrain.planner.search import PartCosts, candidates, plan
 
 
@@ -32,6 +33,8 @@ CASES = {  # model, GPUs, global batch, GPUs per node (below the GPUs: HSDP and 
                                                optimizer="muon")),
     "mixtral": (lambda: model_shape("mixtral-tiny"), 8, 4, 2, SearchSpace()),
     "llama lora": (lambda: _lora("llama-mini"), 4, 4, 2, SearchSpace()),
+    "llama dpo": (lambda: with_reference(model_shape("llama-mini"), ReferencePlan({"type": "dpo"}, "initial")), 4, 8,
+                  2, SearchSpace()),
 }
 
 
