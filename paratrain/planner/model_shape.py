@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from paratrain.errors import Error
 from paratrain.models.gpt.model import PRESETS as GPT_PRESETS
@@ -41,13 +40,34 @@ from paratrain.models.llama_moe.model import LlamaMoEConfig
 from paratrain.models.registry import preset_config
 from paratrain.planner.adapters import LoraPlan, layer_adapter_params, projections
 
-if TYPE_CHECKING:
-    from paratrain.planner.reference import ReferencePlan
-
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS, **LLAMA_MOE_PRESETS}
 
 class PlannerError(Error, ValueError):
     """A planning request that cannot be answered; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    """The objective the plan costs (its config section) and where its reference log-probs come from."""
+
+    objective: dict
+    mode: str  # "initial" | "adapters_off" | "batch" | "none" (the objective reads no reference)
+
+    @property
+    def copy(self) -> bool:
+        """A frozen second copy of the weights sits beside the policy."""
+        return self.mode == "initial"
+
+    @property
+    def forward(self) -> bool:
+        """Each micro-batch runs a reference forward in the step."""
+        return self.mode in ("initial", "adapters_off")
+
+    def describe(self) -> str:
+        what = {"initial": "a frozen copy of the initial weights (in params)",
+                "adapters_off": "the policy with its adapters off (no copy)",
+                "batch": "log-probs the batch carries (no copy, no forward)", "none": "none"}[self.mode]
+        return f"objective: {self.objective.get('type', 'sft')}, reference: {what}"
 
 
 @dataclass(frozen=True)

@@ -20,38 +20,13 @@ parameter and token, and a third of the attention's), are added to the stage's c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from paratrain.config.objective import ObjectiveConfig
 from paratrain.errors import Error
-from paratrain.planner.model_shape import ModelShape, PlannerError
-
-
-@dataclass(frozen=True)
-class ReferencePlan:
-    """The objective the plan costs (its config section) and where its reference log-probs come from."""
-
-    objective: dict
-    mode: str  # "initial" | "adapters_off" | "batch" | "none" (the objective reads no reference)
-
-    @property
-    def copy(self) -> bool:
-        """A frozen second copy of the weights sits beside the policy."""
-        return self.mode == "initial"
-
-    @property
-    def forward(self) -> bool:
-        """Each micro-batch runs a reference forward in the step."""
-        return self.mode in ("initial", "adapters_off")
-
-    def describe(self) -> str:
-        what = {"initial": "a frozen copy of the initial weights (in params)",
-                "adapters_off": "the policy with its adapters off (no copy)",
-                "batch": "log-probs the batch carries (no copy, no forward)", "none": "none"}[self.mode]
-        return f"objective: {self.objective.get('type', 'sft')}, reference: {what}"
+from paratrain.planner.model_shape import ModelShape, PlannerError, ReferencePlan
 
 
 def resolve_reference(section: dict, has_adapters: bool, source: str) -> ReferencePlan | None:
