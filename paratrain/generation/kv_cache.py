@@ -26,11 +26,13 @@ from paratrain.attention import CausalAttentionCore, allowed_pairs, check_window
 
 
 class DecodeRows:
-    """The document ids (b, L) of every position so far and how many of them the cores have seen."""
+    """The document ids (b, L) of every position so far and how many of them the cores have seen. `capacity`:
+    the positions a decode can reach (its caches are allocated to it once; None: grown as needed)."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, capacity: int | None = None):
         self.ids = ids  # (b, L): -1 padding, 0 real
         self.seen = 0  # positions already in the caches (the next forward's first global index)
+        self.capacity = capacity
         self._masks: dict = {}  # this forward's masks by window: every layer of the forward asks for the same
 
     def extend(self, ids: torch.Tensor) -> None:
@@ -47,7 +49,8 @@ class DecodeRows:
 
 
 class KVCache:
-    """One core's keys and values (b, kv_heads, L, d) of every position so far."""
+    """One core's keys and values (b, kv_heads, capacity, d), allocated once to the rows' capacity and written in
+    place: the first `rows.seen` positions are the cached ones."""
 
     def __init__(self, rows: DecodeRows):
         self.rows = rows
@@ -56,11 +59,21 @@ class KVCache:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
         """The new positions' attention over every cached position and themselves: (b, heads, s_new, d)."""
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        start, end = self.rows.seen, self.rows.seen + k.shape[2]
+        if self.k is None or end > self.k.shape[2]:  # first call, or beyond the capacity: (re)allocate
+            self.k, self.v = self._allocated(self.k, k, end), self._allocated(self.v, v, end)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
         mask = self.rows.mask(q.shape[2], check_window(window), q.device)
-        keys_all, values_all = expand_kv_heads(self.k, self.v, q.shape[1])
+        keys_all, values_all = expand_kv_heads(self.k[:, :, :end], self.v[:, :, :end], q.shape[1])
         return F.scaled_dot_product_attention(q, keys_all, values_all, attn_mask=mask)
+
+    def _allocated(self, cached: torch.Tensor | None, new: torch.Tensor, end: int) -> torch.Tensor:
+        length = max(end, self.rows.capacity or 0)
+        buffer = new.new_empty(new.shape[:2] + (length,) + new.shape[3:])
+        if cached is not None:
+            buffer[:, :, :self.rows.seen] = cached[:, :, :self.rows.seen]
+        return buffer
 
 
 def attention_cores(module: nn.Module) -> list[CausalAttentionCore]:

@@ -130,7 +130,8 @@ def _decode(forward: Forward, module: nn.Module, input_ids: torch.Tensor, attent
     documents, positions = prompt_layout(input_ids, attention_mask)
     out, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     eos = torch.tensor(settings.eos_ids, dtype=input_ids.dtype, device=input_ids.device)
-    rows = DecodeRows(documents[:, :0])
+    prompt = input_ids.shape[1] + (-input_ids.shape[1] % multiple)
+    rows = DecodeRows(documents[:, :0], capacity=prompt + settings.max_new_tokens * multiple)
     chunk = (input_ids, positions, documents)  # what the next forward brings (cached: only the new tokens)
     log_probs: list[torch.Tensor] = []
     with kv_caches(module, rows) if settings.use_cache else nullcontext():
