@@ -111,21 +111,12 @@ def enumerate_layouts(shape: ModelShape, gpus: int, global_batch: int, gpus_per_
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
-        zero_stages = space.zero_stages if dp * cp > 1 else (0,)
-        sps = space.sequence_parallel if tp > 1 else (False,)
         recomputes = [r for r in space.recompute if not (r == "selective" and space.flash_attention)]
-        schedules = [("none", 1)] if pp == 1 else \
-            [(s, v) for s in space.schedules
-             for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
-        methods = [("ring", 1)] if cp == 1 else \
-            [(meth, u) for meth in space.cp_methods
-             for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
-        eps = expert_sizes(shape, dp * cp, space)
+        choices = mesh_choices(shape, (dp, tp, pp, cp), recomputes, space)
         for mb in divisors(per_rank):
             if mb > space.max_micro_batch:
                 continue
-            for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
-                    schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
+            for (schedule, v), (method, u), zero, offload, sp, recompute, ep in choices:
                 layout = Layout(dp=dp, micro_batch=mb, grad_accum=per_rank // mb, tp=tp, pp=pp, cp=cp,
                                 zero_stage=zero, offload_optimizer=offload, schedule=schedule, virtual_stages=v,
                                 recompute=recompute, sequence_parallel=sp, precision=space.precision,
@@ -133,6 +124,22 @@ def enumerate_layouts(shape: ModelShape, gpus: int, global_batch: int, gpus_per_
                 for candidate in [layout] + hsdp_variants(layout, gpus_per_node, space):
                     if invalid_reason(shape, candidate, gpus_per_node) is None:
                         yield candidate
+
+
+def mesh_choices(shape: ModelShape, mesh: tuple, recomputes: list[str], space: SearchSpace) -> list[tuple]:
+    """For the mesh (dp, tp, pp, cp), every ((schedule, v), (cp method, ulysses size), zero, offload, sp, recompute,
+    ep) the search tries, in its order (validity not yet asked)."""
+    dp, tp, pp, cp = mesh
+    zero_stages = space.zero_stages if dp * cp > 1 else (0,)
+    sps = space.sequence_parallel if tp > 1 else (False,)
+    schedules = [("none", 1)] if pp == 1 else \
+        [(s, v) for s in space.schedules
+         for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
+    methods = [("ring", 1)] if cp == 1 else \
+        [(meth, u) for meth in space.cp_methods
+         for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
+    eps = expert_sizes(shape, dp * cp, space)
+    return list(itertools.product(schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps))
 
 
 def hsdp_variants(layout: Layout, gpus_per_node: int, space: SearchSpace) -> list[Layout]:

@@ -54,9 +54,9 @@ from paratrain.planner.enumerate import (
     complexity,
     divisors,
     evaluate,
-    expert_sizes,
     hsdp_variants,
     invalid_reason,
+    mesh_choices,
     ranked,
 )
 from paratrain.planner.hardware import Hardware
@@ -285,18 +285,8 @@ def mesh_variants(shape: ModelShape, mesh: tuple, recomputes: list[str], gpus_pe
     DualPipeV: m >= 2 pp); `per_m` = (schedule, pp, v) for those two schedules, whose validity at another m is
     then those rules' alone, None for the others."""
     dp, tp, pp, cp = mesh
-    zero_stages = space.zero_stages if dp * cp > 1 else (0,)
-    sps = space.sequence_parallel if tp > 1 else (False,)
-    schedules = [("none", 1)] if pp == 1 else \
-        [(s, v) for s in space.schedules
-         for v in (space.virtual_stages if s == "interleaved" else (2,) if s in V_SCHEDULES else (1,))]
-    methods = [("ring", 1)] if cp == 1 else \
-        [(meth, u) for meth in space.cp_methods
-         for u in ([d for d in divisors(cp) if 1 < d < cp] if meth == "usp" else [1])]
-    eps = expert_sizes(shape, dp * cp, space)
     valid, replicas, out = costs.memo["valid"], costs.memo["replicas"], []
-    for (schedule, v), (method, u), zero, offload, sp, recompute, ep in itertools.product(
-            schedules, methods, zero_stages, space.offload_optimizer, sps, recomputes, eps):
+    for (schedule, v), (method, u), zero, offload, sp, recompute, ep in mesh_choices(shape, mesh, recomputes, space):
         base = (dp, 1, 2 * pp, tp, pp, cp, zero, offload, schedule, v, recompute, sp, space.precision, method, u, ep,
                 space.optimizer)
         key = (zero > 0, dp, pp, cp, tp, ep, method, u)
