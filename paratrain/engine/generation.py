@@ -14,6 +14,7 @@ chunk of each row, and a token-by-token decode has no chunks to split.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -41,43 +42,40 @@ class Generator:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  settings: GenerationSettings, generator: torch.Generator | None) -> torch.Tensor:
         """`engine.generate`'s result (its arguments gathered in `settings`)."""
-        settings.check()
-        self._check_layout()
-        module = self.parallel.module
-        with self.phases.together():
+        with self._decoding(settings) as logits_of:
             ids = input_ids.to(self.device)
             mask = attention_mask.to(self.device) if attention_mask is not None else None
-            was_training = module.training
-            module.eval()
-            try:
-                logits_of = partial(self._logits_of, vocab_parallel_loss(self.parallel))  # found once per call
-                with self.parallel.grad_sync.gathered_for_inference():
-                    return decode(logits_of, module, ids, mask, settings, generator, multiple=self.tokens_per_forward)
-            finally:
-                module.train(was_training)
+            return decode(logits_of, self.parallel.module, ids, mask, settings, generator,
+                          multiple=self.tokens_per_forward)
 
     @torch.no_grad()
     def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor | None, keys: torch.Tensor,
                 settings: GenerationSettings, step: int) -> Rollout:
         """`engine.rollout`: this rank's prompts (its replica's: the same on its tp, pp and cp peers, checked),
         each row drawn by its key; ranks whose forwards meet across prompts (expert parallelism) stop together."""
+        with self._decoding(settings) as logits_of:
+            ids, keys = prompt_ids.to(self.device), keys.to(self.device)
+            mask = prompt_mask.to(self.device) if prompt_mask is not None else None
+            check_same_batches([(ids, mask if mask is not None else ids, keys)], self.mesh, step, self.device)
+            decoded = decode_rollout(logits_of, self.parallel.module, ids, mask, settings, keys,
+                                     multiple=self.tokens_per_forward, all_finished=self._all_finished())
+        return Rollout.of(decoded, ids.shape[1], settings.eos_ids)
+
+    @contextmanager
+    def _decoding(self, settings: GenerationSettings):
+        """What a decode runs in: checked settings and layout, failures shared with the other ranks, the model in
+        eval mode (and back), ZeRO-3's units gathered once for the call; yields the full-vocabulary forward."""
         settings.check()
         self._check_layout()
         module = self.parallel.module
         with self.phases.together():
-            ids, keys = prompt_ids.to(self.device), keys.to(self.device)
-            mask = prompt_mask.to(self.device) if prompt_mask is not None else None
-            check_same_batches([(ids, mask if mask is not None else ids, keys)], self.mesh, step, self.device)
             was_training = module.training
             module.eval()
             try:
-                logits_of = partial(self._logits_of, vocab_parallel_loss(self.parallel))
                 with self.parallel.grad_sync.gathered_for_inference():
-                    decoded = decode_rollout(logits_of, module, ids, mask, settings, keys,
-                                             multiple=self.tokens_per_forward, all_finished=self._all_finished())
+                    yield partial(self._logits_of, vocab_parallel_loss(self.parallel))  # found once per call
             finally:
                 module.train(was_training)
-        return Rollout.of(decoded, ids.shape[1], settings.eos_ids)
 
     def _all_finished(self):
         """Expert parallelism's all-to-all meets ranks of other replicas at every forward: they agree to stop (one

@@ -72,7 +72,7 @@ class GRPOStep:
         rollout = rollout.padded(s.max_completion_length)
         scored = self._rewards(rollout, prompts, columns, generations)
         advantage = group_advantages(scored, self.rewards.weights, self.rewards.names, generations, s.scale_rewards)
-        dp, rank = engine.mesh.size("dp"), engine.mesh.local_rank("dp")
+        rank = engine.mesh.local_rank("dp")
         mine = advantage.advantages[rank * rows:(rank + 1) * rows]
         batches = self._micro_batches(rollout.to_batch(ids, mask, mine))
         losses, norms, metrics = [], [], dict(advantage.metrics)
@@ -83,7 +83,7 @@ class GRPOStep:
             if iteration == 0 and "logprob_mismatch" in step_metrics:  # the first update recomputes the sampler's
                 metrics["logprob_mismatch"] = step_metrics.pop("logprob_mismatch")
             metrics.update({k: v for k, v in step_metrics.items() if k != "logprob_mismatch"})
-        metrics.update(self._completion_metrics(rollout, dp))
+        metrics.update(self._completion_metrics(rollout))
         return GRPOResult(losses, norms, rollout, advantage.rewards, mine, metrics)
 
     def _check_rows(self, rows: int) -> None:
@@ -108,7 +108,7 @@ class GRPOStep:
         rows = batch["completion_ids"].shape[0]
         return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
-    def _completion_metrics(self, rollout: Rollout, dp: int) -> dict[str, float]:
+    def _completion_metrics(self, rollout: Rollout) -> dict[str, float]:
         """TRL's completions/mean_length and completions/clipped_ratio (the share that ended without an end token)
         over the global batch (one all-reduce)."""
         mask = rollout.completion_mask.bool()
