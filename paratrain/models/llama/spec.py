@@ -48,7 +48,9 @@ class LlamaEmbedStage(nn.Module):
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None):
         if position_ids is None:
             position_ids = torch.arange(idx.shape[1], device=idx.device)
-        return self.embed_tokens(idx), position_ids  # (b, s, d), (s,) or (b, s)
+        if position_ids.dim() == 1:  # always (b, s): the hand-over's shape may not depend on whether a row is padded
+            position_ids = position_ids.expand(idx.shape[0], -1).contiguous()
+        return self.embed_tokens(idx), position_ids  # (b, s, d), (b, s)
 
 
 class _NormHolder(nn.Module):
