@@ -21,11 +21,13 @@ class DataConfig(Section):
     validation: str | None = None
     """The same kinds of path, read the same way, for the validation loss (trainer.eval_every); none: no
     validation."""
-    format: Literal["text", "prompt_completion", "chat", "preference"] = "text"
+    format: Literal["text", "prompt_completion", "chat", "preference", "prompt"] = "text"
     """"text": loss on every token of the `text` field; "prompt_completion": loss on `completion` only;
     "chat": `messages` rendered by the tokenizer's chat template, loss on the assistant turns only;
     "preference": TRL's preference pairs (`prompt`, `chosen`, `rejected`: text or messages; the prompt may be
-    implicit) for the dpo objective, each pair padded to seq_len and cut TRL's keep_start way (never packed)."""
+    implicit) for the dpo objective, each pair padded to seq_len and cut TRL's keep_start way (never packed);
+    "prompt": TRL's prompt-only rows for a grpo job (`prompt`: text, or messages rendered with the generation
+    prompt; every other field is a column the reward functions get), each left-padded to the longest prompt."""
     fields: dict[str, str] = Field(default_factory=dict)
     """The format's field -> the records' field, e.g. {"prompt": "question", "completion": "answer"}."""
     seq_len: int | None = Field(None, ge=2)
@@ -59,14 +61,18 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _pairs_whole(self) -> DataConfig:
-        """Preference pairs are trained whole, one pair per two padded rows: what cuts or packs documents is
-        refused by name when it is set (its default is left alone)."""
-        if self.format != "preference":
+        """Preference pairs and prompts are taken whole, one per padded row (or two): what cuts or packs documents
+        is refused by name when it is set (its default is left alone)."""
+        if self.format not in ("preference", "prompt"):
             return self
-        for name, value, why in (("packing", True, "a pair is its two rows, padded to seq_len"),
-                                 ("overflow", "split", "a pair longer than seq_len is cut to it, TRL's keep_start"),
-                                 ("streaming", True, "pairs are tokenized before the first step")):
+        whole = {"preference": (("packing", True, "a pair is its two rows, padded to seq_len"),
+                                ("overflow", "split", "a pair longer than seq_len is cut to it, TRL's keep_start"),
+                                ("streaming", True, "pairs are tokenized before the first step")),
+                 "prompt": (("packing", True, "each prompt is one rollout row, left-padded"),
+                            ("overflow", "split", "a prompt is never cut: a longer one is an error naming it"),
+                            ("streaming", True, "prompts are tokenized before the first step"))}[self.format]
+        for name, value, why in whole:
             if name in self.model_fields_set and getattr(self, name) == value:
-                raise InvalidValueError(f"data.{name} = {value!r} does not apply to data.format \"preference\" "
+                raise InvalidValueError(f"data.{name} = {value!r} does not apply to data.format \"{self.format}\" "
                                         f"({why}); remove data.{name}")
         return self

@@ -20,6 +20,7 @@ from paratrain.errors import InvalidValueError
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
                   "sigmoid_norm", "exo_pair")
 GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+ROLLOUT_FIELDS = ("num_generations", "top_p", "top_k", "num_iterations", "scale_rewards")
 
 
 class ObjectiveConfig(Section):
@@ -58,11 +59,27 @@ class ObjectiveConfig(Section):
     """GRPO with beta > 0: the k3 KL times the importance ratio (TRL's default)."""
     temperature: float = Field(1.0, gt=0.0)
     """GRPO: the logits are divided by it before the log-probs, as the sampler did (TRL's `temperature`)."""
+    num_generations: int = Field(8, ge=2)
+    """GRPO job: completions sampled per prompt, one group (TRL's `num_generations`)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """GRPO job: nucleus sampling of the rollouts (TRL's `top_p`)."""
+    top_k: int | None = Field(None, ge=1)
+    """GRPO job: sample among the k likeliest tokens; None: all (TRL's `top_k`)."""
+    num_iterations: int = Field(1, ge=1)
+    """GRPO job: updates per rollout batch, μ (TRL's `num_iterations`); each is one optimizer step."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO job: the advantage's divisor, the group's reward std, the batch's, or none (TRL's `scale_rewards`)."""
 
     @model_validator(mode="after")
     def _known(self) -> ObjectiveConfig:
         kinds = self.loss_types
         allowed = DPO_LOSS_TYPES if self.type == "dpo" else GRPO_LOSS_TYPES if self.type == "grpo" else ()
+        # set to something other than its default (a resolved config.json carries every field at its default)
+        online = [name for name in ROLLOUT_FIELDS if name in self.model_fields_set
+                  and getattr(self, name) != type(self).model_fields[name].default]
+        if online and self.type != "grpo":
+            raise InvalidValueError(f"objective.{online[0]} sets how a grpo job samples its rollouts, but "
+                                    f"objective.type is \"{self.type}\"; remove it, or set objective.type to \"grpo\"")
         if self.type == "sft":
             if self.loss_type is not None or self.beta is not None:
                 raise InvalidValueError("objective.loss_type and objective.beta belong to the dpo and grpo "

@@ -175,6 +175,11 @@ class TrainerConfig(Section):
     save_pretrained_every: int = Field(0, ge=0)
     """Also write save_pretrained every N steps (0: only at the end)."""
     progress_bar: bool = True
+    reward_funcs: list[str] = Field(default_factory=list)
+    """A grpo job's reward functions, TRL's signature `fn(prompts, completions, completion_ids, **columns)`, each
+    named 'file.py:function' (relative to where the job runs) or 'package.module:function'."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function (TRL's `reward_weights`); default 1 each."""
 
     @model_validator(mode="after")
     def _early_stopping_evaluates(self) -> TrainerConfig:

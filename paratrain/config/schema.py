@@ -128,12 +128,17 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _pairs_for_dpo(self) -> Config:
-        """Preference pairs train the dpo objective, and the dpo objective trains on pairs."""
+        """Preference pairs train the dpo objective and the dpo objective trains on pairs; prompts are a grpo job's."""
         pairs = self.data.format == "preference"
         if pairs and self.objective.type != "dpo":
             raise InvalidValueError(f"data.format \"preference\" gives pairs, which the {self.objective.type} "
                                     f"objective does not train on: add \"objective\": {{\"type\": \"dpo\"}}, or "
                                     f"choose another data.format")
+        prompts = self.data.format == "prompt"
+        if prompts != (self.objective.type == "grpo") and (prompts or self.data.train):
+            raise InvalidValueError(f"data.format \"prompt\" gives prompts to sample rollouts from, which a grpo job "
+                                    f"trains on: set objective.type to \"grpo\" and data.format to \"prompt\" "
+                                    f"together (got {self.objective.type} on \"{self.data.format}\")")
         if self.data.train and self.objective.type == "dpo" and not pairs:
             raise InvalidValueError(f"objective.type \"dpo\" trains on preference pairs, but data.format is "
                                     f"\"{self.data.format}\": set data.format to \"preference\" (records with "
