@@ -12,6 +12,7 @@ prompt index says which); the ranks of one replica pass the same ones.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,12 +48,17 @@ class GRPOResult:
     rewards: torch.Tensor  # (global rows,) weighted rewards, NaN where nothing scored
     advantages: torch.Tensor  # (this rank's rows,)
     metrics: dict[str, float] = field(default_factory=dict)  # TRL's names
+    timings: dict[str, float] = field(default_factory=dict)  # generation_s, rewards_s, update_s: this rank's
 
 
 class GRPOStep:
     def __init__(self, engine, rewards: RewardFunctions, settings: GRPOSettings,
-                 decode_text: Callable[[list[int]], str] | None = None):
+                 decode_text: Callable[[list[int]], str] | None = None, conversational: bool = False):
+        """`decode_text`: a completion's token ids -> its text (the reward functions get the ids otherwise);
+        `conversational`: the prompts are message lists, so each completion is given as
+        [{"role": "assistant", "content": text}] (TRL's conversational form)."""
         self.engine, self.rewards, self.settings, self.decode_text = engine, rewards, settings, decode_text
+        self.conversational = conversational
         if engine.objective is None or engine.objective.objective.name != "grpo":
             raise InvalidValueError("a GRPO step trains the grpo objective: set objective.type to \"grpo\"")
 
@@ -62,6 +68,7 @@ class GRPOStep:
         generations = s.num_generations
         rows = prompt_ids.shape[0] * generations
         self._check_rows(rows)
+        tic = time.perf_counter()
         ids, mask = prompt_ids.repeat_interleave(generations, 0), prompt_mask.repeat_interleave(generations, 0)
         keys = rollout_keys(s.seed, engine.global_steps, torch.as_tensor(prompt_index).repeat_interleave(generations),
                             torch.arange(generations).repeat(prompt_ids.shape[0]))
@@ -70,11 +77,15 @@ class GRPOStep:
                                  pad_token_id=s.pad_token_id)
         rollout = Rollout(*(t.cpu() for t in (rollout.completion_ids, rollout.completion_mask, rollout.log_probs)))
         rollout = rollout.padded(s.max_completion_length)
+        timings = {"generation_s": time.perf_counter() - tic}
+        tic = time.perf_counter()
         scored = self._rewards(rollout, prompts, columns, generations)
         advantage = group_advantages(scored, self.rewards.weights, self.rewards.names, generations, s.scale_rewards)
         rank = engine.mesh.local_rank("dp")
         mine = advantage.advantages[rank * rows:(rank + 1) * rows]
         batches = self._micro_batches(rollout.to_batch(ids, mask, mine))
+        timings["rewards_s"] = time.perf_counter() - tic
+        tic = time.perf_counter()
         losses, norms, metrics = [], [], dict(advantage.metrics)
         for iteration in range(s.num_iterations):
             losses.append(float(engine.train_batch(iter(batches))))
@@ -83,8 +94,9 @@ class GRPOStep:
             if iteration == 0 and "logprob_mismatch" in step_metrics:  # the first update recomputes the sampler's
                 metrics["logprob_mismatch"] = step_metrics.pop("logprob_mismatch")
             metrics.update({k: v for k, v in step_metrics.items() if k != "logprob_mismatch"})
+        timings["update_s"] = time.perf_counter() - tic
         metrics.update(self._completion_metrics(rollout))
-        return GRPOResult(losses, norms, rollout, advantage.rewards, mine, metrics)
+        return GRPOResult(losses, norms, rollout, advantage.rewards, mine, metrics, timings)
 
     def _check_rows(self, rows: int) -> None:
         engine = self.engine
@@ -99,6 +111,8 @@ class GRPOStep:
     def _rewards(self, rollout: Rollout, prompts, columns, generations: int) -> torch.Tensor:
         completion_ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
         texts = [self.decode_text(c) for c in completion_ids] if self.decode_text is not None else completion_ids
+        if self.conversational:
+            texts = [[{"role": "assistant", "content": text}] for text in texts]
         repeated = [p for p in (prompts or [None] * (len(completion_ids) // generations)) for _ in range(generations)]
         extra = {name: [v for v in values for _ in range(generations)] for name, values in (columns or {}).items()}
         return self.rewards.score(repeated, texts, completion_ids, extra, self.engine.mesh.axis("dp"))

@@ -5,6 +5,7 @@ draw (the step's wait for data). Validation runs through `engine.evaluate`."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,8 +13,30 @@ import torch
 from paratrain.config import ConfigError
 from paratrain.data import corpus_text
 from paratrain.data.job import job_data
+from paratrain.models import build_model
 from paratrain.models.hf.pretrained import build_empty, load_tokenizer
 from paratrain.models.registry import FAMILIES
+
+
+@dataclass
+class JobModel:
+    model: object  # the module, or a Hugging Face directory's path (initialize loads its weights)
+    directory: Path | None  # the Hugging Face directory, None for a preset
+    seq_len: int  # the preset's seq_len, or model_overrides.seq_len (default 128) for a directory
+    params: int  # counted before parallelizing (which splits in place)
+    vocab: int
+    positions: int | None  # a directory's max_position_embeddings (None for a preset, or when it has none)
+
+
+def job_model(t) -> JobModel:
+    """trainer.model (with trainer.model_overrides): a preset built here, or a Hugging Face directory."""
+    directory = model_directory(t)
+    if directory is not None:
+        model, seq_len, params, vocab, positions = pretrained_model(t)
+        return JobModel(model, directory, seq_len, params, vocab, positions)
+    model = build_model(t.model, **t.model_overrides)
+    return JobModel(model, None, model.config.seq_len, sum(p.numel() for p in model.parameters()),
+                    model.config.vocab_size, None)
 
 
 def check_validation_size(engine, val_data) -> None:

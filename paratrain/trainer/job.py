@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import time
 from pathlib import Path
 
@@ -33,46 +32,33 @@ from paratrain.data.tokenizer import load_tokenizer
 from paratrain.distributed import init_distributed
 from paratrain.engine.monitor import peak_rss_bytes
 from paratrain.failure import install_excepthook
-from paratrain.models import build_model
 from paratrain.trainer.early_stop import ValidationTracker
+from paratrain.trainer.grpo_job import train_grpo
 from paratrain.trainer.inputs import (
     TimedLoader,
     check_validation_size,
     corpus_ids,
+    job_model,
     job_rows,
-    model_directory,
-    pretrained_model,
     split_validation,
     trainer_text,
 )
 from paratrain.trainer.metrics_writer import MetricsWriter
 from paratrain.trainer.objective_metrics import check_objective_job, eval_columns, metric_names, tracked
+from paratrain.trainer.run_outputs import (
+    duration,
+    finish,
+    mean,
+    mib,
+    progress_bar,
+    save_pretrained_model,
+    write_summary,
+)
 from paratrain.trainer.samples import Evaluator
 
 # A row's values that every monitor and tracker gets too (engine.log_metrics), by transformers' Trainer names.
 TRACKED = {"tokens_per_s": "train/tokens_per_s", "epoch": "train/epoch", "val_loss": "eval/loss",
            "eta_s": "train/eta_s", "step_time_s": "train/step_time_s", "state_bytes": "train/model_state_bytes"}
-
-
-def _progress(total: int, enabled: bool, stack: contextlib.ExitStack):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    # The engine's steps_per_print lines go above the bar instead of through it.
-    stack.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger("paratrain")]))
-    return tqdm(total=total, desc="train", dynamic_ncols=True, mininterval=0.5)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f}MiB"
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _start(cfg, run_dir: str | None):
@@ -84,14 +70,10 @@ def _start(cfg, run_dir: str | None):
     if cfg.data.train and t.text:
         raise ConfigError(f"trainer.text = '{t.text}' and data.train = '{cfg.data.train}' both name what to train "
                           f"on; keep one (data.train reads .jsonl/.json/.parquet/.txt with formats and packing)")
-    model_dir = model_directory(t)
-    if model_dir is not None:
-        model, seq_len, num_params, vocab, positions = pretrained_model(t)
-    else:
-        model = build_model(t.model, **t.model_overrides)
-        num_params = sum(p.numel() for p in model.parameters())  # before parallelizing: split in place
-        seq_len, vocab, positions = model.config.seq_len, model.config.vocab_size, None
-    info = {"params": num_params, "seq_len": seq_len}
+    built = job_model(t)
+    model, model_dir, seq_len, vocab, positions = built.model, built.directory, built.seq_len, built.vocab, \
+        built.positions
+    info = {"params": built.params, "seq_len": seq_len}
     if cfg.data.train:
         train_data, val_data, info["data"] = job_rows(cfg, model_dir, seq_len, vocab, positions)
         info["seq_len"] = train_data.seq_len
@@ -156,26 +138,6 @@ def _step(engine, loader: TimedLoader, evaluator: Evaluator | None, step: int, s
     return row
 
 
-def save_pretrained_model(engine, directory: str) -> None:
-    """trainer.save_pretrained (collective): the model as transformers loads it; with adapters, the adapter as peft
-    loads it, or with trainer.save_merged both: the adapter in `adapter/`, the merged model in `merged/`."""
-    if engine.adapters is None or not engine.config.trainer.save_merged:
-        engine.save_pretrained(directory)
-        return
-    engine.save_pretrained(Path(directory) / "adapter")
-    engine.save_pretrained(Path(directory) / "merged", merged=True)
-
-
-def _finish(engine, out: Path, steps: int, done: int) -> None:
-    """The final checkpoint (unless the last step just saved it) and the pipeline timeline (collective)."""
-    ck = engine.config.checkpoint
-    if ck.dir and steps > done and not (ck.save_every and steps % ck.save_every == 0):
-        engine.save_checkpoint(ck.dir)
-    timeline = engine.pipeline_timeline()  # collective; None without a pipeline
-    if timeline is not None and engine.global_rank == 0:
-        (out / "timeline.json").write_text(json.dumps(timeline))
-
-
 def train(config_source, run_dir: str | None = None, steps: int | None = None,
           save_pretrained: str | None = None) -> dict:
     """Train the configured model (a GPT or Llama preset); returns the summary (also written to
@@ -184,6 +146,13 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     cfg = load_config(config_source)
     init_distributed(timeout=cfg.comm.timeout_s)
     steps, save_pretrained = steps or cfg.trainer.steps, save_pretrained or cfg.trainer.save_pretrained
+    if cfg.objective.type == "grpo":  # online: prompts in, rollouts sampled each step (grpo_job.py)
+        return train_grpo(cfg, run_dir, steps, save_pretrained)
+    return _train_rows(cfg, run_dir, steps, save_pretrained)
+
+
+def _train_rows(cfg, run_dir: str | None, steps: int, save_pretrained: str | None) -> dict:
+    """The next-token or DPO job on its rows (or the corpus's windows), after init_distributed."""
     engine, loader, evaluator, out, model = _start(cfg, run_dir)
     rank0 = engine.global_rank == 0
     validating = evaluator is not None and (cfg.trainer.eval_every > 0 or cfg.trainer.eval_at_start)
@@ -191,7 +160,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     tokens_per_step = engine.train_batch_size() * model["seq_len"] * model["sequences_per_sample"]
     redirect = contextlib.ExitStack()
     done = engine.global_steps  # > 0 when initialize() resumed from a checkpoint (checkpoint.auto_resume)
-    bar = _progress(steps, rank0 and cfg.trainer.progress_bar, redirect)
+    bar = progress_bar(steps, rank0 and cfg.trainer.progress_bar, redirect)
     if bar is not None and done:
         bar.update(done)
     engine.comm_stats(reset=True)
@@ -212,7 +181,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     engine.monitor.close()  # flushed; the W&B / MLflow runs finish
     trained = [r for r in rows if "loss" in r]  # step 0's row (eval_at_start) has no training loss
     last = trained[-1]["step"] if trained else done  # before `steps` when early stopping ended the run
-    _finish(engine, out, last, done)
+    finish(engine, out, last, done)
     if save_pretrained:  # a directory transformers (or peft, for an adapter) loads (collective)
         save_pretrained_model(engine, save_pretrained)
     counts = engine.parameter_counts()  # (collective)
@@ -227,12 +196,12 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
                "params": counts["trainable"] + counts["frozen"], "trainable_params": counts["trainable"],
                "frozen_params": counts["frozen"], "run_dir": str(out)}
     if "data" in model:  # the data section: what reading and tokenizing did, and the rows' padding
-        summary |= {"data": model["data"], "padding_fraction": _mean(r.get("padding_fraction") for r in rows),
-                    "loader_wait_s": _mean(r.get("loader_wait_s") for r in rows)}
+        summary |= {"data": model["data"], "padding_fraction": mean(r.get("padding_fraction") for r in rows),
+                    "loader_wait_s": mean(r.get("loader_wait_s") for r in rows)}
     else:
         summary["corpus"] = cfg.trainer.text or corpus_fingerprint()
     if rank0:
-        _report(summary, out)
+        write_summary(summary, out)
     comm.barrier(engine.mesh.world)  # guarded like every other collective
     return summary
 
@@ -279,24 +248,6 @@ def _show(bar, row: dict) -> None:
         return
     padding = {"pad": f"{row['padding_fraction']:.0%}"} if "padding_fraction" in row else {}
     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", **padding,
-                    state=_mib(row["state_bytes"]), comm=f"{_mib(row['comm_bytes'])}/step",
-                    eta=_duration(row["eta_s"]), refresh=False)
+                    state=mib(row["state_bytes"]), comm=f"{mib(row['comm_bytes'])}/step",
+                    eta=duration(row["eta_s"]), refresh=False)
     bar.update(1)
-
-
-def _mean(values) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
-
-
-def _report(summary: dict, out: Path) -> None:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    val, done = summary["val_loss"], summary["resumed_at"]
-    validation = f", validation {val:.3f}" if val is not None else ""
-    if summary["stopped_early_at"] is not None:
-        validation += (f", stopped early at step {summary['stopped_early_at']} (best validation "
-                       f"{summary['best_val_loss']:.3f} at step {summary['best_val_step']})")
-    resumed = f" (resumed at step {done})" if done else ""
-    losses = f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}" if summary["last_loss"] is not None else "-"
-    print(f"trained {summary['steps']} steps{resumed} on {summary['world_size']} process(es) [{summary['layout']}]: "
-          f"loss {losses}{validation}, {summary['tokens_per_s']:.0f} tokens/s; run directory {out}")
