@@ -1,10 +1,11 @@
 """The job's objective: what `paratrain train` trains with an `objective` section, and its metrics' names.
 
-A dpo objective trains on `data.format: "preference"` pairs (docs/objectives.md); a grpo objective is an online job
-(`grpo_job.py`) that samples from `data.format: "prompt"` rows and scores with trainer.reward_funcs. Its metrics ride in each step's
-row of metrics.jsonl / metrics.csv by TRL's names (`rewards/chosen`, `rewards/rejected`, `rewards/accuracies`,
-`rewards/margins`, `logps/chosen`, `logps/rejected`), an evaluation's with `eval/` before them; the trackers get
-them as TRL's Trainer logs them there: `train/rewards/accuracies`, `eval/rewards/accuracies`, ...
+A dpo objective trains on `data.format: "preference"` pairs (docs/objectives.md); a grpo objective is an online
+job (`grpo_job.py`) that samples from `data.format: "prompt"` rows and scores with trainer.reward_funcs. Its
+metrics ride in each step's row of metrics.jsonl / metrics.csv by TRL's names (`rewards/chosen`,
+`rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`), an evaluation's
+with `eval/` before them; the trackers get them as TRL's Trainer logs them there: `train/rewards/accuracies`,
+`eval/rewards/accuracies`, ...
 """
 
 from __future__ import annotations
