@@ -2,8 +2,8 @@
 
 Each part looks for its own input in the run directory and reports what it wrote: the metrics
 (`metrics.jsonl` -> `loss.png`, `throughput.png`, `memory.png`, `comm.png`, for an MoE model
-`moe_tokens.png`, for a dpo run `preference.png`, + `summary.md`) and the pipeline timeline (`timeline.json` ->
-`timeline.png` + `bubbles.md`).
+`moe_tokens.png`, for a dpo run `preference.png`, for a grpo run `rewards.png`, + `summary.md`) and the pipeline
+timeline (`timeline.json` -> `timeline.png` + `bubbles.md`).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations
         parts = ", ".join(f"{axis} {_bytes(statistics.median(v))}" for axis, v in sorted(per_axis.items()))
         lines.append(f"- communication per step on rank 0 (median): {parts}")
     for extra in (events, moe_summary(rows), data_summary(rows, summary), preference_summary([*evaluations, *rows]),
-                  samples_summary([*evaluations, *rows])):
+                  samples_summary([*evaluations, *rows]), grpo_summary(rows)):
         if extra:
             lines.append(extra)
     lines += ["", "Pictures: " + ", ".join(p.name for p in pictures)]
@@ -139,6 +139,34 @@ def preference_summary(rows: list[dict]) -> str | None:
                      f"-> {last['eval/rewards/accuracies']:.1%} (step {last['step']}), margin "
                      f"{first['eval/rewards/margins']:.3f} -> {last['eval/rewards/margins']:.3f}")
     return "- preference (dpo): " + "; ".join(parts)
+
+
+def grpo_summary(rows: list[dict]) -> str | None:
+    """A grpo run: the reward and each function's mean over the first and the last tenth of the rollout batches
+    (one batch is a few prompts: noisy), the sampler's largest log-prob mismatch, and the last batch's rollouts;
+    None without rewards."""
+    rows = [r for r in rows if "reward" in r]
+    if not rows:
+        return None
+    tenth = max(1, len(rows) // 10)
+    head, tail = rows[:tenth], rows[-tenth:]
+    span = f"steps {head[0]['step']}-{head[-1]['step']} -> {tail[0]['step']}-{tail[-1]['step']}"
+    names = [k for k in rows[0] if k.startswith("rewards/") and k.endswith("/mean")]
+    parts = [f"reward {statistics.fmean(r['reward'] for r in head):.3f} -> "
+             f"{statistics.fmean(r['reward'] for r in tail):.3f} (means of {span})"]
+    parts += [f"{name.split('/')[1]} {statistics.fmean(r[name] for r in head):.3f} -> "
+              f"{statistics.fmean(r[name] for r in tail):.3f}" for name in names]
+    lines = ["- rewards (grpo): " + "; ".join(parts)]
+    mismatch = [r["logprob_mismatch"] for r in rows if "logprob_mismatch" in r]
+    if mismatch:
+        lines.append(f"- sampler vs training log-probs: largest mismatch {max(mismatch):.2e} over {len(mismatch)} "
+                     f"rollout batches")
+    last = rows[-1]
+    if last.get("rollouts"):
+        lines.append(f"- rollouts at step {last['step']} (each prompt's first completion, its reward):")
+        lines += [f"  - {json.dumps(r['prompt'][-200:])} -> {json.dumps(r['completion'])} ({r['reward']})"
+                  for r in last["rollouts"]]
+    return "\n".join(lines)
 
 
 def samples_summary(rows: list[dict]) -> str | None:
@@ -207,7 +235,8 @@ def events_summary(rows: list[dict], events: dict[str, list[int]]) -> str | None
 
 def metrics_report(run_dir: Path) -> str | None:
     """metrics.jsonl -> loss.png, throughput.png, memory.png, comm.png (moe_tokens.png for an MoE model, data.png
-    for a data-section job, preference.png for a dpo run) and summary.md; None without metrics."""
+    for a data-section job, preference.png for a dpo run, rewards.png for a grpo run) and summary.md; None without
+    metrics."""
     source = run_dir / "metrics.jsonl"
     if not source.is_file():
         return None
@@ -233,7 +262,8 @@ def metrics_report(run_dir: Path) -> str | None:
     if comm_png is not None:
         pictures.append(comm_png)
     for extra in (plots.plot_moe_tokens(rows, run_dir / "moe_tokens.png"), plots.plot_data(rows, run_dir / "data.png"),
-                  plots.plot_preference([*evaluations, *rows], run_dir / "preference.png")):
+                  plots.plot_preference([*evaluations, *rows], run_dir / "preference.png"),
+                  plots.plot_rewards(rows, run_dir / "rewards.png")):
         if extra is not None:
             pictures.append(extra)
     text = summarize(rows, summary, pictures, evaluations, events_summary(rows, events))

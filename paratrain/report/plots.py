@@ -132,6 +132,30 @@ def plot_preference(rows: list[dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_rewards(rows: list[dict], path: Path) -> Path | None:
+    """A grpo run's reward per rollout batch (and each reward function's mean), with the completions' mean length;
+    None without rewards."""
+    rows = [r for r in rows if "reward" in r]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    steps, window = [r["step"] for r in rows], max(1, len(rows) // 20)
+    names = ["reward", *(k for k in rows[0] if k.startswith("rewards/") and k.endswith("/mean"))]
+    for name, color in zip(names, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
+        values = [r[name] for r in rows]
+        top.plot(steps, values, lw=0.5, alpha=0.3, color=color)
+        top.plot(steps, _rolling_median(values, window), lw=1.6, color=color,
+                 label=name if name == "reward" else name.split("/")[1])
+    top.set(title=f"GRPO: rewards per rollout batch (lines: median of {window})", ylabel="reward")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8)
+    bottom.plot(steps, [r["completions/mean_length"] for r in rows], lw=1.0, color="tab:gray")
+    bottom.set(xlabel="optimizer step", ylabel="completion tokens (mean)")
+    bottom.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def plot_memory(per_rank_state: list[int], per_rank_rss: list[int] | None, path: Path) -> Path:
     """Model-state bytes per rank (what the strategy keeps) and, beside it, each process's peak RSS: two
     panels with their own scales, since a process carries far more than its model state."""

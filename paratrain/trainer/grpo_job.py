@@ -114,8 +114,9 @@ def _prompts_per_rank(engine, generations: int) -> int:
     return rows // generations
 
 
-def _rollout_batch(job: GRPOJob) -> tuple[dict, list[dict]]:
-    """One rollout batch: its metrics row and (rank 0) its completions, one record each."""
+def _rollout_batch(job: GRPOJob, last: int) -> tuple[dict, list[dict]]:
+    """One rollout batch: its metrics row and (rank 0) its completions, one record each. Every rank's memory is
+    gathered as the next-token job does: when the batch passes a multiple of steps_per_print, and at step `last`."""
     engine, generations = job.engine, job.step.settings.num_generations
     epoch, indices = job.sampler.next_global_batch()
     mine = job.sampler.next_indices()
@@ -140,10 +141,12 @@ def _rollout_batch(job: GRPOJob) -> tuple[dict, list[dict]]:
            "comm": stats, "epoch": epoch, "samples": indices, **result.metrics,
            "rollouts": [{"prompt": _shown(job.prompts.prompts[r["prompt"]]), "completion": r["text"],
                          "reward": r["reward"]} for r in records[::generations][:SAMPLES_IN_ROW]]}
-    per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
-    row["state_bytes_per_rank"] = [state for state, _ in per_rank]
-    row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
-    engine.comm_stats(reset=True)
+    every, step, mu = engine.config.steps_per_print, engine.global_steps, job.step.settings.num_iterations
+    if step == last or step // every != (step - mu) // every:
+        per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
+        row["state_bytes_per_rank"] = [state for state, _ in per_rank]
+        row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
+        engine.comm_stats(reset=True)
     return row, records
 
 
@@ -199,7 +202,7 @@ def train_grpo(cfg, run_dir: str | None, steps: int, save_pretrained: str | None
     start, rows = time.perf_counter(), list(metrics.kept)
     every = cfg.trainer.save_pretrained_every
     for _ in range(done, steps, mu):
-        row, records = _rollout_batch(job)
+        row, records = _rollout_batch(job, steps)
         metrics.write(row)
         completions.write(records)
         engine.log_metrics({f"train/{k}": row[k] for k in TRACKED if row.get(k) is not None})

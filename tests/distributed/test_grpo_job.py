@@ -4,8 +4,9 @@ The same seeded job (the built-in Llama, byte prompts of small sums with an `ans
 from a file with weights, num_iterations 2 so each rollout batch is two optimizer steps) in dp2, ZeRO-3, tp2, pp2 and
 dp2·tp2: every step's rewards, losses and gradient norms within 1e-5 and every completion token for token
 (completions.jsonl). Killed after step 3, the dp2 job resumes from its step-2 checkpoint and samples and trains
-steps 3-4 bit for bit. Bad input stops every rank with the field named: a num_generations that does not divide a
-rank's completions, a prompt longer than the model leaves room for.
+steps 3-4 bit for bit. `paratrain report` draws the rewards and shows the last step's rollouts. Bad input stops
+every rank with the field named: a num_generations that does not divide a rank's completions, a prompt longer than
+the model leaves room for.
 """
 
 from __future__ import annotations
@@ -109,6 +110,13 @@ def test_a_grpo_job_is_the_same_run_in_every_layout_and_after_a_kill(world2, wor
     assert len(records) == 2 * 4 * 2 and {r["step"] for r in records} == {2, 4}
     assert all(r["text"] == bytes(i for i in r["completion_ids"] if i < 256).decode("utf-8", "replace")
                for r in records if all(i < 256 for i in r["completion_ids"]))
+
+    from paratrain.report import build_report
+
+    build_report(base)  # what `paratrain report` writes: the reward curve, and the last step's rollouts
+    report = (base / "summary.md").read_text()
+    assert (base / "rewards.png").is_file() and "- rewards (grpo): reward " in report, report
+    assert f"- rollouts at step {STEPS} " in report and json.dumps(rows[-1]["rollouts"][0]["completion"]) in report
 
     for name, layout in LAYOUTS.items():
         world2.run(_train, grpo_config(prompts, rewards, str(tmp_path / name), **layout))
