@@ -82,3 +82,20 @@ def test_the_config_refuses_what_a_grpo_job_cannot_do(config, message):
 def test_the_job_refuses_a_grpo_run_it_cannot_make(config, message):
     with pytest.raises(ConfigError, match=message):
         check_objective_job(load_config(config))
+
+
+def test_the_grpo_example_configs_and_rewards():
+    from pathlib import Path
+
+    from paratrain.rl import load_reward_function
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "grpo"
+    job = load_config(str(example / "job.json"))
+    check_objective_job(job)
+    assert job.objective.num_generations == 4 and job.data.format == "prompt"
+    assert load_config(str(example / "sft.json")).data.format == "prompt_completion"
+    one_digit = load_reward_function(f"{example}/rewards.py:one_digit")
+    correct = load_reward_function(f"{example}/rewards.py:correct")
+    completions = ["7", "7 ", "x", "12"]
+    assert one_digit(["3+4="] * 4, completions, [[]] * 4) == [0.5, 0.0, 0.0, 0.0]
+    assert correct(["3+4="] * 4, completions, [[]] * 4, answer=["7", "7", "7", "1"]) == [1.0, 1.0, 0.0, 1.0]
