@@ -157,6 +157,10 @@ def grpo_summary(rows: list[dict]) -> str | None:
     parts += [f"{name.split('/')[1]} {statistics.fmean(r[name] for r in head):.3f} -> "
               f"{statistics.fmean(r[name] for r in tail):.3f}" for name in names]
     lines = ["- rewards (grpo): " + "; ".join(parts)]
+    split = [name for name in ("generation_s", "rewards_s", "update_s") if name in rows[0]]
+    if split:
+        lines.append("- a rollout batch's time (median): " + ", ".join(
+            f"{name.removesuffix('_s')} {statistics.median(r[name] for r in rows) * 1e3:.1f} ms" for name in split))
     mismatch = [r["logprob_mismatch"] for r in rows if "logprob_mismatch" in r]
     if mismatch:
         lines.append(f"- sampler vs training log-probs: largest mismatch {max(mismatch):.2e} over {len(mismatch)} "

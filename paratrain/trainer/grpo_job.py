@@ -43,6 +43,7 @@ from paratrain.trainer.metrics_writer import MetricsWriter
 from paratrain.trainer.objective_metrics import check_objective_job
 from paratrain.trainer.run_outputs import finish, mib, progress_bar, save_pretrained_model, write_summary
 
+SPLIT = ("generation_s", "rewards_s", "update_s")  # a step's time, split (GRPOResult.timings)
 SAMPLES_IN_ROW = 4  # completions of a step shown in its metrics row (and the report); completions.jsonl has all
 TRACKED = ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "logprob_mismatch",
            "completions/mean_length", "completions/clipped_ratio")
@@ -206,7 +207,7 @@ def train_grpo(cfg, run_dir: str | None, steps: int, save_pretrained: str | None
         metrics.write(row)
         completions.write(records)
         engine.log_metrics({f"train/{k}": row[k] for k in TRACKED if row.get(k) is not None})
-        rows.append({k: row[k] for k in ("step", "loss", "reward", "tokens_per_s")})
+        rows.append({k: row[k] for k in ("step", "loss", "reward", "tokens_per_s", *SPLIT)})
         if save_pretrained and every and row["step"] % every == 0 and row["step"] != steps:
             save_pretrained_model(engine, save_pretrained)  # collective
         if bar is not None:
@@ -238,7 +239,8 @@ def _summary(job: GRPOJob, rows: list[dict], done: int, steps: int, wall_s: floa
                "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in new) if new else 0.0, "wall_s": wall_s,
                "world_size": engine.world_size, "layout": layout_label(engine.mesh.dims, cfg.zero_optimization.stage),
                "params": counts["trainable"] + counts["frozen"], "trainable_params": counts["trainable"],
-               "frozen_params": counts["frozen"], "run_dir": str(job.out)}
+               "frozen_params": counts["frozen"], "run_dir": str(job.out),
+               "time_split_s": {k: statistics.median(r[k] for r in new) for k in SPLIT} if new else None}
     if engine.global_rank == 0:
         reward = f", reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}" if rows else ""
         write_summary(summary, job.out, reward)

@@ -116,6 +116,8 @@ def test_a_grpo_job_is_the_same_run_in_every_layout_and_after_a_kill(world2, wor
     build_report(base)  # what `paratrain report` writes: the reward curve, and the last step's rollouts
     report = (base / "summary.md").read_text()
     assert (base / "rewards.png").is_file() and "- rewards (grpo): reward " in report, report
+    assert "- a rollout batch's time (median): generation " in report and set(summary["time_split_s"]) == {
+        "generation_s", "rewards_s", "update_s"}
     assert f"- rollouts at step {STEPS} " in report and json.dumps(rows[-1]["rollouts"][0]["completion"]) in report
 
     for name, layout in LAYOUTS.items():
