@@ -163,8 +163,8 @@ def grpo_summary(rows: list[dict]) -> str | None:
             f"{name.removesuffix('_s')} {statistics.median(r[name] for r in rows) * 1e3:.1f} ms" for name in split))
     mismatch = [r["logprob_mismatch"] for r in rows if "logprob_mismatch" in r]
     if mismatch:
-        lines.append(f"- sampler vs training log-probs: largest mismatch {max(mismatch):.2e} over {len(mismatch)} "
-                     f"rollout batches")
+        lines.append(f"- sampler vs training log-probs: mean |difference| per token at most {max(mismatch):.2e} "
+                     f"(over {len(mismatch)} rollout batches)")
     last = rows[-1]
     if last.get("rollouts"):
         lines.append(f"- rollouts at step {last['step']} (each prompt's first completion, its reward):")
