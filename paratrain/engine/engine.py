@@ -340,6 +340,11 @@ class Engine(DeepSpeedEngineAPI):
                                       pad_token_id, use_cache)
         return self._generator.generate(input_ids, attention_mask, settings, generator)
 
+    @property
+    def tokens_per_forward(self) -> int:
+        """A forward's sequence length must be a multiple of this: tp under sequence parallelism, else 1."""
+        return self._generator.tokens_per_forward
+
     def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor | None, keys: torch.Tensor,
                 max_new_tokens: int = 20, do_sample: bool = True, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None, eos_token_id: int | list[int] | None = None,

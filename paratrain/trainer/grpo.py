@@ -76,7 +76,9 @@ class GRPOStep:
                                  top_k=s.top_k, top_p=s.top_p, eos_token_id=s.eos_token_id,
                                  pad_token_id=s.pad_token_id)
         rollout = Rollout(*(t.cpu() for t in (rollout.completion_ids, rollout.completion_mask, rollout.log_probs)))
-        rollout = rollout.padded(s.max_completion_length)
+        # every row padded to max_completion_length, and on to a length sequence parallelism splits (masked out)
+        multiple = engine.tokens_per_forward
+        rollout = rollout.padded(s.max_completion_length + (-(ids.shape[1] + s.max_completion_length) % multiple))
         timings = {"generation_s": time.perf_counter() - tic}
         tic = time.perf_counter()
         scored = self._rewards(rollout, prompts, columns, generations)

@@ -1,12 +1,12 @@
 """The online GRPO job: `paratrain train` with objective.type "grpo" on data.format "prompt", end to end.
 
 The same seeded job (the built-in Llama, byte prompts of small sums with an `answer` column, two reward functions
-from a file with weights, num_iterations 2 so each rollout batch is two optimizer steps) in dp2, ZeRO-3, tp2, pp2 and
-dp2·tp2: every step's rewards, losses and gradient norms within 1e-5 and every completion token for token
-(completions.jsonl). Killed after step 3, the dp2 job resumes from its step-2 checkpoint and samples and trains
-steps 3-4 bit for bit. `paratrain report` draws the rewards and shows the last step's rollouts. Bad input stops
-every rank with the field named: a num_generations that does not divide a rank's completions, a prompt longer than
-the model leaves room for.
+from a file with weights, num_iterations 2 so each rollout batch is two optimizer steps) in dp2, ZeRO-3, tp2,
+tp2 + SP, pp2 and dp2·tp2: every step's rewards, losses and gradient norms within 1e-5 and every completion
+token for token (completions.jsonl). Killed after step 3, the dp2 job resumes from its step-2 checkpoint and
+samples and trains steps 3-4 bit for bit. `paratrain report` draws the rewards and shows the last step's rollouts.
+Bad input stops every rank with the field named: a num_generations that does not divide a rank's completions, a
+prompt longer than the model leaves room for.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.multiprocess
 STEPS, SAVED_AT = 4, 2
 LAYOUTS = {"zero3": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
            "tp2": {"tensor_parallel": {"size": 2}},
+           "tp2sp": {"tensor_parallel": {"size": 2, "sequence_parallel": True}},  # 5 + 4 positions: padded to 10
            "pp2": {"pipeline": {"stages": 2, "schedule": "1f1b"}}}
 REWARDS = '''
 def even(prompts, completions, completion_ids, **columns):
