@@ -187,11 +187,12 @@ class CompletionsLog:
 
 def train_grpo(cfg, run_dir: str | None, steps: int, save_pretrained: str | None) -> dict:
     """`paratrain train` for objective.type "grpo" (after init_distributed); returns the summary."""
-    job = _start(cfg, run_dir)
-    engine, out, mu = job.engine, job.out, cfg.objective.num_iterations
-    if steps % mu:
+    mu = cfg.objective.num_iterations
+    if steps % mu:  # `--steps` overrides trainer.steps (checked with the config): refused before the model is built
         raise ConfigError(f"the run's steps ({steps}) are not a multiple of objective.num_iterations = {mu}: each "
                           f"rollout batch is {mu} optimizer steps; give a multiple of {mu}")
+    job = _start(cfg, run_dir)
+    engine, out = job.engine, job.out
     rank0, done = engine.global_rank == 0, engine.global_steps
     metrics = MetricsWriter(out, rank0, resumed_at=done)
     completions = CompletionsLog(out / "completions.jsonl", rank0, done)
