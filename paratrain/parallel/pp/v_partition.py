@@ -83,6 +83,9 @@ class _VCut:
             load = (pre[i + side] - pre[i]) + (pre[j] - pre[j - side])
             top = max(load, self.solve(k - 1, i + side, j - side)[0])
             bound = top + 1e-9 * max(1.0, abs(top))
+        # the k - 1 inner ranks share the middle, so the heaviest of them holds at least its mean: a middle heavier
+        # than k - 1 times the bound (and a rounding margin) cannot win either, and is never solved
+        heaviest_middle = (k - 1) * bound * (1 + 1e-9) + 1e-9
         candidates = []
         for a in range(i + 1, j - need):
             first = pre[a] - pre[i]
@@ -93,6 +96,8 @@ class _VCut:
                 load = first + last
                 if load > bound:
                     break  # ... and as b moves left
+                if pre[b] - pre[a] > heaviest_middle:
+                    continue  # (the middle only gets lighter as b moves left)
                 inner_b, inner_s, _ = self.solve(k - 1, a, b)
                 if inner_b == math.inf:
                     continue
