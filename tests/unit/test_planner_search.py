@@ -4,6 +4,7 @@ fitting, in the same order, with the same numbers; and its fast mesh questions e
 
 from __future__ import annotations
 
+import gc
 import itertools
 import statistics
 from dataclasses import astuple
@@ -58,6 +59,17 @@ def test_when_nothing_fits_the_smallest_is_the_exhaustive_one():
     exhaustive, searched = exhaustive_plan(shape, 4, 8, hw), plan(shape, 4, 8, hw)
     assert searched.ranked == [] and searched.smallest is not None
     assert searched == exhaustive
+
+
+def test_the_search_leaves_the_cycle_collector_as_it_found_it():
+    shape, hw = model_shape("gpt-mini"), Hardware(gpus_per_node=2)
+    try:
+        for enabled in (True, False):
+            gc.enable() if enabled else gc.disable()
+            assert plan(shape, 4, 8, hw).ranked
+            assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
 
 
 def _meshes(world: int):
