@@ -11,7 +11,8 @@ archive` of `--ref` (the planner as it was), `after` this tree. Each side is wri
 benchmarks/results/planner_speed.json next to the other side's earlier record, with the load average around every
 run (the machine is shared: a loaded machine shows). Where both sides answered, the table's `same answer` says
 whether their JSON (layouts considered and fitting, the ranked layouts and every number) is equal (sha256). Nothing
-here asserts a time; docs/planner.md quotes the table this prints.
+here asserts a time; docs/planner.md quotes the table this prints. A side measured on another commit than its
+record's moves that record under `earlier`, by commit.
 """
 
 from __future__ import annotations
@@ -160,7 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         measured = {args.side: measure(args.side, args.ref, sizes, args.timeout, args.repeats)}
     for name, side in measured.items():
         earlier = result.get(name, {})
-        if earlier.get("commit") == side["commit"]:  # a rerun of some sizes replaces those and keeps the others
+        if earlier.get("commit") not in (None, side["commit"]):  # another tree's record: kept, not overwritten
+            result.setdefault("earlier", {})[earlier["commit"][:7]] = earlier
+        elif earlier.get("commit") == side["commit"]:  # a rerun of some sizes replaces those and keeps the others
             done = {r["gpus"] for r in side["runs"]}
             side["runs"] = sorted([r for r in earlier["runs"] if r["gpus"] not in done] + side["runs"],
                                   key=lambda r: r["gpus"])
