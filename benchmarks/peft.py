@@ -200,6 +200,6 @@ BASELINE = "torch FSDP2 + peft LoRA"
 PEERS = {"paratrain ZeRO-3 LoRA": ["torch FSDP2 + peft LoRA", "DeepSpeed ZeRO-3 + peft LoRA",
                                    "paratrain ZeRO-3 full fine-tuning"]}
 REFERENCE = "reference LoRA (1 process)"
-NOTE = ("Measured on a 2-core machine shared with other developers' jobs (see load_average): separate worlds' step "
-        "times move with the load; benchmarks/results/peft_paired.json alternates paratrain's steps with each "
-        "peer's in one world (python -m benchmarks.overhead_paired --suite peft)")
+NOTE = ("Separate worlds' step times move from one repeat to the next on a 2-core machine, loaded or not (see "
+        "load_average and the per-repeat ratios); benchmarks/results/peft_paired.json alternates paratrain's steps "
+        "with each peer's in one world (python -m benchmarks.overhead_paired --suite peft)")
