@@ -25,6 +25,10 @@ divided by the accumulation steps, its dapo divides by the generation batch's to
 accumulation step, and its DPO loss is each micro-batch's mean over its pairs; paratrain divides every objective once
 by the count of the optimizer step's whole batch (tokens, completions or pairs over dp x cp x accumulation).
 
+A whole GRPO step as well (`test_a_grpo_step_equals_trls_trainer_on_the_same_completions`): paratrain's `GRPOStep`
+draws the completions, and TRL's `GRPOTrainer.train()`, handed them through its `rollout_func`, does the rest its own
+way (rewards, advantages, old and reference log-probs, num_iterations updates with its optimizer).
+
 TRL's settings: bf16=False (TRL's configs default to bf16 autocast, which moves the log-probs by 1e-2 here), use_cpu,
 temperature 1.0, use_bias_correction_kl (its default) for beta > 0.
 """
@@ -219,3 +223,155 @@ def test_references_and_engine_equal_trl_dpo_and_grpo(world1):
             assert "kl" not in r["trl_metrics"] or r["trl_metrics"]["kl"] > 0, r  # the policy left its reference
         else:
             assert abs(r["trl_metrics"]["rewards/margins"]) > 1e-3, r  # the policy left its reference
+
+
+# A whole GRPO step against TRL's trainer: paratrain's GRPOStep draws the completions; TRL's GRPOTrainer, handed
+# those completions through its rollout_func, scores them, computes its advantages, its rollout and reference
+# log-probs, and trains num_iterations updates with its own compute_loss and optimizer.
+STEP_PROMPTS, STEP_GENERATIONS, STEP_NEW, STEP_STEPS, STEP_WEIGHTS = 2, 3, 5, 2, (1.0, 0.5)
+STEP_SETTINGS = {"loss_type": "grpo", "beta": 0.04, "epsilon": EPSILON[0], "num_iterations": 2}
+STEP_ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+STEP_EOS = tuple(range(3, 40))  # ids below 40 end a completion: some end early, some run to STEP_NEW
+
+
+def _even_tokens(prompts, completions, completion_ids, **kwargs):
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def _short(prompts, completions, completion_ids, **kwargs):
+    return [-abs(len(ids) - 3.0) for ids in completion_ids]
+
+
+def _word_tokenizer(vocab: int):
+    """Words t0..t{vocab-1} as ids (t0 pad, t2 eos), so TRL can decode any completion paratrain drew."""
+    import tokenizers
+    import transformers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2")
+
+
+def _paratrain_grpo_steps(model, prompt_ids: torch.Tensor) -> dict:
+    import paratrain
+    from paratrain.rl import RewardFunctions
+    from paratrain.trainer.grpo import GRPOSettings, GRPOStep
+
+    rows = STEP_PROMPTS * STEP_GENERATIONS
+    engine, *_ = paratrain.initialize(model=model, config={
+        "train_batch_size": rows, "train_micro_batch_size_per_gpu": rows, "gradient_clipping": 1.0,
+        "steps_per_print": 10**6, "optimizer": {"type": "AdamW", "params": {**STEP_ADAMW, "betas": list(
+            STEP_ADAMW["betas"])}},
+        "objective": {"type": "grpo", "max_completion_length": STEP_NEW, "temperature": 1.0,
+                      **{k: v for k, v in STEP_SETTINGS.items() if k != "num_iterations"}}})
+    step = GRPOStep(engine, RewardFunctions([_even_tokens, _short], weights=list(STEP_WEIGHTS)),
+                    GRPOSettings(num_generations=STEP_GENERATIONS, max_completion_length=STEP_NEW,
+                                 num_iterations=STEP_SETTINGS["num_iterations"], seed=7, eos_token_id=list(STEP_EOS)))
+    out = {"losses": [], "grad_norms": [], "completions": [], "log_probs": [], "rewards": [], "metrics": []}
+    for s in range(STEP_STEPS):
+        index = torch.arange(s * STEP_PROMPTS, (s + 1) * STEP_PROMPTS)
+        result = step(prompt_ids[index], torch.ones_like(prompt_ids[index]), index)
+        r = result.rollout
+        out["losses"] += result.losses
+        out["grad_norms"] += result.grad_norms
+        out["completions"] += [ids[m.bool()].tolist() for ids, m in zip(r.completion_ids, r.completion_mask)]
+        out["log_probs"] += [lp[m.bool()].tolist() for lp, m in zip(r.log_probs, r.completion_mask)]
+        out["rewards"].append(result.rewards.tolist())
+        out["metrics"].append(result.metrics)
+    out["state"] = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    return out
+
+
+def _trl_grpo_steps(initial, prompt_ids: torch.Tensor, drawn: dict, output_dir: str) -> dict:
+    """TRL's trainer on the completions paratrain drew (rollout_func), from the same initial weights."""
+    import os
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is experimental in TRL 1.16
+    served: dict[int, int] = {}  # prompt -> completions handed out so far (its generation index)
+
+    def rollout_func(prompts, trainer):
+        rows = []
+        for text in prompts:
+            prompt = int(text[1:])
+            generation = served.get(prompt, 0) % STEP_GENERATIONS
+            served[prompt] = generation + 1
+            rows.append(prompt * STEP_GENERATIONS + generation)
+        return {"prompt_ids": [prompt_ids[r // STEP_GENERATIONS].tolist() for r in rows],
+                "completion_ids": [drawn["completions"][r] for r in rows],
+                "logprobs": [drawn["log_probs"][r] for r in rows]}
+
+    states = []
+
+    class Weights(TrainerCallback):
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    initial.save_pretrained(output_dir)  # TRL loads its reference model from the policy's model id
+    policy = copy.deepcopy(initial).train()
+    policy.config._name_or_path = output_dir
+    rows = STEP_PROMPTS * STEP_GENERATIONS
+    args = GRPOConfig(
+        output_dir=output_dir, report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=STEP_GENERATIONS,
+        max_completion_length=STEP_NEW, temperature=1.0, reward_weights=list(STEP_WEIGHTS),
+        max_steps=STEP_STEPS * STEP_SETTINGS["num_iterations"], learning_rate=STEP_ADAMW["lr"],
+        adam_beta1=STEP_ADAMW["betas"][0], adam_beta2=STEP_ADAMW["betas"][1], adam_epsilon=STEP_ADAMW["eps"],
+        weight_decay=STEP_ADAMW["weight_decay"], optim="adamw_torch", max_grad_norm=1.0, lr_scheduler_type="constant",
+        warmup_steps=0, shuffle_dataset=False, logging_strategy="steps", logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0, **STEP_SETTINGS)
+    trainer = GRPOTrainer(model=policy, reward_funcs=[_even_tokens, _short], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": f"p{i}"} for i in range(len(prompt_ids))]),
+                          processing_class=_word_tokenizer(initial.config.vocab_size), rollout_func=rollout_func,
+                          callbacks=[Weights()])
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"losses": [e["loss"] for e in logs], "grad_norms": [e["grad_norm"] for e in logs],
+            "logs": logs, "state": states[0]}
+
+
+def _whole_grpo_step_case() -> dict:
+    model = _model()
+    initial = copy.deepcopy(model)
+    prompt_ids = torch.randint(40, model.config.vocab_size, (STEP_PROMPTS * STEP_STEPS, 6),
+                               generator=torch.Generator().manual_seed(2))
+    ours = _paratrain_grpo_steps(model, prompt_ids)
+    with tempfile.TemporaryDirectory() as output_dir:
+        theirs = _trl_grpo_steps(initial, prompt_ids, ours, output_dir)
+    return {"paratrain": ours, "trl": theirs}
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    return max(_rel(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_grpo_step_equals_trls_trainer_on_the_same_completions(world1):
+    """Two GRPO steps (2 prompts x 3 generations, two weighted rewards, grpo loss with beta 0.04, num_iterations 2:
+    four AdamW updates, clipped at 1.0) give TRL's loss and gradient norm at every update, its rewards and its
+    weights after, within 1e-5 (the loss: absolute, see below; the rest relative)."""
+    result = world1.run(_whole_grpo_step_case)[0]
+    ours, theirs = result["paratrain"], result["trl"]
+    lengths = [len(c) for c in ours["completions"]]
+    assert min(lengths) < STEP_NEW == max(lengths), lengths  # some completions end early, some are cut
+    updates = STEP_STEPS * STEP_SETTINGS["num_iterations"]
+    assert len(ours["losses"]) == len(theirs["losses"]) == updates
+    loss_error = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+    print(f"\nGRPO step vs TRL: loss max abs. diff {loss_error:.1e}, grad norm max rel. diff "
+          f"{_max_rel(ours['grad_norms'], theirs['grad_norms']):.1e}; losses {ours['losses']}")
+    # a GRPO loss is a mean of advantage-weighted ratios that cancel within each group (the first update's is 0 up
+    # to rounding): its error is measured against the terms' scale, 1, not against the near-zero mean
+    assert loss_error <= TOLERANCE, (ours["losses"], theirs["losses"])
+    assert _max_rel(ours["grad_norms"], theirs["grad_norms"]) <= TOLERANCE, (ours["grad_norms"], theirs["grad_norms"])
+    assert max(ours["grad_norms"]) > 1.0  # the clip acts on some update
+    generated = theirs["logs"][::STEP_SETTINGS["num_iterations"]]  # TRL logs the rewards where it scored them
+    for metrics, log, rewards in zip(ours["metrics"], generated, ours["rewards"], strict=True):
+        for name in ("reward", "reward_std", "rewards/_even_tokens/mean", "rewards/_short/mean",
+                     "completions/mean_length"):
+            assert abs(metrics[name] - log[name]) <= TOLERANCE * max(1.0, abs(log[name])), (name, metrics, log)
+        assert len(set(rewards)) > 1  # the advantages are not all zero
+    for name, value in theirs["state"].items():
+        scale = value.abs().max().item()
+        assert (ours["state"][name] - value).abs().max().item() <= TOLERANCE * scale, name
