@@ -73,7 +73,8 @@ class Generator:
             module.eval()
             try:
                 with self.parallel.grad_sync.gathered_for_inference():
-                    yield partial(self._logits_of, vocab_parallel_loss(self.parallel))  # found once per call
+                    # the vocabulary-parallel loss found once per call; a pipeline's logits width learnt once
+                    yield partial(self._logits_of, vocab_parallel_loss(self.parallel), {})
             finally:
                 module.train(was_training)
 
@@ -97,19 +98,21 @@ class Generator:
                            f"cores hold chunks of each row, which a token-by-token decode does not have; generate "
                            f"from a layout without context parallelism (save, then load the checkpoint there)")
 
-    def _logits_of(self, vocab_loss: VocabParallelCrossEntropy | None, ids: torch.Tensor, positions: torch.Tensor,
-                   documents: Documents | None) -> torch.Tensor:
-        """The full-vocabulary logits (b, s, V) of the model in its layout, on every rank."""
+    def _logits_of(self, vocab_loss: VocabParallelCrossEntropy | None, pipeline_width: dict, ids: torch.Tensor,
+                   positions: torch.Tensor, documents: Documents | None, keep: int) -> torch.Tensor:
+        """The full-vocabulary logits (b, V) of position `keep` of the model in its layout, on every rank (the
+        other positions' are cut before a vocabulary split over tp is gathered or a pipeline's last stage sends
+        them: a prompt's forward would move all of them)."""
         whole = partial(_whole_vocabulary, vocab_loss)
         if self.parallel.pipeline is not None:  # the stages in order, the last one's logits on every pp rank
-            return pipeline_logits(self.parallel.pipeline, ids, positions, documents, whole)
+            return pipeline_logits(self.parallel.pipeline, ids, positions, documents, whole, keep, pipeline_width)
         extra = {"documents": documents} if documents is not None else {}
         logits = self.parallel.module(ids, position_ids=positions, **extra)
-        return whole(getattr(logits, "logits", logits))
+        return whole(getattr(logits, "logits", logits)[:, keep])
 
 
 def _whole_vocabulary(loss: VocabParallelCrossEntropy | None, logits: torch.Tensor) -> torch.Tensor:
-    """A vocabulary split over tp (the head feeding the vocab-parallel loss) gathered, its padding cut."""
+    """A vocabulary split over tp (the head feeding the vocab-parallel loss) gathered, its padding cut: (b, V)."""
     if loss is None:
         return logits
     local = logits.contiguous()

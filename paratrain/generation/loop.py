@@ -1,8 +1,9 @@
 """The decoding loop, transformers' `generate` semantics for decoder-only models: left-padded prompts (their
 `attention_mask`), positions counted from each row's first real token, one token per row per step, a row
 that produced an end-of-sequence token continues with `pad_token_id` until every row has finished or
-`max_new_tokens` are made. The loop knows nothing of the layout: `forward(ids, positions, documents)`
-returns the logits (b, s, V) of the given positions, whatever runs them.
+`max_new_tokens` are made. The loop knows nothing of the layout: `forward(ids, positions, documents, keep)`
+returns the logits (b, V) of the chunk's position `keep` (the last real one: the only one sampled from, so a
+layout that gathers or sends logits moves one position's, not the prompt's), whatever runs them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from paratrain.errors import InvalidValueError
 from paratrain.generation.kv_cache import DecodeRows, kv_caches
 from paratrain.generation.sampling import keyed_next_tokens, next_tokens
 
-Forward = Callable[[torch.Tensor, torch.Tensor, Documents | None], torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, Documents | None, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -137,13 +138,13 @@ def _decode(forward: Forward, module: nn.Module, input_ids: torch.Tensor, attent
     with kv_caches(module, rows) if settings.use_cache else nullcontext():
         for index in range(settings.max_new_tokens):
             ids, pos, docs = _pad_to_multiple(*chunk, multiple)
+            keep = chunk[0].shape[1] - 1  # the last real token (sequence parallelism may pad after it)
             if settings.use_cache:
                 rows.extend(docs)
-                logits = forward(ids, pos, None)  # the cores read the rows' documents from the cache
+                last = forward(ids, pos, None, keep)  # the cores read the rows' documents from the cache
                 rows.seen += ids.shape[1]
             else:
-                logits = forward(ids, pos, Documents(docs) if bool((docs == PADDING).any()) else None)
-            last = logits[:, chunk[0].shape[1] - 1]
+                last = forward(ids, pos, Documents(docs) if bool((docs == PADDING).any()) else None, keep)
             token = torch.where(finished, settings.pad_id, choose(last, index))
             if with_log_probs:
                 scaled = last.float() / settings.temperature
