@@ -62,6 +62,11 @@ class Handle:
             guard.end(self._key)
 
 
+# axes (by their ranks) whose small sums and gathers go through a shared mapping while decoding on one host: filled
+# and emptied by `paratrain.comm.host_reduce.host_collectives`
+HOST_SLOTS: dict[tuple[int, ...], object] = {}
+
+
 def _reduce_op(op: str):
     try:
         return _REDUCE_OPS[op]
@@ -91,6 +96,12 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", tag: str = "",
                async_op: bool = False) -> Handle:
     """In-place all-reduce of `tensor` over `axis`."""
     if axis.size == 1:
+        return Handle()
+    slots = HOST_SLOTS.get(axis.ranks) if HOST_SLOTS else None
+    if slots is not None and op == "sum" and slots.fits(tensor):  # decoding on one host (comm/host_reduce.py)
+        if axis.stats is not None:
+            axis.stats.record(axis.name, "all_reduce", tensor.numel(), tensor.element_size(), tag)
+        slots.all_reduce(tensor)
         return Handle()
     red = _reduce_op(op)
     return _launch(axis, "all_reduce", tag, tensor,
@@ -179,6 +190,12 @@ def all_gather_list(tensors_out: list[torch.Tensor], tensor: torch.Tensor, axis:
     """all_gather into a list of tensors (shapes may differ per rank only if the caller pads)."""
     if axis.size == 1:
         tensors_out[0].copy_(tensor)
+        return
+    slots = HOST_SLOTS.get(axis.ranks) if HOST_SLOTS else None
+    if slots is not None and slots.fits(tensor):  # decoding on one host (comm/host_reduce.py)
+        if axis.stats is not None:
+            axis.stats.record(axis.name, "all_gather", tensor.numel() * axis.size, tensor.element_size(), tag)
+        slots.all_gather(tensors_out, tensor)
         return
     _launch(axis, "all_gather", tag, tensor,
             lambda a: dist.all_gather(tensors_out, tensor, group=axis.group, async_op=a), False,

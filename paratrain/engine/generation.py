@@ -8,7 +8,8 @@ parallelism routes the tokens as in training. Each attention core keeps this ran
 (`paratrain.generation.kv_cache`). ZeRO-3 gathers every unit once per call and keeps it for the call, not per
 token (`GradSync.gathered_for_inference`). A pipeline runs its stages in order for each forward, handing the new
 tokens' activations down and the last stage's logits back to every stage (`paratrain.parallel.pp.decode`).
-Context parallelism is refused by name: its attention cores hold a
+Tensor parallelism's per-token sums and the logits' gather meet in shared memory when the tp group is on one host
+(`paratrain.comm.host_reduce`). Context parallelism is refused by name: its attention cores hold a
 chunk of each row, and a token-by-token decode has no chunks to split.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 import paratrain.comm as comm
 from paratrain.attention import Documents
+from paratrain.comm.host_reduce import host_collectives
 from paratrain.data.agreement import check_same_batches
 from paratrain.engine.forward_pass import vocab_parallel_loss
 from paratrain.engine.phases import Phases
@@ -72,7 +74,8 @@ class Generator:
             was_training = module.training
             module.eval()
             try:
-                with self.parallel.grad_sync.gathered_for_inference():
+                # tensor parallelism's per-token sums and the logits' gather meet in shared memory on one host
+                with self.parallel.grad_sync.gathered_for_inference(), host_collectives(self.mesh.axis("tp")):
                     # the vocabulary-parallel loss found once per call; a pipeline's logits width learnt once
                     yield partial(self._logits_of, vocab_parallel_loss(self.parallel), {})
             finally:

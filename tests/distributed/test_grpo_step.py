@@ -93,8 +93,8 @@ def _one_rank_fails() -> str:
     return "no error"
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-5 * max(abs(b), 1e-3)
+def _close(a: float, b: float, floor: float = 1e-3) -> bool:
+    return abs(a - b) <= 1e-5 * max(abs(b), floor)
 
 
 def _same_rewards(a: list, b: list) -> bool:
@@ -129,5 +129,8 @@ def test_a_grpo_step_is_the_same_run_in_every_layout(world2):
         for s, (mine, want) in enumerate(zip(steps, reference)):
             assert mine["completions"] == want["completions"], (name, s)
             assert _same_rewards(mine["rewards"], want["rewards"]), (name, s, mine["rewards"], want["rewards"])
-            assert all(_close(a, b) for a, b in zip(mine["losses"], want["losses"])), (name, s, mine, want)
+            # the first update's loss is 0 in exact arithmetic (every ratio 1, each group's advantages summing to 0):
+            # what is left is the rounding of the sampler's log-probs against training's, ~1e-8 here, so the losses
+            # are compared on the scale of their terms (0.01 and up), not relative to that rounding
+            assert all(_close(a, b, 1e-2) for a, b in zip(mine["losses"], want["losses"])), (name, s, mine, want)
             assert all(_close(a, b) for a, b in zip(mine["norms"], want["norms"])), (name, s, mine, want)
