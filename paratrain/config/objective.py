@@ -20,7 +20,8 @@ from paratrain.errors import InvalidValueError
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
                   "sigmoid_norm", "exo_pair")
 GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
-ROLLOUT_FIELDS = ("num_generations", "top_p", "top_k", "num_iterations", "scale_rewards")
+ROLLOUT_FIELDS = ("num_generations", "top_p", "top_k", "num_iterations", "scale_rewards", "steps_per_generation",
+                  "generation_batch_size")
 
 
 class ObjectiveConfig(Section):
@@ -66,7 +67,16 @@ class ObjectiveConfig(Section):
     top_k: int | None = Field(None, ge=1)
     """GRPO job: sample among the k likeliest tokens; None: all (TRL's `top_k`)."""
     num_iterations: int = Field(1, ge=1)
-    """GRPO job: updates per rollout batch, μ (TRL's `num_iterations`); each is one optimizer step."""
+    """GRPO job: passes over each rollout batch, μ (TRL's `num_iterations`); a pass makes one optimizer step per
+    optimizer step's prompts in the batch (one, unless steps_per_generation says more)."""
+    generation_batch_size: int | None = Field(None, ge=1)
+    """GRPO job: completions each rollout batch samples over all ranks (TRL's `generation_batch_size`); None: one
+    optimizer step's, train_batch_size. k x train_batch_size samples k optimizer steps' prompts at once and trains
+    them as k steps in order (TRL shuffles them first), each of the num_iterations passes going over all k. The same
+    in every layout (steps_per_generation is not: it counts micro-batches of a rank)."""
+    steps_per_generation: int | None = Field(None, ge=1)
+    """GRPO job: micro-batches each rollout batch feeds on a rank (TRL's `steps_per_generation`): k x
+    gradient_accumulation_steps is generation_batch_size = k x train_batch_size; the other of the two, or neither."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """GRPO job: the advantage's divisor, the group's reward std, the batch's, or none (TRL's `scale_rewards`)."""
 
@@ -97,6 +107,10 @@ class ObjectiveConfig(Section):
         if self.type == "dpo" and self.effective_beta <= 0:
             raise InvalidValueError(f"objective.beta must be > 0 for dpo (the implicit reward's temperature), got "
                                     f"{self.beta}; TRL's default is 0.1")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise InvalidValueError("objective.generation_batch_size and objective.steps_per_generation both size the "
+                                    "rollout batch (as in TRL, one or the other): keep generation_batch_size, the same "
+                                    "in every layout")
         if self.type == "grpo" and self.effective_beta < 0:
             raise InvalidValueError(f"objective.beta (the KL coefficient) must be >= 0, got {self.beta}")
         return self

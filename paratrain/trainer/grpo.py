@@ -1,5 +1,10 @@
 """One online GRPO step in the training layout: rollouts of this rank's prompts, rewards gathered over the
-data-parallel ranks, group advantages of the global batch, and `num_iterations` updates on the same rollouts.
+data-parallel ranks, group advantages of the rollout batch, and `num_iterations` passes of updates on the same
+rollouts. A rollout batch is one optimizer step's prompts, or with TRL's `generation_batch_size` = k x the global
+batch (or `steps_per_generation` = k x gradient_accumulation_steps) k optimizer steps' prompts, sampled and scored
+at once and then trained as k consecutive optimizer steps, the i-th on the i-th step's prompts (TRL shuffles the
+rows first; in order, which step a row trains in is the same in every layout); every pass of `num_iterations` goes
+over all k.
 
     step = GRPOStep(engine, RewardFunctions.named(["rewards.py:correct"]), GRPOSettings(num_generations=4, ...))
     result = step(prompt_ids, prompt_mask, prompt_index, prompts=texts, columns={"answer": [...]})
@@ -38,11 +43,13 @@ class GRPOSettings:
     seed: int = 0
     eos_token_id: int | list[int] | None = None
     pad_token_id: int = 0
+    generation_batch_size: int | None = None  # completions per rollout batch over all ranks; None: one step's
+    steps_per_generation: int | None = None  # or: micro-batches per rollout batch on a rank (TRL's; not both)
 
 
 @dataclass
 class GRPOResult:
-    losses: list[float]  # one per update (num_iterations of them)
+    losses: list[float]  # one per update (num_iterations x the rollout batch's optimizer steps of them)
     grad_norms: list[float]  # the global gradient norm before clipping, per update
     rollout: Rollout  # this rank's completions
     rewards: torch.Tensor  # (global rows,) weighted rewards, NaN where nothing scored
@@ -61,6 +68,8 @@ class GRPOStep:
         self.conversational = conversational
         if engine.objective is None or engine.objective.objective.name != "grpo":
             raise InvalidValueError("a GRPO step trains the grpo objective: set objective.type to \"grpo\"")
+        self.steps_per_rollout = steps_per_rollout(settings, engine.gradient_accumulation_steps(),
+                                                   engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
 
     def __call__(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
                  prompts: list | None = None, columns: dict[str, list] | None = None) -> GRPOResult:
@@ -89,26 +98,31 @@ class GRPOStep:
         timings["rewards_s"] = time.perf_counter() - tic
         tic = time.perf_counter()
         losses, norms, metrics = [], [], dict(advantage.metrics)
-        for iteration in range(s.num_iterations):
-            losses.append(float(engine.train_batch(iter(batches))))
-            norms.append(engine.get_global_grad_norm())
-            step_metrics = engine.objective_metrics()
-            if iteration == 0 and "logprob_mismatch" in step_metrics:  # the first update recomputes the sampler's
-                metrics["logprob_mismatch"] = step_metrics.pop("logprob_mismatch")
-            metrics.update({k: v for k, v in step_metrics.items() if k != "logprob_mismatch"})
+        per_step = len(batches) // self.steps_per_rollout  # micro-batches of one optimizer step
+        for _ in range(s.num_iterations):
+            for part in range(self.steps_per_rollout):
+                losses.append(float(engine.train_batch(iter(batches[part * per_step:(part + 1) * per_step]))))
+                norms.append(engine.get_global_grad_norm())
+                step_metrics = engine.objective_metrics()
+                mismatch = step_metrics.pop("logprob_mismatch", None)
+                if len(losses) == 1 and mismatch is not None:  # only the first update has the sampler's weights
+                    metrics["logprob_mismatch"] = mismatch
+                metrics.update(step_metrics)
         timings["update_s"] = time.perf_counter() - tic
         metrics.update(self._completion_metrics(rollout))
         return GRPOResult(losses, norms, rollout, advantage.rewards, mine, metrics, timings)
 
     def _check_rows(self, rows: int) -> None:
         engine = self.engine
-        expected = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
+        expected = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * \
+            self.steps_per_rollout
         if rows != expected:
             raise InvalidValueError(f"a GRPO step of {rows // self.settings.num_generations} prompts x "
                                     f"num_generations {self.settings.num_generations} = {rows} completions per "
                                     f"data-parallel rank, but train_micro_batch_size_per_gpu x "
-                                    f"gradient_accumulation_steps is {expected}: they must be equal (each micro-batch "
-                                    f"counts completions, as TRL's per_device_train_batch_size)")
+                                    f"gradient_accumulation_steps x the rollout batch's {self.steps_per_rollout} "
+                                    f"optimizer steps is {expected}: they must be equal (each micro-batch counts "
+                                    f"completions, as TRL's per_device_train_batch_size)")
 
     def _rewards(self, rollout: Rollout, prompts, columns, generations: int) -> torch.Tensor:
         completion_ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
@@ -137,3 +151,27 @@ class GRPOStep:
         totals = totals.cpu()
         return {"completions/mean_length": float(totals[0] / totals[2]),
                 "completions/clipped_ratio": float(totals[1] / totals[2])}
+
+
+def steps_per_rollout(settings: GRPOSettings, accumulation: int, per_micro_step: int) -> int:
+    """Optimizer steps a rollout batch feeds: TRL's generation_batch_size (completions over all ranks) over the
+    global batch, or its steps_per_generation (a rank's micro-batches) over the accumulation."""
+    size, micro_steps = settings.generation_batch_size, settings.steps_per_generation
+    if size is not None and micro_steps is not None:
+        raise InvalidValueError("objective.generation_batch_size and objective.steps_per_generation both size the "
+                                "rollout batch: keep one (generation_batch_size is the same in every layout)")
+    global_batch = per_micro_step * accumulation
+    if size is not None:
+        if size < 1 or size % global_batch:
+            raise InvalidValueError(f"objective.generation_batch_size = {size} is not a multiple of train_batch_size "
+                                    f"= {global_batch}: a rollout batch feeds whole optimizer steps; give "
+                                    f"{global_batch} x the optimizer steps it should feed")
+        return size // global_batch
+    if micro_steps is None:
+        return 1
+    if micro_steps < 1 or micro_steps % accumulation:
+        raise InvalidValueError(f"objective.steps_per_generation = {micro_steps} is not a multiple of "
+                                f"gradient_accumulation_steps = {accumulation} in this layout: a rollout batch feeds "
+                                f"whole optimizer steps; give {accumulation} x the optimizer steps it should feed, "
+                                f"or objective.generation_batch_size (the same in every layout)")
+    return micro_steps // accumulation

@@ -83,7 +83,7 @@ def _start(cfg, run_dir: str | None) -> GRPOJob:
     per_rank = _prompts_per_rank(engine, o.num_generations)
     dp = engine.mesh.size("dp")
     if len(prompts) < per_rank * dp:
-        raise ConfigError(f"data.train has {len(prompts)} prompts, fewer than one rollout batch ({per_rank} per "
+        raise ConfigError(f"data.train has {len(prompts)} prompts, fewer than one optimizer step's ({per_rank} per "
                           f"data-parallel rank x {dp} ranks); add prompts, or lower the batch")
     sampler = DataParallelSampler(len(prompts), per_rank, dp, engine.mesh.local_rank("dp"), seed=cfg.seed,
                                   shuffle=cfg.data.shuffle)
@@ -93,8 +93,10 @@ def _start(cfg, run_dir: str | None) -> GRPOJob:
     settings = GRPOSettings(num_generations=o.num_generations, max_completion_length=o.max_completion_length,
                             temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, num_iterations=o.num_iterations,
                             scale_rewards=o.scale_rewards, seed=cfg.seed, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=pad)
+                            pad_token_id=pad, generation_batch_size=o.generation_batch_size,
+                            steps_per_generation=o.steps_per_generation)
     step = GRPOStep(engine, rewards, settings, partial(decode, tokenizer), conversational=prompts.conversational)
+    _check_rollout_steps(cfg, mu_steps=o.num_iterations * step.steps_per_rollout)
     out = Path(run_dir or t.run_dir)
     if not cfg.comm.report_dir:  # hang reports land next to the metrics
         cfg.comm.report_dir = str(out)
@@ -102,6 +104,19 @@ def _start(cfg, run_dir: str | None) -> GRPOJob:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(engine.config.model_dump(mode="json"), indent=2))
     return GRPOJob(engine, step, prompts, sampler, tokenizer, out, built.params)
+
+
+def _check_rollout_steps(cfg, mu_steps: int) -> None:
+    """Every rank, once the batch is known: the step counts that cut the run are whole rollout batches of
+    num_iterations x generation_batch_size / train_batch_size optimizer steps."""
+    if mu_steps == cfg.objective.num_iterations:  # checked with the config, before the model was built
+        return
+    for key, value in (("trainer.steps", cfg.trainer.steps), ("checkpoint.save_every", cfg.checkpoint.save_every),
+                       ("trainer.save_pretrained_every", cfg.trainer.save_pretrained_every)):
+        if value % mu_steps:
+            raise ConfigError(f"{key} = {value} is not a multiple of the {mu_steps} optimizer steps of a rollout "
+                              f"batch (objective.num_iterations x generation_batch_size / train_batch_size): the "
+                              f"job stops and saves between rollout batches; set {key} to a multiple of {mu_steps}")
 
 
 def _prompts_per_rank(engine, generations: int) -> int:
@@ -119,19 +134,29 @@ def _rollout_batch(job: GRPOJob, last: int) -> tuple[dict, list[dict]]:
     """One rollout batch: its metrics row and (rank 0) its completions, one record each. Every rank's memory is
     gathered as the next-token job does: when the batch passes a multiple of steps_per_print, and at step `last`."""
     engine, generations = job.engine, job.step.settings.num_generations
-    epoch, indices = job.sampler.next_global_batch()
-    mine = job.sampler.next_indices()
+    indices, mine = [], []  # the rollout batch: steps_per_generation / accumulation optimizer steps' prompts
+    for _ in range(job.step.steps_per_rollout):
+        epoch, step_indices = job.sampler.next_global_batch()
+        indices += step_indices
+        mine += job.sampler.next_indices()
     ids, mask, prompts, columns = job.prompts.take(mine)
     tic = time.perf_counter()
     result = job.step(ids, mask, torch.tensor(mine), prompts=prompts, columns=columns)
     elapsed = time.perf_counter() - tic
     rollout = result.rollout
     own = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-    everyone = sum(comm.all_gather_object(own, engine.mesh.axis("dp"), tag="metrics"), [])
-    records = [{"step": engine.global_steps, "prompt": indices[i // generations], "generation": i % generations,
+    gathered = comm.all_gather_object((own, mine), engine.mesh.axis("dp"), tag="metrics")
+    per_step = len(mine) // job.step.steps_per_rollout  # a rank's prompts of one optimizer step
+    rows = []  # (place in the sampler's order, rank's row): result.rewards runs rank by rank
+    for rank, (completions, theirs) in enumerate(gathered):
+        for i, tokens in enumerate(completions):
+            j = i // generations
+            rows.append(((j // per_step, rank, j % per_step, i % generations), theirs[j], tokens))
+    records = [{"step": engine.global_steps, "prompt": prompt, "generation": place[3],
                 "text": decode(job.tokenizer, tokens), "completion_ids": tokens,
                 "reward": None if torch.isnan(reward) else float(reward)}
-               for i, (tokens, reward) in enumerate(zip(everyone, result.rewards))]
+               for (place, prompt, tokens), reward in sorted(zip(rows, result.rewards), key=lambda x: x[0][0])]
+    everyone = [r["completion_ids"] for r in records]
     memory = engine.memory_stats()
     stats = engine.comm_stats(reset=True)
     row = {"step": engine.global_steps, "loss": statistics.fmean(result.losses), "losses": result.losses,
@@ -142,13 +167,18 @@ def _rollout_batch(job: GRPOJob, last: int) -> tuple[dict, list[dict]]:
            "comm": stats, "epoch": epoch, "samples": indices, **result.metrics,
            "rollouts": [{"prompt": _shown(job.prompts.prompts[r["prompt"]]), "completion": r["text"],
                          "reward": r["reward"]} for r in records[::generations][:SAMPLES_IN_ROW]]}
-    every, step, mu = engine.config.steps_per_print, engine.global_steps, job.step.settings.num_iterations
+    every, step, mu = engine.config.steps_per_print, engine.global_steps, _updates(job)
     if step == last or step // every != (step - mu) // every:
         per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
         row["state_bytes_per_rank"] = [state for state, _ in per_rank]
         row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
         engine.comm_stats(reset=True)
     return row, records
+
+
+def _updates(job: GRPOJob) -> int:
+    """Optimizer steps per rollout batch: num_iterations passes over its steps_per_generation / accumulation."""
+    return job.step.settings.num_iterations * job.step.steps_per_rollout
 
 
 def decode(tokenizer, ids: list[int]) -> str:
@@ -192,7 +222,11 @@ def train_grpo(cfg, run_dir: str | None, steps: int, save_pretrained: str | None
         raise ConfigError(f"the run's steps ({steps}) are not a multiple of objective.num_iterations = {mu}: each "
                           f"rollout batch is {mu} optimizer steps; give a multiple of {mu}")
     job = _start(cfg, run_dir)
-    engine, out = job.engine, job.out
+    engine, out, mu = job.engine, job.out, _updates(job)
+    if steps % mu:
+        raise ConfigError(f"the run's steps ({steps}) are not a multiple of a rollout batch's {mu} optimizer steps "
+                          f"(objective.num_iterations x generation_batch_size / train_batch_size); give a multiple "
+                          f"of {mu}")
     rank0, done = engine.global_rank == 0, engine.global_steps
     metrics = MetricsWriter(out, rank0, resumed_at=done)
     completions = CompletionsLog(out / "completions.jsonl", rank0, done)

@@ -70,9 +70,9 @@ def _close(a, b) -> bool:
     return abs(a - b) <= 1e-5 * max(abs(b), 1e-2)  # the first update's loss is ~0: advantages' mean is zero
 
 
-def _same_run(got, want) -> None:
+def _same_run(got, want, per_rollout: int = 2) -> None:
     rows, base = _rows(got), _rows(want)
-    assert [r["step"] for r in rows] == [r["step"] for r in base] == list(range(2, STEPS + 1, 2))
+    assert [r["step"] for r in rows] == [r["step"] for r in base] == list(range(per_rollout, STEPS + 1, per_rollout))
     for row, expected in zip(rows, base):
         assert row["samples"] == expected["samples"], (row["step"], row["samples"], expected["samples"])
         for key in ("losses", "grad_norms", "reward", "rewards/even/mean"):
@@ -143,3 +143,36 @@ def test_a_grpo_job_is_the_same_run_in_every_layout_and_after_a_kill(world2, wor
     long["objective"]["max_completion_length"] = 8  # 12 positions - 8 leave 4 for prompts of 5 bytes
     messages = world2.run(_refused, long)
     assert all("prompts.jsonl line 2" in m and "objective.max_completion_length" in m for m in messages), messages
+
+
+def test_a_rollout_batch_of_two_steps_is_the_same_run_in_every_layout(world2, tmp_path):
+    """generation_batch_size 16 = 2 x train_batch_size: one rollout batch of 8 prompts x 2 generations, trained as
+    two optimizer steps in order, twice (num_iterations 2): the same run in dp2 (a rank's half of each step's
+    prompts), tp2 and pp2 (all of them on one replica); sizes that cut a rollout batch are refused by name."""
+    prompts, rewards = write_job(tmp_path)
+    rollout = {"generation_batch_size": 16}
+
+    def config(name: str, **layout) -> dict:
+        cfg = grpo_config(prompts, rewards, str(tmp_path / name), **layout)
+        cfg["objective"].update(rollout)
+        cfg["checkpoint"]["save_every"] = STEPS
+        return cfg
+
+    world2.run(_train, config("dp2"))
+    rows = _rows(tmp_path / "dp2")
+    assert len(rows) == 1 and len(rows[0]["losses"]) == 4 and len(rows[0]["samples"]) == 8, rows
+    assert len(_completions(tmp_path / "dp2")) == 16
+    for name, layout in (("tp2", LAYOUTS["tp2"]), ("pp2", LAYOUTS["pp2"])):
+        world2.run(_train, config(name, **layout))
+        _same_run(tmp_path / name, tmp_path / "dp2", per_rollout=4)
+
+    cut = config("cut")
+    cut["objective"]["generation_batch_size"] = 12
+    assert all("objective.generation_batch_size = 12" in m for m in world2.run(_refused, cut))
+    saves = config("saves")
+    saves["checkpoint"]["save_every"] = 2
+    assert all("checkpoint.save_every = 2" in m and "4 optimizer steps" in m for m in world2.run(_refused, saves))
+    both = config("both")
+    both["objective"]["steps_per_generation"] = 4
+    assert all("objective.generation_batch_size and objective.steps_per_generation" in m
+               for m in world2.run(_refused, both))

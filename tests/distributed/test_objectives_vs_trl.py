@@ -252,7 +252,7 @@ def _word_tokenizer(vocab: int):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2")
 
 
-def _paratrain_grpo_steps(model, prompt_ids: torch.Tensor) -> dict:
+def _paratrain_grpo_steps(model, prompt_ids: torch.Tensor, per_generation: int) -> dict:
     import paratrain
     from paratrain.rl import RewardFunctions
     from paratrain.trainer.grpo import GRPOSettings, GRPOStep
@@ -266,10 +266,12 @@ def _paratrain_grpo_steps(model, prompt_ids: torch.Tensor) -> dict:
                       **{k: v for k, v in STEP_SETTINGS.items() if k != "num_iterations"}}})
     step = GRPOStep(engine, RewardFunctions([_even_tokens, _short], weights=list(STEP_WEIGHTS)),
                     GRPOSettings(num_generations=STEP_GENERATIONS, max_completion_length=STEP_NEW,
-                                 num_iterations=STEP_SETTINGS["num_iterations"], seed=7, eos_token_id=list(STEP_EOS)))
+                                 num_iterations=STEP_SETTINGS["num_iterations"], seed=7, eos_token_id=list(STEP_EOS),
+                                 steps_per_generation=per_generation))
     out = {"losses": [], "grad_norms": [], "completions": [], "log_probs": [], "rewards": [], "metrics": []}
-    for s in range(STEP_STEPS):
-        index = torch.arange(s * STEP_PROMPTS, (s + 1) * STEP_PROMPTS)
+    prompts = STEP_PROMPTS * per_generation  # a rollout batch: per_generation optimizer steps' prompts
+    for s in range(STEP_STEPS // per_generation):
+        index = torch.arange(s * prompts, (s + 1) * prompts)
         result = step(prompt_ids[index], torch.ones_like(prompt_ids[index]), index)
         r = result.rollout
         out["losses"] += result.losses
@@ -282,9 +284,12 @@ def _paratrain_grpo_steps(model, prompt_ids: torch.Tensor) -> dict:
     return out
 
 
-def _trl_grpo_steps(initial, prompt_ids: torch.Tensor, drawn: dict, output_dir: str) -> dict:
-    """TRL's trainer on the completions paratrain drew (rollout_func), from the same initial weights."""
+def _trl_grpo_steps(initial, prompt_ids: torch.Tensor, drawn: dict, output_dir: str, per_generation: int) -> dict:
+    """TRL's trainer on the completions paratrain drew (rollout_func), from the same initial weights; with
+    steps_per_generation > 1 its shuffle of the rollout batch is off, so its i-th step trains the i-th step's
+    prompts as paratrain's does."""
     import os
+    from unittest import mock
 
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -316,7 +321,7 @@ def _trl_grpo_steps(initial, prompt_ids: torch.Tensor, drawn: dict, output_dir: 
     rows = STEP_PROMPTS * STEP_GENERATIONS
     args = GRPOConfig(
         output_dir=output_dir, report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=rows,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=STEP_GENERATIONS,
+        gradient_accumulation_steps=1, steps_per_generation=per_generation, num_generations=STEP_GENERATIONS,
         max_completion_length=STEP_NEW, temperature=1.0, reward_weights=list(STEP_WEIGHTS),
         max_steps=STEP_STEPS * STEP_SETTINGS["num_iterations"], learning_rate=STEP_ADAMW["lr"],
         adam_beta1=STEP_ADAMW["betas"][0], adam_beta2=STEP_ADAMW["betas"][1], adam_epsilon=STEP_ADAMW["eps"],
@@ -327,21 +332,25 @@ def _trl_grpo_steps(initial, prompt_ids: torch.Tensor, drawn: dict, output_dir: 
                           train_dataset=Dataset.from_list([{"prompt": f"p{i}"} for i in range(len(prompt_ids))]),
                           processing_class=_word_tokenizer(initial.config.vocab_size), rollout_func=rollout_func,
                           callbacks=[Weights()])
-    trainer.train()
+    with mock.patch("trl.trainer.grpo_trainer.shuffle_sequence_dict", lambda batch: batch):
+        trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": [e["loss"] for e in logs], "grad_norms": [e["grad_norm"] for e in logs],
             "logs": logs, "state": states[0]}
 
 
-def _whole_grpo_step_case() -> dict:
-    model = _model()
-    initial = copy.deepcopy(model)
-    prompt_ids = torch.randint(40, model.config.vocab_size, (STEP_PROMPTS * STEP_STEPS, 6),
-                               generator=torch.Generator().manual_seed(2))
-    ours = _paratrain_grpo_steps(model, prompt_ids)
-    with tempfile.TemporaryDirectory() as output_dir:
-        theirs = _trl_grpo_steps(initial, prompt_ids, ours, output_dir)
-    return {"paratrain": ours, "trl": theirs}
+def _whole_grpo_step_cases() -> list[dict]:
+    out = []
+    for per_generation in (1, 2):  # steps_per_generation: a rollout batch of one optimizer step's prompts, or two
+        model = _model()
+        initial = copy.deepcopy(model)
+        prompt_ids = torch.randint(40, model.config.vocab_size, (STEP_PROMPTS * STEP_STEPS, 6),
+                                   generator=torch.Generator().manual_seed(2))
+        ours = _paratrain_grpo_steps(model, prompt_ids, per_generation)
+        with tempfile.TemporaryDirectory() as output_dir:
+            theirs = _trl_grpo_steps(initial, prompt_ids, ours, output_dir, per_generation)
+        out.append({"per_generation": per_generation, "paratrain": ours, "trl": theirs})
+    return out
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:
@@ -349,29 +358,32 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 def test_a_grpo_step_equals_trls_trainer_on_the_same_completions(world1):
-    """Two GRPO steps (2 prompts x 3 generations, two weighted rewards, grpo loss with beta 0.04, num_iterations 2:
-    four AdamW updates, clipped at 1.0) give TRL's loss and gradient norm at every update, its rewards and its
-    weights after, within 1e-5 (the loss: absolute, see below; the rest relative)."""
-    result = world1.run(_whole_grpo_step_case)[0]
-    ours, theirs = result["paratrain"], result["trl"]
-    lengths = [len(c) for c in ours["completions"]]
-    assert min(lengths) < STEP_NEW == max(lengths), lengths  # some completions end early, some are cut
-    updates = STEP_STEPS * STEP_SETTINGS["num_iterations"]
-    assert len(ours["losses"]) == len(theirs["losses"]) == updates
-    loss_error = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
-    print(f"\nGRPO step vs TRL: loss max abs. diff {loss_error:.1e}, grad norm max rel. diff "
-          f"{_max_rel(ours['grad_norms'], theirs['grad_norms']):.1e}; losses {ours['losses']}")
-    # a GRPO loss is a mean of advantage-weighted ratios that cancel within each group (the first update's is 0 up
-    # to rounding): its error is measured against the terms' scale, 1, not against the near-zero mean
-    assert loss_error <= TOLERANCE, (ours["losses"], theirs["losses"])
-    assert _max_rel(ours["grad_norms"], theirs["grad_norms"]) <= TOLERANCE, (ours["grad_norms"], theirs["grad_norms"])
-    assert max(ours["grad_norms"]) > 1.0  # the clip acts on some update
-    generated = theirs["logs"][::STEP_SETTINGS["num_iterations"]]  # TRL logs the rewards where it scored them
-    for metrics, log, rewards in zip(ours["metrics"], generated, ours["rewards"], strict=True):
-        for name in ("reward", "reward_std", "rewards/_even_tokens/mean", "rewards/_short/mean",
-                     "completions/mean_length"):
-            assert abs(metrics[name] - log[name]) <= TOLERANCE * max(1.0, abs(log[name])), (name, metrics, log)
-        assert len(set(rewards)) > 1  # the advantages are not all zero
-    for name, value in theirs["state"].items():
-        scale = value.abs().max().item()
-        assert (ours["state"][name] - value).abs().max().item() <= TOLERANCE * scale, name
+    """Two optimizer steps' prompts (2 prompts x 3 generations each, two weighted rewards, grpo loss with beta 0.04,
+    num_iterations 2: four AdamW updates, clipped at 1.0), sampled as two rollout batches or, with
+    steps_per_generation 2, as one, give TRL's loss and gradient norm at every update, its rewards and its weights
+    after, within 1e-5 (the loss: absolute, see below; the rest relative)."""
+    for result in world1.run(_whole_grpo_step_cases)[0]:
+        ours, theirs, per_generation = result["paratrain"], result["trl"], result["per_generation"]
+        lengths = [len(c) for c in ours["completions"]]
+        assert min(lengths) < STEP_NEW == max(lengths), lengths  # some completions end early, some are cut
+        updates = STEP_STEPS * STEP_SETTINGS["num_iterations"]
+        assert len(ours["losses"]) == len(theirs["losses"]) == updates
+        loss_error = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+        print(f"\nGRPO step vs TRL, steps_per_generation {per_generation}: loss max abs. diff {loss_error:.1e}, "
+              f"grad norm max rel. diff {_max_rel(ours['grad_norms'], theirs['grad_norms']):.1e}")
+        # a GRPO loss is a mean of advantage-weighted ratios that cancel within each group (the first update's is 0
+        # up to rounding): its error is measured against the terms' scale, 1, not against the near-zero mean
+        assert loss_error <= TOLERANCE, (per_generation, ours["losses"], theirs["losses"])
+        assert _max_rel(ours["grad_norms"], theirs["grad_norms"]) <= TOLERANCE, \
+            (per_generation, ours["grad_norms"], theirs["grad_norms"])
+        assert max(ours["grad_norms"]) > 1.0  # the clip acts on some update
+        generated = theirs["logs"][::STEP_SETTINGS["num_iterations"] * per_generation]  # where TRL scored them
+        assert len(generated) == len(ours["metrics"]) == STEP_STEPS // per_generation
+        for metrics, log, rewards in zip(ours["metrics"], generated, ours["rewards"], strict=True):
+            for name in ("reward", "reward_std", "rewards/_even_tokens/mean", "rewards/_short/mean",
+                         "completions/mean_length"):
+                assert abs(metrics[name] - log[name]) <= TOLERANCE * max(1.0, abs(log[name])), (name, metrics, log)
+            assert len(set(rewards)) > 1  # the advantages are not all zero
+        for name, value in theirs["state"].items():
+            scale = value.abs().max().item()
+            assert (ours["state"][name] - value).abs().max().item() <= TOLERANCE * scale, (per_generation, name)
