@@ -148,7 +148,8 @@ def test_a_grpo_job_is_the_same_run_in_every_layout_and_after_a_kill(world2, wor
 def test_a_rollout_batch_of_two_steps_is_the_same_run_in_every_layout(world2, tmp_path):
     """generation_batch_size 16 = 2 x train_batch_size: one rollout batch of 8 prompts x 2 generations, trained as
     two optimizer steps in order, twice (num_iterations 2): the same run in dp2 (a rank's half of each step's
-    prompts), tp2 and pp2 (all of them on one replica); sizes that cut a rollout batch are refused by name."""
+    prompts), tp2 and pp2 (all of them on one replica), and with LoRA (beta 0.04: the adapters off as the reference)
+    in dp2 and tp2; sizes that cut a rollout batch are refused by name."""
     prompts, rewards = write_job(tmp_path)
     rollout = {"generation_batch_size": 16}
 
@@ -165,6 +166,16 @@ def test_a_rollout_batch_of_two_steps_is_the_same_run_in_every_layout(world2, tm
     for name, layout in (("tp2", LAYOUTS["tp2"]), ("pp2", LAYOUTS["pp2"])):
         world2.run(_train, config(name, **layout))
         _same_run(tmp_path / name, tmp_path / "dp2", per_rollout=4)
+    # LoRA, its reference the adapters off (beta > 0): the same in dp2 and tp2, and not the full fine-tuning's run
+    lora = {"peft": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]}}
+    for name, layout in (("lora_dp2", {}), ("lora_tp2", LAYOUTS["tp2"])):
+        cfg = config(name, **layout, **lora)
+        cfg["objective"]["beta"] = 0.04
+        summary = world2.run(_train, cfg)[0]
+        assert summary["trainable_params"] < summary["frozen_params"], summary  # the adapters alone train
+    _same_run(tmp_path / "lora_tp2", tmp_path / "lora_dp2", per_rollout=4)
+    adapted = _rows(tmp_path / "lora_dp2")[0]
+    assert adapted["kl"] > 0 and adapted["grad_norms"] != rows[0]["grad_norms"], adapted
 
     cut = config("cut")
     cut["objective"]["generation_batch_size"] = 12
