@@ -13,11 +13,12 @@ for n + 1, which each does only after reading call n.
 Exactness: for two ranks a + b is gloo's sum bit for bit (addition commutes); for more, rank order may round
 differently from gloo's ring, within the floats' last bits.
 
-Used only inside `host_collectives(axis)` (the engine's decoding), only on x86-64 (whose stores are seen in the
-order they were made, so a peer that sees a flag sees the data written before it; elsewhere gloo is kept), only
-for payloads up to `capacity` bytes (a long prompt's forward still goes through gloo), and only with no gradient
-to carry. A wait is bounded by the comm guard's timeout, looks for a failed peer as the guard's waits do, and
-ends in the guard's report naming the call.
+Used only inside `host_collectives(axis)` (the engine's decoding); only when every rank maps the creator's file and
+finds its mark there (a host name shared by two machines or containers falls back to gloo); only on x86-64, whose
+stores are seen in the order they were made, so a peer that sees a flag sees the data written before it (elsewhere
+gloo is kept); only for payloads up to `capacity` bytes (a long prompt's forward still goes through gloo); and only
+with no gradient to carry. A wait is bounded by the comm guard's timeout, looks for a failed peer as the guard's
+waits do, and ends in the guard's report naming the call.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 
 import torch
 
-from paratrain.comm.collectives import HOST_SLOTS, all_gather_object, barrier
+from paratrain.comm.collectives import HOST_SLOTS, all_gather_object
 from paratrain.layout.mesh import Axis
 
 CAPACITY = 1 << 20  # bytes per rank slot: a decode step's activations (rows x hidden), not a prompt's
@@ -45,13 +46,14 @@ class HostSlots:
 
     def __init__(self, axis: Axis, path: str, capacity: int) -> None:
         self.axis, self.capacity, self.calls, self.path = axis, capacity, 0, path
-        self.header = axis.size * FLAG_STRIDE
+        self.header = (1 + axis.size) * FLAG_STRIDE  # the creator's mark, then a flag per rank
         self.mapping = torch.from_file(path, shared=True, size=self.nbytes(axis.size, capacity), dtype=torch.uint8)
-        self.flags = self.mapping[:self.header].view(torch.int64)[::FLAG_STRIDE // 8]
+        lines = self.mapping[:self.header].view(torch.int64)[::FLAG_STRIDE // 8]
+        self.mark, self.flags = lines[0], lines[1:]
 
     @staticmethod
     def nbytes(ranks: int, capacity: int) -> int:
-        return ranks * FLAG_STRIDE + 2 * ranks * capacity
+        return (1 + ranks) * FLAG_STRIDE + 2 * ranks * capacity
 
     def fits(self, tensor: torch.Tensor) -> bool:
         return (tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.requires_grad
@@ -127,19 +129,31 @@ def host_collectives(axis: Axis, capacity: int = CAPACITY):
     if axis.size == 1 or axis.ranks in HOST_SLOTS or not one_host(axis):
         yield
         return
-    path = None
+    path, mark = None, None
     if axis.rank == 0:
         handle, path = tempfile.mkstemp(prefix="paratrain_host_", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                         else None)
         os.ftruncate(handle, HostSlots.nbytes(axis.size, capacity))  # zeros: every flag at call 0
+        mark = int.from_bytes(os.urandom(7), "little")
+        os.pwrite(handle, mark.to_bytes(8, "little"), 0)
         os.close(handle)
-    shared_path = all_gather_object(path, axis, tag="host")[0]
+    shared_path, mark = all_gather_object((path, mark), axis, tag="host")[0]
+    slots = None
     try:
-        slots = HostSlots(axis, shared_path, capacity)
-        barrier(axis)  # every rank has mapped it
+        try:  # a host name shared by two machines or containers: the mark tells whether this is the same memory
+            if not os.path.exists(shared_path):  # (mapping a missing file would create it)
+                raise FileNotFoundError(shared_path)
+            slots = HostSlots(axis, shared_path, capacity)
+            mapped = int(slots.mark) == mark
+        except (OSError, RuntimeError):
+            mapped = False
+        agreed = all(all_gather_object(mapped, axis, tag="host"))  # every rank has mapped it, or gloo it is
     finally:
         if axis.rank == 0:
             os.unlink(shared_path)  # the mappings stay; nothing is left on disk
+    if not agreed:
+        yield
+        return
     HOST_SLOTS[axis.ranks] = slots
     try:
         yield

@@ -1,6 +1,7 @@
 """Decoding's small tensor-parallel collectives through shared memory (`paratrain.comm.host_reduce`): the same
 sums and gathers as gloo's, bit for bit on two ranks; a payload over the capacity still goes through gloo; nothing is
-left on disk; and a rank that never arrives ends its peer's wait with the guard's report, not a hang."""
+left on disk; a rank that cannot map the file (another machine or container under the same host name) sends every
+rank back to gloo; and a rank that never arrives ends its peer's wait with the guard's report, not a hang."""
 
 from __future__ import annotations
 
@@ -58,6 +59,27 @@ def _same_as_gloo() -> dict:
             "gloo_calls": calls, "big": float(big[0])}
 
 
+def _one_rank_cannot_map() -> tuple[bool, float]:
+    import torch.distributed as dist
+
+    import paratrain.comm as comm
+    from paratrain.comm import host_reduce
+    from paratrain.comm.collectives import HOST_SLOTS
+
+    axis = _mesh().axis("tp")
+    real = host_reduce.HostSlots
+    if dist.get_rank() == 1:
+        host_reduce.HostSlots = lambda *args: (_ for _ in ()).throw(OSError("no such file here"))
+    try:
+        with torch.no_grad(), host_reduce.host_collectives(axis):
+            active = axis.ranks in HOST_SLOTS
+            value = torch.full((3,), float(dist.get_rank() + 1))
+            comm.all_reduce(value, axis)
+    finally:
+        host_reduce.HostSlots = real
+    return active, float(value[0])
+
+
 def _one_rank_stays_away() -> str:
     import torch.distributed as dist
 
@@ -83,6 +105,10 @@ def test_host_collectives_are_gloos_sums_and_gathers(world2):
         assert not r["left_on_disk"], r
         assert all(r["equal"]) and r["gather_equal"], r
         assert r["gloo_calls"] == [300_000] and r["big"] == 2.0, r  # only the payload over the capacity
+
+
+def test_a_rank_that_cannot_map_the_file_sends_every_rank_back_to_gloo(world2):
+    assert world2.run(_one_rank_cannot_map) == [(False, 3.0), (False, 3.0)]
 
 
 def test_a_rank_that_never_arrives_ends_the_wait_with_the_guard_report(world2):
