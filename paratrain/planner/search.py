@@ -152,8 +152,32 @@ class PartCosts:
 
 def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
     """(peak bytes, the (states, activations, transient) of the peak stage, the layout if it had to be built) of
-    the layout with fields `f`: `estimate_memory`'s terms, each looked up by what it reads (the module's table).
-    The lookups are written out, not looped over: this runs once per candidate (175,180 for a 70B on 1,024 GPUs)."""
+    the layout with fields `f`: `estimate_memory`'s terms, each looked up by what it reads (the module's table)."""
+    (states, parts, counts, gradient, full, gathered, logits), layout = memory_parts(costs, f, layout)
+    worst, peak = None, None
+    for i, (stage_states_, stage_count) in enumerate(zip(states, counts)):
+        act = stage_activation_bytes(stage_count, parts)
+        # `sum_transient`'s terms in its order (the same float sums)
+        trans = 0.0
+        if gradient is not None:
+            trans += gradient[i]
+        if full is not None:
+            trans += full
+        if gathered is not None:
+            trans += gathered
+        if stage_count.head_flights is not None:
+            trans += logits
+        total = stage_states_[2] + act + trans  # MemoryEstimate.total
+        if worst is None or total > worst:
+            worst, peak = total, (stage_states_, act, trans)
+    return worst, peak, layout
+
+
+def memory_parts(costs: PartCosts, f: tuple, layout: Layout | None) -> tuple[tuple, Layout | None]:
+    """The cached parts `memory_of` adds up: (states per stage, activation parts, counts per stage, ZeRO-2's
+    unsharded gradient per stage, full recompute's layer, ZeRO-3's gathered units, the logits; None where the layout
+    has no such term), and the layout if a part had to build it. The lookups are written out, not looped over: this
+    runs once per candidate (175,180 for a 70B on 1,024 GPUs)."""
     dp, mb, m, tp, pp, cp, zero, offload, schedule, v, recompute, sp, precision, method, u, ep, optimizer, rep = f
     memo = costs.memo
     key = (tp, pp, schedule, v, dp, cp, rep, zero, precision, offload, ep, optimizer)
@@ -200,23 +224,7 @@ def memory_of(costs: PartCosts, f: tuple, layout: Layout | None):
     if logits is None:
         layout = layout or Layout(*f)
         logits = memo["logits"][key] = costs.logits(key, layout)
-    worst, peak = None, None
-    for i, (stage_states_, stage_count) in enumerate(zip(states, counts)):
-        act = stage_activation_bytes(stage_count, parts)
-        # `sum_transient`'s terms in its order (the same float sums)
-        trans = 0.0
-        if gradient is not None:
-            trans += gradient[i]
-        if full is not None:
-            trans += full
-        if gathered is not None:
-            trans += gathered
-        if stage_count.head_flights is not None:
-            trans += logits
-        total = stage_states_[2] + act + trans  # MemoryEstimate.total
-        if worst is None or total > worst:
-            worst, peak = total, (stage_states_, act, trans)
-    return worst, peak, layout
+    return (states, parts, counts, gradient, full, gathered, logits), layout
 
 
 def step_of(costs: PartCosts, f: tuple, layout: Layout | None) -> tuple:
