@@ -11,13 +11,17 @@ rank's process holds the threads of its process groups (and a Rust tokenizer's t
 child would inherit half-locked. With `workers=0` the calling process tokenizes (no process started).
 A record's error (a malformed chat, a record with nothing to train on) is raised by `map` in the caller with
 its file and line, exactly as tokenizing in the caller would raise it; a worker that dies raises
-`BrokenProcessPool` there.
+`BrokenProcessPool` there. A caller that dies takes its workers with it: each watches its parent and exits once it
+is gone (a SIGKILLed rank cannot shut its pool down, and a worker blocked on the pool's queue never sees it close).
 """
 
 from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -61,7 +65,7 @@ class TokenizerPool:
         self._tokenizer = None
         if workers:
             self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_start_worker, initargs=(spec,))
+                                                 initializer=_start_worker, initargs=(spec, os.getpid()))
             self._executor.submit(int)  # start the workers now: their start-up overlaps the caller's setup
 
     def map(self, record_chunks: Iterable[list]) -> Iterator[tuple[list[Example], DataSummary]]:
@@ -112,11 +116,22 @@ class _Deferred:
 _WORKER: dict = {}  # in a worker process: its spec and tokenizer
 
 
-def _start_worker(spec: TokenizeSpec) -> None:
+PARENT_CHECK_S = 0.5  # how often a worker looks for its parent
+
+
+def _start_worker(spec: TokenizeSpec, parent: int) -> None:
+    threading.Thread(target=_exit_with, args=(parent,), name="paratrain-parent-watch", daemon=True).start()
     import torch  # noqa: PLC0415 (a worker tokenizes; one thread leaves the cores to the ranks)
 
     torch.set_num_threads(1)
     _WORKER["spec"], _WORKER["tokenizer"] = spec, load_tokenizer(spec.model_dir)
+
+
+def _exit_with(parent: int) -> None:
+    """End this worker once the process that started it is gone (it is re-parented: another parent pid)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(1)
 
 
 def _tokenize_chunk(chunk: list) -> tuple[list[Example], DataSummary]:
