@@ -140,13 +140,11 @@ def host_collectives(axis: Axis, capacity: int = CAPACITY):
     shared_path, mark = all_gather_object((path, mark), axis, tag="host")[0]
     slots = None
     try:
-        try:  # a host name shared by two machines or containers: the mark tells whether this is the same memory
-            if not os.path.exists(shared_path):  # (mapping a missing file would create it)
-                raise FileNotFoundError(shared_path)
-            slots = HostSlots(axis, shared_path, capacity)
-            mapped = int(slots.mark) == mark
-        except (OSError, RuntimeError):
-            mapped = False
+        mapped = False  # a host name shared by two machines or containers: the mark tells whether this is one memory
+        if os.path.exists(shared_path):  # (mapping a missing file would create it)
+            with contextlib.suppress(OSError, RuntimeError):
+                slots = HostSlots(axis, shared_path, capacity)
+                mapped = int(slots.mark) == mark
         agreed = all(all_gather_object(mapped, axis, tag="host"))  # every rank has mapped it, or gloo it is
     finally:
         if axis.rank == 0:
