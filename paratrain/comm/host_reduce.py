@@ -103,11 +103,10 @@ class HostSlots:
         raise type(error)(f"{error} ({cause})", {**error.report, "behind": behind})
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        slots = self._slots(tensor)
-        total = slots[0].clone()
+        slots = self._slots(tensor)  # this rank's own is among them: `tensor` can take the sum
+        tensor.copy_(slots[0])
         for slot in slots[1:]:
-            total += slot
-        tensor.copy_(total)
+            tensor += slot
 
     def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
         for target, slot in zip(out, self._slots(tensor), strict=True):

@@ -70,6 +70,7 @@ class GRPOStep:
             raise InvalidValueError("a GRPO step trains the grpo objective: set objective.type to \"grpo\"")
         self.steps_per_rollout = steps_per_rollout(settings, engine.gradient_accumulation_steps(),
                                                    engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
+        self.updates_per_rollout = settings.num_iterations * self.steps_per_rollout  # optimizer steps per call
 
     def __call__(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
                  prompts: list | None = None, columns: dict[str, list] | None = None) -> GRPOResult:

@@ -96,7 +96,7 @@ def _start(cfg, run_dir: str | None) -> GRPOJob:
                             pad_token_id=pad, generation_batch_size=o.generation_batch_size,
                             steps_per_generation=o.steps_per_generation)
     step = GRPOStep(engine, rewards, settings, partial(decode, tokenizer), conversational=prompts.conversational)
-    _check_rollout_steps(cfg, mu_steps=o.num_iterations * step.steps_per_rollout)
+    _check_rollout_steps(cfg, step.updates_per_rollout)
     out = Path(run_dir or t.run_dir)
     if not cfg.comm.report_dir:  # hang reports land next to the metrics
         cfg.comm.report_dir = str(out)
@@ -106,17 +106,17 @@ def _start(cfg, run_dir: str | None) -> GRPOJob:
     return GRPOJob(engine, step, prompts, sampler, tokenizer, out, built.params)
 
 
-def _check_rollout_steps(cfg, mu_steps: int) -> None:
-    """Every rank, once the batch is known: the step counts that cut the run are whole rollout batches of
-    num_iterations x generation_batch_size / train_batch_size optimizer steps."""
-    if mu_steps == cfg.objective.num_iterations:  # checked with the config, before the model was built
+def _check_rollout_steps(cfg, updates: int) -> None:
+    """Every rank, once the batch is known: the saves fall between rollout batches of num_iterations x
+    generation_batch_size / train_batch_size optimizer steps (the run's steps: `train_grpo`)."""
+    if updates == cfg.objective.num_iterations:  # checked with the config, before the model was built
         return
-    for key, value in (("trainer.steps", cfg.trainer.steps), ("checkpoint.save_every", cfg.checkpoint.save_every),
+    for key, value in (("checkpoint.save_every", cfg.checkpoint.save_every),
                        ("trainer.save_pretrained_every", cfg.trainer.save_pretrained_every)):
-        if value % mu_steps:
-            raise ConfigError(f"{key} = {value} is not a multiple of the {mu_steps} optimizer steps of a rollout "
+        if value % updates:
+            raise ConfigError(f"{key} = {value} is not a multiple of the {updates} optimizer steps of a rollout "
                               f"batch (objective.num_iterations x generation_batch_size / train_batch_size): the "
-                              f"job stops and saves between rollout batches; set {key} to a multiple of {mu_steps}")
+                              f"job saves between rollout batches; set {key} to a multiple of {updates}")
 
 
 def _prompts_per_rank(engine, generations: int) -> int:
@@ -167,18 +167,13 @@ def _rollout_batch(job: GRPOJob, last: int) -> tuple[dict, list[dict]]:
            "comm": stats, "epoch": epoch, "samples": indices, **result.metrics,
            "rollouts": [{"prompt": _shown(job.prompts.prompts[r["prompt"]]), "completion": r["text"],
                          "reward": r["reward"]} for r in records[::generations][:SAMPLES_IN_ROW]]}
-    every, step, mu = engine.config.steps_per_print, engine.global_steps, _updates(job)
+    every, step, mu = engine.config.steps_per_print, engine.global_steps, job.step.updates_per_rollout
     if step == last or step // every != (step - mu) // every:
         per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
         row["state_bytes_per_rank"] = [state for state, _ in per_rank]
         row["peak_rss_per_rank"] = [rss for _, rss in per_rank]
         engine.comm_stats(reset=True)
     return row, records
-
-
-def _updates(job: GRPOJob) -> int:
-    """Optimizer steps per rollout batch: num_iterations passes over its steps_per_generation / accumulation."""
-    return job.step.settings.num_iterations * job.step.steps_per_rollout
 
 
 def decode(tokenizer, ids: list[int]) -> str:
@@ -222,7 +217,7 @@ def train_grpo(cfg, run_dir: str | None, steps: int, save_pretrained: str | None
         raise ConfigError(f"the run's steps ({steps}) are not a multiple of objective.num_iterations = {mu}: each "
                           f"rollout batch is {mu} optimizer steps; give a multiple of {mu}")
     job = _start(cfg, run_dir)
-    engine, out, mu = job.engine, job.out, _updates(job)
+    engine, out, mu = job.engine, job.out, job.step.updates_per_rollout
     if steps % mu:
         raise ConfigError(f"the run's steps ({steps}) are not a multiple of a rollout batch's {mu} optimizer steps "
                           f"(objective.num_iterations x generation_batch_size / train_batch_size); give a multiple "
