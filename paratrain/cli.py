@@ -97,8 +97,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from paratrain.planner.search import without_cycle_collection
 
-    # the whole command, not the search alone: the collection the search's end would set off (~0.15 s over its
-    # live tuples) is never needed by a process that prints and exits
+    # the whole command, not the search alone: the collection the search's end would set off over its live tuples
+    # is never needed by a process that prints and exits
     with without_cycle_collection():
         from paratrain.planner.cli import run_plan
 

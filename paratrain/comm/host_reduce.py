@@ -1,14 +1,14 @@
 """Small all-reduces and all-gathers of one host's ranks through a shared mapping, for token-by-token decoding.
 
 A tensor-parallel decode makes two all-reduces per layer per token, each of a few kilobytes. On gloo every one is
-a round trip through the loopback stack and the backend's threads, about a millisecond on a 2-core machine —
-more than the arithmetic of a small model, so a tp2 rollout ran at 0.42x of one process's `generate`. When every
-rank of the axis is on one host, the ranks can instead meet in shared memory (DeepSpeed's CPU inference does the
-same): each writes its tensor into its own slot and then raises its flag to the call's number, waits until every
-flag has reached it, and sums the slots in rank order (or, for a gather, reads them in order), so every rank
-computes the same sum. Two sets of slots, used by odd and even calls, let a rank that has finished call n write
-call n + 1 while slower ranks still read call n; it cannot reach call n + 2 before every rank has raised its flag
-for n + 1, which each does only after reading call n.
+a round trip through the loopback stack and the backend's threads, more than a millisecond on a 2-core machine —
+more than the arithmetic of a small model (docs/benchmarks.md, "rollout": a tp2 rollout batch went from 657 to
+191 ms with this path and the one-position logits). When every rank of the axis is on one host, the ranks can
+instead meet in shared memory (DeepSpeed's CPU inference does the same): each writes its tensor into its own slot
+and then raises its flag to the call's number, waits until every flag has reached it, and sums the slots in rank
+order (or, for a gather, reads them in order), so every rank computes the same sum. Two sets of slots, used by odd
+and even calls, let a rank that has finished call n write call n + 1 while slower ranks still read call n; it
+cannot reach call n + 2 before every rank has raised its flag for n + 1, which each does only after reading call n.
 
 Exactness: for two ranks a + b is gloo's sum bit for bit (addition commutes); for more, rank order may round
 differently from gloo's ring, within the floats' last bits.

@@ -372,8 +372,8 @@ def plan(shape: ModelShape, gpus: int, global_batch: int, hw: Hardware, space: S
 @contextlib.contextmanager
 def without_cycle_collection():
     """The search keeps a few hundred thousand small tuples alive (candidates, cached parts, fitting records) and
-    makes no reference cycles; Python's cycle collector would walk all of them again and again as they pile up
-    (about 40% of a 1,024-GPU search's time). Off for the search, back as it was after."""
+    makes no reference cycles; Python's cycle collector would walk all of them again and again as they pile up.
+    Off for the search, back as it was after."""
     enabled = gc.isenabled()
     gc.disable()
     try:
