@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -127,11 +128,41 @@ def _agree_on_tag(tag: str, world, policy: str) -> str:
     return tags[0]
 
 
+@dataclass
+class StagedSave:
+    """One rank's part of a save, taken at the call: what it writes and what the manifest needs from it. With
+    `copy` the tensors are this rank's own copies in host memory, so training may go on while they are written."""
+
+    target: CheckpointTarget
+    directory: Path
+    tag: str
+    tensors: list[tuple[str, torch.Tensor]]
+    summary: dict
+    save_latest: bool
+    frozen: dict | None
+
+    @property
+    def partial(self) -> Path:
+        return self.directory / (self.tag + PARTIAL_SUFFIX)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
 def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> Path:
     """Write a complete checkpoint of `target` to `save_dir/tag` (collective over every rank). Frozen
     parameters are left out with `exclude_frozen_parameters` (load such a checkpoint with
     load_module_strict=False)."""
+    staged = stage_save(target, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, copy=False)
+    return write_staged(staged, target.mesh.world)
+
+
+def stage_save(target: CheckpointTarget, save_dir, tag: str, client_state, save_latest: bool,
+               exclude_frozen_parameters: bool, copy: bool) -> StagedSave:
+    """Everything a save reads from the live objects (collective over every rank; raises the same error on every
+    rank before anything is written). `copy`: the tensors are copied to host memory (an asynchronous save)."""
     mesh, world = target.mesh, target.mesh.world
     tag = _agree_on_tag(check_tag(tag), world, target.config.checkpoint.tag_validation)
     try:
@@ -141,15 +172,9 @@ def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=N
     except CheckpointError as exc:
         raise CheckpointError(f"saving checkpoint '{tag}' in '{save_dir}' refused, nothing was written: "
                               f"{exc}") from None
-    directory = Path(save_dir)
-    partial = directory / (tag + PARTIAL_SUFFIX)
-    if mesh.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save of the same tag
-        partial.mkdir()
-    comm.barrier(world)
-    file = rank_file(mesh.rank)
-    summary: dict = {"rank": mesh.rank, "error": None}
+    file, error = rank_file(mesh.rank), None
+    summary: dict = {"rank": mesh.rank, "file": file, "coords": dict(mesh.coords)}
+    tensors: list = []
     try:
         tensors, info = _collect(target.optimizer, file, pieces, owned)
         extra: dict[str, torch.Tensor] = {}  # the tensors inside states and client state
@@ -158,25 +183,49 @@ def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=N
             summary["states"] = _encode_states(target.states, extra, "state")
             summary["client_state"] = encode_state(client_state if client_state is not None else {}, extra,
                                                    "client", "client_state")
-        record = write_safetensors(partial / file, tensors + list(extra.items()))
-        summary.update(info, file=file, record=record, coords=dict(mesh.coords))
+        summary.update(info)
+        tensors += list(extra.items())
+    except CheckpointError as exc:
+        error = f"rank {mesh.rank}: {exc}"
+    error = next((e for e in comm.all_gather_object(error, world, tag="checkpoint") if e), None)
+    if error:
+        raise CheckpointError(f"saving checkpoint '{tag}' in '{save_dir}' refused, nothing was written: {error}")
+    if copy:  # this rank's own copy: the optimizer may change the live tensors while the copy is written
+        tensors = [(key, t.detach().to("cpu", copy=True)) for key, t in tensors]
+    staged = StagedSave(target, Path(save_dir), tag, tensors, summary, save_latest, frozen)
+    if mesh.rank == 0:
+        staged.directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staged.partial, ignore_errors=True)  # left by an interrupted save of the same tag
+        staged.partial.mkdir()
+    comm.barrier(world)
+    return staged
+
+
+def write_staged(staged: StagedSave, axis) -> Path:
+    """Write a staged save: every rank its file, then rank 0 the manifest, the rename and `latest` (collective over
+    `axis`, every rank: the world's, or an asynchronous save's own group). A failure anywhere removes the partial
+    directory and raises on every rank."""
+    target, directory, tag = staged.target, staged.directory, staged.tag
+    summary = dict(staged.summary, error=None)
+    try:
+        summary["record"] = write_safetensors(staged.partial / summary["file"], staged.tensors)
         if os.environ.get(PAUSE_ENV):
             time.sleep(float(os.environ[PAUSE_ENV]))
     except (CheckpointError, OSError) as exc:
-        summary["error"] = f"rank {mesh.rank}: {exc}"
-    everyone = comm.all_gather_object(summary, world, tag="checkpoint")
+        summary["error"] = f"rank {target.mesh.rank}: {exc}"
+    everyone = comm.all_gather_object(summary, axis, tag="checkpoint")
     error = next((s["error"] for s in everyone if s["error"]), None)
-    if error is None and mesh.rank == 0:
+    if error is None and target.mesh.rank == 0:
         try:
-            _publish(target, directory, tag, partial, everyone, save_latest, frozen)
+            _publish(target, directory, tag, staged.partial, everyone, staged.save_latest, staged.frozen)
         except (CheckpointError, OSError) as exc:
             error = f"rank 0: {exc}"
-    error = comm.all_gather_object(error, world, tag="checkpoint")[0] or error
+    error = comm.all_gather_object(error, axis, tag="checkpoint")[0] or error
     if error:
-        if mesh.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+        if target.mesh.rank == 0:
+            shutil.rmtree(staged.partial, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint '{tag}' in '{directory}' failed: {error}")
-    if mesh.rank == 0:
+    if target.mesh.rank == 0:
         log.info("saved checkpoint %s", directory / tag)
     return directory / tag
 

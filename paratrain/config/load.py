@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, BaseModel, ValidationError
 
 from paratrain.config.auto import refuse_auto_values
 from paratrain.config.errors import ConfigError
@@ -50,8 +50,17 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _field_names(model: type[BaseModel]) -> dict[str, str]:
+    """Every key a section accepts (its fields' names and their other accepted names) -> the field's name."""
+    names = {name: name for name in model.model_fields}
+    for name, field in model.model_fields.items():
+        choices = field.validation_alias.choices if isinstance(field.validation_alias, AliasChoices) else []
+        names.update({choice: name for choice in choices if isinstance(choice, str)})
+    return names
+
+
 def _check_keys(raw: dict, model: type[BaseModel], prefix: str) -> None:
-    names = set(model.model_fields)
+    names = _field_names(model)
     for key, value in raw.items():
         path = f"{prefix}{key}"
         if key not in names:
@@ -66,7 +75,7 @@ def _check_keys(raw: dict, model: type[BaseModel], prefix: str) -> None:
             hint = f"did you mean '{prefix}{close[0]}'?" if close else \
                 f"known keys here: {', '.join(sorted(names))}"
             raise ConfigError(f"unknown config key '{path}'; {hint}")
-        sub = _model_of(model.model_fields[key].annotation)
+        sub = _model_of(model.model_fields[names[key]].annotation)
         if sub is not None and isinstance(value, dict):
             _check_keys(value, sub, f"{path}.")
 

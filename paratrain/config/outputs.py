@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from paratrain.config.section import Section
 from paratrain.errors import InvalidValueError
@@ -89,6 +89,11 @@ class CheckpointConfig(Section):
     """The checkpoints the engine saves by itself (save_every, the trainer's) leave the frozen parameters out
     (DeepSpeed's save_checkpoint argument): a LoRA run stores its adapters and their state, not the base; a
     fingerprint of the base is kept, and resuming on a different base is refused."""
+    async_save: bool = Field(False, validation_alias=AliasChoices("async_save", "async"))
+    """Every save the engine makes stalls training only while each rank copies its share to host memory; a thread
+    writes the copy on a process group of its own, one save in flight, committed by rename as a synchronous save
+    (also accepted as `async`). Costs a second host copy of the rank's share until it is written; the next save, a
+    load and the end of the job wait for it (docs/checkpoints.md)."""
     load_module_strict: bool = True
     """DeepSpeed's load_checkpoint argument, for auto_resume: false keeps the model's own values of the tensors the
     checkpoint lacks (a checkpoint saved without its frozen base, resumed on another base) and ignores the

@@ -5,12 +5,15 @@ optimizer, the counters, the scheduler, the loss scaler, the random generators),
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
 from paratrain.checkpoint.adapters import Merger, merge_plan, save_adapter
+from paratrain.checkpoint.async_save import CheckpointWriter, writer_axis
 from paratrain.checkpoint.pretrained import save_pretrained
+from paratrain.checkpoint.save import stage_save
 from paratrain.engine.train_state import RandomState, TrainState
 from paratrain.engine.update import OptimizerUpdate
 from paratrain.layout.mesh import Mesh
@@ -30,6 +33,10 @@ class Checkpoints:
         self.states = {name: state for name, state in states.items() if state is not None}
         self.random_state, self.model_config, self.update = random_state, model_config, update
         self.merge_peak_bytes = 0
+        # checkpoint.async_save: the writes' own process group, built now (collective) on every rank
+        self.writer = CheckpointWriter(writer_axis(mesh, config.comm.timeout_s)) if self.settings.async_save else None
+        self.saves: list[dict] = []  # every save of this engine: tag, step, async, stall_s, write_s, staged_bytes
+        self._stall_shown = self._write_shown = 0  # the saves whose stall / write time take_timings has handed out
 
     @property
     def train_state(self) -> TrainState:
@@ -52,7 +59,40 @@ class Checkpoints:
                                   f"call it after the step that ends the window")
         tag = tag if tag is not None else f"global_step{state.global_steps}"
         self.update.check_nonfinite()  # never write parameters a NaN/inf step reached
-        save_checkpoint(self.target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        record = {"tag": tag, "step": state.global_steps, "async": self.writer is not None, "stall_s": None,
+                  "write_s": None}
+        start = time.perf_counter()
+        if self.writer is None:
+            save_checkpoint(self.target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            record["stall_s"] = record["write_s"] = time.perf_counter() - start
+        else:
+            self.writer.wait()  # one save in flight: the previous one is complete (or its error raised) first
+            staged = stage_save(self.target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                                copy=True)
+            record["staged_bytes"] = staged.bytes
+            self.writer.submit(staged, record)
+            record["stall_s"] = time.perf_counter() - start
+        self.saves.append(record)
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any, and raise its error."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def take_timings(self) -> dict[str, float]:
+        """Once each: the newest save's stall (the call until training goes on) and the newest finished write (the
+        rank files to `latest`; an asynchronous save's once its thread is done), as checkpoint/stall_s and
+        checkpoint/write_s."""
+        out = {}
+        fresh = self.saves[self._stall_shown:]
+        if fresh:
+            out["checkpoint/stall_s"] = fresh[-1]["stall_s"]
+            self._stall_shown = len(self.saves)
+        written = [i for i, r in enumerate(self.saves) if i >= self._write_shown and r["write_s"] is not None]
+        if written:
+            out["checkpoint/write_s"] = self.saves[written[-1]]["write_s"]
+            self._write_shown = written[-1] + 1
+        return out
 
     def load(self, load_dir, tag, load_module_strict: bool, load_optimizer_states: bool,
              load_lr_scheduler_states: bool, load_module_only: bool):

@@ -370,6 +370,22 @@ class Engine(DeepSpeedEngineAPI):
         self._checkpoints.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True
 
+    def wait_for_checkpoint(self) -> None:
+        """With checkpoint.async_save: block until the save in flight is written and `latest` names it, and raise
+        its error (every rank). Loads, the next save and `destroy` wait by themselves."""
+        self._checkpoints.wait()
+
+    def checkpoint_timings(self) -> dict[str, float]:
+        """Since the last call: the last save's stall (checkpoint/stall_s, the call until training goes on) and its
+        write time (checkpoint/write_s; an asynchronous save's once written). Empty when neither is new."""
+        return self._checkpoints.take_timings()
+
+    @property
+    def checkpoint_saves(self) -> list[dict]:
+        """Every save this engine made: tag, step, async, stall_s, write_s (None while an asynchronous one is being
+        written) and, asynchronous, staged_bytes (this rank's host copy)."""
+        return [dict(r) for r in self._checkpoints.saves]
+
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Load a checkpoint saved under any layout (collective); returns (path, client_state), (None, None)
@@ -424,6 +440,7 @@ class Engine(DeepSpeedEngineAPI):
     def destroy(self) -> None:
         """Free the engine's process groups and close its monitors (the W&B / MLflow runs finish), as DeepSpeed's
         engine.destroy releases its resources. Collective: call on every rank; afterwards it cannot train."""
+        self._checkpoints.wait()  # an asynchronous save in flight uses a group the mesh is about to free
         self.monitor.close()
         if self.objective is not None:
             self.objective.destroy()

@@ -87,7 +87,8 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations
     if per_axis:
         parts = ", ".join(f"{axis} {_bytes(statistics.median(v))}" for axis, v in sorted(per_axis.items()))
         lines.append(f"- communication per step on rank 0 (median): {parts}")
-    for extra in (events, moe_summary(rows), data_summary(rows, summary), preference_summary([*evaluations, *rows]),
+    for extra in (events, checkpoint_summary(rows, summary), moe_summary(rows), data_summary(rows, summary),
+                  preference_summary([*evaluations, *rows]),
                   samples_summary([*evaluations, *rows]), grpo_summary(rows)):
         if extra:
             lines.append(extra)
@@ -207,6 +208,23 @@ def data_summary(rows: list[dict], summary: dict) -> str | None:
                  f"{train['skipped_untrainable']} skipped with nothing to train, {train['truncated']} truncated, "
                  f"{train['split']} split")
     return line
+
+
+def checkpoint_summary(rows: list[dict], summary: dict) -> str | None:
+    """The saves: how long training stalled for each (the call until the step went on) against the median step
+    without one, and how long writing took (an asynchronous save's, beside training)."""
+    stalls = [r["checkpoint/stall_s"] for r in rows if "checkpoint/stall_s" in r]
+    if not stalls:
+        return None
+    writes = [r["checkpoint/write_s"] for r in rows if "checkpoint/write_s" in r]
+    saved = {r["step"] for r in rows if "checkpoint/stall_s" in r}
+    plain = [r["step_time_s"] for r in rows if r["step"] not in saved]
+    kinds = {s.get("async") for s in summary.get("checkpoints", [])}
+    kind = {frozenset({True}): " (asynchronous)", frozenset({False}): " (synchronous)"}.get(frozenset(kinds), "")
+    stall = statistics.median(stalls)
+    share = f" ({stall / statistics.median(plain):.1%} of the median step without a save)" if plain else ""
+    written = f", written in {statistics.median(writes):.3f} s (median)" if writes else ""
+    return f"- checkpoints{kind}: {len(stalls)} saves, training stalled {stall * 1000:.1f} ms (median){share}{written}"
 
 
 def step_events(rows: list[dict], config: dict) -> dict[str, list[int]]:

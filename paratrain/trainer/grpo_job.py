@@ -167,6 +167,7 @@ def _rollout_batch(job: GRPOJob, last: int) -> tuple[dict, list[dict]]:
            "comm": stats, "epoch": epoch, "samples": indices, **result.metrics,
            "rollouts": [{"prompt": _shown(job.prompts.prompts[r["prompt"]]), "completion": r["text"],
                          "reward": r["reward"]} for r in records[::generations][:SAMPLES_IN_ROW]]}
+    row.update(engine.checkpoint_timings())  # checkpoint/stall_s when the rollout batch saved, write_s once written
     every, step, mu = engine.config.steps_per_print, engine.global_steps, job.step.updates_per_rollout
     if step == last or step // every != (step - mu) // every:
         per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
@@ -269,7 +270,7 @@ def _summary(job: GRPOJob, rows: list[dict], done: int, steps: int, wall_s: floa
                "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in new) if new else 0.0, "wall_s": wall_s,
                "world_size": engine.world_size, "layout": layout_label(engine.mesh.dims, cfg.zero_optimization.stage),
                "params": counts["trainable"] + counts["frozen"], "trainable_params": counts["trainable"],
-               "frozen_params": counts["frozen"], "run_dir": str(job.out),
+               "frozen_params": counts["frozen"], "checkpoints": engine.checkpoint_saves, "run_dir": str(job.out),
                "time_split_s": {k: statistics.median(r[k] for r in new) for k in SPLIT} if new else None}
     if engine.global_rank == 0:
         reward = f", reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}" if rows else ""

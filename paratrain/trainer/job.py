@@ -113,7 +113,7 @@ def _step(engine, loader: TimedLoader, evaluator: Evaluator | None, step: int, s
     padding = dataset.padding_fraction(samples) if hasattr(dataset, "padding_fraction") else None
     tic = time.perf_counter()
     loss = float(engine.train_batch(loader))
-    elapsed = time.perf_counter() - tic
+    elapsed = time.perf_counter() - tic  # a checkpoint's stall included, when the step saved one
     objective = engine.objective_metrics()  # rewards/accuracies, ... (TRL's names); empty for next-token loss
     stats = engine.comm_stats(reset=True)
     memory = engine.memory_stats()
@@ -124,6 +124,7 @@ def _step(engine, loader: TimedLoader, evaluator: Evaluator | None, step: int, s
     if padding is not None:
         row["padding_fraction"] = padding
     row.update(objective)
+    row.update(engine.checkpoint_timings())  # checkpoint/stall_s when this step saved, write_s once written
     routing = engine.moe_routing()  # MoE: the step's routing over dp x cp (every step reduces it: _run_steps)
     if routing is not None:
         row.update(routing.row())
@@ -194,7 +195,7 @@ def _train_rows(cfg, run_dir: str | None, steps: int, save_pretrained: str | Non
                "wall_s": total, "world_size": engine.world_size,
                "layout": layout_label(engine.mesh.dims, cfg.zero_optimization.stage),
                "params": counts["trainable"] + counts["frozen"], "trainable_params": counts["trainable"],
-               "frozen_params": counts["frozen"], "run_dir": str(out)}
+               "frozen_params": counts["frozen"], "checkpoints": engine.checkpoint_saves, "run_dir": str(out)}
     if "data" in model:  # the data section: what reading and tokenizing did, and the rows' padding
         summary |= {"data": model["data"], "padding_fraction": mean(r.get("padding_fraction") for r in rows),
                     "loader_wait_s": mean(r.get("loader_wait_s") for r in rows)}

@@ -51,6 +51,7 @@ def finish(engine, out: Path, steps: int, done: int) -> None:
     ck = engine.config.checkpoint
     if ck.dir and steps > done and not (ck.save_every and steps % ck.save_every == 0):
         engine.save_checkpoint(ck.dir)
+    engine.wait_for_checkpoint()  # checkpoint.async_save: the run ends with its last checkpoint written
     timeline = engine.pipeline_timeline()  # collective; None without a pipeline
     if timeline is not None and engine.global_rank == 0:
         (out / "timeline.json").write_text(json.dumps(timeline))

@@ -55,9 +55,9 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _start(cwd: Path, **env) -> subprocess.Popen:
+def _start(cwd: Path, checkpoint: dict | None = None, **env) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
-    (cwd / "c.json").write_text(json.dumps(CONFIG))
+    (cwd / "c.json").write_text(json.dumps({**CONFIG, "checkpoint": {**CONFIG["checkpoint"], **(checkpoint or {})}}))
     (cwd / "corpus.txt").write_text(corpus_text())
     argv = [sys.executable, "-m", "paratrain.cli", "run", "--max-restarts", "2", "--nproc-per-node", "2",
             "--master-port", _free_port(), "-m", "paratrain.cli", "train", "--config", "c.json", "--run-dir", "out"]
@@ -159,8 +159,10 @@ def test_a_worker_killed_at_a_random_step_restarts_and_ends_equal(uninterrupted,
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), seed
 
 
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_latest(uninterrupted, tmp_path):
-    p = _start(tmp_path, PARATRAIN_TEST_SAVE_PAUSE_S="1.5")  # every rank sleeps after writing its part
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_latest(uninterrupted, tmp_path, async_save):
+    # every rank sleeps after writing its part (asynchronous: its writing thread, while training goes on)
+    p = _start(tmp_path, {"async": async_save}, PARATRAIN_TEST_SAVE_PAUSE_S="1.5")
     partial = tmp_path / "ck" / f"global_step{2 * EVERY}.partial"
     _wait_for(lambda: (partial / "rank00001.safetensors").is_file(), p)
     os.kill(_workers(p.pid)[0], signal.SIGKILL)  # rank 0, before it writes the manifest
@@ -171,10 +173,15 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_latest(uninterr
     log = _finish(p, tmp_path)
     assert f"(resumed at step {EVERY})" in log, log[-3000:]
     assert not partial.exists() and read_latest(tmp_path / "ck") == f"global_step{STEPS}"
-    assert _losses(tmp_path) == _losses(uninterrupted)
+    assert _losses(tmp_path) == _losses(uninterrupted)  # the copy written at step 3 was step 3's, bit for bit
     want = CheckpointReader(uninterrupted / "ck").model_state()
     got = CheckpointReader(tmp_path / "ck").model_state()
     assert all(torch.equal(got[k], want[k]) for k in want)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "checkpoint/stall_s" in r] == [EVERY, 2 * EVERY, 3 * EVERY]
+    saves = json.loads((tmp_path / "out" / "summary.json").read_text())["checkpoints"]  # the restarted attempt's
+    assert [(s["step"], s["async"]) for s in saves] == [(2 * EVERY, async_save), (3 * EVERY, async_save)]
+    assert all(s["write_s"] >= 1.5 for s in saves)  # the pause is inside the write, and the job waited for it
 
 
 def _gpt2_logits(sd: dict[str, torch.Tensor], cfg: dict, idx: torch.Tensor) -> torch.Tensor:

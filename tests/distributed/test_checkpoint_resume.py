@@ -9,6 +9,7 @@ loads, trains 3 steps and compares. Dropout is on, so the random-generator state
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 
@@ -40,9 +41,11 @@ def _resume(directory: str, cfg: dict, dropout: float) -> dict:
     engine, *_ = paratrain.initialize(model=tiny_gpt(dropout=dropout), config=cfg, training_data=data)
     first = [float(engine.train_batch()) for _ in range(3)]
     engine.save_checkpoint(directory, client_state={"epoch": 3, "ids": torch.arange(4)})
-    uninterrupted = [float(engine.train_batch()) for _ in range(3)]
+    uninterrupted = [float(engine.train_batch()) for _ in range(3)]  # an asynchronous save is written meanwhile
+    engine.wait_for_checkpoint()
     want = engine.full_state_dict()
     scale = engine.loss_scale()
+    saves = engine.checkpoint_saves
 
     torch.manual_seed(engine.global_rank + 100)
     resumed, *_ = paratrain.initialize(model=tiny_gpt(seed=3, dropout=dropout), config=cfg, training_data=data)
@@ -54,7 +57,7 @@ def _resume(directory: str, cfg: dict, dropout: float) -> dict:
     return {"first": first, "uninterrupted": uninterrupted, "resumed": again, "steps": steps_after_load,
             "path": path, "client": client, "scale": (scale, resumed.loss_scale()),
             "params_equal": all(torch.equal(got[k], want[k]) for k in want), "layout": engine.mesh.dims.describe(),
-            "lr": (engine.get_lr(), resumed.get_lr())}
+            "lr": (engine.get_lr(), resumed.get_lr()), "saves": saves}
 
 
 def _cases(root: str, configs: dict[str, dict]) -> dict:
@@ -73,11 +76,16 @@ def _check(results: list[dict], names) -> None:
             assert r["client"]["epoch"] == 3 and torch.equal(r["client"]["ids"], torch.arange(4)), name
             assert r["scale"][0] == r["scale"][1] and r["lr"][0] == r["lr"][1], name
             assert r["uninterrupted"][-1] < r["first"][0], name  # it trains
+            (save,) = r["saves"]
+            assert save["async"] == name.endswith("_async") and save["tag"] == "global_step3", (name, save)
+            assert save["stall_s"] > 0 and save["write_s"] > 0, (name, save)
 
 
 def test_exact_resume_ddp_and_every_zero_stage(world2, tmp_path):
     configs = {"ddp": _config(0), "zero1": _config(1), "zero2_bf16": _config(2, precision="bf16"),
                "zero3": _config(3, accumulation=1), "zero3_fp16": _config(3, precision="fp16"),
+               # checkpoint.async: the copy is written while the next steps change the live tensors
+               "zero3_async": _config(3, accumulation=1, checkpoint={"async": True}),
                "zero1_offload": {**_config(1), "zero_optimization": {"stage": 1,
                                                                      "offload_optimizer": {"device": "cpu"}}}}
     _check(world2.run(_cases, str(tmp_path), configs), configs)
@@ -110,13 +118,14 @@ def test_exact_resume_model_parallel_and_hybrid_layouts(world4, tmp_path):
                "tp4_bf16": _config(0, tp=4, precision="bf16"), "tp2_dp2_zero3": _config(3, tp=2),
                "pp2_dp2_zero1": _config(1, pp=2, accumulation=4),
                "pp2_tp2_1f1b": _config(0, pp=2, tp=2, accumulation=4),
-               "cp2_dp2_zero2": _config(2, cp=2), "cp2_tp2_sp": _config(1, cp=2, tp=2, sp=True)}
+               "cp2_dp2_zero2": _config(2, cp=2), "cp2_tp2_sp": _config(1, cp=2, tp=2, sp=True),
+               "pp2_tp2_zero1_async": _config(1, pp=2, tp=2, accumulation=4, checkpoint={"async": True})}
     results = world4.run(_cases, str(tmp_path), configs)
     _check(results, configs)
     assert {k: v["layout"] for k, v in results[0].items()} == {
         "tp2_dp2_ddp": "dp2 x tp2", "tp2_dp2_zero1_sp": "dp2 x tp2", "tp4_bf16": "tp4", "tp2_dp2_zero3": "dp2 x tp2",
         "pp2_dp2_zero1": "dp2 x pp2", "pp2_tp2_1f1b": "pp2 x tp2", "cp2_dp2_zero2": "dp2 x cp2",
-        "cp2_tp2_sp": "cp2 x tp2"}
+        "cp2_tp2_sp": "cp2 x tp2", "pp2_tp2_zero1_async": "pp2 x tp2"}
 
 
 def _snapshot(engine) -> dict:
@@ -141,8 +150,9 @@ def _differences(got, want, path: str = "") -> list[str]:
     return [] if got == want else [f"{path}: {got!r} != {want!r}"]
 
 
-def _auto(directory: str) -> dict:
-    cfg = _config(2, checkpoint={"dir": directory, "save_every": 2, "keep_last": 2, "auto_resume": True})
+def _auto(directory: str, async_save: bool) -> dict:
+    cfg = _config(2, checkpoint={"dir": directory, "save_every": 2, "keep_last": 2, "auto_resume": True,
+                                 "async": async_save})
     data = corpus_windows()
     engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=data)
     assert engine.auto_resumed is None
@@ -150,27 +160,36 @@ def _auto(directory: str) -> dict:
     saved = _snapshot(engine)  # what the checkpoint of step 6 holds
     losses.append(float(engine.train_batch()))  # step 7, never saved
     after_7 = _snapshot(engine)
+    engine.wait_for_checkpoint()  # as a job does at its end (asynchronous: step 6's save is written by now)
     resumed, *_ = paratrain.initialize(model=tiny_gpt(seed=2), config=cfg, training_data=data)  # a restart
     loaded = _snapshot(resumed)
     step_7_again = float(resumed.train_batch())  # the same batch, from the same state: the same step
     return {"losses": losses, "path": resumed.auto_resumed[0], "loaded": loaded["counters"],
             "loaded_vs_saved": _differences(loaded, saved), "step_7": (step_7_again, losses[6]),
             "again_vs_after_7": _differences(_snapshot(resumed), after_7),
-            "loaded_is_not_step_7": bool(_differences(loaded["params"], after_7["params"]))}
+            "loaded_is_not_step_7": bool(_differences(loaded["params"], after_7["params"])),
+            "saves": [(s["step"], s["async"]) for s in engine.checkpoint_saves]}
+
+
+def _auto_sync_and_async(root: str) -> dict:
+    return {mode: _auto(f"{root}/{mode}", mode == "async") for mode in ("sync", "async")}
 
 
 def test_engine_saves_every_n_steps_keeps_the_last_k_and_auto_resumes(world2, tmp_path):
-    for r in world2.run(_auto, str(tmp_path / "ck")):
-        # saved at steps 2, 4, 6; keep_last 2 deleted step 2's; the restart resumes at 6, not at the unsaved 7
-        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step4", "global_step6", "latest"]
-        assert (tmp_path / "ck" / "latest").read_text() == "global_step6\n"
-        assert r["path"].endswith("global_step6") and r["loaded_is_not_step_7"]
-        # what was loaded is what was saved: counters, lr and scheduler, every parameter, this rank's
-        # optimizer state (ZeRO-2 shards: exp_avg, exp_avg_sq, step), all bit for bit
-        assert r["loaded"] == {"global_steps": 6, "micro_steps": 12, "global_samples": 48, "skipped_steps": 0}
-        assert r["loaded_vs_saved"] == [], r["loaded_vs_saved"]
-        # and training on from it repeats step 7 exactly: the data position came back too
-        assert r["step_7"][0] == r["step_7"][1] and r["again_vs_after_7"] == [], r["again_vs_after_7"]
+    for both in world2.run(_auto_sync_and_async, str(tmp_path)):
+        for mode, r in both.items():
+            ck = tmp_path / mode
+            # saved at steps 2, 4, 6; keep_last 2 deleted step 2's; the restart resumes at 6, not at the unsaved 7
+            assert sorted(p.name for p in ck.iterdir()) == ["global_step4", "global_step6", "latest"], mode
+            assert (ck / "latest").read_text() == "global_step6\n"
+            assert r["path"].endswith("global_step6") and r["loaded_is_not_step_7"]
+            assert r["saves"] == [(2, mode == "async"), (4, mode == "async"), (6, mode == "async")]
+            # what was loaded is what was saved: counters, lr and scheduler, every parameter, this rank's
+            # optimizer state (ZeRO-2 shards: exp_avg, exp_avg_sq, step), all bit for bit
+            assert r["loaded"] == {"global_steps": 6, "micro_steps": 12, "global_samples": 48, "skipped_steps": 0}
+            assert r["loaded_vs_saved"] == [], (mode, r["loaded_vs_saved"])
+            # and training on from it repeats step 7 exactly: the data position came back too
+            assert r["step_7"][0] == r["step_7"][1] and r["again_vs_after_7"] == [], (mode, r["again_vs_after_7"])
 
 
 def _frozen(directory: str) -> dict:
@@ -206,3 +225,41 @@ def test_frozen_parameters_can_be_left_out(world2, tmp_path):
                                   f"tensor 'embed.pos.weight' is not the one"), r["strict"]
     assert "checkpoint.load_module_strict = false" in r["strict"]
     assert r["kept_own"] and r["rest_equal"] and r["resumed_at"] == 1
+
+
+def _failed_async_save(directory: str) -> dict:
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.checkpoint import save as save_module
+
+    cfg = _config(3, accumulation=1, checkpoint={"async": True})
+    engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=corpus_windows())
+    engine.train_batch()
+    engine.save_checkpoint(directory, tag="good")
+    write = save_module.write_safetensors
+    if engine.global_rank == 1:  # rank 1's disk fills up while its thread writes
+        save_module.write_safetensors = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        engine.save_checkpoint(directory, tag="bad")  # returns at once: the failure comes from the thread
+        engine.train_batch()
+        try:
+            engine.wait_for_checkpoint()
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+    finally:
+        save_module.write_safetensors = write
+    left = sorted(p.name for p in Path(directory).iterdir())
+    engine.save_checkpoint(directory, tag="after")  # the writer goes on after a failed save
+    engine.wait_for_checkpoint()
+    saves = [(s["tag"], s["write_s"] is not None) for s in engine.checkpoint_saves]
+    return {"error": error, "left": left, "saves": saves}
+
+
+def test_a_failed_asynchronous_save_raises_on_every_rank_and_leaves_the_last_complete_one(world2, tmp_path):
+    for r in world2.run(_failed_async_save, str(tmp_path)):
+        assert r["error"] is not None and "the asynchronous save of checkpoint 'bad' failed" in r["error"], r
+        assert "rank 1: [Errno 28] No space left on device" in r["error"], r
+        assert r["saves"] == [("good", True), ("bad", True), ("after", True)]
+        assert r["left"] == ["good", "latest"]  # at the failure: the partial directory removed, latest intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["after", "good", "latest"]  # no 'bad', no 'bad.partial'
+    assert (tmp_path / "latest").read_text() == "after\n"
