@@ -43,7 +43,7 @@ from paratrain.checkpoint.format import (
     write_manifest,
     write_safetensors,
 )
-from paratrain.checkpoint.pieces import HeldPiece, agree_on_pieces, model_pieces
+from paratrain.checkpoint.pieces import HeldPiece, check_pieces, describe, model_pieces, owns, placement_problem
 from paratrain.checkpoint.reshard import Piece, coverage_problem
 from paratrain.checkpoint.state import encode_state, group_options, scalar_entry
 from paratrain.checkpoint.target import CheckpointTarget
@@ -60,6 +60,7 @@ def _collect(optimizer, file: str, pieces: list[HeldPiece], owned: list[bool]) -
     manifest needs to know about them."""
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     tensors, info = [], {"tensors": {}, "pieces": {}, "scalars": {}, "groups": {}}
+    moments_of: dict[int, dict[str, torch.Tensor]] = {}
 
     def add(key: str, data: torch.Tensor, origin, start: int, end: int) -> None:
         # A piece that is a whole box keeps the box's shape (readable as is); a flat range stays 1-d.
@@ -75,10 +76,13 @@ def _collect(optimizer, file: str, pieces: list[HeldPiece], owned: list[bool]) -
                 add(piece.key, piece.data, origin, piece.start, piece.end)
             continue
         state = optimizer.state.get(piece.master, {})
-        moments = _moments(state, piece.master, optimizer)
-        group = info["groups"].setdefault(str(group_of[id(piece.master)]), {
-            "options": group_options(optimizer.param_groups[group_of[id(piece.master)]]), "params": []})
-        group["params"].append(origin.name)
+        if id(piece.master) not in moments_of:  # a master holds many pieces (ZeRO's flat buffers)
+            moments_of[id(piece.master)] = _moments(state, piece.master, optimizer)
+        moments = moments_of[id(piece.master)]
+        index = str(group_of[id(piece.master)])
+        if index not in info["groups"]:
+            info["groups"][index] = {"options": group_options(optimizer.param_groups[int(index)]), "params": []}
+        info["groups"][index]["params"].append(origin.name)
         if not keep:
             continue
         add(piece.key, piece.data, origin, piece.start, piece.end)
@@ -101,25 +105,12 @@ def _moments(state: dict, master: torch.Tensor, optimizer) -> dict[str, torch.Te
     return moments
 
 
-def _pieces_to_save(target: CheckpointTarget, exclude_frozen: bool) -> tuple[list[HeldPiece], list[bool]]:
-    """This rank's model pieces, agreed with every rank's and checked for consistency (collective; raises the
-    same error everywhere before anything is written) and which of them this rank writes."""
-    parallel = target.model
-    pieces = model_pieces(parallel)
-    if exclude_frozen:
-        pieces = [p for p in pieces if not p.frozen]
-    everyone, _ = agree_on_pieces(pieces, parallel, target.mesh)
-    mine = [d["owned"] for d in everyone if d["rank"] == target.mesh.rank]
-    return pieces, mine
-
-
 def _encode_states(states: dict, tensors: dict[str, torch.Tensor], prefix: str) -> dict:
     return {name: encode_state(obj.state_dict(), tensors, f"{prefix}/{name}", f"the state of '{name}'")
             for name, obj in states.items()}
 
 
-def _agree_on_tag(tag: str, world, policy: str) -> str:
-    tags = comm.all_gather_object(tag, world, tag="checkpoint")
+def _agreed_tag(tags: list[str], policy: str) -> str:
     if len(set(tags)) > 1 and policy != "Ignore":
         message = f"ranks passed different checkpoint tags to save_checkpoint: {sorted(set(tags))}"
         if policy == "Fail":
@@ -130,14 +121,18 @@ def _agree_on_tag(tag: str, world, policy: str) -> str:
 
 @dataclass
 class StagedSave:
-    """One rank's part of a save, taken at the call: what it writes and what the manifest needs from it. With
-    `copy` the tensors are this rank's own copies in host memory, so training may go on while they are written."""
+    """One rank's part of a save, taken at the call without a collective: what it writes, what the manifest needs
+    from it, its pieces' descriptions (checked against every rank's before anything is written) and the input
+    error it found, if any. With `copy` the tensors are this rank's own copies in host memory, so training may go
+    on while they are written."""
 
     target: CheckpointTarget
     directory: Path
     tag: str
     tensors: list[tuple[str, torch.Tensor]]
     summary: dict
+    described: list[dict]
+    problem: str | None  # this rank's: bad input (a tag, a state), or a piece located wrongly
     save_latest: bool
     frozen: dict | None
 
@@ -155,27 +150,27 @@ def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=N
     """Write a complete checkpoint of `target` to `save_dir/tag` (collective over every rank). Frozen
     parameters are left out with `exclude_frozen_parameters` (load such a checkpoint with
     load_module_strict=False)."""
-    staged = stage_save(target, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, copy=False)
+    # the base left out: what it was, so that resuming on another base is refused (checkpoint/fingerprint.py)
+    frozen = frozen_fingerprint(target.model, target.mesh) if exclude_frozen_parameters else None
+    staged = stage_save(target, save_dir, tag, client_state, save_latest, frozen, copy=False)
     return write_staged(staged, target.mesh.world)
 
 
 def stage_save(target: CheckpointTarget, save_dir, tag: str, client_state, save_latest: bool,
-               exclude_frozen_parameters: bool, copy: bool) -> StagedSave:
-    """Everything a save reads from the live objects (collective over every rank; raises the same error on every
-    rank before anything is written). `copy`: the tensors are copied to host memory (an asynchronous save)."""
-    mesh, world = target.mesh, target.mesh.world
-    tag = _agree_on_tag(check_tag(tag), world, target.config.checkpoint.tag_validation)
-    try:
-        pieces, owned = _pieces_to_save(target, exclude_frozen_parameters)
-        # the base left out: what it was, so that resuming on another base is refused (checkpoint/fingerprint.py)
-        frozen = {"fingerprint": frozen_fingerprint(target.model, mesh)} if exclude_frozen_parameters else None
-    except CheckpointError as exc:
-        raise CheckpointError(f"saving checkpoint '{tag}' in '{save_dir}' refused, nothing was written: "
-                              f"{exc}") from None
-    file, error = rank_file(mesh.rank), None
+               frozen_fingerprint: dict | None, copy: bool) -> StagedSave:
+    """Everything a save reads from the live objects, on this rank alone (no collective). `frozen_fingerprint`:
+    the base's (`fingerprint.py`) when the frozen parameters are left out, else None. `copy`: the tensors are
+    copied to host memory (an asynchronous save)."""
+    mesh, parallel = target.mesh, target.model
+    pieces = model_pieces(parallel)
+    if frozen_fingerprint is not None:
+        pieces = [p for p in pieces if not p.frozen]
+    owned = [owns(p.origin, p.copies, mesh) for p in pieces]
+    described = [describe(p, keep, mesh.rank) for p, keep in zip(pieces, owned)]
+    file, problem, tensors = rank_file(mesh.rank), placement_problem(pieces, parallel), []
     summary: dict = {"rank": mesh.rank, "file": file, "coords": dict(mesh.coords)}
-    tensors: list = []
     try:
+        check_tag(tag)
         tensors, info = _collect(target.optimizer, file, pieces, owned)
         extra: dict[str, torch.Tensor] = {}  # the tensors inside states and client state
         summary["rank_states"] = _encode_states(target.rank_states, extra, "rank_state")
@@ -186,26 +181,38 @@ def stage_save(target: CheckpointTarget, save_dir, tag: str, client_state, save_
         summary.update(info)
         tensors += list(extra.items())
     except CheckpointError as exc:
-        error = f"rank {mesh.rank}: {exc}"
-    error = next((e for e in comm.all_gather_object(error, world, tag="checkpoint") if e), None)
-    if error:
-        raise CheckpointError(f"saving checkpoint '{tag}' in '{save_dir}' refused, nothing was written: {error}")
+        problem, tensors = f"rank {mesh.rank}: {exc}", []
     if copy:  # this rank's own copy: the optimizer may change the live tensors while the copy is written
-        tensors = [(key, t.detach().to("cpu", copy=True)) for key, t in tensors]
-    staged = StagedSave(target, Path(save_dir), tag, tensors, summary, save_latest, frozen)
-    if mesh.rank == 0:
-        staged.directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staged.partial, ignore_errors=True)  # left by an interrupted save of the same tag
-        staged.partial.mkdir()
-    comm.barrier(world)
-    return staged
+        tensors = [(key, t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")) for key, t in tensors]
+    frozen = {"fingerprint": frozen_fingerprint} if frozen_fingerprint is not None else None
+    return StagedSave(target, Path(save_dir), str(tag), tensors, summary, described, problem, save_latest, frozen)
+
+
+def _agree(staged: StagedSave, axis) -> None:
+    """One gather over `axis`: every rank's tag, input problem and pieces; the same error on every rank, before
+    anything is written, when any is wrong. Sets the agreed tag."""
+    target = staged.target
+    gathered = comm.all_gather_object((staged.tag, staged.problem, staged.described), axis, tag="checkpoint")
+    problem = next((p for _, p, _ in gathered if p), None)
+    if problem is None:
+        problem = check_pieces([d for _, _, part in gathered for d in part], target.model.explain)
+    if problem:
+        raise CheckpointError(f"saving checkpoint '{staged.tag}' in '{staged.directory}' refused, nothing was "
+                              f"written: {problem}")
+    staged.tag = _agreed_tag([t for t, _, _ in gathered], target.config.checkpoint.tag_validation)
 
 
 def write_staged(staged: StagedSave, axis) -> Path:
-    """Write a staged save: every rank its file, then rank 0 the manifest, the rename and `latest` (collective over
-    `axis`, every rank: the world's, or an asynchronous save's own group). A failure anywhere removes the partial
-    directory and raises on every rank."""
+    """Check and write a staged save: every rank its file, then rank 0 the manifest, the rename and `latest`
+    (collective over `axis`, every rank: the world's, or an asynchronous save's own group). Bad input raises before
+    anything is written; a failure while writing removes the partial directory; either raises on every rank."""
+    _agree(staged, axis)
     target, directory, tag = staged.target, staged.directory, staged.tag
+    if target.mesh.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staged.partial, ignore_errors=True)  # left by an interrupted save of the same tag
+        staged.partial.mkdir()
+    comm.barrier(axis)
     summary = dict(staged.summary, error=None)
     try:
         summary["record"] = write_safetensors(staged.partial / summary["file"], staged.tensors)

@@ -8,10 +8,11 @@ optimizer's per-group options and per-parameter scalars (Adam's `step`) are JSON
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import MappingKey, keystr, tree_flatten_with_path, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map
 
 from paratrain.checkpoint.format import DTYPE_BY_NAME, DTYPE_NAMES, CheckpointError
 
@@ -35,22 +36,32 @@ def _is_tensor_ref(value: Any) -> bool:
 def encode_state(value: Any, tensors: dict[str, torch.Tensor], prefix: str, what: str) -> Any:
     """`value` as JSON, each tensor in it replaced by {"__tensor__": key} and put into `tensors` under a key
     starting with `prefix`; anything else that is not a JSON value is refused, naming where it is."""
-    leaves, spec = tree_flatten_with_path(value)
-    encoded = []
-    for path, leaf in leaves:
-        where = f"{what}{keystr(path)}"
-        if any(isinstance(k, MappingKey) and not isinstance(k.key, str) for k in path):
-            raise CheckpointError(f"{where} sits under a non-string key; checkpoints store dicts with string keys")
-        if isinstance(leaf, torch.Tensor):
-            key = f"{prefix}/{len(tensors)}"
-            tensors[key] = leaf.detach()
-            encoded.append({TENSOR_REF: key})
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            encoded.append(leaf)
-        else:
-            raise CheckpointError(f"{where} is a {type(leaf).__name__}, which cannot be stored in a checkpoint; use "
-                                  f"JSON values (dict, list, str, int, float, bool, None) and tensors")
-    return json_value(tree_unflatten(encoded, spec), what)
+    return json_value(_encode(value, tensors, prefix, what), what)
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _encode(value: Any, tensors: dict[str, torch.Tensor], prefix: str, where: str) -> Any:
+    """One walk (a state's long lists of numbers, Python's random state say, are its common case: one check)."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, torch.Tensor):
+        key = f"{prefix}/{len(tensors)}"
+        tensors[key] = value.detach()
+        return {TENSOR_REF: key}
+    if isinstance(value, Mapping):
+        bad = next((k for k in value if not isinstance(k, str)), None)
+        if bad is not None:
+            raise CheckpointError(f"{where}[{bad!r}] sits under a non-string key; checkpoints store dicts with "
+                                  f"string keys")
+        return {k: _encode(v, tensors, prefix, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, _SCALARS) for v in value):
+            return list(value)
+        return [_encode(v, tensors, prefix, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise CheckpointError(f"{where} is a {type(value).__name__}, which cannot be stored in a checkpoint; use JSON "
+                          f"values (dict, list, str, int, float, bool, None) and tensors")
 
 
 def decode_state(value: Any, read_tensor) -> Any:

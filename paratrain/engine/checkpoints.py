@@ -12,6 +12,7 @@ import torch
 from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
 from paratrain.checkpoint.adapters import Merger, merge_plan, save_adapter
 from paratrain.checkpoint.async_save import CheckpointWriter, writer_axis
+from paratrain.checkpoint.fingerprint import frozen_fingerprint
 from paratrain.checkpoint.pretrained import save_pretrained
 from paratrain.checkpoint.save import stage_save
 from paratrain.engine.train_state import RandomState, TrainState
@@ -36,6 +37,7 @@ class Checkpoints:
         # checkpoint.async_save: the writes' own process group, built now (collective) on every rank
         self.writer = CheckpointWriter(writer_axis(mesh, config.comm.timeout_s)) if self.settings.async_save else None
         self.saves: list[dict] = []  # every save of this engine: tag, step, async, stall_s, write_s, staged_bytes
+        self._fingerprint: dict | None = None  # the frozen base's, for asynchronous saves that leave it out
         self._stall_shown = self._write_shown = 0  # the saves whose stall / write time take_timings has handed out
 
     @property
@@ -67,12 +69,19 @@ class Checkpoints:
             record["stall_s"] = record["write_s"] = time.perf_counter() - start
         else:
             self.writer.wait()  # one save in flight: the previous one is complete (or its error raised) first
-            staged = stage_save(self.target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
-                                copy=True)
+            staged = stage_save(self.target(), save_dir, tag, client_state, save_latest,
+                                self._frozen_fingerprint() if exclude_frozen_parameters else None, copy=True)
             record["staged_bytes"] = staged.bytes
             self.writer.submit(staged, record)
             record["stall_s"] = time.perf_counter() - start
         self.saves.append(record)
+
+    def _frozen_fingerprint(self) -> dict:
+        """The frozen base's fingerprint (collective at the first save that leaves the base out: every rank makes
+        it), kept: frozen tensors do not change while the engine trains."""
+        if self._fingerprint is None:
+            self._fingerprint = frozen_fingerprint(self.parallel, self.mesh)
+        return self._fingerprint
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any, and raise its error."""

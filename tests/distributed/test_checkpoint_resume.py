@@ -235,6 +235,7 @@ def _failed_async_save(directory: str) -> dict:
     engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=corpus_windows())
     engine.train_batch()
     engine.save_checkpoint(directory, tag="good")
+    engine.wait_for_checkpoint()
     write = save_module.write_safetensors
     if engine.global_rank == 1:  # rank 1's disk fills up while its thread writes
         save_module.write_safetensors = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
@@ -263,3 +264,38 @@ def test_a_failed_asynchronous_save_raises_on_every_rank_and_leaves_the_last_com
         assert r["left"] == ["good", "latest"]  # at the failure: the partial directory removed, latest intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["after", "good", "latest"]  # no 'bad', no 'bad.partial'
     assert (tmp_path / "latest").read_text() == "after\n"
+
+
+def _refused_saves(directory: str) -> dict:
+    from paratrain.checkpoint import CheckpointError
+
+    out = {}
+    for mode in ("sync", "async"):
+        engine, *_ = paratrain.initialize(model=tiny_gpt(), config=_config(1, checkpoint={"async": mode == "async"}),
+                                          training_data=corpus_windows())
+        engine.train_batch()
+        rank = engine.global_rank
+        # rank 0 alone encodes client_state: a problem rank 0 alone sees must stop every rank
+        bad = {"client_state": ("a", {"f": print}), "tags": (f"t{rank}", None)}
+        for name, (tag, client_state) in bad.items():
+            engine.config.checkpoint.tag_validation = "Fail"
+            try:
+                engine.save_checkpoint(directory, tag, client_state=client_state)
+                engine.wait_for_checkpoint()  # asynchronous: the refusal comes from the writer, on every rank
+                out[f"{mode}/{name}"] = None
+            except CheckpointError as exc:
+                out[f"{mode}/{name}"] = str(exc)
+        engine.config.checkpoint.tag_validation = "Warn"
+        engine.save_checkpoint(directory, f"w{rank}_{mode}")  # ranks disagree: rank 0's tag, with a warning
+        engine.wait_for_checkpoint()
+        engine.destroy()
+    return out
+
+
+def test_bad_saves_are_refused_on_every_rank_before_anything_is_written(world2, tmp_path):
+    for r in world2.run(_refused_saves, str(tmp_path)):
+        for mode in ("sync", "async"):
+            assert "refused, nothing was written: rank 0: client_state['f'] is a builtin_function_or_method" in \
+                r[f"{mode}/client_state"], r
+            assert "ranks passed different checkpoint tags to save_checkpoint: ['t0', 't1']" in r[f"{mode}/tags"], r
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "w0_async", "w0_sync"]

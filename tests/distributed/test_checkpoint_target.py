@@ -116,9 +116,24 @@ def test_random_state_restores_per_rank_streams_only_into_the_same_position():
         assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(other.seed)))
 
 
-@pytest.mark.parametrize("bad", [{1: "int key"}, {"x": [object()]}])
-def test_states_that_are_not_json_and_tensors_are_refused_by_path(bad):
+@pytest.mark.parametrize("bad, where", [({1: "int key"}, r"the state of 'x'\[1\] sits under a non-string key"),
+                                        ({"x": [2, object()]}, r"the state of 'x'\['x'\]\[1\] is a object"),
+                                        ({"x": {"y": (1, {2})}}, r"the state of 'x'\['x'\]\['y'\]\[1\] is a set")])
+def test_states_that_are_not_json_and_tensors_are_refused_by_path(bad, where):
     from paratrain.checkpoint.state import encode_state
 
-    with pytest.raises(CheckpointError, match=r"the state of 'x'"):
+    with pytest.raises(CheckpointError, match=where):
         encode_state(bad, {}, "state/x", "the state of 'x'")
+
+
+def test_states_encode_to_json_with_their_tensors_beside():
+    from paratrain.checkpoint.state import decode_state, encode_state
+
+    tensors: dict = {}
+    state = {"a": (3, [1.5, None, "s"]), "t": torch.arange(3), "n": {"m": [torch.ones(2), True]}}
+    encoded = encode_state(state, tensors, "state/x", "x")
+    assert encoded == {"a": [3, [1.5, None, "s"]], "t": {"__tensor__": "state/x/0"},
+                       "n": {"m": [{"__tensor__": "state/x/1"}, True]}}
+    back = decode_state(encoded, tensors.__getitem__)
+    assert back["a"] == [3, [1.5, None, "s"]] and torch.equal(back["t"], torch.arange(3))
+    assert torch.equal(back["n"]["m"][0], torch.ones(2)) and back["n"]["m"][1] is True
