@@ -43,9 +43,16 @@ MATRIX_4 = [("llama", name) for name in ("zero1 r2", "zero2 r2", "zero3 r2", "ze
 MATRIX_8 = [("llama", "zero3 r2 tp2"), ("llama", "zero2 r2 tp2")]
 
 
+def _replica_sums(engine) -> dict:
+    """ZeRO-3: of the last step's flat shards, how many were summed over the replicas during the backward."""
+    sync = engine.grad_sync
+    return {"early": sync.early_replica_sums, "flats": len(sync._flats())} if hasattr(sync, "early_replica_sums") \
+        else {}
+
+
 def _run(matrix: list[tuple[str, str]]) -> list:
     return [run_layout(LAYOUTS[name], model_factory(family), RealRows("masked"), STEPS, keep_state=True,
-                       model_parameters=hf_param_groups) for family, name in matrix]
+                       model_parameters=hf_param_groups, inspect=_replica_sums) for family, name in matrix]
 
 
 def _check(per_rank: list[list], matrix: list[tuple[str, str]]) -> dict[str, object]:
@@ -60,10 +67,13 @@ def _check(per_rank: list[list], matrix: list[tuple[str, str]]) -> dict[str, obj
             assert all(norm > CLIP for norm in refs[family].grad_norms), family
         summary = summarize(compare(run, refs[family]))
         assert summary["passed"], (family, name, run.case, summary)
+        if "zero3" in name:  # the replicas' sums start during the backward: every shard's but the root's, which
+            # is reduced last (its inputs are token ids) and collected by the step
+            assert run.extra["early"] == run.extra["flats"] - 1 > 0, (name, run.extra)
         # the replicas hold the same shards: every rank ends with the same losses
         assert all(other[i].losses == run.losses for other in per_rank[1:]), name
         print(f"{family} {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
-              f"param {summary['param_err']:.1e}")
+              f"param {summary['param_err']:.1e} {run.extra}")
         runs[name] = run
     return runs
 

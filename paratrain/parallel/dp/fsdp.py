@@ -13,6 +13,8 @@ while the unit is in use. Per micro-step:
 A unit whose inputs need no gradient (the root: token ids) is staged at autograd's end-of-backward callback. No
 hook and no copy per parameter. Reductions are collected at the next backward or the step, overlapping what
 follows; the update touches only the shards. `reduce_at_boundary` keeps gradients staged through a window.
+Under HSDP (`replicate`), each shard the window's last backward collects is final, and its all-reduce over the
+replicas is launched then, beside the rest of the backward, rather than after it.
 
 [Note: the root is not freed after forward]
 The root's backward starts as soon as its forward ends (the loss), so freeing it would only regather it
@@ -30,6 +32,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+import paratrain.comm as comm
 from paratrain.data.nested import tensors_in
 from paratrain.errors import RunError
 from paratrain.layout.mesh import Axis
@@ -87,6 +90,9 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         self._first_in_window = True
         self._end_queued = False  # the end-of-backward callback is queued for the running backward
         self._missing: list[str] = []  # parameters the running window's last backward gave no gradient
+        self._boundary = True  # the running backward ends the window: the shards it collects are final
+        self._replica_sums: dict[int, comm.Handle] = {}  # HSDP: id(flat) -> its sum over the replicas, in flight
+        self.early_replica_sums = 0  # HSDP: of the last step's shards, how many were launched during the backward
 
     # ---- sharding (needs the param groups, so it happens with the optimizer) ---------------------
     def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
@@ -216,8 +222,19 @@ class FullyShardedDataParallel(ShardedState, GradSync):
             for flat, handle in zip(unit.flats, unit.reduce_handles):
                 handle.wait()
                 flat.collect()
+                self._launch_replica_sum(flat)
             unit.reduce_handles = []
         self._launched = []
+
+    def _launch_replica_sum(self, flat: FlatParam) -> None:
+        """HSDP: in the window's last backward a collected shard is final, so its all-reduce over the replicas
+        starts now and runs beside the rest of the backward (`finish_gradients` waits for it). An offloaded
+        shard is summed at the end, on the device."""
+        if self.replicate is None or not self._boundary:
+            return
+        grad = flat.master.ensure_grad()
+        if grad.device == self.offload.device:
+            self._replica_sums[id(flat)] = comm.all_reduce(grad, self.replicate, tag="grad", async_op=True)
 
     def prepare_backward(self, sync: bool) -> None:
         if self._backward_pending:
@@ -229,6 +246,7 @@ class FullyShardedDataParallel(ShardedState, GradSync):
                 for unit in self._all_units():
                     unit.staged = False
         self._reducing = sync or not self.reduce_at_boundary
+        self._boundary = sync  # after collecting the previous backward, whose shards were not final
         self._backward_pending = True
 
     @contextmanager
@@ -261,11 +279,16 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         self._backward_pending = False
 
     def finish_gradients(self) -> None:
+        self.early_replica_sums = len(self._replica_sums)  # launched while the backward ran; the rest from here
         if self._backward_pending:
             self._collect()  # also reduces what a window without a sync backward left staged
         for unit in self._all_units():
             unit.reshard()  # whatever a prefetch gathered but no backward used
-        self.sum_over_replicas([flat.master.ensure_grad() for flat in self._flats()], self.offload.device)
+        for handle in self._replica_sums.values():
+            handle.wait()
+        early, self._replica_sums = self._replica_sums, {}
+        self.sum_over_replicas([flat.master.ensure_grad() for flat in self._flats() if id(flat) not in early],
+                               self.offload.device)
 
     # ---- update -----------------------------------------------------------------------------------
     def _flats(self) -> list[FlatParam]:
