@@ -59,6 +59,14 @@ def _run_multinode(args: argparse.Namespace, target: str, target_args: list[str]
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.replica_groups and not _in_launched_world():  # a Lighthouse and R groups of N processes each
+        from paratrain.failure import report
+        from paratrain.launcher.replica_groups import launch_groups
+
+        try:
+            return launch_groups(args)
+        except Exception as exc:  # bad input (the config, torchft missing): said once, as train says it
+            return report(exc)
     if (args.nproc_per_node or 1) > 1 and not _in_launched_world():
         # Re-launch this very command under torchrun with N processes.
         from paratrain.launcher.run import launch, options_from_args
@@ -158,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="JSON config (DeepSpeed keys + parallel sections)")
     train.add_argument("--run-dir", default=None, help="output directory (default: trainer.run_dir)")
     train.add_argument("--steps", type=int, default=None, help="override trainer.steps")
+    train.add_argument("--replica-groups", dest="replica_groups", type=int, default=None,
+                       help="fault tolerance: R replica groups of --nproc-per-node processes on torchft, a failed "
+                            "group restarted and healed from a live one (docs/fault-tolerance.md)")
     add_launch_arguments(train, script=False)
     train.set_defaults(func=cmd_train)
 

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from paratrain.config.data import DataConfig
 from paratrain.config.errors import ConfigError
+from paratrain.config.fault_tolerance import FaultToleranceConfig
 from paratrain.config.objective import ObjectiveConfig
 from paratrain.config.outputs import (
     CheckpointConfig,
@@ -109,6 +110,7 @@ class Config(Section):
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
@@ -124,6 +126,28 @@ class Config(Section):
                                     "states inside groups of ranks and replicates across them, but "
                                     "zero_optimization.stage is 0 (DDP replicates everything already); set "
                                     "zero_optimization.stage to 1, 2 or 3, or remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _replica_groups(self) -> Config:
+        ft = self.fault_tolerance
+        if not ft.enabled:
+            return self
+        if self.zero_optimization.stage == 0:
+            raise InvalidValueError("fault_tolerance sums the replica groups' ZeRO gradient shards (HSDP across the "
+                                    "groups), but zero_optimization.stage is 0: set it to 1, 2 or 3")
+        if ft.min_replicas > ft.replica_groups:
+            raise InvalidValueError(f"fault_tolerance.min_replicas = {ft.min_replicas} is more than the "
+                                    f"{ft.replica_groups} replica groups: no step could ever commit; set it to at "
+                                    f"most fault_tolerance.replica_groups")
+        failure = ft.inject_failure
+        if failure is not None and failure.replica_group >= ft.replica_groups:
+            raise InvalidValueError(f"fault_tolerance.inject_failure.replica_group = {failure.replica_group}, but the "
+                                    f"groups are 0..{ft.replica_groups - 1}")
+        if self.pipeline.stages > 1:
+            raise InvalidValueError("fault_tolerance with pipeline.stages > 1 is not built: the groups' gradient sum "
+                                    "is hooked into the non-pipeline step; use tensor, context or data parallelism "
+                                    "inside each group")
         return self
 
     @model_validator(mode="after")

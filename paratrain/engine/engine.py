@@ -42,10 +42,12 @@ from paratrain.engine.deepspeed_api import DeepSpeedEngineAPI, check_eval_argume
 from paratrain.engine.evaluation import Evaluator
 from paratrain.engine.forward_pass import ForwardPass
 from paratrain.engine.generation import Generator
+from paratrain.engine.live_state import live_state, load_live_state
 from paratrain.engine.monitor import MonitorSettings, StepReporter, setup_logging
 from paratrain.engine.muon_setup import bind_muon, muon_param_groups
 from paratrain.engine.objective_step import ObjectiveStep
 from paratrain.engine.phases import Phases
+from paratrain.engine.replicas import ReplicaGroups, StepDiscarded
 from paratrain.engine.setup import (
     local_param_groups,
     make_loader,
@@ -130,6 +132,7 @@ class Engine(DeepSpeedEngineAPI):
         self._window = LossWindow(mesh.axis("dp_cp"), self.device, token_loss=config.loss.reduction == "token"
                                   and self.parallel.spec.loss_is_token_mean(self.module))
         self._window_loss: torch.Tensor | None = None  # the last window's global token mean
+        self.replica_groups: ReplicaGroups | None = None  # fault tolerance: `join_replica_groups`
         self._step_applied = False
         self._reporter = StepReporter(MonitorSettings.of(config), mesh.rank, self.module, mesh.axis("dp_cp"))
         self.monitor = self._reporter.monitor  # DeepSpeed's engine.monitor (write_events, enabled, close)
@@ -235,11 +238,20 @@ class Engine(DeepSpeedEngineAPI):
         loss's division by the global count (`engine/token_loss.py`)."""
         with self._phases.timed("comm_wait"):
             self.grad_sync.finish_gradients()
+            if self.replica_groups is not None:  # the other groups' gradients (engine/replicas.py)
+                self.replica_groups.sum(self.grad_sync.local_gradients())
         if self._window.token_weighted:  # the one count exchange of the step (engine/token_loss.py)
             extra = self.objective.take_metrics() if self.objective is not None else None
-            self._window_loss, grad_scale, self._objective_metrics = self._window.finish(extra)
+            self._window_loss, grad_scale, self._objective_metrics = self._window.finish(extra, self.replica_groups)
             self._reporter.record_loss(self._window_loss)
+        elif self.replica_groups is not None:
+            raise RunError("replica groups sum the step's token counts, but this step's losses were averaged "
+                           "(loss.reduction \"micro_batch\", or a loss paratrain cannot weight): feed token "
+                           "micro-batches with loss.reduction \"token\"")
         self._window.reset()
+        if self.replica_groups is not None and not self.replica_groups.commit():
+            self._discard_window()
+            raise StepDiscarded(f"step {self.train_state.global_steps + 1} was not committed by the replica groups")
         state = self.train_state
         update = self._update(self.lr_scheduler, self.gradient_clipping(), state.global_steps + 1, grad_scale)
         self._grad_norm = update.norm
@@ -250,6 +262,15 @@ class Engine(DeepSpeedEngineAPI):
             if self.global_rank == 0:
                 log.warning("step %d skipped: %s (skipped_steps=%d)", state.global_steps, update.skipped,
                             state.skipped_steps)
+
+    def _discard_window(self) -> None:
+        """A step the replica groups did not commit: its gradients zeroed and its micro-batches uncounted, as if
+        the window had not started (the boundary micro-batch is counted after the update, so not yet)."""
+        self.grad_sync.zero_grad()
+        state = self.train_state
+        state.micro_steps -= state.window_micro_steps
+        state.global_samples -= state.window_micro_steps * self.train_micro_batch_size_per_gpu() * self.mesh.size("dp")
+        state.window_micro_steps = 0
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Run one global batch (every micro-batch of this rank), step, and return the global mean loss."""
@@ -369,6 +390,19 @@ class Engine(DeepSpeedEngineAPI):
         `exclude_frozen_parameters` to the config's checkpoint.exclude_frozen_parameters."""
         self._checkpoints.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True
+
+    def join_replica_groups(self, groups: ReplicaGroups) -> None:
+        """Sum every step's gradients and token counts with the other replica groups, and apply a step only when
+        they commit it (else `StepDiscarded`); `engine/replicas.py`, docs/fault-tolerance.md."""
+        self.replica_groups = groups
+
+    def live_state(self) -> dict:
+        """This rank's whole training state, by reference, for a peer in the same layout (engine/live_state.py)."""
+        return live_state(self._checkpoints.target(), self._window.unit)
+
+    def load_live_state(self, state: dict) -> None:
+        """A peer's `live_state` into this rank: after it, this rank trains on as the peer would."""
+        self._window.unit = load_live_state(self._checkpoints.target(), state)
 
     def wait_for_checkpoint(self) -> None:
         """With checkpoint.async_save: block until the save in flight is written and `latest` names it, and raise

@@ -9,6 +9,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from paratrain.engine.replicas import StepDiscarded
 from paratrain.errors import RunError
 
 
@@ -37,6 +38,8 @@ class Phases:
         """An error raised here on one rank is published for the others."""
         try:
             yield
+        except StepDiscarded:  # every rank of the group discards the step together: nothing to tell the others
+            raise
         except Exception as exc:
             if self.guard is not None:
                 self.guard.publish_failure(exc)

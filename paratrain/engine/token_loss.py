@@ -105,14 +105,17 @@ class LossWindow:
     def token_weighted(self) -> bool:
         return self.micro_batches > 0
 
-    def finish(self, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def finish(self, extra: torch.Tensor | None = None, across=None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(the global mean loss, the factor the averaged gradients are multiplied by, `extra` summed over the
-        axis: an objective's metric sums ride in the same message); one all-reduce over the axis. Resets the
-        window."""
+        axis: an objective's metric sums ride in the same message); one all-reduce over the axis, and with replica
+        groups (`across`: `engine/replicas.py`) one sum over the groups. Resets the window."""
         both = torch.stack([self._sum, self._count])
         if extra is not None:
             both = torch.cat([both, extra.to(both.device, torch.float64)])
         comm.all_reduce(both, self.axis, tag="loss")
+        if across is not None:  # every group's whole sums: the count of every row the step trained on
+            across.sum([both])
         total, count = both[0], both[1].clamp(min=1.0)
         grad_scale = self.axis.size / (count * self.unit)  # a device tensor: the host never reads the count
         self._sum.zero_()

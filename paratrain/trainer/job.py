@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 import paratrain.comm as comm
 from paratrain.api import initialize, layout_label
 from paratrain.config import ConfigError, load_config
+from paratrain.config.fault_tolerance import GROUPS_ENV
 from paratrain.data import (
     TokenWindows,
     corpus_fingerprint,
@@ -45,6 +47,7 @@ from paratrain.trainer.inputs import (
 )
 from paratrain.trainer.metrics_writer import MetricsWriter
 from paratrain.trainer.objective_metrics import check_objective_job, eval_columns, metric_names, tracked
+from paratrain.trainer.replica_groups import train_replica_group
 from paratrain.trainer.run_outputs import (
     duration,
     finish,
@@ -145,10 +148,16 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     run_dir/summary.json on rank 0)."""
     install_excepthook()  # under a launcher an uncaught error is reported once for the job (paratrain.failure)
     cfg = load_config(config_source)
+    if os.environ.get(GROUPS_ENV):  # started by `paratrain train --replica-groups R`
+        cfg = load_config({**cfg.model_dump(mode="json", exclude_unset=True), "fault_tolerance": {
+            **cfg.fault_tolerance.model_dump(mode="json", exclude_unset=True), "enabled": True,
+            "replica_groups": int(os.environ[GROUPS_ENV])}})
     init_distributed(timeout=cfg.comm.timeout_s)
     steps, save_pretrained = steps or cfg.trainer.steps, save_pretrained or cfg.trainer.save_pretrained
     if cfg.objective.type == "grpo":  # online: prompts in, rollouts sampled each step (grpo_job.py)
         return train_grpo(cfg, run_dir, steps, save_pretrained)
+    if cfg.fault_tolerance.enabled:  # one replica group of several (replica_groups.py)
+        return train_replica_group(cfg, run_dir, steps)
     return _train_rows(cfg, run_dir, steps, save_pretrained)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import paratrain.comm as comm
-from paratrain.errors import Error
+from paratrain.errors import Error, RunError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Partition, Placement, Placements
 from paratrain.muon import MasterLayout, whole_parameter_layout
@@ -203,6 +203,12 @@ class GradSync(ABC):
     @abstractmethod
     def finish_gradients(self) -> None:
         """After the last backward of a window: complete every reduction; gradients are then averaged."""
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds after finish_gradients (its ZeRO shards), to be summed in place with
+        the same rank of other replica groups (fault tolerance: `engine.join_replica_groups`)."""
+        raise RunError(f"{type(self).__name__} does not expose its gradient shards for replica groups; use "
+                       f"zero_optimization.stage 1, 2 or 3")
 
     @abstractmethod
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:

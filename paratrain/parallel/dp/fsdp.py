@@ -297,6 +297,9 @@ class FullyShardedDataParallel(ShardedState, GradSync):
     def _frozen(self) -> list[FrozenShard]:
         return [f for u in self._all_units() for f in u.frozen]
 
+    def local_gradients(self) -> list[torch.Tensor]:
+        return [flat.master.ensure_grad() for flat in self._flats()]
+
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
         return [piece for flat in self._flats() for piece in flat.master.grad_pieces(self.held_placement)]
 

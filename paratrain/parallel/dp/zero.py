@@ -119,6 +119,9 @@ class ZeroDataParallel(GradSync):
         self.reducer.begin_backward(sync)
 
     # ---- update -----------------------------------------------------------------------------------
+    def local_gradients(self) -> list[torch.Tensor]:
+        return [master.ensure_grad() for master in self.masters]
+
     def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
         return [piece for master in self.masters for piece in master.grad_pieces(self.held_placement)]
 

@@ -1,0 +1,33 @@
+"""Replica groups, as the engine sees them: its gradient shards and the step's loss sums are summed with the same
+rank of the other groups, and the step commits only when every group can (fault tolerance,
+docs/fault-tolerance.md). The engine knows only this protocol; torchft lives in `paratrain.trainer.replica_groups`.
+
+The engine's part of a step with replica groups (`OptimizerUpdate` unchanged):
+  finish_gradients  the group's own reductions (reduce-scatter inside the group, HSDP's replicas inside it)
+  sum               the fp32 gradient shards over the groups (in place)
+  window.finish     the loss sum and the target count over the group, then over the groups: the global count
+  commit            the vote: False discards the step (gradients zeroed, nothing updated: `StepDiscarded`)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from paratrain.errors import Error
+
+
+class ReplicaGroups(Protocol):
+    def sum(self, tensors: list[torch.Tensor]) -> None:
+        """Sum every tensor, in place, over this rank's peers in the other replica groups of the step."""
+
+    def commit(self) -> bool:
+        """Whether the step may be applied: every group of the step reached this point without an error."""
+
+
+class StepDiscarded(Error, RuntimeError):
+    """The replica groups could not commit the step (a group failed during it): nothing was updated, the gradients
+    are zeroed, and the caller redoes the step with the groups that are left."""
+
+    exit_code = 1

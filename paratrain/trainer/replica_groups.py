@@ -1,0 +1,238 @@
+"""The job with replica groups on torchft (`fault_tolerance.enabled`; docs/fault-tolerance.md).
+
+[Note: exact, not lossy]
+Every step's global batch is R shards: shard j is what replica group j trains when all R groups are up (rows
+`DataParallelSampler` gives virtual data-parallel ranks j·dp .. j·dp + dp - 1 of R·dp). Each step starts with a
+torchft quorum; with P groups in it, the group of participating rank p trains the shards j with j mod P = p, one
+after another in one accumulation window. So every step trains on all R shards whoever is up, and the groups' sums
+(gradients, loss and token count: `engine/replicas.py`) are the whole global batch's. When a group dies during a
+step, the survivors' sum fails, the commit vote says no, nothing is applied (`StepDiscarded`), and they redo the
+step with the shards redistributed. A restarted group heals from a live peer's memory (`engine.live_state`: weights,
+optimizer state, counters, scheduler, random generators; the data position is the step) inside its first quorum
+and trains from that step on. The result differs from an uninterrupted run only in the order the shards' gradients
+are added (fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_STORE_ENV
+from paratrain.data.datasets import DataParallelSampler
+from paratrain.engine.replicas import StepDiscarded
+
+# Test-only: seconds every group sleeps after each committed step (a tiny model's steps outrun a group's restart).
+PAUSE_ENV = "PARATRAIN_TEST_STEP_PAUSE_S"
+
+
+class TorchftGroups:
+    """engine/replicas.py's protocol on a torchft Manager: one per rank; the ranks with the same index in every
+    group form torchft's managed gloo process group, and each group's rank 0 runs its ManagerServer."""
+
+    def __init__(self, engine, settings, group: int):
+        from torchft import Manager, ProcessGroupGloo
+
+        self.engine, self.settings, self.group = engine, settings, group
+        self.kill_in_sum = False  # fault_tolerance.inject_failure: SIGKILL this rank at the step's sum
+        self.healed_at_step: int | None = None
+        timeout = timedelta(seconds=settings.timeout_s)
+        lighthouse = settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ConfigError("fault_tolerance needs a Lighthouse: start the job with paratrain train "
+                              "--replica-groups R (it starts one), or set fault_tolerance.lighthouse")
+        try:
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=engine.live_state,
+                min_replica_size=settings.min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=settings.quorum_timeout_s), connect_timeout=timeout,
+                rank=engine.global_rank, world_size=engine.world_size, replica_id=f"replica{group}",
+                lighthouse_addr=lighthouse, init_sync=False)
+        except RuntimeError as exc:
+            raise ConfigError(f"fault_tolerance.lighthouse '{lighthouse}' did not answer within "
+                              f"fault_tolerance.timeout_s ({settings.timeout_s} s): {exc}; check the address, or "
+                              f"let paratrain train --replica-groups start one") from None
+
+    def meet_at_start(self) -> None:
+        """The first start of every group waits here for all of them (their ManagerServers heartbeat by now), so the
+        first quorum holds every group instead of whichever started first. A restarted group goes straight on."""
+        address = os.environ.get(START_STORE_ENV)
+        if not address or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or self.engine.global_rank:
+            return
+        from torch.distributed import TCPStore
+
+        host, port = address.rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.settings.quorum_timeout_s))
+        store.add("started", 1)
+        deadline = time.monotonic() + self.settings.quorum_timeout_s
+        while store.add("started", 0) < self.settings.replica_groups:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"only {store.add('started', 0)} of {self.settings.replica_groups} replica groups "
+                                  f"started within fault_tolerance.quorum_timeout_s "
+                                  f"({self.settings.quorum_timeout_s} s); see the other groups' logs")
+            time.sleep(0.05)
+
+    def _heal(self, state: dict) -> None:
+        self.engine.load_live_state(state)
+        self.healed_at_step = self.engine.global_steps
+
+    def quorum(self) -> tuple[int, int]:
+        """(this group's index among the step's groups, how many there are); heals this group when it is behind."""
+        self.manager.start_quorum()
+        return self.manager.participating_rank(), self.manager.num_participants()
+
+    def sum(self, tensors: list[torch.Tensor]) -> None:
+        if self.kill_in_sum:  # after this step's backward, before the groups meet: the survivors' sum fails
+            os.kill(os.getpid(), signal.SIGKILL)
+        from torch.distributed import ReduceOp
+
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            offset = 0
+            for t in same:
+                t.view(-1).copy_(flat[offset:offset + t.numel()])
+                offset += t.numel()
+
+    def commit(self) -> bool:
+        return self.manager.should_commit()
+
+
+class ShardRows:
+    """The rows of shard j of step s for this rank: virtual data-parallel rank j·dp + d of R·dp (see the note)."""
+
+    def __init__(self, loader, engine, groups: int):
+        if not hasattr(loader, "sampler"):
+            raise ConfigError("fault_tolerance needs rows it can index (data.streaming false, or the corpus)")
+        self.dataset, self.collate = loader.dataset, loader.collate_fn
+        self.groups, self.dp, self.dp_rank = groups, engine.mesh.dims.sample_parallel_size, engine.mesh.local_rank("dp")
+        self.micro, self.accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+        self.seed, self.shuffle = engine.config.seed, engine.config.data.shuffle
+
+    def batches(self, step: int, shards: list[int]):
+        for shard in shards:
+            sampler = DataParallelSampler(len(self.dataset), self.micro, self.groups * self.dp,
+                                          shard * self.dp + self.dp_rank, self.accumulation, self.seed, self.shuffle)
+            per_epoch = sampler.micro_batches_per_epoch // self.accumulation
+            epoch, within = divmod(step - 1, per_epoch)
+            sampler.load_state_dict({"epoch": epoch, "start": 0, "position": within * self.accumulation,
+                                     "seed": self.seed})
+            for _ in range(self.accumulation):
+                yield self.collate([self.dataset[i] for i in sampler.next_indices()])
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere 0)."""
+    try:
+        return time.time() - os.stat(f"/proc/{os.getpid()}").st_ctime
+    except OSError:
+        return 0.0
+
+
+def _group_config(cfg, group: int):
+    """Only group 0 writes checkpoints and the pretrained model: the groups hold the same state."""
+    if group != 0:
+        cfg.checkpoint.dir, cfg.checkpoint.save_every, cfg.trainer.save_pretrained = None, 0, None
+    cfg.checkpoint.auto_resume = False  # a restarted group heals from a live peer, not from disk
+    return cfg
+
+
+class _Recoveries:
+    """The failed steps and what followed, as the run's summary records them."""
+
+    def __init__(self, groups: int):
+        self.groups, self.records, self._open = groups, [], None
+
+    def failed(self, step: int, attempt_s: float, participants: int) -> None:
+        if self._open is None or self._open["step"] != step:
+            self._open = {"step": step, "participants_before": participants, "failed_at": time.time(),
+                          "failed_attempts_s": [], "lost_rows": 0}
+            self.records.append(self._open)
+        self._open["failed_attempts_s"].append(attempt_s)
+
+    def committed(self, step: int, attempt_s: float, participants: int, shards: int) -> None:
+        record = self._open
+        if record is None:
+            return
+        if record["step"] == step:  # the redone step: every shard trained, none lost
+            record.update(redo_s=attempt_s, participants_after=participants, shards_trained=shards,
+                          failed_step_extra_s=sum(record["failed_attempts_s"]) + attempt_s)
+        if participants == self.groups:  # the failed group is back
+            record.update(rejoined_at_step=step, degraded_s=time.time() - record["failed_at"])
+            self._open = None
+
+
+def train_replica_group(cfg, run_dir: str | None, steps: int) -> dict:
+    """This process's part of the job as replica group $PARATRAIN_REPLICA_GROUP (after init_distributed)."""
+    from paratrain.trainer.job import _start
+
+    started = time.time() - _process_age_s()
+    group = int(os.environ.get(GROUP_ENV, "0"))
+    ft = cfg.fault_tolerance
+    engine, loader, _, out, info = _start(_group_config(cfg, group), run_dir)  # the launcher's directory per group
+    replicas = TorchftGroups(engine, ft, group)
+    engine.join_replica_groups(replicas)
+    replicas.meet_at_start()
+    rows, recoveries, rejoin_s = _run_steps(engine, replicas, ShardRows(loader, engine, ft.replica_groups), steps,
+                                            out)
+    from paratrain.trainer.run_outputs import finish
+
+    finish(engine, out, engine.global_steps, 0)
+    heal = None if replicas.healed_at_step is None else {
+        "healed_at_step": replicas.healed_at_step, "process_start_to_rejoin_s": rejoin_s}
+    summary = {"steps": engine.global_steps, "replica_group": group, "replica_groups": ft.replica_groups,
+               "first_loss": rows[0]["loss"] if rows else None, "last_loss": rows[-1]["loss"] if rows else None,
+               "recoveries": recoveries, "healed": heal, "world_size": engine.world_size,
+               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "wall_s": time.time() - started,
+               "median_step_s": statistics.median(r["step_time_s"] for r in rows) if rows else None,
+               "params": info["params"], "run_dir": str(out)}
+    if engine.global_rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"replica group {group}: trained to step {summary['steps']}, loss {summary['first_loss']} -> "
+              f"{summary['last_loss']}, {len(recoveries)} recover(ies); run directory {out}", flush=True)
+    replicas.manager.shutdown(wait=False)
+    return summary
+
+
+def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, out: Path):
+    """Every step: quorum (and healing), this group's shards, the sums and the vote; redone until committed."""
+    ft, gas = engine.config.fault_tolerance, engine.gradient_accumulation_steps()
+    failure, restart = ft.inject_failure, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    recoveries, rows, rejoin_s = _Recoveries(ft.replica_groups), [], None
+    step_start = time.perf_counter()
+    while engine.global_steps < steps:
+        attempt = time.perf_counter()
+        index, participants = replicas.quorum()
+        if replicas.healed_at_step is not None and rejoin_s is None:
+            rejoin_s = _process_age_s()  # from the restarted process's start to its first quorum's end
+        step = engine.global_steps + 1
+        mine = [j for j in range(ft.replica_groups) if j % participants == index]
+        engine.set_accumulation(len(mine) * gas)
+        replicas.kill_in_sum = failure is not None and restart == 0 and failure.replica_group == replicas.group \
+            and failure.at_step == step and failure.rank == engine.global_rank
+        try:
+            loss = float(engine.train_batch(shards.batches(step, mine)))
+        except StepDiscarded:
+            recoveries.failed(step, time.perf_counter() - attempt, participants)
+            continue
+        recoveries.committed(step, time.perf_counter() - attempt, participants, ft.replica_groups)
+        if os.environ.get(PAUSE_ENV):  # tests: steps long enough for a killed group to come back meanwhile
+            time.sleep(float(os.environ[PAUSE_ENV]))
+        row = {"step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": engine.get_lr()[0],
+               "step_time_s": time.perf_counter() - step_start, "participants": participants, "shards": mine}
+        step_start = time.perf_counter()
+        rows.append(row)
+        if engine.global_rank == 0:  # this group's steps (a restarted group's file skips the ones it missed)
+            with open(out / "metrics.jsonl", "a") as metrics:
+                metrics.write(json.dumps(row) + "\n")
+    engine.set_accumulation(gas)
+    return rows, recoveries.records, rejoin_s
