@@ -49,13 +49,19 @@ class TorchftGroups:
         if not lighthouse:
             raise ConfigError("fault_tolerance needs a Lighthouse: start the job with paratrain train "
                               "--replica-groups R (it starts one), or set fault_tolerance.lighthouse")
+        store = {}
+        if "MASTER_ADDR" not in os.environ:  # one process, not launched: the group's store is its own
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": "127.0.0.1", "store_port": self._store.port}
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=engine.live_state,
                 min_replica_size=settings.min_replicas, use_async_quorum=False, timeout=timeout,
                 quorum_timeout=timedelta(seconds=settings.quorum_timeout_s), connect_timeout=timeout,
                 rank=engine.global_rank, world_size=engine.world_size, replica_id=f"replica{group}",
-                lighthouse_addr=lighthouse, init_sync=False)
+                lighthouse_addr=lighthouse, init_sync=False, **store)
         except RuntimeError as exc:
             raise ConfigError(f"fault_tolerance.lighthouse '{lighthouse}' did not answer within "
                               f"fault_tolerance.timeout_s ({settings.timeout_s} s): {exc}; check the address, or "
