@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from paratrain.errors import Error
+from paratrain.errors import RunError
 
 
 class ReplicaGroups(Protocol):
@@ -26,8 +26,6 @@ class ReplicaGroups(Protocol):
         """Whether the step may be applied: every group of the step reached this point without an error."""
 
 
-class StepDiscarded(Error, RuntimeError):
+class StepDiscarded(RunError):
     """The replica groups could not commit the step (a group failed during it): nothing was updated, the gradients
     are zeroed, and the caller redoes the step with the groups that are left."""
-
-    exit_code = 1

@@ -157,7 +157,7 @@ def train(config_source, run_dir: str | None = None, steps: int | None = None,
     if cfg.objective.type == "grpo":  # online: prompts in, rollouts sampled each step (grpo_job.py)
         return train_grpo(cfg, run_dir, steps, save_pretrained)
     if cfg.fault_tolerance.enabled:  # one replica group of several (replica_groups.py)
-        return train_replica_group(cfg, run_dir, steps)
+        return train_replica_group(cfg, run_dir, steps, _start)
     return _train_rows(cfg, run_dir, steps, save_pretrained)
 
 

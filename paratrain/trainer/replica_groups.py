@@ -29,6 +29,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_STORE_ENV
 from paratrain.data.datasets import DataParallelSampler
 from paratrain.engine.replicas import StepDiscarded
+from paratrain.trainer.run_outputs import finish
 
 # Test-only: seconds every group sleeps after each committed step (a tiny model's steps outrun a group's restart).
 PAUSE_ENV = "PARATRAIN_TEST_STEP_PAUSE_S"
@@ -177,21 +178,18 @@ class _Recoveries:
             self._open = None
 
 
-def train_replica_group(cfg, run_dir: str | None, steps: int) -> dict:
-    """This process's part of the job as replica group $PARATRAIN_REPLICA_GROUP (after init_distributed)."""
-    from paratrain.trainer.job import _start
-
+def train_replica_group(cfg, run_dir: str | None, steps: int, start) -> dict:
+    """This process's part of the job as replica group $PARATRAIN_REPLICA_GROUP (after init_distributed); `start`:
+    the job's (config, run directory) -> engine, loader, evaluator, run directory, model info."""
     started = time.time() - _process_age_s()
     group = int(os.environ.get(GROUP_ENV, "0"))
     ft = cfg.fault_tolerance
-    engine, loader, _, out, info = _start(_group_config(cfg, group), run_dir)  # the launcher's directory per group
+    engine, loader, _, out, info = start(_group_config(cfg, group), run_dir)  # the launcher's directory per group
     replicas = TorchftGroups(engine, ft, group)
     engine.join_replica_groups(replicas)
     replicas.meet_at_start()
     rows, recoveries, rejoin_s = _run_steps(engine, replicas, ShardRows(loader, engine, ft.replica_groups), steps,
                                             out)
-    from paratrain.trainer.run_outputs import finish
-
     finish(engine, out, engine.global_steps, 0)
     heal = None if replicas.healed_at_step is None else {
         "healed_at_step": replicas.healed_at_step, "process_start_to_rejoin_s": rejoin_s}
