@@ -124,6 +124,7 @@ class ShardRows:
         self.groups, self.dp, self.dp_rank = groups, engine.mesh.dims.sample_parallel_size, engine.mesh.local_rank("dp")
         self.micro, self.accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
         self.seed, self.shuffle = engine.config.seed, engine.config.data.shuffle
+        self.rows_per_shard = self.micro * self.dp * self.accumulation
 
     def batches(self, step: int, shards: list[int]):
         for shard in shards:
@@ -153,6 +154,16 @@ def _group_config(cfg, group: int):
     return cfg
 
 
+def shards_for(groups: int, participants: int, index: int) -> list[int]:
+    """The shards the group with participating rank `index` trains in a step of `participants` groups."""
+    return [j for j in range(groups) if j % participants == index]
+
+
+def shards_covered(groups: int, participants: int) -> set[int]:
+    """Every shard some group of the step trains (all of them: the failed groups' rows are not dropped)."""
+    return {j for index in range(participants) for j in shards_for(groups, participants, index)}
+
+
 class _Recoveries:
     """The failed steps and what followed, as the run's summary records them."""
 
@@ -162,16 +173,18 @@ class _Recoveries:
     def failed(self, step: int, attempt_s: float, participants: int) -> None:
         if self._open is None or self._open["step"] != step:
             self._open = {"step": step, "participants_before": participants, "failed_at": time.time(),
-                          "failed_attempts_s": [], "lost_rows": 0}
+                          "failed_attempts_s": []}
             self.records.append(self._open)
         self._open["failed_attempts_s"].append(attempt_s)
 
-    def committed(self, step: int, attempt_s: float, participants: int, shards: int) -> None:
+    def committed(self, step: int, attempt_s: float, participants: int, rows_per_shard: int) -> None:
         record = self._open
         if record is None:
             return
-        if record["step"] == step:  # the redone step: every shard trained, none lost
-            record.update(redo_s=attempt_s, participants_after=participants, shards_trained=shards,
+        if record["step"] == step:  # the redone step: the shards its quorum's groups covered
+            covered = len(shards_covered(self.groups, participants))
+            record.update(redo_s=attempt_s, participants_after=participants, shards_trained=covered,
+                          lost_rows=(self.groups - covered) * rows_per_shard,
                           failed_step_extra_s=sum(record["failed_attempts_s"]) + attempt_s)
         if participants == self.groups:  # the failed group is back
             record.update(rejoined_at_step=step, degraded_s=time.time() - record["failed_at"])
@@ -219,7 +232,7 @@ def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, o
         if replicas.healed_at_step is not None and rejoin_s is None:
             rejoin_s = _process_age_s()  # from the restarted process's start to its first quorum's end
         step = engine.global_steps + 1
-        mine = [j for j in range(ft.replica_groups) if j % participants == index]
+        mine = shards_for(ft.replica_groups, participants, index)
         engine.set_accumulation(len(mine) * gas)
         replicas.kill_in_sum = failure is not None and restart == 0 and failure.replica_group == replicas.group \
             and failure.at_step == step and failure.rank == engine.global_rank
@@ -228,7 +241,7 @@ def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, o
         except StepDiscarded:
             recoveries.failed(step, time.perf_counter() - attempt, participants)
             continue
-        recoveries.committed(step, time.perf_counter() - attempt, participants, ft.replica_groups)
+        recoveries.committed(step, time.perf_counter() - attempt, participants, shards.rows_per_shard)
         if os.environ.get(PAUSE_ENV):  # tests: steps long enough for a killed group to come back meanwhile
             time.sleep(float(os.environ[PAUSE_ENV]))
         row = {"step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": engine.get_lr()[0],

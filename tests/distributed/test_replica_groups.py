@@ -22,8 +22,9 @@ from paratrain.testing.compare import max_rel_diff
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, KILL_AT = 20, 5
-PAUSE_S = "0.25"  # every step sleeps this long after committing: the killed group's restart fits inside the run
+STEPS, KILL_AT = 24, 5
+# every step sleeps this long after committing, so the killed group's restart (3-4 s here) fits well inside the run
+PAUSE_S = "0.3"
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "seed": 3, "steps_per_print": 100,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.1}}, "gradient_clipping": 1.0,
         "checkpoint": {"dir": "ck"},
