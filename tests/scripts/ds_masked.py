@@ -10,6 +10,7 @@ global gradient norm and the final parameters' norm to --out.
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,14 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
+    if os.environ.get("PARATRAIN_TEST_USE_DEEPSPEED") == "1":
+        # DeepSpeed's CPU backend aborts now and then during interpreter teardown ("terminate called without an
+        # active exception", exit 250: seen in a clean-clone CI run after the results were written, as in
+        # ds_style.py); its teardown is not what this script compares, so that side leaves without one.
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
