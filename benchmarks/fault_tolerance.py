@@ -14,7 +14,8 @@ Both are timed by their median step, from step 3 on, alternating over the rounds
 
 Then the replica-groups job runs again with a rank of group 1 SIGKILLed in the middle of step 5
 (`fault_tolerance.inject_failure`), and its summaries give:
-- the survivors' extra time in the failed step (failed attempts + redo) against the heartbeat timeout plus one step;
+- the survivors' extra time in the failed step (failed attempts + redo, less a step without a failure) against the
+  heartbeat timeout plus one step;
 - the restarted group's time from its processes' start to its rejoining.
 
 Results: benchmarks/results/fault_tolerance.json; the docs' table is printed at the end. Nothing asserts a time.
@@ -82,6 +83,7 @@ def _recovery(work: Path) -> dict:
     plain = statistics.median(r["step_time_s"] for r in run["rows"][2:] if r["participants"] == 2)
     return {"recovery": {k: v for k, v in record.items() if k != "failed_at"}, "healed": healed,
             "median_step_s": plain, "heartbeat_timeout_s": FT["heartbeat_timeout_s"],
+            "failed_step_extra_s": record["failed_step_s"] - plain,
             "failed_step_bound_s": FT["heartbeat_timeout_s"] + plain, "rows": run["rows"]}
 
 
@@ -115,9 +117,10 @@ def table(out: dict) -> str:
         "| measure | result | target |", "|---|---:|---|",
         f"| steady step, replica groups / HSDP | {out['summary']['ratio']:.3f} ({groups * 1e3:.1f} vs {hsdp * 1e3:.1f}"
         f" ms; rounds {', '.join(f'{r:.3f}' for r in out['summary']['ratios'])}) | ≤ 1.05 |",
-        f"| survivors' extra time in the failed step | {rec['failed_step_extra_s']:.2f} s (failed attempt "
-        f"{sum(rec['failed_attempts_s']):.2f} s + redo {rec['redo_s']:.2f} s) | ≤ heartbeat {f['heartbeat_timeout_s']}"
-        f" s + one step {f['median_step_s']:.2f} s = {f['failed_step_bound_s']:.2f} s |",
+        f"| survivors' extra time in the failed step | {f['failed_step_extra_s']:.2f} s (the step took "
+        f"{rec['failed_step_s']:.2f} s: failed attempt {sum(rec['failed_attempts_s']):.2f} s + redo {rec['redo_s']:.2f}"
+        f" s, against {f['median_step_s']:.2f} s for a step without a failure) | ≤ heartbeat "
+        f"{f['heartbeat_timeout_s']} s + one step {f['median_step_s']:.2f} s = {f['failed_step_bound_s']:.2f} s |",
         f"| restarted group: process start to rejoining | {healed['process_start_to_rejoin_s']:.2f} s (healed at "
         f"step {healed['healed_at_step']}) | ≤ 10 s |",
         f"| steps trained by the survivors alone | {rec['rejoined_at_step'] - rec['step']} (rejoined at step "

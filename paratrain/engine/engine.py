@@ -239,7 +239,7 @@ class Engine(DeepSpeedEngineAPI, CheckpointAPI):
         with self._phases.timed("comm_wait"):
             self.grad_sync.finish_gradients()
             if self.replica_groups is not None:  # the other groups' gradients (engine/replicas.py)
-                self.replica_groups.sum(self.grad_sync.local_gradients())
+                self.replica_groups.sum_gradients(self.grad_sync.local_gradients())
         if self._window.token_weighted:  # the one count exchange of the step (engine/token_loss.py)
             extra = self.objective.take_metrics() if self.objective is not None else None
             self._window_loss, grad_scale, self._objective_metrics = self._window.finish(extra, self.replica_groups)

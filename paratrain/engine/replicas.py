@@ -4,8 +4,8 @@ docs/fault-tolerance.md). The engine knows only this protocol; torchft lives in 
 
 The engine's part of a step with replica groups (`OptimizerUpdate` unchanged):
   finish_gradients  the group's own reductions (reduce-scatter inside the group, HSDP's replicas inside it)
-  sum               the fp32 gradient shards over the groups (in place)
-  window.finish     the loss sum and the target count over the group, then over the groups: the global count
+  sum_gradients     the fp32 gradient shards over the groups (in place)
+  window.finish     the loss sum and the target count over the group, then over the groups (sum_counts)
   commit            the vote: False discards the step (gradients zeroed, nothing updated: `StepDiscarded`)
 """
 
@@ -19,8 +19,11 @@ from paratrain.errors import RunError
 
 
 class ReplicaGroups(Protocol):
-    def sum(self, tensors: list[torch.Tensor]) -> None:
-        """Sum every tensor, in place, over this rank's peers in the other replica groups of the step."""
+    def sum_gradients(self, tensors: list[torch.Tensor]) -> None:
+        """Sum this rank's gradient shards, in place, over its peers in the other replica groups of the step."""
+
+    def sum_counts(self, sums: torch.Tensor) -> None:
+        """Sum the step's loss sum, target count and metric sums (the group's, one vector) over the groups."""
 
     def commit(self) -> bool:
         """Whether the step may be applied: every group of the step reached this point without an error."""

@@ -115,7 +115,7 @@ class LossWindow:
             both = torch.cat([both, extra.to(both.device, torch.float64)])
         comm.all_reduce(both, self.axis, tag="loss")
         if across is not None:  # every group's whole sums: the count of every row the step trained on
-            across.sum([both])
+            across.sum_counts(both)
         total, count = both[0], both[1].clamp(min=1.0)
         grad_scale = self.axis.size / (count * self.unit)  # a device tensor: the host never reads the count
         self._sum.zero_()

@@ -44,6 +44,10 @@ class TorchftGroups:
 
         self.engine, self.settings, self.group = engine, settings, group
         self.kill_in_sum = False  # fault_tolerance.inject_failure: SIGKILL this rank at the step's sum
+        # this group's own part of the attempt in flight (gradient shards, loss sums), taken before the groups' sum,
+        # and the part of a failed attempt the redo adds instead of training those shards again
+        self.kept: list[list[torch.Tensor] | None] = [None, None]
+        self.carry: list[list[torch.Tensor]] | None = None
         self.healed_at_step: int | None = None
         timeout = timedelta(seconds=settings.timeout_s)
         lighthouse = settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
@@ -96,9 +100,21 @@ class TorchftGroups:
         self.manager.start_quorum()
         return self.manager.participating_rank(), self.manager.num_participants()
 
-    def sum(self, tensors: list[torch.Tensor]) -> None:
+    def sum_gradients(self, tensors: list[torch.Tensor]) -> None:
         if self.kill_in_sum:  # after this step's backward, before the groups meet: the survivors' sum fails
             os.kill(os.getpid(), signal.SIGKILL)
+        self._sum(tensors, 0)
+
+    def sum_counts(self, sums: torch.Tensor) -> None:
+        self._sum([sums], 1)
+
+    def _sum(self, tensors: list[torch.Tensor], kind: int) -> None:
+        """Add what a failed attempt of this step already trained (`carry`), keep this group's part (the next
+        attempt's carry, should this one fail), then sum over the groups."""
+        if self.carry is not None:
+            for t, done in zip(tensors, self.carry[kind]):
+                t.add_(done)
+        self.kept[kind] = [t.detach().clone() for t in tensors]
         from torch.distributed import ReduceOp
 
         for dtype in sorted({t.dtype for t in tensors}, key=str):
@@ -136,6 +152,18 @@ class ShardRows:
                                      "seed": self.seed})
             for _ in range(self.accumulation):
                 yield self.collate([self.dataset[i] for i in sampler.next_indices()])
+
+
+def _carry_over(replicas: TorchftGroups, done: tuple[int, list[int]] | None, step: int, mine: list[int]) -> list[int]:
+    """The shards to train in this attempt. A failed attempt of the same step trained some of this group's shards
+    already: when this attempt's shards include all of them (and more), their kept gradients and sums are added
+    instead (`TorchftGroups.carry`), and only the rest is trained (the failed step then costs the quorum's wait
+    and the failed group's shards, not this group's twice)."""
+    kept, replicas.kept, replicas.carry = replicas.kept, [None, None], None
+    if done is None or done[0] != step or not set(done[1]) < set(mine) or None in kept:
+        return mine
+    replicas.carry = kept
+    return [j for j in mine if j not in done[1]]
 
 
 def _process_age_s() -> float:
@@ -177,15 +205,15 @@ class _Recoveries:
             self.records.append(self._open)
         self._open["failed_attempts_s"].append(attempt_s)
 
-    def committed(self, step: int, attempt_s: float, participants: int, rows_per_shard: int) -> None:
+    def committed(self, step: int, attempt_s: float, participants: int, rows_per_shard: int, trained: int) -> None:
         record = self._open
         if record is None:
             return
         if record["step"] == step:  # the redone step: the shards its quorum's groups covered
             covered = len(shards_covered(self.groups, participants))
             record.update(redo_s=attempt_s, participants_after=participants, shards_trained=covered,
-                          lost_rows=(self.groups - covered) * rows_per_shard,
-                          failed_step_extra_s=sum(record["failed_attempts_s"]) + attempt_s)
+                          redo_shards_trained_here=trained, lost_rows=(self.groups - covered) * rows_per_shard,
+                          failed_step_s=sum(record["failed_attempts_s"]) + attempt_s)
         if participants == self.groups:  # the failed group is back
             record.update(rejoined_at_step=step, degraded_s=time.time() - record["failed_at"])
             self._open = None
@@ -225,6 +253,7 @@ def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, o
     ft, gas = engine.config.fault_tolerance, engine.gradient_accumulation_steps()
     failure, restart = ft.inject_failure, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     recoveries, rows, rejoin_s = _Recoveries(ft.replica_groups), [], None
+    done: tuple[int, list[int]] | None = None  # (step, shards) of a failed attempt whose own part is kept
     step_start = time.perf_counter()
     while engine.global_steps < steps:
         attempt = time.perf_counter()
@@ -233,15 +262,18 @@ def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, o
             rejoin_s = _process_age_s()  # from the restarted process's start to its first quorum's end
         step = engine.global_steps + 1
         mine = shards_for(ft.replica_groups, participants, index)
-        engine.set_accumulation(len(mine) * gas)
+        train = _carry_over(replicas, done, step, mine)
+        engine.set_accumulation(len(train) * gas)
         replicas.kill_in_sum = failure is not None and restart == 0 and failure.replica_group == replicas.group \
             and failure.at_step == step and failure.rank == engine.global_rank
         try:
-            loss = float(engine.train_batch(shards.batches(step, mine)))
+            loss = float(engine.train_batch(shards.batches(step, train)))
         except StepDiscarded:
             recoveries.failed(step, time.perf_counter() - attempt, participants)
+            done = (step, mine)  # what this attempt's kept part holds
             continue
-        recoveries.committed(step, time.perf_counter() - attempt, participants, shards.rows_per_shard)
+        done = None
+        recoveries.committed(step, time.perf_counter() - attempt, participants, shards.rows_per_shard, len(train))
         if os.environ.get(PAUSE_ENV):  # tests: steps long enough for a killed group to come back meanwhile
             time.sleep(float(os.environ[PAUSE_ENV]))
         row = {"step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": engine.get_lr()[0],

@@ -84,6 +84,8 @@ def test_a_group_killed_mid_step_heals_and_the_run_equals_the_uninterrupted_one(
     print(layout, {k: v for k, v in recovery.items() if k != "failed_at"})
     assert recovery["step"] == KILL_AT and recovery["shards_trained"] == 2 and recovery["lost_rows"] == 0
     assert recovery["participants_before"] == 2 and len(recovery["failed_attempts_s"]) >= 1
+    if recovery["participants_after"] == 1:  # alone, the redo trained group 1's shard; group 0's own was kept
+        assert recovery["redo_shards_trained_here"] == 1, recovery
     rejoined = recovery["rejoined_at_step"]
     assert KILL_AT <= rejoined <= STEPS and recovery["degraded_s"] > 0
     alone = [r for r in got if KILL_AT <= r["step"] < rejoined]
