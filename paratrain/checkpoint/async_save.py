@@ -1,11 +1,12 @@
 """Asynchronous saves: training stalls only while the state is copied to host memory; a thread writes the copy.
 
 [Note: what an asynchronous save is]
-`stage_save` (save.py) runs at the call, on the training thread: the tag and the pieces are agreed over the world
-(small collectives), and every tensor this rank writes is copied to host memory. That copy is the stall. Then a
-thread writes the copy exactly as a synchronous save does (`write_staged`: the rank files, the gather of what each
-rank wrote, rank 0's manifest, the rename of `<tag>.partial`, then `latest`), so the format is the same and a save
-that dies half way leaves only a `.partial` directory, which nothing loads.
+`stage_save` (save.py) runs at the call, on the training thread and on this rank alone (no collective): the piece
+table, the optimizer's options and scalars, the states' JSON, and a host copy of every tensor this rank writes. That
+is the stall. Then a thread does what a synchronous save does after staging (`write_staged`: the one gather that
+checks every rank's tag, input and pieces, the rank files, the gather of what each rank wrote, rank 0's manifest,
+the rename of `<tag>.partial`, then `latest`), so the format is the same and a save that dies half way leaves only a
+`.partial` directory, which nothing loads.
 
 The thread's collectives run on a process group of their own (gloo, every rank), never on the training groups: two
 threads sharing one group could interleave their collectives differently on different ranks, and torch's own

@@ -53,6 +53,8 @@ log = logging.getLogger("paratrain")
 
 # Test-only: seconds each rank sleeps after writing its file, so a test can kill a job in the middle of a save.
 PAUSE_ENV = "PARATRAIN_TEST_SAVE_PAUSE_S"
+# Test-only: seconds each rank sleeps before writing its file, so that training moves on during an asynchronous save.
+DELAY_ENV = "PARATRAIN_TEST_SAVE_DELAY_S"
 
 
 def _collect(optimizer, file: str, pieces: list[HeldPiece], owned: list[bool]) -> tuple[list, dict]:
@@ -215,6 +217,8 @@ def write_staged(staged: StagedSave, axis) -> Path:
     comm.barrier(axis)
     summary = dict(staged.summary, error=None)
     try:
+        if os.environ.get(DELAY_ENV):
+            time.sleep(float(os.environ[DELAY_ENV]))
         summary["record"] = write_safetensors(staged.partial / summary["file"], staged.tensors)
         if os.environ.get(PAUSE_ENV):
             time.sleep(float(os.environ[PAUSE_ENV]))

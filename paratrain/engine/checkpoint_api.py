@@ -64,6 +64,7 @@ class CheckpointAPI:
         reads its slices (collective). `name_map`: {weights' name: model name}, or a function (None: skip). An
         adapted model's base takes the names it has without adapters ("q_proj.weight" fills
         "q_proj.base_layer.weight"); adapters the weights do not hold keep their values. Returns those names."""
+        self._checkpoints.base_changed()
         return load_weights(self.parallel, self.mesh, self._adapter_tensors, path, name_map, strict)
 
     def load_adapter(self, directory) -> None:

@@ -9,12 +9,12 @@ import time
 
 import torch
 
-from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint, save_checkpoint
+from paratrain.checkpoint import CheckpointError, CheckpointTarget, load_checkpoint
 from paratrain.checkpoint.adapters import Merger, merge_plan, save_adapter
 from paratrain.checkpoint.async_save import CheckpointWriter, writer_axis
 from paratrain.checkpoint.fingerprint import frozen_fingerprint
 from paratrain.checkpoint.pretrained import save_pretrained
-from paratrain.checkpoint.save import stage_save
+from paratrain.checkpoint.save import stage_save, write_staged
 from paratrain.engine.train_state import RandomState, TrainState
 from paratrain.engine.update import OptimizerUpdate
 from paratrain.layout.mesh import Mesh
@@ -64,24 +64,30 @@ class Checkpoints:
         record = {"tag": tag, "step": state.global_steps, "async": self.writer is not None, "stall_s": None,
                   "write_s": None}
         start = time.perf_counter()
-        if self.writer is None:
-            save_checkpoint(self.target(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-            record["stall_s"] = record["write_s"] = time.perf_counter() - start
-        else:
+        if self.writer is not None:
             self.writer.wait()  # one save in flight: the previous one is complete (or its error raised) first
-            staged = stage_save(self.target(), save_dir, tag, client_state, save_latest,
-                                self._frozen_fingerprint() if exclude_frozen_parameters else None, copy=True)
+        staged = stage_save(self.target(), save_dir, tag, client_state, save_latest,
+                            self._frozen_fingerprint() if exclude_frozen_parameters else None,
+                            copy=self.writer is not None)
+        if self.writer is None:
+            write_staged(staged, self.mesh.world)
+            record["write_s"] = time.perf_counter() - start
+        else:
             record["staged_bytes"] = staged.bytes
             self.writer.submit(staged, record)
-            record["stall_s"] = time.perf_counter() - start
+        record["stall_s"] = time.perf_counter() - start
         self.saves.append(record)
 
     def _frozen_fingerprint(self) -> dict:
         """The frozen base's fingerprint (collective at the first save that leaves the base out: every rank makes
-        it), kept: frozen tensors do not change while the engine trains."""
+        it), kept: frozen tensors do not change while the engine trains (a load that may change them resets it)."""
         if self._fingerprint is None:
             self._fingerprint = frozen_fingerprint(self.parallel, self.mesh)
         return self._fingerprint
+
+    def base_changed(self) -> None:
+        """The frozen tensors may have been loaded anew: the next save that leaves them out fingerprints them again."""
+        self._fingerprint = None
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any, and raise its error."""
@@ -97,14 +103,18 @@ class Checkpoints:
         if fresh:
             out["checkpoint/stall_s"] = fresh[-1]["stall_s"]
             self._stall_shown = len(self.saves)
-        written = [i for i, r in enumerate(self.saves) if i >= self._write_shown and r["write_s"] is not None]
-        if written:
-            out["checkpoint/write_s"] = self.saves[written[-1]]["write_s"]
-            self._write_shown = written[-1] + 1
+        # the newest save not yet shown whose write has ended (one save is in flight at a time)
+        for i in range(len(self.saves) - 1, self._write_shown - 1, -1):
+            if self.saves[i]["write_s"] is not None:
+                out["checkpoint/write_s"] = self.saves[i]["write_s"]
+                self._write_shown = i + 1
+                break
         return out
 
     def load(self, load_dir, tag, load_module_strict: bool, load_optimizer_states: bool,
              load_lr_scheduler_states: bool, load_module_only: bool):
+        self.wait()  # a save in flight is complete before anything it may be writing is read
+        self.base_changed()
         target = self.target(states=not load_module_only, lr_scheduler=load_lr_scheduler_states)
         return load_checkpoint(target, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only)

@@ -39,8 +39,7 @@ def start_lighthouse(settings):
                             heartbeat_timeout_ms=int(settings.heartbeat_timeout_s * 1000))
 
 
-def group_argv(args, group: int, port: int) -> list[str]:
-    run_dir = args.run_dir or load_config(args.config).trainer.run_dir
+def group_argv(args, run_dir: str, group: int, port: int) -> list[str]:
     train = ["train", "--config", args.config, "--run-dir", run_dir if group == 0 else f"{run_dir}/replica{group}"]
     if args.steps:
         train += ["--steps", str(args.steps)]
@@ -65,7 +64,8 @@ def launch_groups(args) -> int:
     for group in range(groups):
         env = {**os.environ, GROUP_ENV: str(group), GROUPS_ENV: str(groups), LIGHTHOUSE_ENV: address,
                START_STORE_ENV: f"127.0.0.1:{port}"}
-        procs.append(subprocess.Popen(group_argv(args, group, _free_port()), env=env))
+        procs.append(subprocess.Popen(group_argv(args, args.run_dir or cfg.trainer.run_dir, group, _free_port()),
+                                      env=env))
     try:
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:

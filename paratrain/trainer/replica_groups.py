@@ -44,10 +44,11 @@ class TorchftGroups:
 
         self.engine, self.settings, self.group = engine, settings, group
         self.kill_in_sum = False  # fault_tolerance.inject_failure: SIGKILL this rank at the step's sum
-        # this group's own part of the attempt in flight (gradient shards, loss sums), taken before the groups' sum,
-        # and the part of a failed attempt the redo adds instead of training those shards again
+        # this group's own part of a failed attempt (gradient shards, loss sums: before the groups' sum), and the
+        # part the redo adds instead of training those shards again
         self.kept: list[list[torch.Tensor] | None] = [None, None]
         self.carry: list[list[torch.Tensor]] | None = None
+        self._pending: tuple[list[torch.Tensor], list] | None = None  # the gradients and their sum, until the vote
         self.healed_at_step: int | None = None
         timeout = timedelta(seconds=settings.timeout_s)
         lighthouse = settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
@@ -82,14 +83,14 @@ class TorchftGroups:
 
         host, port = address.rsplit(":", 1)
         store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.settings.quorum_timeout_s))
-        store.add("started", 1)
-        deadline = time.monotonic() + self.settings.quorum_timeout_s
-        while store.add("started", 0) < self.settings.replica_groups:
-            if time.monotonic() > deadline:
-                raise ConfigError(f"only {store.add('started', 0)} of {self.settings.replica_groups} replica groups "
-                                  f"started within fault_tolerance.quorum_timeout_s "
-                                  f"({self.settings.quorum_timeout_s} s); see the other groups' logs")
-            time.sleep(0.05)
+        if store.add("started", 1) == self.settings.replica_groups:  # the last group to start opens the gate
+            store.set("all started", "1")
+        try:
+            store.wait(["all started"])
+        except RuntimeError:  # the store's timeout: quorum_timeout_s
+            raise ConfigError(f"only {store.add('started', 0)} of {self.settings.replica_groups} replica groups "
+                              f"started within fault_tolerance.quorum_timeout_s ({self.settings.quorum_timeout_s} "
+                              f"s); see the other groups' logs") from None
 
     def _heal(self, state: dict) -> None:
         self.engine.load_live_state(state)
@@ -103,31 +104,53 @@ class TorchftGroups:
     def sum_gradients(self, tensors: list[torch.Tensor]) -> None:
         if self.kill_in_sum:  # after this step's backward, before the groups meet: the survivors' sum fails
             os.kill(os.getpid(), signal.SIGKILL)
-        self._sum(tensors, 0)
+        self._add_carry(tensors, 0)
+        # summed in flat copies: the tensors keep this group's own part until the vote says what to do with it
+        self._pending = (tensors, _reduce(self.manager, tensors))
 
     def sum_counts(self, sums: torch.Tensor) -> None:
-        self._sum([sums], 1)
+        self._add_carry([sums], 1)
+        self.kept[1] = [sums.detach().clone()]  # a few numbers: this group's own, for a redo's carry
+        _copy_back([sums], _reduce(self.manager, [sums]))
 
-    def _sum(self, tensors: list[torch.Tensor], kind: int) -> None:
-        """Add what a failed attempt of this step already trained (`carry`), keep this group's part (the next
-        attempt's carry, should this one fail), then sum over the groups."""
+    def _add_carry(self, tensors: list[torch.Tensor], kind: int) -> None:
+        """What a failed attempt of this step already trained (`carry`, gradients or sums), added in."""
         if self.carry is not None:
             for t, done in zip(tensors, self.carry[kind]):
                 t.add_(done)
-        self.kept[kind] = [t.detach().clone() for t in tensors]
-        from torch.distributed import ReduceOp
-
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.reshape(-1) for t in same])
-            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-            offset = 0
-            for t in same:
-                t.view(-1).copy_(flat[offset:offset + t.numel()])
-                offset += t.numel()
 
     def commit(self) -> bool:
-        return self.manager.should_commit()
+        """The vote. Committed: the gradients become the groups' sum. Refused: this group's own part is kept (the
+        only copy of the gradients a step makes, and only when it fails) for the redo's carry."""
+        committed = self.manager.should_commit()
+        tensors, reduced = self._pending
+        self._pending = None
+        if committed:
+            _copy_back(tensors, reduced)
+        else:
+            self.kept[0] = [t.detach().clone() for t in tensors]
+        return committed
+
+
+def _reduce(manager, tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """One managed all-reduce (sum) per dtype, of the tensors concatenated: [(those tensors, their summed flat)]."""
+    from torch.distributed import ReduceOp
+
+    out = []
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        out.append((same, flat))
+    return out
+
+
+def _copy_back(tensors: list[torch.Tensor], reduced: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+    for same, flat in reduced:
+        offset = 0
+        for t in same:
+            t.view(-1).copy_(flat[offset:offset + t.numel()])
+            offset += t.numel()
 
 
 class ShardRows:
@@ -141,15 +164,19 @@ class ShardRows:
         self.micro, self.accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
         self.seed, self.shuffle = engine.config.seed, engine.config.data.shuffle
         self.rows_per_shard = self.micro * self.dp * self.accumulation
+        self._samplers: dict[int, DataParallelSampler] = {}
 
     def batches(self, step: int, shards: list[int]):
         for shard in shards:
-            sampler = DataParallelSampler(len(self.dataset), self.micro, self.groups * self.dp,
-                                          shard * self.dp + self.dp_rank, self.accumulation, self.seed, self.shuffle)
-            per_epoch = sampler.micro_batches_per_epoch // self.accumulation
-            epoch, within = divmod(step - 1, per_epoch)
-            sampler.load_state_dict({"epoch": epoch, "start": 0, "position": within * self.accumulation,
-                                     "seed": self.seed})
+            sampler = self._samplers.get(shard)
+            if sampler is None:
+                sampler = self._samplers[shard] = DataParallelSampler(
+                    len(self.dataset), self.micro, self.groups * self.dp, shard * self.dp + self.dp_rank,
+                    self.accumulation, self.seed, self.shuffle)
+            epoch, within = divmod(step - 1, sampler.micro_batches_per_epoch // self.accumulation)
+            if sampler.epoch != epoch:  # a new epoch's order (drawn once per epoch and shard, not per step)
+                sampler.load_state_dict({"epoch": epoch, "start": 0, "position": 0, "seed": self.seed})
+            sampler.position = within * self.accumulation
             for _ in range(self.accumulation):
                 yield self.collate([self.dataset[i] for i in sampler.next_indices()])
 

@@ -9,11 +9,13 @@ loads, trains 3 steps and compares. Dropout is on, so the random-generator state
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import torch
 
 import paratrain
+from paratrain.checkpoint.save import DELAY_ENV
 from tests.cases import adamw_config, corpus_windows, tiny_gpt
 
 # The layouts resumed below: DDP; ZeRO-1/2/3 (bf16, fp16, offloaded optimizer, offloaded parameters); TP (+SP);
@@ -40,9 +42,13 @@ def _resume(directory: str, cfg: dict, dropout: float) -> dict:
     data = corpus_windows()
     engine, *_ = paratrain.initialize(model=tiny_gpt(dropout=dropout), config=cfg, training_data=data)
     first = [float(engine.train_batch()) for _ in range(3)]
+    # asynchronous: the files are written only after the next steps changed the live tensors (what is saved is the
+    # copy taken at the call)
+    os.environ[DELAY_ENV] = "0.5" if cfg.get("checkpoint", {}).get("async") else ""
     engine.save_checkpoint(directory, client_state={"epoch": 3, "ids": torch.arange(4)})
-    uninterrupted = [float(engine.train_batch()) for _ in range(3)]  # an asynchronous save is written meanwhile
+    uninterrupted = [float(engine.train_batch()) for _ in range(3)]
     engine.wait_for_checkpoint()
+    del os.environ[DELAY_ENV]
     want = engine.full_state_dict()
     scale = engine.loss_scale()
     saves = engine.checkpoint_saves
@@ -234,8 +240,12 @@ def _failed_async_save(directory: str) -> dict:
     cfg = _config(3, accumulation=1, checkpoint={"async": True})
     engine, *_ = paratrain.initialize(model=tiny_gpt(), config=cfg, training_data=corpus_windows())
     engine.train_batch()
-    engine.save_checkpoint(directory, tag="good")
-    engine.wait_for_checkpoint()
+    os.environ[save_module.PAUSE_ENV] = "0.5"  # the writing threads sleep after their files, before the manifest
+    try:
+        engine.save_checkpoint(directory, tag="good")
+        loaded, _ = engine.load_checkpoint(directory)  # waits for the save in flight: finds 'good', not nothing
+    finally:
+        del os.environ[save_module.PAUSE_ENV]
     write = save_module.write_safetensors
     if engine.global_rank == 1:  # rank 1's disk fills up while its thread writes
         save_module.write_safetensors = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
@@ -253,7 +263,7 @@ def _failed_async_save(directory: str) -> dict:
     engine.save_checkpoint(directory, tag="after")  # the writer goes on after a failed save
     engine.wait_for_checkpoint()
     saves = [(s["tag"], s["write_s"] is not None) for s in engine.checkpoint_saves]
-    return {"error": error, "left": left, "saves": saves}
+    return {"error": error, "left": left, "saves": saves, "loaded": loaded}
 
 
 def test_a_failed_asynchronous_save_raises_on_every_rank_and_leaves_the_last_complete_one(world2, tmp_path):
@@ -262,6 +272,7 @@ def test_a_failed_asynchronous_save_raises_on_every_rank_and_leaves_the_last_com
         assert "rank 1: [Errno 28] No space left on device" in r["error"], r
         assert r["saves"] == [("good", True), ("bad", True), ("after", True)]
         assert r["left"] == ["good", "latest"]  # at the failure: the partial directory removed, latest intact
+        assert r["loaded"].endswith("good"), r["loaded"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["after", "good", "latest"]  # no 'bad', no 'bad.partial'
     assert (tmp_path / "latest").read_text() == "after\n"
 
