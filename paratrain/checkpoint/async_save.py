@@ -20,8 +20,8 @@ writing thread's CPU time beside training.
 
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 from paratrain.checkpoint.format import CheckpointError
@@ -43,27 +43,30 @@ def writer_axis(mesh: Mesh, timeout_s: float) -> Axis:
 
 
 class CheckpointWriter:
-    """Writes staged saves on a thread, one at a time; `wait` joins the one in flight and raises its error."""
+    """Writes staged saves on a thread of its own, one at a time; `wait` blocks until the one in flight is written
+    and raises its error.
+
+    The thread is started once, here, and waits for work: starting a thread at each save made the call wait until
+    the new thread had run (Python's `Thread.start` waits for it to begin, and it then holds the interpreter lock
+    for up to a switch interval, 5 ms), which was most of a small model's stall."""
 
     def __init__(self, axis: Axis):
         self.axis = axis
-        self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-checkpoint-writer")
+        self._pool.submit(lambda: None).result()  # the thread starts now, not at the first save
+        self._pending: Future | None = None
         self._tag = ""
-        self._error: BaseException | None = None
 
     def submit(self, staged: StagedSave, record: dict) -> None:
-        """Write `staged` on a thread; its seconds (the rank files to `latest`) go to record["write_s"] when done."""
+        """Write `staged` on the thread; its seconds (the rank files to `latest`) go to record["write_s"] when done."""
         self.wait()
-        self._tag, self._error = staged.tag, None
-        self._thread = threading.Thread(target=self._write, args=(staged, record), name="paratrain-checkpoint-writer")
-        self._thread.start()
+        self._tag = staged.tag
+        self._pending = self._pool.submit(self._write, staged, record)
 
     def _write(self, staged: StagedSave, record: dict) -> None:
         start = time.perf_counter()
         try:
             write_staged(staged, self.axis)
-        except BaseException as exc:  # handed to the training thread by `wait`
-            self._error = exc
         finally:
             staged.tensors.clear()  # the host copy goes as soon as it is written
             record["write_s"] = time.perf_counter() - start
@@ -71,10 +74,16 @@ class CheckpointWriter:
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; raise its error (collective in effect: every rank's
         thread ends the same way)."""
-        if self._thread is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        self._thread.join()
-        self._thread = None
-        error, self._error = self._error, None
+        error = pending.exception()
         if error is not None:
             raise CheckpointError(f"the asynchronous save of checkpoint '{self._tag}' failed: {error}") from error
+
+    def close(self) -> None:
+        """Wait for the save in flight, then end the thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)

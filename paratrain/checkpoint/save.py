@@ -57,43 +57,42 @@ PAUSE_ENV = "PARATRAIN_TEST_SAVE_PAUSE_S"
 DELAY_ENV = "PARATRAIN_TEST_SAVE_DELAY_S"
 
 
-def _collect(optimizer, file: str, pieces: list[HeldPiece], owned: list[bool]) -> tuple[list, dict]:
-    """This rank's pieces to write (the model's and the optimizer states' of each piece it keeps) and what the
-    manifest needs to know about them."""
+def _collect(optimizer, file: str, pieces: list[HeldPiece], owned: list[bool]) -> tuple[list, dict, list]:
+    """This rank's pieces to write (the model's and the optimizer states' of each piece it keeps, as (key, the
+    live tensor, the shape to write it in)), what the manifest needs to know about them that training does not
+    change, and the masters whose scalars it records [(master, original name, its element-wise states' names)]."""
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    tensors, info = [], {"tensors": {}, "pieces": {}, "scalars": {}, "groups": {}}
+    sources, info = [], {"tensors": {}, "pieces": {}, "groups": {}}
+    scalars_of: list[tuple[torch.Tensor, str, frozenset]] = []
     moments_of: dict[int, dict[str, torch.Tensor]] = {}
 
     def add(key: str, data: torch.Tensor, origin, start: int, end: int) -> None:
         # A piece that is a whole box keeps the box's shape (readable as is); a flat range stays 1-d.
         whole = start == 0 and end == math.prod(origin.local_shape)
-        tensors.append((key, data.reshape(origin.local_shape) if whole else data.reshape(-1)))
+        sources.append((key, data, tuple(origin.local_shape) if whole else (-1,)))
         info["tensors"][key] = {"shape": list(origin.shape), "dtype": DTYPE_NAMES[data.dtype]}
         info["pieces"][key] = Piece(file, key, origin.offsets, origin.local_shape, start, end).to_json()
 
     for piece, keep in zip(pieces, owned):
         origin, size = piece.origin, piece.end - piece.start
         if piece.master is None:  # a buffer or frozen parameter: no optimizer state
-            if keep:
-                add(piece.key, piece.data, origin, piece.start, piece.end)
+            if keep:  # a whole module tensor is read from it at each save (its flat `data` may be a copy)
+                add(piece.key, piece.target if piece.target is not None else piece.data, origin, piece.start,
+                    piece.end)
             continue
         state = optimizer.state.get(piece.master, {})
         if id(piece.master) not in moments_of:  # a master holds many pieces (ZeRO's flat buffers)
             moments_of[id(piece.master)] = _moments(state, piece.master, optimizer)
         moments = moments_of[id(piece.master)]
         index = str(group_of[id(piece.master)])
-        if index not in info["groups"]:
-            info["groups"][index] = {"options": group_options(optimizer.param_groups[int(index)]), "params": []}
-        info["groups"][index]["params"].append(origin.name)
+        info["groups"].setdefault(index, {"params": []})["params"].append(origin.name)
         if not keep:
             continue
         add(piece.key, piece.data, origin, piece.start, piece.end)
         for k, v in moments.items():
             add(f"optim/{k}/{origin.name}", v[piece.offset:piece.offset + size], origin, piece.start, piece.end)
-        for k, v in state.items():
-            if k not in moments and v is not None:
-                info["scalars"].setdefault(k, {})[origin.name] = scalar_entry(v, f"'{k}' of '{origin.name}'")
-    return tensors, info
+        scalars_of.append((piece.master, origin.name, frozenset(moments)))
+    return sources, info, scalars_of
 
 
 def _moments(state: dict, master: torch.Tensor, optimizer) -> dict[str, torch.Tensor]:
@@ -158,34 +157,107 @@ def save_checkpoint(target: CheckpointTarget, save_dir, tag: str, client_state=N
     return write_staged(staged, target.mesh.world)
 
 
-def stage_save(target: CheckpointTarget, save_dir, tag: str, client_state, save_latest: bool,
-               frozen_fingerprint: dict | None, copy: bool) -> StagedSave:
-    """Everything a save reads from the live objects, on this rank alone (no collective). `frozen_fingerprint`:
-    the base's (`fingerprint.py`) when the frozen parameters are left out, else None. `copy`: the tensors are
-    copied to host memory (an asynchronous save)."""
+@dataclass
+class SavePlan:
+    """What a rank's save takes from the live objects that training does not change, worked out once: its pieces,
+    which of them it writes, their descriptions, the rank file's tensors (views of the live ones) and the static
+    part of what the manifest needs. It holds while `signature` does (the masters and the optimizer's element-wise
+    states, by identity: the first step creates those states, a load may replace them); the engine also drops it
+    on any load, which may replace the module's buffers or frozen tensors."""
+
+    excludes_frozen: bool
+    pieces: list[HeldPiece]
+    described: list[dict]
+    problem: str | None  # bad input found while planning (a piece located wrongly, a state that is not element-wise)
+    sources: list[tuple[str, torch.Tensor, tuple]]  # (key, live tensor, the shape it is written in)
+    views: list[tuple[str, torch.Tensor]]  # the sources in the shapes they are written in (`stale`: copies)
+    stale: list[int]  # the sources whose reshape is a copy (a non-contiguous module tensor): read at each save
+    info: dict
+    scalars_of: list[tuple[torch.Tensor, str, frozenset]]
+    signature: tuple
+
+    def holds(self, target: CheckpointTarget, excludes_frozen: bool) -> bool:
+        return excludes_frozen == self.excludes_frozen and _signature(target) == self.signature
+
+
+def _signature(target: CheckpointTarget) -> tuple:
+    state, sync = target.optimizer.state, target.model.grad_sync
+    return tuple((id(m), m.data_ptr(), tuple((k, id(v)) for k, v in state.get(m, {}).items()
+                                             if isinstance(v, torch.Tensor) and v.dim()))
+                 for m, _ in sync.master_segments())
+
+
+def plan_save(target: CheckpointTarget, excludes_frozen: bool) -> SavePlan:
+    """This rank's `SavePlan` (no collective)."""
     mesh, parallel = target.mesh, target.model
     pieces = model_pieces(parallel)
-    if frozen_fingerprint is not None:
+    if excludes_frozen:
         pieces = [p for p in pieces if not p.frozen]
     owned = [owns(p.origin, p.copies, mesh) for p in pieces]
     described = [describe(p, keep, mesh.rank) for p, keep in zip(pieces, owned)]
-    file, problem, tensors = rank_file(mesh.rank), placement_problem(pieces, parallel), []
-    summary: dict = {"rank": mesh.rank, "file": file, "coords": dict(mesh.coords)}
+    problem, sources, info, scalars_of = placement_problem(pieces, parallel), [], {}, []
+    try:
+        sources, info, scalars_of = _collect(target.optimizer, rank_file(mesh.rank), pieces, owned)
+    except CheckpointError as exc:
+        problem = f"rank {mesh.rank}: {exc}"
+    views = [(key, t.detach().reshape(shape)) for key, t, shape in sources]
+    stale = [i for i, ((_, t, _), (_, v)) in enumerate(zip(sources, views))
+             if v.numel() and v.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()]
+    return SavePlan(excludes_frozen, pieces, described, problem, sources, views, stale, info, scalars_of,
+                    _signature(target))
+
+
+def _read(plan: SavePlan, copy: bool) -> list[tuple[str, torch.Tensor]]:
+    """The plan's tensors: views of the live ones, or (`copy`) this rank's own copy of them in host memory."""
+    live = list(plan.views)
+    for i in plan.stale:
+        key, t, shape = plan.sources[i]
+        live[i] = (key, t.detach().reshape(shape))
+    return [(key, t.to("cpu", copy=True)) for key, t in live] if copy else live
+
+
+def _changing(target: CheckpointTarget, plan: SavePlan) -> dict:
+    """What the manifest needs that training changes: each group's options (a schedule's lr) and each kept
+    master's scalars (Adam's step)."""
+    optimizer = target.optimizer
+    groups = {i: {"options": group_options(optimizer.param_groups[int(i)]), "params": g["params"]}
+              for i, g in plan.info["groups"].items()}
+    scalars: dict[str, dict] = {}
+    for master, name, moments in plan.scalars_of:
+        for k, v in optimizer.state.get(master, {}).items():
+            if k not in moments and v is not None:
+                scalars.setdefault(k, {})[name] = scalar_entry(v, f"'{k}' of '{name}'")
+    return {"groups": groups, "scalars": scalars}
+
+
+def stage_save(target: CheckpointTarget, save_dir, tag: str, client_state, save_latest: bool,
+               frozen_fingerprint: dict | None, copy: bool, plan: SavePlan | None = None) -> StagedSave:
+    """Everything a save reads from the live objects, on this rank alone (no collective). `frozen_fingerprint`:
+    the base's (`fingerprint.py`) when the frozen parameters are left out, else None. `copy`: the tensors are
+    copied to host memory (an asynchronous save). `plan`: this rank's `SavePlan`, when it still holds."""
+    mesh = target.mesh
+    if plan is None:
+        plan = plan_save(target, frozen_fingerprint is not None)
+    # copies replicated over a model-parallel axis are compared by their values' digests: taken now
+    described = [describe(p, d["owned"], mesh.rank) if d["digest"] is not None else d
+                 for p, d in zip(plan.pieces, plan.described)]
+    problem, tensors = plan.problem, []
+    summary: dict = {"rank": mesh.rank, "file": rank_file(mesh.rank), "coords": dict(mesh.coords)}
     try:
         check_tag(tag)
-        tensors, info = _collect(target.optimizer, file, pieces, owned)
+        if problem is None:
+            summary.update(plan.info, **_changing(target, plan))
+            tensors = _read(plan, copy)
         extra: dict[str, torch.Tensor] = {}  # the tensors inside states and client state
         summary["rank_states"] = _encode_states(target.rank_states, extra, "rank_state")
         if mesh.rank == 0:
             summary["states"] = _encode_states(target.states, extra, "state")
             summary["client_state"] = encode_state(client_state if client_state is not None else {}, extra,
                                                    "client", "client_state")
-        summary.update(info)
-        tensors += list(extra.items())
+        # `copy`: this rank's own copy, as the optimizer may change the live tensors while the copy is written
+        tensors += [(key, t.detach().to("cpu", copy=True) if copy else t) for key, t in extra.items()]
     except CheckpointError as exc:
-        problem, tensors = f"rank {mesh.rank}: {exc}", []
-    if copy:  # this rank's own copy: the optimizer may change the live tensors while the copy is written
-        tensors = [(key, t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")) for key, t in tensors]
+        problem, tensors = problem or f"rank {mesh.rank}: {exc}", []
     frozen = {"fingerprint": frozen_fingerprint} if frozen_fingerprint is not None else None
     return StagedSave(target, Path(save_dir), str(tag), tensors, summary, described, problem, save_latest, frozen)
 

@@ -35,6 +35,7 @@ class CheckpointAPI:
     def load_live_state(self, state: dict) -> None:
         """A peer's `live_state` into this rank: after it, this rank trains on as the peer would."""
         self._window.unit = load_live_state(self._checkpoints.target(), state)
+        self._checkpoints.base_changed()
 
     def wait_for_checkpoint(self) -> None:
         """With checkpoint.async_save: block until the save in flight is written and `latest` names it, and raise

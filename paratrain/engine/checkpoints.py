@@ -14,7 +14,7 @@ from paratrain.checkpoint.adapters import Merger, merge_plan, save_adapter
 from paratrain.checkpoint.async_save import CheckpointWriter, writer_axis
 from paratrain.checkpoint.fingerprint import frozen_fingerprint
 from paratrain.checkpoint.pretrained import save_pretrained
-from paratrain.checkpoint.save import stage_save, write_staged
+from paratrain.checkpoint.save import SavePlan, plan_save, stage_save, write_staged
 from paratrain.engine.train_state import RandomState, TrainState
 from paratrain.engine.update import OptimizerUpdate
 from paratrain.layout.mesh import Mesh
@@ -38,6 +38,7 @@ class Checkpoints:
         self.writer = CheckpointWriter(writer_axis(mesh, config.comm.timeout_s)) if self.settings.async_save else None
         self.saves: list[dict] = []  # every save of this engine: tag, step, async, stall_s, write_s, staged_bytes
         self._fingerprint: dict | None = None  # the frozen base's, for asynchronous saves that leave it out
+        self._plan: SavePlan | None = None  # what this rank's saves take from the live objects (save.py), kept
         self._stall_shown = self._write_shown = 0  # the saves whose stall / write time take_timings has handed out
 
     @property
@@ -66,9 +67,12 @@ class Checkpoints:
         start = time.perf_counter()
         if self.writer is not None:
             self.writer.wait()  # one save in flight: the previous one is complete (or its error raised) first
-        staged = stage_save(self.target(), save_dir, tag, client_state, save_latest,
+        target = self.target()
+        if self._plan is None or not self._plan.holds(target, exclude_frozen_parameters):
+            self._plan = plan_save(target, exclude_frozen_parameters)
+        staged = stage_save(target, save_dir, tag, client_state, save_latest,
                             self._frozen_fingerprint() if exclude_frozen_parameters else None,
-                            copy=self.writer is not None)
+                            copy=self.writer is not None, plan=self._plan)
         if self.writer is None:
             write_staged(staged, self.mesh.world)
             record["write_s"] = time.perf_counter() - start
@@ -86,13 +90,19 @@ class Checkpoints:
         return self._fingerprint
 
     def base_changed(self) -> None:
-        """The frozen tensors may have been loaded anew: the next save that leaves them out fingerprints them again."""
-        self._fingerprint = None
+        """The module's tensors may have been loaded anew: the next save plans again, and one that leaves the frozen
+        base out fingerprints it again."""
+        self._fingerprint = self._plan = None
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any, and raise its error."""
         if self.writer is not None:
             self.writer.wait()
+
+    def close(self) -> None:
+        """Wait for the asynchronous save in flight, if any (raising its error), and end the writing thread."""
+        if self.writer is not None:
+            self.writer.close()
 
     def take_timings(self) -> dict[str, float]:
         """Once each: the newest save's stall (the call until training goes on) and the newest finished write (the

@@ -398,7 +398,7 @@ class Engine(DeepSpeedEngineAPI, CheckpointAPI):
     def destroy(self) -> None:
         """Free the engine's process groups and close its monitors (the W&B / MLflow runs finish), as DeepSpeed's
         engine.destroy releases its resources. Collective: call on every rank; afterwards it cannot train."""
-        self._checkpoints.wait()  # an asynchronous save in flight uses a group the mesh is about to free
+        self._checkpoints.close()  # an asynchronous save in flight uses a group the mesh is about to free
         self.monitor.close()
         if self.objective is not None:
             self.objective.destroy()
