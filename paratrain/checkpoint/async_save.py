@@ -4,10 +4,10 @@
 `stage_save` (save.py) runs at the call, on the training thread and on this rank alone (no collective): what
 training changes (the optimizer's options and scalars, the states' JSON, digests of model-parallel copies) and a host
 copy of every tensor this rank writes, through the engine's `SavePlan` (what does not change, worked out once). That
-is the stall. Then the writing thread (one, started with the engine) does what a synchronous save does after staging (`write_staged`: the one gather that
-checks every rank's tag, input and pieces, the rank files, the gather of what each rank wrote, rank 0's manifest,
-the rename of `<tag>.partial`, then `latest`), so the format is the same and a save that dies half way leaves only a
-`.partial` directory, which nothing loads.
+is the stall. Then the writing thread (one, started with the engine) does what a synchronous save does after staging
+(`write_staged`: the one gather that checks every rank's tag, input and pieces, the rank files, the gather of what
+each rank wrote, rank 0's manifest, the rename of `<tag>.partial`, then `latest`), so the format is the same and a
+save that dies half way leaves only a `.partial` directory, which nothing loads.
 
 The thread's collectives run on a process group of their own (gloo, every rank), never on the training groups: two
 threads sharing one group could interleave their collectives differently on different ranks, and torch's own
