@@ -27,6 +27,7 @@ class CheckpointAPI:
         """Sum every step's gradients and token counts with the other replica groups, and apply a step only when
         they commit it (else `StepDiscarded`); `engine/replicas.py`, docs/fault-tolerance.md."""
         self.replica_groups = groups
+        self.grad_sync.final_gradient_hook = groups.final_gradient  # ZeRO-3: sums start during the backward
 
     def live_state(self) -> dict:
         """This rank's whole training state, by reference, for a peer in the same layout (engine/live_state.py)."""

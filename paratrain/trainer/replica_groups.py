@@ -49,6 +49,7 @@ class TorchftGroups:
         self.kept: list[list[torch.Tensor] | None] = [None, None]
         self.carry: list[list[torch.Tensor]] | None = None
         self._pending: tuple[list[torch.Tensor], list] | None = None  # the gradients and their sum, until the vote
+        self._started: dict[int, tuple] = {}  # index: (shard, its flat copy, the sum in flight) of `final_gradient`
         self.healed_at_step: int | None = None
         timeout = timedelta(seconds=settings.timeout_s)
         lighthouse = settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
@@ -99,25 +100,39 @@ class TorchftGroups:
     def quorum(self) -> tuple[int, int]:
         """(this group's index among the step's groups, how many there are); heals this group when it is behind."""
         self.manager.start_quorum()
+        self._started = {}  # an attempt that raised before its sum leaves nothing behind
         return self.manager.participating_rank(), self.manager.num_participants()
 
+    def final_gradient(self, index: int, tensor: torch.Tensor) -> None:
+        """Start one shard's sum over the groups now, beside the backward: carry added, summed in a flat copy."""
+        self._add_carry([tensor], 0, [index])
+        flat = tensor.detach().reshape(-1).clone()
+        self._started[index] = (tensor, flat, _start_sum(self.manager, flat))
+
     def sum_gradients(self, tensors: list[torch.Tensor]) -> None:
-        if self.kill_in_sum:  # after this step's backward, before the groups meet: the survivors' sum fails
+        if self.kill_in_sum:  # after this step's backward: the survivors' sums (the rest, the counts) fail
             os.kill(os.getpid(), signal.SIGKILL)
-        self._add_carry(tensors, 0)
+        rest = [i for i in range(len(tensors)) if i not in self._started]
+        self._add_carry([tensors[i] for i in rest], 0, rest)
         # summed in flat copies: the tensors keep this group's own part until the vote says what to do with it
-        self._pending = (tensors, _reduce(self.manager, tensors))
+        reduced = _reduce(self.manager, [tensors[i] for i in rest])
+        for _, _, work in self._started.values():
+            work.wait()
+        reduced += [([t], flat) for t, flat, _ in self._started.values()]
+        self._started = {}
+        self._pending = (tensors, reduced)
 
     def sum_counts(self, sums: torch.Tensor) -> None:
         self._add_carry([sums], 1)
         self.kept[1] = [sums.detach().clone()]  # a few numbers: this group's own, for a redo's carry
         _copy_back([sums], _reduce(self.manager, [sums]))
 
-    def _add_carry(self, tensors: list[torch.Tensor], kind: int) -> None:
-        """What a failed attempt of this step already trained (`carry`, gradients or sums), added in."""
+    def _add_carry(self, tensors: list[torch.Tensor], kind: int, which: list[int] | None = None) -> None:
+        """What a failed attempt of this step already trained (`carry`, gradients or sums), added in: `which` are
+        the tensors' positions in the attempt's list (None: the first ones)."""
         if self.carry is not None:
-            for t, done in zip(tensors, self.carry[kind]):
-                t.add_(done)
+            for t, i in zip(tensors, which if which is not None else range(len(tensors))):
+                t.add_(self.carry[kind][i])
 
     def commit(self) -> bool:
         """The vote. Committed: the gradients become the groups' sum. Refused: this group's own part is kept (the
@@ -132,15 +147,19 @@ class TorchftGroups:
         return committed
 
 
-def _reduce(manager, tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-    """One managed all-reduce (sum) per dtype, of the tensors concatenated: [(those tensors, their summed flat)]."""
+def _start_sum(manager, flat: torch.Tensor):
     from torch.distributed import ReduceOp
 
+    return manager.allreduce(flat, reduce_op=ReduceOp.SUM)
+
+
+def _reduce(manager, tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """One managed all-reduce (sum) per dtype, of the tensors concatenated: [(those tensors, their summed flat)]."""
     out = []
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         same = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in same])
-        manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        _start_sum(manager, flat).wait()
         out.append((same, flat))
     return out
 
@@ -304,7 +323,9 @@ def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, o
         if os.environ.get(PAUSE_ENV):  # tests: steps long enough for a killed group to come back meanwhile
             time.sleep(float(os.environ[PAUSE_ENV]))
         row = {"step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": engine.get_lr()[0],
-               "step_time_s": time.perf_counter() - step_start, "participants": participants, "shards": mine}
+               "step_time_s": time.perf_counter() - step_start, "participants": participants, "shards": mine,
+               # the gradient shards whose sum over the groups started during the backward (ZeRO-3)
+               "early_sums": engine.grad_sync.early_replica_sums}
         step_start = time.perf_counter()
         rows.append(row)
         if engine.global_rank == 0:  # this group's steps (a restarted group's file skips the ones it missed)

@@ -46,8 +46,7 @@ MATRIX_8 = [("llama", "zero3 r2 tp2"), ("llama", "zero2 r2 tp2")]
 def _replica_sums(engine) -> dict:
     """ZeRO-3: of the last step's flat shards, how many were summed over the replicas during the backward."""
     sync = engine.grad_sync
-    return {"early": sync.early_replica_sums, "flats": len(sync._flats())} if hasattr(sync, "early_replica_sums") \
-        else {}
+    return {"early": sync.early_replica_sums, "flats": len(sync._flats())} if hasattr(sync, "_flats") else {}
 
 
 def _run(matrix: list[tuple[str, str]]) -> list:

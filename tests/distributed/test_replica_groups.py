@@ -32,7 +32,8 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "
                     "eval_every": 0,
                     "progress_bar": False}}
 FT = {"enabled": True, "heartbeat_timeout_s": 2.0, "timeout_s": 20.0}
-LAYOUTS = {"zero3": {"zero_optimization": {"stage": 3}},
+# ZeRO-3 with every parameter in a unit (none kept whole: this tiny model's would all be under the default threshold)
+LAYOUTS = {"zero3": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
            "tp2": {"zero_optimization": {"stage": 1}, "tensor_parallel": {"size": 2}}}
 
 
@@ -74,6 +75,9 @@ def test_a_group_killed_mid_step_heals_and_the_run_equals_the_uninterrupted_one(
     want, got = _rows(whole / "out"), _rows(killed / "out")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)) == [r["step"] for r in want]
     assert all(r["participants"] == 2 and r["shards"] == [0] for r in want)  # both groups, one shard each
+    # ZeRO-3: the groups' sums of the shards start during the backward (all but the last units'); ZeRO-1: after it
+    early = [r["early_sums"] for r in want + got]
+    assert all(e > 0 for e in early) if layout == "zero3" else not any(early), early
     errors = [_relative(g["loss"], w["loss"]) for g, w in zip(got, want)]
     assert max(errors) <= 1e-5, errors
     norms = [_relative(g["grad_norm"], w["grad_norm"]) for g, w in zip(got, want)]

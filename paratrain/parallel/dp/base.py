@@ -129,6 +129,11 @@ class GradSync(ABC):
         # HSDP: the ranks of `axis` shard, and groups of them replicate over this axis (dp_replicate): each
         # replica holds the same shards, so its gradients are summed over it once a step (`sum_over_replicas`).
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
+        # Replica groups (fault tolerance): called with (its index in `local_gradients()`, the tensor) for a gradient
+        # shard that is final while the window's last backward still runs, so the groups' sum of it starts early.
+        # A strategy that has no such point leaves every shard to `local_gradients()` after finish_gradients.
+        self.final_gradient_hook: Callable[[int, torch.Tensor], None] | None = None
+        self.early_replica_sums = 0  # of the last step's shards, how many began that sum during the backward (ZeRO-3)
         self.optimizer: torch.optim.Optimizer | None = None
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 

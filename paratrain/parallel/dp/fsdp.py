@@ -93,6 +93,8 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         self._boundary = True  # the running backward ends the window: the shards it collects are final
         self._replica_sums: dict[int, comm.Handle] = {}  # HSDP: id(flat) -> its sum over the replicas, in flight
         self.early_replica_sums = 0  # HSDP: of the last step's shards, how many were launched during the backward
+        self._hooked = 0  # replica groups: the shards of the running window handed to `final_gradient_hook`
+        self._flat_index: dict[int, int] | None = None
 
     # ---- sharding (needs the param groups, so it happens with the optimizer) ---------------------
     def build_optimizer(self, factory: OptimizerFactory, param_groups: list | None = None) -> torch.optim.Optimizer:
@@ -227,14 +229,22 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         self._launched = []
 
     def _launch_replica_sum(self, flat: FlatParam) -> None:
-        """HSDP: in the window's last backward a collected shard is final, so its all-reduce over the replicas
-        starts now and runs beside the rest of the backward (`finish_gradients` waits for it). An offloaded
-        shard is summed at the end, on the device."""
-        if self.replicate is None or not self._boundary:
+        """In the window's last backward a collected shard is final, so its sum over the replicas starts now and
+        runs beside the rest of the backward (`finish_gradients` waits for it): HSDP's all-reduce over dp_replicate,
+        or else the replica groups' (`final_gradient_hook`). An offloaded shard is summed at the end, on the
+        device."""
+        if not self._boundary or (self.replicate is None and self.final_gradient_hook is None):
             return
         grad = flat.master.ensure_grad()
-        if grad.device == self.offload.device:
+        if grad.device != self.offload.device:
+            return
+        if self.replicate is not None:
             self._replica_sums[id(flat)] = comm.all_reduce(grad, self.replicate, tag="grad", async_op=True)
+            return
+        if self._flat_index is None:
+            self._flat_index = {id(f): i for i, f in enumerate(self._flats())}  # `local_gradients()`' order
+        self._hooked += 1
+        self.final_gradient_hook(self._flat_index[id(flat)], grad)
 
     def prepare_backward(self, sync: bool) -> None:
         if self._backward_pending:
@@ -279,9 +289,10 @@ class FullyShardedDataParallel(ShardedState, GradSync):
         self._backward_pending = False
 
     def finish_gradients(self) -> None:
-        self.early_replica_sums = len(self._replica_sums)  # launched while the backward ran; the rest from here
+        self.early_replica_sums = len(self._replica_sums) + self._hooked  # launched while the backward ran
         if self._backward_pending:
             self._collect()  # also reduces what a window without a sync backward left staged
+        self._hooked = 0
         for unit in self._all_units():
             unit.reshard()  # whatever a prefetch gathered but no backward used
         for handle in self._replica_sums.values():
