@@ -54,6 +54,10 @@ def launch_groups(args) -> int:
     if cfg.fault_tolerance.min_replicas > groups:
         raise ConfigError(f"fault_tolerance.min_replicas = {cfg.fault_tolerance.min_replicas} is more than the "
                           f"{groups} groups of --replica-groups: no step could commit; lower it")
+    failure, ranks = cfg.fault_tolerance.inject_failure, args.nproc_per_node or 1
+    if failure is not None and failure.rank >= ranks:  # refused here once, not by every group at every restart
+        raise ConfigError(f"fault_tolerance.inject_failure.rank = {failure.rank}, but --nproc-per-node gives each "
+                          f"group {ranks} rank(s); set it to at most {ranks - 1}")
     lighthouse = None if cfg.fault_tolerance.lighthouse else start_lighthouse(cfg.fault_tolerance)
     address = cfg.fault_tolerance.lighthouse or lighthouse.address()
     from torch.distributed import TCPStore

@@ -271,6 +271,10 @@ def train_replica_group(cfg, run_dir: str | None, steps: int, start) -> dict:
     started = time.time() - _process_age_s()
     group = int(os.environ.get(GROUP_ENV, "0"))
     ft = cfg.fault_tolerance
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ft.inject_failure is not None and ft.inject_failure.rank >= ranks:  # it would never fire
+        raise ConfigError(f"fault_tolerance.inject_failure.rank = {ft.inject_failure.rank}, but each replica group "
+                          f"has {ranks} rank(s); set it to at most {ranks - 1}")
     engine, loader, _, out, info = start(_group_config(cfg, group), run_dir)  # the launcher's directory per group
     replicas = TorchftGroups(engine, ft, group)
     engine.join_replica_groups(replicas)

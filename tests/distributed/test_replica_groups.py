@@ -122,6 +122,15 @@ def test_bad_fault_tolerance_input_is_named(tmp_path):
         load_config(config(min_replicas=3, replica_groups=2))
     with pytest.raises((ConfigError, InvalidValueError), match="inject_failure.replica_group = 2, but the groups"):
         load_config(config(inject_failure={"replica_group": 2, "at_step": 1}))
+    # a failure injected into a rank the groups do not have: refused once by the launcher, before any group starts
+    cwd = tmp_path / "rank"
+    cwd.mkdir()
+    (cwd / "c.json").write_text(json.dumps(config(inject_failure={"replica_group": 1, "at_step": 2, "rank": 1})))
+    run = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--config", "c.json", "--run-dir", "out",
+                          "--replica-groups", "2", "--nproc-per-node", "1"], cwd=cwd, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert run.returncode != 0 and not (cwd / "out").exists(), run.stderr[-3000:]
+    assert run.stderr.count("fault_tolerance.inject_failure.rank = 1, but --nproc-per-node gives each group 1") == 1
     # an unreachable Lighthouse: the job stops after fault_tolerance.timeout_s, naming the field
     cwd = tmp_path / "nowhere"
     cwd.mkdir()
