@@ -18,6 +18,11 @@ Then the replica-groups job runs again with a rank of group 1 SIGKILLed in the m
   heartbeat timeout plus one step;
 - the restarted group's time from its processes' start to its rejoining.
 
+With `--peer`, the recovery is measured beside torchft's own loop (`benchmarks/torchft_loop.py`: torchft's DDP and
+optimizer wrapper at their defaults, under torch's launcher), both with 2 groups of one process (the paratrain job's
+micro-batches then 4 rows, 1 per step, the same rows per step), and added to the results file as `torchft_peer`.
+torchft's published figures could not be read from this machine; this is the side-by-side that can be run here.
+
 Results: benchmarks/results/fault_tolerance.json; the docs' table is printed at the end. Nothing asserts a time.
 """
 
@@ -53,7 +58,8 @@ def _run(config: dict, launch: list[str], steps: int, work: Path) -> dict:
         raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
     rows = [json.loads(line) for line in (work / "out" / "metrics.jsonl").read_text().splitlines()]
     summaries = {p.parent.name: json.loads(p.read_text()) for p in (work / "out").rglob("summary.json")}
-    return {"rows": [{k: r.get(k) for k in ("step", "loss", "step_time_s", "participants")} for r in rows],
+    kept = ("step", "loss", "step_time_s", "participants", "early_sums")
+    return {"rows": [{k: r.get(k) for k in kept} for r in rows],
             "summaries": summaries}
 
 
@@ -75,9 +81,12 @@ def _pair(work: Path) -> dict:
     return out
 
 
-def _recovery(work: Path) -> dict:
+def _recovery(work: Path, nproc: int = 2) -> dict:
     cfg = {**BASE, "fault_tolerance": {**FT, "inject_failure": {"replica_group": 1, "at_step": KILL_AT}}}
-    run = _run(cfg, ["--replica-groups", "2", "--nproc-per-node", "2"], RECOVERY_STEPS, work)
+    if nproc == 1:  # the layout of the torchft peer: one rank per group, its 2 micro-batches of 2 rows in one
+        cfg = {**cfg, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+               "fault_tolerance": {**FT, "inject_failure": {"replica_group": 1, "at_step": KILL_AT, "rank": 0}}}
+    run = _run(cfg, ["--replica-groups", "2", "--nproc-per-node", str(nproc)], RECOVERY_STEPS, work)
     (record,) = run["summaries"]["out"]["recoveries"]
     healed = run["summaries"]["replica1"]["healed"]
     plain = statistics.median(r["step_time_s"] for r in run["rows"][2:] if r["participants"] == 2)
@@ -87,10 +96,65 @@ def _recovery(work: Path) -> dict:
             "failed_step_bound_s": FT["heartbeat_timeout_s"] + plain, "rows": run["rows"]}
 
 
+def _torchft_peer(work: Path) -> dict:
+    """torchft's own loop (`benchmarks/torchft_loop.py`), 2 groups of one process under torch's launcher, group 1
+    killed after the backward of step KILL_AT: the same measures from its rows."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
+                                  heartbeat_timeout_ms=int(FT["heartbeat_timeout_s"] * 1000))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCHFT_LIGHTHOUSE": lighthouse.address()}
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                               "--max-restarts", "3", "--master-port", str(29620 + g),
+                               str(ROOT / "benchmarks" / "torchft_loop.py"), "--group", str(g), "--steps",
+                               str(RECOVERY_STEPS), "--kill-group", "1", "--kill-step", str(KILL_AT), "--out",
+                               str(work)], env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for g in range(2)]
+    errors = [p.communicate()[1] for p in procs]
+    lighthouse.shutdown()
+    if any(p.returncode for p in procs):
+        raise SystemExit("\n".join(e[-3000:] for e in errors))
+    survivor, restarted = ([json.loads(x) for x in (work / f"group{g}.jsonl").read_text().splitlines()]
+                           for g in range(2))
+    plain = statistics.median(r["s"] for r in survivor[2:] if r["committed"] and r["participants"] == 2)
+    # from the attempt of the step group 1 died in to the first step the survivor committed in the new quorum (torchft
+    # commits the failed step itself when its all-reduce ended before the kill; the next quorum waits out the
+    # heartbeat), less a plain step for each step committed meanwhile: the same measure as paratrain's failed step
+    start = next(i for i, r in enumerate(survivor) if r["step"] >= KILL_AT)
+    back = next(i for i in range(start, len(survivor))
+                if survivor[i]["committed"] and survivor[i]["participants"] == 1)
+    span = survivor[start:back + 1]
+    extra = sum(r["s"] for r in span) - plain * sum(r["committed"] for r in span)
+    healed = next(r for r in restarted if r["restart"] and "healed_s" in r)
+    after = survivor[start:]
+    alone = [r for r in after if r["committed"] and r["participants"] == 1]
+    return {"median_step_s": plain, "failed_span_s": [r["s"] for r in span], "failed_step_extra_s": extra,
+            "failed_step_bound_s": FT["heartbeat_timeout_s"] + plain, "process_start_to_rejoin_s": healed["healed_s"],
+            "steps_alone": len(alone),
+            # rows of the global batch no group trained: the attempts that did not commit, and group 1's share of
+            # each step the survivor took alone (4 rows per group and step)
+            "rows_not_trained": (sum(not r["committed"] for r in after) + len(alone)) * 4,
+            "rows": {"survivor": survivor, "restarted": restarted}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--peer", action="store_true",
+                        help="only the torchft peer's recovery beside paratrain's at one rank per group, added to the "
+                             "results file")
     args = parser.parse_args(argv)
+    if args.peer:
+        out = json.loads(RESULTS.read_text())
+        rounds = []
+        for _ in range(args.rounds):
+            with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+                rounds.append({"torchft": _torchft_peer(Path(a)), "paratrain": _recovery(Path(b), nproc=1)})
+            print(peer_table([rounds[-1]]), flush=True)
+        out["torchft_peer"] = rounds
+        RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+        print(peer_table(rounds))
+        return 0
     out = {"suite": "fault_tolerance", "machine": os.uname().machine, "cpus": os.cpu_count(), "rounds": []}
     for i in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
@@ -126,6 +190,26 @@ def table(out: dict) -> str:
         f"| steps trained by the survivors alone | {rec['rejoined_at_step'] - rec['step']} (rejoined at step "
         f"{rec['rejoined_at_step']}, {rec['degraded_s']:.2f} s after the failure) | — |",
         f"| rows lost | {rec['lost_rows']} | 0 |"])
+
+
+def peer_table(rounds: list[dict]) -> str:
+    """Medians over the rounds (each value's rounds in brackets when there are several)."""
+    def cell(side: str, read, unit: str = " s") -> str:
+        values = [read(r[side]) for r in rounds]
+        shown = f"{statistics.median(values):.2f}{unit}" if unit else f"{statistics.median(values)}"
+        return shown + (f" ({', '.join(f'{v:.2f}' if unit else str(v) for v in values)})" if len(values) > 1 else "")
+
+    rows = [("step without a failure", lambda r: r["median_step_s"], " s"),
+            ("survivors' extra time in the failed step", lambda r: r["failed_step_extra_s"], " s"),
+            ("the bound: heartbeat + one step", lambda r: r["failed_step_bound_s"], " s"),
+            ("restarted group: process start to rejoining",
+             lambda r: r.get("process_start_to_rejoin_s", r.get("healed", {}).get("process_start_to_rejoin_s")), " s"),
+            ("rows of the global batch never trained",
+             lambda r: r.get("rows_not_trained", r.get("recovery", {}).get("lost_rows")), "")]
+    lines = ["| 2 groups × 1 process, group 1 killed at step 5 | torchft's own loop | paratrain |", "|---|---:|---:|"]
+    lines += [f"| {name} | {cell('torchft', read, unit)} | {cell('paratrain', read, unit)} |"
+              for name, read, unit in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
