@@ -89,7 +89,7 @@ def summarize(rows: list[dict], summary: dict, pictures: list[Path], evaluations
         lines.append(f"- communication per step on rank 0 (median): {parts}")
     for extra in (events, checkpoint_summary(rows, summary), moe_summary(rows), data_summary(rows, summary),
                   preference_summary([*evaluations, *rows]),
-                  samples_summary([*evaluations, *rows]), grpo_summary(rows)):
+                  samples_summary([*evaluations, *rows]), grpo_summary(rows), replica_summary(rows, summary)):
         if extra:
             lines.append(extra)
     lines += ["", "Pictures: " + ", ".join(p.name for p in pictures)]
@@ -225,6 +225,28 @@ def checkpoint_summary(rows: list[dict], summary: dict) -> str | None:
     share = f" ({stall / statistics.median(plain):.1%} of the median step without a save)" if plain else ""
     written = f", written in {statistics.median(writes):.3f} s (median)" if writes else ""
     return f"- checkpoints{kind}: {len(stalls)} saves, training stalled {stall * 1000:.1f} ms (median){share}{written}"
+
+
+def replica_summary(rows: list[dict], summary: dict) -> str | None:
+    """Replica groups (docs/fault-tolerance.md): each failure and its recovery from the summary's `recoveries`, and a
+    restarted group's healing from a live peer (`healed`)."""
+    groups = summary.get("replica_groups")
+    if not groups:
+        return None
+    alone = sum(r.get("participants", groups) < groups for r in rows)
+    line = (f"- replica groups: group {summary.get('replica_group', 0)} of {groups}; {alone} of {len(rows)} steps "
+            f"trained with fewer groups up")
+    for rec in summary.get("recoveries") or []:
+        line += (f"; step {rec['step']} failed ({len(rec['failed_attempts_s'])} attempt(s)) and was redone by "
+                 f"{rec['participants_after']} group(s) on {rec['shards_trained']} of {groups} shards, "
+                 f"{rec['failed_step_s']:.2f} s in all, {rec['lost_rows']} rows lost")
+        if rec.get("rejoined_at_step") is not None:
+            line += f", every group back at step {rec['rejoined_at_step']} ({rec['degraded_s']:.1f} s later)"
+    healed = summary.get("healed")
+    if healed:
+        line += (f"; this group healed from a live peer at step {healed['healed_at_step']}, "
+                 f"{healed['process_start_to_rejoin_s']:.2f} s after its processes started")
+    return line
 
 
 def step_events(rows: list[dict], config: dict) -> dict[str, list[int]]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.api import layout_label
 from paratrain.config.errors import ConfigError
 from paratrain.config.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_STORE_ENV
 from paratrain.data.datasets import DataParallelSampler
@@ -279,14 +280,17 @@ def train_replica_group(cfg, run_dir: str | None, steps: int, start) -> dict:
     replicas = TorchftGroups(engine, ft, group)
     engine.join_replica_groups(replicas)
     replicas.meet_at_start()
-    rows, recoveries, rejoin_s = _run_steps(engine, replicas, ShardRows(loader, engine, ft.replica_groups), steps,
-                                            out)
+    shards = ShardRows(loader, engine, ft.replica_groups)
+    rows, recoveries, rejoin_s = _run_steps(engine, replicas, shards, steps, out,
+                                            ft.replica_groups * shards.rows_per_shard * info["seq_len"])
     finish(engine, out, engine.global_steps, 0)
+    layout = layout_label(engine.mesh.dims, cfg.zero_optimization.stage)
     heal = None if replicas.healed_at_step is None else {
         "healed_at_step": replicas.healed_at_step, "process_start_to_rejoin_s": rejoin_s}
     summary = {"steps": engine.global_steps, "replica_group": group, "replica_groups": ft.replica_groups,
                "first_loss": rows[0]["loss"] if rows else None, "last_loss": rows[-1]["loss"] if rows else None,
                "recoveries": recoveries, "healed": heal, "world_size": engine.world_size,
+               "layout": f"{layout} in each of {ft.replica_groups} replica groups",
                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "wall_s": time.time() - started,
                "median_step_s": statistics.median(r["step_time_s"] for r in rows) if rows else None,
                "params": info["params"], "run_dir": str(out)}
@@ -298,8 +302,20 @@ def train_replica_group(cfg, run_dir: str | None, steps: int, start) -> dict:
     return summary
 
 
-def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, out: Path):
-    """Every step: quorum (and healing), this group's shards, the sums and the vote; redone until committed."""
+def _row(engine, step: int, loss: float, elapsed: float, tokens_per_step: int) -> dict:
+    """A committed step's metrics row with the job's fields (`trainer/job.py`): `paratrain report` reads them."""
+    stats = engine.comm_stats(reset=True)  # this group's, over the step's attempts
+    row = {"step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": engine.get_lr()[0],
+           "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+           "state_bytes": engine.memory_stats()["total"],
+           "comm_bytes": sum(c["bytes"] for ops in stats.values() for c in ops.values()), "comm": stats}
+    row.update(engine.checkpoint_timings())
+    return row
+
+
+def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, out: Path, tokens_per_step: int):
+    """Every step: quorum (and healing), this group's shards, the sums and the vote; redone until committed.
+    `tokens_per_step`: the global batch's (every shard's) tokens."""
     ft, gas = engine.config.fault_tolerance, engine.gradient_accumulation_steps()
     failure, restart = ft.inject_failure, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     recoveries, rows, rejoin_s = _Recoveries(ft.replica_groups), [], None
@@ -326,10 +342,10 @@ def _run_steps(engine, replicas: TorchftGroups, shards: ShardRows, steps: int, o
         recoveries.committed(step, time.perf_counter() - attempt, participants, shards.rows_per_shard, len(train))
         if os.environ.get(PAUSE_ENV):  # tests: steps long enough for a killed group to come back meanwhile
             time.sleep(float(os.environ[PAUSE_ENV]))
-        row = {"step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": engine.get_lr()[0],
-               "step_time_s": time.perf_counter() - step_start, "participants": participants, "shards": mine,
-               # the gradient shards whose sum over the groups started during the backward (ZeRO-3)
-               "early_sums": engine.grad_sync.early_replica_sums}
+        row = _row(engine, step, loss, time.perf_counter() - step_start, tokens_per_step)
+        row.update(participants=participants, shards=mine,
+                   # the gradient shards whose sum over the groups started during the backward (ZeRO-3)
+                   early_sums=engine.grad_sync.early_replica_sums)
         step_start = time.perf_counter()
         rows.append(row)
         if engine.global_rank == 0:  # this group's steps (a restarted group's file skips the ones it missed)

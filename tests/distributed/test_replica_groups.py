@@ -95,6 +95,12 @@ def test_a_group_killed_mid_step_heals_and_the_run_equals_the_uninterrupted_one(
     alone = [r for r in got if KILL_AT <= r["step"] < rejoined]
     assert all(r["participants"] == 1 and r["shards"] == [0, 1] for r in alone), alone
     assert all(r["participants"] == 2 and r["shards"] == [0] for r in got if r["step"] >= rejoined)
+    # `paratrain report` tells the failure and its recovery from the run's files
+    report = subprocess.run([sys.executable, "-m", "paratrain.cli", "report", "out"], cwd=killed, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert f"step {KILL_AT} failed" in report.stdout and "2 of 2 shards" in report.stdout, report.stdout
+    assert "0 rows lost" in report.stdout and f"every group back at step {rejoined}" in report.stdout, report.stdout
     restarted = json.loads((killed / "out" / "replica1" / "summary.json").read_text())
     assert restarted["restart"] == 1 and restarted["steps"] == STEPS
     assert restarted["healed"]["healed_at_step"] == recovery["rejoined_at_step"] - 1, restarted["healed"]
