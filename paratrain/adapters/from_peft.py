@@ -18,6 +18,7 @@ from torch import nn
 
 from paratrain.adapters.inject import AdapterError, is_linear
 from paratrain.adapters.lora import LoraLinear, Magnitude
+from paratrain.adapters.quantized import is_4bit_linear, keep_4bit_layout
 from paratrain.adapters.settings import AdapterSettings
 
 
@@ -59,7 +60,7 @@ def _convert_lora_layer(name: str, module: nn.Module, adapter: str) -> LoraLinea
     if list(getattr(module, "active_adapters", [adapter])) != [adapter]:
         _refuse(name, module, f"adapters {module.active_adapters} are active; paratrain trains one at a time "
                               f"(peft_model.set_adapter(name))")
-    if len(module.lora_embedding_A) or not is_linear(module.base_layer):
+    if len(module.lora_embedding_A) or not (is_linear(module.base_layer) or is_4bit_linear(module.base_layer)):
         _refuse(name, module, "paratrain's adapters wrap linear layers only; leave embeddings and convolutions out of "
                               "target_modules")
     if adapter in getattr(module, "lora_variant", {}) and adapter not in module.lora_magnitude_vector:
@@ -84,11 +85,12 @@ def convert_peft_model(peft_model: nn.Module) -> AdapterSettings:
                            f"(peft_model.set_adapter(name))")
     settings = _settings(peft_model, adapter)
     inner = peft_model.base_model.model
+    keep_4bit_layout(inner)
     for name, module in list(inner.named_modules()):
         kind = _peft_class(module)
         if kind is None or not name:
             continue
-        if kind == "Linear" and hasattr(module, "lora_A"):
+        if kind in ("Linear", "Linear4bit") and hasattr(module, "lora_A"):  # 4-bit: QLoRA (adapters/quantized.py)
             new = _convert_lora_layer(name, module, adapter)
         elif kind == "ModulesToSaveWrapper":
             new = module.modules_to_save[adapter]

@@ -103,6 +103,17 @@ def choose_boundaries(pipe: PipelineModule, partition, parts: int, mesh: Mesh | 
                          f"stage boundaries")
 
 
+def _free(module: nn.Module) -> None:
+    """Move a layer another stage holds to the meta device. A parameter of a tensor subclass that cannot be rebuilt
+    there (a bitsandbytes 4-bit weight, whose detach drops its type) becomes a plain one of its shape first."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and type(param) is not nn.Parameter:
+                sub._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                                     requires_grad=param.requires_grad)
+    module.to("meta")
+
+
 def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, partition, placement: str = "loop",
                    device: torch.device | None = None, own_names: bool = True,
                    placements: Placements | None = None) -> PipelineSplit:
@@ -126,7 +137,7 @@ def split_pipeline(pipe: PipelineModule, mesh: Mesh, stages: int, virtual: int, 
     local = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i, spec in enumerate(pipe.specs):
         if i not in local and isinstance(spec, nn.Module):
-            spec.to("meta")  # free what other stages hold
+            _free(spec)  # what other stages hold
         elif i not in local:
             assert isinstance(spec, LayerSpec)
     stage_module = StageModule(chunks, mine)

@@ -1,0 +1,62 @@
+"""4-bit frozen bases (QLoRA), recognized by what they hold; nothing here imports bitsandbytes.
+
+A bitsandbytes `Linear4bit` is an `nn.Linear` whose weight is a `Params4bit`: the packed 4-bit values as uint8 (two
+per byte) with a `quant_state` beside them (each block's scale, the quantization type, the full shape, and with
+double quantization the scales' own scales). Its forward dequantizes that weight and multiplies.
+
+[Note: a 4-bit base, whole on every rank]
+Today paratrain keeps such a layer as it comes: every rank holds the same packed values and the same scales, and
+each forward runs bitsandbytes' own dequantization, so every rank computes what one process computes, bit for bit.
+The layouts that leave frozen weights whole work unchanged: DDP, ZeRO-1 and ZeRO-2 (they shard only what trains),
+pipelines (a stage keeps whole layers) and context parallelism. The two that would cut the packed data are refused
+by name before anything changes (`check_quantized_layout`): ZeRO-3 flattens every weight into its units' shards
+and tensor parallelism splits the weight along a dimension, and either would drop the `quant_state` (a block of 64
+values and its scale must stay together).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.config.errors import ConfigError
+
+
+def is_4bit_linear(module: nn.Module) -> bool:
+    """A bitsandbytes `Linear4bit` (or anything holding its kind of weight): packed uint8 data and a quant_state."""
+    weight = getattr(module, "weight", None)
+    return isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8 \
+        and getattr(weight, "quant_state", None) is not None
+
+
+def four_bit_layers(model: nn.Module) -> list[str]:
+    """The names of the model's 4-bit linear layers, in module order."""
+    return [name for name, module in model.named_modules() if is_4bit_linear(module)]
+
+
+def keep_4bit_layout(model: nn.Module) -> None:
+    """Turn off bitsandbytes' CPU repacking of each 4-bit layer: on a CPU with AVX512-BF16, the first forward in eval
+    mode without gradients rewrites the packed weight in place into a CPU-only layout, after which ranks that
+    evaluated and ranks that did not would hold different bases, and a checkpoint a layout only that CPU reads.
+    Every forward then dequantizes the packed weight as training does."""
+    for name in four_bit_layers(model):
+        module = model.get_submodule(name)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def check_quantized_layout(model: nn.Module, zero_stage: int, tp: int) -> None:
+    """Refuse, naming the field and the fix, a layout that would cut a 4-bit base (the module note)."""
+    layers = four_bit_layers(model)
+    if not layers:
+        return
+    where = f"the bitsandbytes Linear4bit '{layers[0]}'" + (f" and {len(layers) - 1} more" if len(layers) > 1 else "")
+    if zero_stage == 3:
+        raise ConfigError(f"zero_optimization.stage 3 over a 4-bit base ({where}) is not built"
+                          f": ZeRO-3 would flatten its packed 4-bit data into shards and drop its quantization "
+                          f"state; use stage 0, 1 or 2 (the 4-bit base then stays whole on every rank, and the "
+                          f"adapters and their optimizer states are what ZeRO shards)")
+    if tp > 1:
+        raise ConfigError(f"tensor_parallel.size {tp} over a 4-bit base ({where}) is not built"
+                          f": splitting its packed 4-bit weight would drop its quantization state; use "
+                          f"tensor_parallel.size 1 with data, pipeline or context parallelism")

@@ -1,0 +1,73 @@
+"""QLoRA, exact: a peft model over a bitsandbytes 4-bit base, as users write it, against the same model in one process.
+
+A tiny transformers Llama loaded with bitsandbytes' 4-bit quantization (nf4; fp4 with double quantization), through
+`prepare_model_for_kbit_training`, with peft's LoRA on every linear layer of its decoder (`tests/peft_cases.py`),
+trains 3 AdamW steps in fp32 on rows with masked prompts, clipping active (asserted on the reference). The layouts
+keep the 4-bit base whole on every rank (adapters/quantized.py): DDP, ZeRO-1, ZeRO-2, pp2 and cp2 (ring) on 4 ranks.
+Per step the loss and the global gradient norm, and at the end every adapter tensor and every packed 4-bit tensor,
+must be within 1e-5 of the reference, which runs each document alone through peft's own Linear4bit layers
+(bitsandbytes' dequantization, as the engine's layers run it). ZeRO-3 and tensor parallelism over a 4-bit base are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from paratrain.testing.parity import compare, reference_config, run_layout, summarize
+from paratrain.testing.reference import reference_run
+from tests.cases import import_or_skip
+from tests.distributed.test_real_data import ROWS, STEPS, real_layout
+from tests.peft_cases import qlora_hf
+from tests.real_data import RealRows, documents_loss
+
+import_or_skip("peft")
+import_or_skip("bitsandbytes")
+
+CLIP = 0.05  # below every reference step's gradient norm (asserted): clipping is active
+LAYOUTS = {"ddp": real_layout(1, 4), "zero1": real_layout(1, 4, zero=1), "zero2": real_layout(1, 4, zero=2),
+           "pp2 1f1b": real_layout(2, 2, pp=2), "cp2 ring": real_layout(2, 2, cp=2)}
+QUANT = {"nf4": {"quant": "nf4"}, "fp4 double": {"quant": "fp4", "double": True}}
+MATRIX = [("nf4", name) for name in LAYOUTS] + [("fp4 double", name) for name in ("zero2", "pp2 1f1b")]
+
+
+def _runs(matrix: list[tuple[str, str]]) -> list:
+    return [run_layout({**LAYOUTS[name], "gradient_clipping": CLIP}, functools.partial(qlora_hf, **QUANT[quant]),
+                       RealRows("masked"), STEPS, keep_state=True) for quant, name in matrix]
+
+
+def test_qlora_in_the_layouts_that_keep_the_4bit_base_whole(world4):
+    per_rank = world4.run(_runs, MATRIX)
+    refs = {}
+    for i, (quant, name) in enumerate(MATRIX):
+        run = per_rank[0][i]
+        assert run.train_batch_size == ROWS, (quant, name)
+        if quant not in refs:
+            refs[quant] = reference_run(functools.partial(qlora_hf, **QUANT[quant], reference=True),
+                                        reference_config({**LAYOUTS[name], "gradient_clipping": CLIP}, run),
+                                        RealRows("masked"), STEPS, loss_of=documents_loss)
+            assert all(norm > CLIP for norm in refs[quant].grad_norms), (quant, refs[quant].grad_norms)
+        summary = summarize(compare(run, refs[quant]))
+        print(f"{quant} {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
+              f"param {summary['param_err']:.1e}")
+        assert summary["passed"], (quant, name, summary)
+        packed = [k for k in run.final_state if k.endswith("base_layer.weight")]
+        assert packed and all(str(run.final_state[k].dtype) == "torch.uint8" for k in packed), packed[:3]
+
+
+@pytest.mark.parametrize("layout, field", [({"zero_optimization": {"stage": 3}}, "zero_optimization.stage 3"),
+                                           ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size 2")])
+def test_layouts_that_would_cut_a_4bit_base_are_refused_by_name(world2, layout, field):
+    world2.run(_refused, layout, field)
+
+
+def _refused(layout: dict, field: str) -> None:
+    import paratrain
+    from paratrain.config import ConfigError
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **layout}
+    with pytest.raises(ConfigError, match=f"{field} over a 4-bit base \\(the bitsandbytes Linear4bit "
+                                          f"'model.layers.0.self_attn.q_proj.base_layer' and 13 more\\) is not built"):
+        paratrain.initialize(model=qlora_hf(), config=config)
