@@ -43,15 +43,14 @@ def peft_hf(family: str = "llama", method: str = "lora", meta: bool = False, see
 _SAVED: dict[str, str] = {}  # this process's tiny base models, saved once each (a 4-bit load reads a directory)
 
 
-def qlora_hf(quant: str = "nf4", double: bool = False, reference: bool = False, base_seed: int = 1):
-    """QLoRA as users write it: a tiny transformers Llama loaded with bitsandbytes' 4-bit quantization (`quant`: nf4
-    or fp4; `double`: double quantization; fp32 compute), `prepare_model_for_kbit_training`, and peft's LoRA on every
-    linear layer of its decoder, B started away from zero. `reference`: the inner transformers model, whose LoRA
-    layers are peft's own Linear4bit."""
+def qlora_base(quant: str = "nf4", double: bool = False, base_seed: int = 1):
+    """A tiny transformers Llama loaded with bitsandbytes' 4-bit quantization (`quant`: nf4 or fp4; `double`: double
+    quantization; fp32 compute), every forward dequantizing as the engine's do (adapters/quantized.py)."""
     import tempfile
 
-    import peft
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from paratrain.adapters.quantized import keep_4bit_layout
 
     if base_seed not in _SAVED:
         _SAVED[base_seed] = tempfile.mkdtemp(prefix="qlora-base-")
@@ -67,18 +66,23 @@ def qlora_hf(quant: str = "nf4", double: bool = False, reference: bool = False, 
                                       bnb_4bit_compute_dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(_SAVED[base_seed], quantization_config=quantization,
                                                 dtype=torch.float32)
-    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    keep_4bit_layout(base)
+    return base
+
+
+def qlora_hf(quant: str = "nf4", double: bool = False, reference: bool = False, base_seed: int = 1):
+    """QLoRA as users write it: `qlora_base`, `prepare_model_for_kbit_training`, and peft's LoRA on every linear layer
+    of its decoder, A and B drawn from their names (B away from zero). `reference`: the inner transformers model,
+    whose LoRA layers are peft's own Linear4bit."""
+    import peft
+
+    base = peft.prepare_model_for_kbit_training(qlora_base(quant, double, base_seed), use_gradient_checkpointing=False)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL_LINEAR)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:  # A and B from their names: the same in every process whatever ran before
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
-    if reference:  # as the engine's (adapters/quantized.py): every forward dequantizes, none repacks the weight
-        from paratrain.adapters.quantized import keep_4bit_layout
-
-        keep_4bit_layout(model.base_model.model)
-        return model.base_model.model
-    return model
+    return model.base_model.model if reference else model
 
 
 def _paratrain_init(inner, seed: int) -> None:

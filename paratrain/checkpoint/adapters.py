@@ -23,6 +23,7 @@ import torch
 from paratrain.adapters.experts import expert_adapters
 from paratrain.adapters.lora import lora_layers, merge_adapter
 from paratrain.adapters.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, is_adapter_name, peft_key
+from paratrain.adapters.quantized import is_4bit_linear
 from paratrain.adapters.settings import AdapterSettings
 from paratrain.checkpoint.format import CheckpointError, SafetensorsWriter, atomic_write_text
 from paratrain.checkpoint.pretrained import WRITER, FullTensorStream, publish, raise_on_every_rank
@@ -37,14 +38,19 @@ class LayerMerge:
     transposed: bool  # a Conv1D base: its weight is (in, out)
 
 
-def merge_plan(parallel, mesh) -> dict[str, LayerMerge]:
+def merge_plan(parallel, mesh, merging: bool = True) -> dict[str, LayerMerge]:
     """{original path of every adapted layer: how to fold its adapter in}, on every rank (collective: a pipeline
-    stage knows only its own layers). A layer that cannot be merged is refused on every rank alike."""
+    stage knows only its own layers). A layer that cannot be merged is refused on every rank alike (a 4-bit base
+    only when `merging`: its adapter saves unmerged)."""
     mine, problem = {}, None
     for path, layer in lora_layers(parallel.module):
         weight = layer.lora_A[layer.active].weight
         original = parallel.origin(f"{path}.lora_A.{layer.active}.weight", weight).name.split(".lora_A.")[0]
         transposed = type(layer.base_layer).__name__ == "Conv1D" or getattr(layer.base_layer, "transposed", False)
+        if merging and is_4bit_linear(layer.base_layer):
+            problem = (f"save_pretrained(merged=True): '{original}' has a 4-bit base (bitsandbytes Linear4bit), and "
+                       f"dequantizing it into the compute dtype is not built; save the adapter unmerged (peft loads "
+                       f"it onto the 4-bit base)")
         if layer.lora_B[layer.active].bias is not None and getattr(layer.base_layer, "bias", None) is None:
             problem = (f"save_pretrained(merged=True): '{original}' has a bias on its LoRA B (peft.bias) but its base "
                        f"layer has none to fold it into; save the adapter unmerged")
@@ -127,7 +133,7 @@ def save_adapter(parallel, mesh, device: torch.device, directory, settings: Adap
     every trainable tensor (adapters, modules_to_save) under peft's keys, and adapter_config.json."""
     directory, world, writer = Path(directory), mesh.world, mesh.rank == WRITER
     keep = trainable_names(parallel, mesh)
-    adapted = sorted(merge_plan(parallel, mesh))
+    adapted = sorted(merge_plan(parallel, mesh, merging=False))
     stream = FullTensorStream(parallel, mesh, device, keep=keep.__contains__)
 
     def cast(t: torch.Tensor) -> torch.Tensor:

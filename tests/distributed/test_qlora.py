@@ -8,6 +8,9 @@ Per step the loss and the global gradient norm, and at the end every adapter ten
 must be within 1e-5 of the reference, which runs each document alone through peft's own Linear4bit layers
 (bitsandbytes' dequantization, as the engine's layers run it). ZeRO-3 and tensor parallelism over a 4-bit base are
 refused by name.
+
+The adapter saved from ZeRO-2 (dp4) and from pp2 (dp2·pp2) loads with `peft.PeftModel.from_pretrained` onto the 4-bit
+base and gives the trained model's logits (1e-5); a merged save over a 4-bit base is refused by name on every rank.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from paratrain.testing.parity import compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
 from tests.cases import import_or_skip
 from tests.distributed.test_real_data import ROWS, STEPS, real_layout
-from tests.peft_cases import qlora_hf
+from tests.peft_cases import qlora_base, qlora_hf
 from tests.real_data import RealRows, documents_loss
 
 import_or_skip("peft")
@@ -71,3 +76,39 @@ def _refused(layout: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=f"{field} over a 4-bit base \\(the bitsandbytes Linear4bit "
                                           f"'model.layers.0.self_attn.q_proj.base_layer' and 13 more\\) is not built"):
         paratrain.initialize(model=qlora_hf(), config=config)
+
+
+SAVED = {"zero2": LAYOUTS["zero2"], "pp2": LAYOUTS["pp2 1f1b"]}
+
+
+def _train_and_save(root: str) -> dict:
+    from paratrain import initialize
+    from paratrain.checkpoint import CheckpointError
+
+    out = {}
+    for name, config in SAVED.items():
+        engine, *_ = initialize(model=qlora_hf(), config=config, training_data=RealRows("masked"))
+        for _ in range(2):
+            engine.train_batch()
+        engine.save_pretrained(f"{root}/{name}")
+        with pytest.raises(CheckpointError, match="has a 4-bit base .* not built; save the adapter unmerged"):
+            engine.save_pretrained(f"{root}/{name}_merged", merged=True)
+        state = engine.full_state_dict()  # (collective)
+        out[name] = {k: v for k, v in state.items() if ".lora_" in k} if dist.get_rank() == 0 else None
+    return out
+
+
+def test_the_adapter_saved_from_zero2_and_pp2_loads_with_peft_onto_the_4bit_base(world4, tmp_path):
+    import peft
+
+    trained_states = world4.run(_train_and_save, str(tmp_path))[0]
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for name, adapters in trained_states.items():
+        trained = qlora_hf(reference=True)  # the model as trained: the engine's adapters in peft's own layers
+        missing = trained.load_state_dict(adapters, strict=False)
+        assert not missing.unexpected_keys, missing.unexpected_keys[:3]
+        loaded = peft.PeftModel.from_pretrained(qlora_base(), tmp_path / name)
+        with torch.no_grad():
+            want, got = trained(input_ids=ids).logits, loaded(input_ids=ids).logits
+        assert float((got - want).norm() / want.norm()) <= 1e-5, name
+        assert not (tmp_path / f"{name}_merged").exists()
