@@ -29,6 +29,20 @@ def is_4bit_linear(module: nn.Module) -> bool:
         and getattr(weight, "quant_state", None) is not None
 
 
+def quantization_state(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of a 4-bit weight's quantization state, held beside its packed data: each block's scale (`absmax`)
+    and the code book; with double quantization also the scales' own scales, code book and offset. None for any
+    other tensor."""
+    state = getattr(weight, "quant_state", None)
+    if state is None:
+        return []
+    nested = getattr(state, "state2", None)
+    parts = [state.absmax, state.code, getattr(state, "offset", None)]
+    if nested is not None:
+        parts += [nested.absmax, nested.code]
+    return [t for t in parts if isinstance(t, torch.Tensor)]
+
+
 def four_bit_layers(model: nn.Module) -> list[str]:
     """The names of the model's 4-bit linear layers, in module order."""
     return [name for name, module in model.named_modules() if is_4bit_linear(module)]

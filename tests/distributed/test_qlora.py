@@ -38,9 +38,30 @@ QUANT = {"nf4": {"quant": "nf4"}, "fp4 double": {"quant": "fp4", "double": True}
 MATRIX = [("nf4", name) for name in LAYOUTS] + [("fp4 double", name) for name in ("zero2", "pp2 1f1b")]
 
 
+def _frozen_bytes(engine) -> dict:
+    return {"frozen": engine.memory_stats()["frozen_params"]}
+
+
 def _runs(matrix: list[tuple[str, str]]) -> list:
     return [run_layout({**LAYOUTS[name], "gradient_clipping": CLIP}, functools.partial(qlora_hf, **QUANT[quant]),
-                       RealRows("masked"), STEPS, keep_state=True) for quant, name in matrix]
+                       RealRows("masked"), STEPS, keep_state=True, inspect=_frozen_bytes) for quant, name in matrix]
+
+
+def _base_bytes(quant: str) -> int:
+    """The frozen base's bytes by formula: each 4-bit layer of n = out·in weights holds n/2 packed bytes, a scale per
+    block of 64 (fp32; with double quantization uint8, plus one fp32 scale per 256 blocks, a 256-entry fp32 code
+    book and an fp32 offset) and its 16-entry fp32 code book; every other frozen tensor its own bytes."""
+    model, double = qlora_hf(reference=True, **QUANT[quant]), QUANT[quant].get("double", False)
+    total, in_4bit = 0, set()
+    for module in model.modules():
+        if type(module).__module__.startswith("bitsandbytes") and type(module).__name__ == "Linear4bit":
+            n = module.out_features * module.in_features
+            blocks = n // 64
+            scales = blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 if double else 4 * blocks
+            total += n // 2 + scales + 4 * 16
+            in_4bit.add(id(module.weight))
+    return total + sum(p.numel() * p.element_size() for p in model.parameters()
+                       if not p.requires_grad and id(p) not in in_4bit)
 
 
 def test_qlora_in_the_layouts_that_keep_the_4bit_base_whole(world4):
@@ -58,6 +79,10 @@ def test_qlora_in_the_layouts_that_keep_the_4bit_base_whole(world4):
         print(f"{quant} {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
               f"param {summary['param_err']:.1e}")
         assert summary["passed"], (quant, name, summary)
+        # every rank holds the whole base (packed data and scales); a pipeline stage its layers' share of it
+        held = [ranks[i].extra["frozen"] for ranks in per_rank]
+        want = _base_bytes(quant)
+        assert (sum(held) == 2 * want) if name.startswith("pp2") else held == [want] * 4, (name, held, want)
         packed = [k for k in run.final_state if k.endswith("base_layer.weight")]
         assert packed and all(str(run.final_state[k].dtype) == "torch.uint8" for k in packed), packed[:3]
 

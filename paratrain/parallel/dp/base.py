@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import paratrain.comm as comm
+from paratrain.adapters.quantized import quantization_state
 from paratrain.errors import Error, RunError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Partition, Placement, Placements
@@ -280,9 +281,12 @@ class GradSync(ABC):
     # ---- shared behaviour ------------------------------------------------------------------------
     def frozen_param_bytes(self) -> int:
         """Bytes of the frozen parameters this rank holds whole, as ordinary tensors of the module (every strategy
-        but ZeRO-3, which shards them): counted in memory_stats' params."""
+        but ZeRO-3, which shards them), with a 4-bit weight's quantization state: counted in memory_stats' params."""
         trainable = {id(p) for _, p in self.named_params}
-        return tensor_bytes(p for p in self.module.parameters() if id(p) not in trainable)
+        frozen = [p for p in self.module.parameters() if id(p) not in trainable]
+        # a 4-bit base (QLoRA) also holds its blocks' scales beside the packed data (adapters/quantized.py)
+        states = {id(t): t for p in frozen for t in quantization_state(p)}
+        return tensor_bytes(frozen) + tensor_bytes(states.values())
 
     def muon_layouts(self) -> list[tuple[torch.Tensor, MasterLayout]]:
         """What each optimizer tensor holds, for Muon's whole-matrix step (`paratrain.muon.layout`). Here: whole
