@@ -70,10 +70,11 @@ def qlora_base(quant: str = "nf4", double: bool = False, base_seed: int = 1):
     return base
 
 
-def qlora_hf(quant: str = "nf4", double: bool = False, reference: bool = False, base_seed: int = 1):
+def qlora_hf(quant: str = "nf4", double: bool = False, reference: bool = False, base_seed: int = 1,
+             seed_offset: int = 0):
     """QLoRA as users write it: `qlora_base`, `prepare_model_for_kbit_training`, and peft's LoRA on every linear layer
     of its decoder, A and B drawn from their names (B away from zero). `reference`: the inner transformers model,
-    whose LoRA layers are peft's own Linear4bit."""
+    whose LoRA layers are peft's own Linear4bit; `seed_offset`: other adapter values (a model to load into)."""
     import peft
 
     base = peft.prepare_model_for_kbit_training(qlora_base(quant, double, base_seed), use_gradient_checkpointing=False)
@@ -81,7 +82,7 @@ def qlora_hf(quant: str = "nf4", double: bool = False, reference: bool = False, 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:  # A and B from their names: the same in every process whatever ran before
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed_offset))
     return model.base_model.model if reference else model
 
 
