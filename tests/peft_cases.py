@@ -109,6 +109,8 @@ SECTIONS = {"llama lora": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR
             "llama lora muon": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR)},
             "gpt lora": {"r": 4, "alpha": 8, "target_modules": ["q", "k", "v", "o", "fc", "proj"]},
             "llama dora": {"method": "dora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+            # QLoRA from the section: the adapted bases quantized to nf4 by paratrain (in_features multiples of 64)
+            "llama qlora": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR), "quantize_base": "nf4"},
             "moe experts": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj"],
                             "target_parameters": ["experts.gate_proj", "experts.up_proj", "experts.down_proj"]}}
 
@@ -125,11 +127,15 @@ def section_model(name: str, reference: bool = False, seed: int = 7):
         torch.manual_seed(1)
         model = build_model("mixtral-tiny", seq_len=16, vocab_size=256, aux_loss_coef=0.0, z_loss_coef=0.0)
     else:
-        model = tiny_llama()
+        model = tiny_llama(**({"d_model": 64, "d_ff": 128} if "qlora" in name else {}))
     if reference:
         from paratrain.adapters import inject_adapters
+        from paratrain.adapters.quantized import quantize_bases
         from paratrain.config import load_config
         from paratrain.engine.adapters import settings_of
 
-        inject_adapters(model, settings_of(load_config({"peft": SECTIONS[name]})), seed)
+        section = load_config({"peft": SECTIONS[name]}).peft
+        layers = inject_adapters(model, settings_of(load_config({"peft": SECTIONS[name]})), seed)
+        if section.quantize_base:  # as the engine quantizes them: each whole base, after the adapters went in
+            quantize_bases(layers, section.quantize_base, section.double_quant)
     return model

@@ -1,4 +1,5 @@
-"""4-bit frozen bases (QLoRA), recognized by what they hold; nothing here imports bitsandbytes.
+"""4-bit frozen bases (QLoRA), recognized by what they hold (without importing bitsandbytes), or made here from the
+`peft` section's `quantize_base` (which imports it: the `qlora` extra).
 
 A bitsandbytes `Linear4bit` is an `nn.Linear` whose weight is a `Params4bit`: the packed 4-bit values as uint8 (two
 per byte) with a `quant_state` beside them (each block's scale, the quantization type, the full shape, and with
@@ -57,6 +58,33 @@ def keep_4bit_layout(model: nn.Module) -> None:
         module = model.get_submodule(name)
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+def quantize_bases(layers: list[tuple[str, nn.Module]], quant_type: str, double: bool) -> None:
+    """Replace each adapter layer's frozen `base_layer` (an nn.Linear) by a bitsandbytes `Linear4bit` holding its
+    weight quantized whole, as `from_pretrained(..., load_in_4bit=True)` quantizes it (bit for bit), computing in the
+    weight's dtype. `layers`: (name, LoraLinear)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError("peft.quantize_base needs bitsandbytes: pip install 'paratrain[qlora]'") from None
+    for name, layer in layers:
+        base = layer.base_layer
+        if type(base) is not nn.Linear:
+            raise ConfigError(f"peft.quantize_base quantizes nn.Linear bases, and '{name}' has a "
+                              f"{type(base).__name__}; leave it out of target_modules or remove quantize_base")
+        if base.weight.is_meta:
+            raise ConfigError(f"peft.quantize_base quantizes the base's values, and '{name}' is on the meta device "
+                              f"(a deferred model, filled later): build the model with its weights, or remove "
+                              f"quantize_base")
+        quantized = bnb.nn.Linear4bit(base.in_features, base.out_features, bias=base.bias is not None,
+                                      compute_dtype=base.weight.dtype, quant_type=quant_type, device="meta")
+        quantized.weight = bnb.nn.Params4bit(base.weight.detach().clone(), requires_grad=False, quant_type=quant_type,
+                                             compress_statistics=double).to(base.weight.device)
+        if base.bias is not None:
+            quantized.bias = nn.Parameter(base.bias.detach().clone(), requires_grad=False)
+        layer.base_layer = quantized
+    keep_4bit_layout(nn.ModuleList([layer for _, layer in layers]))
 
 
 def check_quantized_layout(model: nn.Module, zero_stage: int, tp: int) -> None:

@@ -42,6 +42,13 @@ class PeftConfig(Section):
     """Modules trained whole beside the adapters (a new head, say), saved with them."""
     adapter_name: str = "default"
     """The adapter's name (peft's key infix: lora_A.<name>.weight)."""
+    quantize_base: Literal["nf4", "fp4"] | None = None
+    """QLoRA: the adapted layers' frozen bases quantized to 4 bits by bitsandbytes (the `qlora` extra) once, when the
+    engine puts the adapters in, each whole tensor before any layout touches it: "nf4" or "fp4" (None: as they are).
+    Trains in DDP, ZeRO-1/2, pipelines and context parallelism; not with ZeRO-3, tensor parallelism or a model on the
+    meta device."""
+    double_quant: bool = False
+    """With quantize_base: the blocks' scales quantized again (bitsandbytes' double quantization)."""
     load: str | None = None
     """An adapter directory (adapter_config.json + adapter_model.safetensors, peft's format) whose adapter
     weights are loaded into the model's adapters before training, to continue training it in any layout."""

@@ -27,7 +27,7 @@ from paratrain.testing.parity import compare, reference_config, run_layout, summ
 from paratrain.testing.reference import reference_run
 from tests.cases import import_or_skip
 from tests.distributed.test_real_data import ROWS, STEPS, real_layout
-from tests.peft_cases import qlora_base, qlora_hf
+from tests.peft_cases import SECTIONS, qlora_base, qlora_hf, section_model
 from tests.real_data import RealRows, documents_loss
 
 import_or_skip("peft")
@@ -167,3 +167,31 @@ def _resume(root: str) -> dict:
 def test_a_qlora_run_resumes_bit_for_bit_with_and_without_its_4bit_base(world4, tmp_path):
     for case, r in world4.run(_resume, str(tmp_path))[0].items():
         assert r["losses"][0] == r["losses"][1] and r["equal"], (case, r)
+
+
+SECTION = [("ddp", LAYOUTS["ddp"]), ("zero2", LAYOUTS["zero2"]), ("pp2 1f1b", LAYOUTS["pp2 1f1b"])]
+
+
+def _section_runs() -> list:
+    return [run_layout({**config, "gradient_clipping": CLIP, "peft": SECTIONS["llama qlora"]},
+                       functools.partial(section_model, "llama qlora"), RealRows("masked"), STEPS, keep_state=True)
+            for _, config in SECTION]
+
+
+def test_the_peft_sections_quantize_base_trains_paratrains_llama_exactly(world4):
+    """`peft.quantize_base: "nf4"`: paratrain's own Llama, its adapted bases quantized whole by bitsandbytes when the
+    engine puts the adapters in, in DDP, ZeRO-2 and pp2, against one process that quantizes them the same way."""
+    per_rank = world4.run(_section_runs)
+    config = {**LAYOUTS["ddp"], "gradient_clipping": CLIP, "peft": SECTIONS["llama qlora"]}
+    reference = reference_run(functools.partial(section_model, "llama qlora", True),
+                              reference_config(config, per_rank[0][0]), RealRows("masked"), STEPS,
+                              loss_of=documents_loss)
+    assert all(norm > CLIP for norm in reference.grad_norms), reference.grad_norms
+    for i, (name, _) in enumerate(SECTION):
+        run = per_rank[0][i]
+        summary = summarize(compare(run, reference))
+        print(f"section qlora {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
+              f"param {summary['param_err']:.1e}")
+        assert summary["passed"], (name, summary)
+        packed = [k for k in run.final_state if k.endswith("q_proj.base_layer.weight")]
+        assert packed and all(run.final_state[k].dtype == torch.uint8 for k in packed), packed
