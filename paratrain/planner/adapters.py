@@ -7,7 +7,8 @@ Per block and tensor-parallel rank, an adapted projection of `in` inputs and `ou
 
 The adapters are the trainable parameters Ψ_a: their gradients, masters and optimizer state follow the ZeRO
 stage's formulas (`paratrain.zero.estimate_memory`); the whole base is frozen, F parameters, held in the compute
-dtype whole (stages 0-2) or sharded per ZeRO-3 unit (each unit's frozen and trainable buffers padded apart).
+dtype whole (stages 0-2) or sharded per ZeRO-3 unit (each unit's frozen and trainable buffers padded apart); with
+a 4-bit base (QLoRA, `--quantize-base`) the adapted projections' weights are `four_bit_bytes` each, whole.
 Communication: the data-parallel reductions move Ψ_a; ZeRO-3 gathers each unit's frozen and trainable buffers
 (twice for a block, once for the root) and reduce-scatters the trainable ones. Over tp, per adapted block and
 micro-batch: the column-parallel A's gradient summed (r·in, an all-reduce in every backward), the row-parallel A's
@@ -35,11 +36,23 @@ class LoraPlan:
     r: int
     targets: tuple[str, ...]  # the family's projection names (GPT_TARGETS, LLAMA_TARGETS)
     dora: bool = False
+    quantize: str | None = None  # QLoRA: the adapted bases in 4 bits (peft.quantize_base: nf4 | fp4)
+    double_quant: bool = False
 
     def section(self) -> dict:
         """The config's `peft` section putting these adapters in."""
+        quantized = {"quantize_base": self.quantize, "double_quant": self.double_quant} if self.quantize else {}
         return {"method": "dora" if self.dora else "lora", "r": self.r, "alpha": 2 * self.r,
-                "target_modules": list(self.targets)}
+                "target_modules": list(self.targets), **quantized}
+
+
+def four_bit_bytes(n: int, double: bool) -> int:
+    """Bytes of a weight of n values in 4 bits (bitsandbytes, blocks of 64): n/2 packed, each block's fp32 scale and a
+    16-entry fp32 code book; with double quantization the scales in uint8 plus one fp32 scale per 256 blocks, a
+    256-entry fp32 code book and an fp32 offset."""
+    blocks = ceil_div(n, 64)
+    scales = blocks + 4 * ceil_div(blocks, 256) + 4 * 256 + 4 if double else 4 * blocks
+    return ceil_div(n, 2) + scales + 4 * 16
 
 
 def projections(shape) -> dict[str, tuple[int, int, str]]:
@@ -122,5 +135,12 @@ def lora_model_states(shape, layout: Layout, stage: int, base: int) -> ModelStat
         frozen = sum(ceil_div(f, n) * n for _, f, _ in units)
     else:
         trainable, frozen = rank_blocks(shape, layout, stage) * layer_adapter_params(shape, layout.tp), base
-    return model_state_bytes(trainable, n, layout.zero_stage, layout.precision, layout.offload_optimizer,
-                             frozen_params=frozen)
+    quantized, quantized_bytes = 0, 0
+    if shape.lora.quantize:  # the adapted bases in 4 bits, whole on the rank (ZeRO-3 and tp are not built)
+        sizes = [n_in * n_out for n_in, n_out, _ in adapted(shape)]
+        blocks = rank_blocks(shape, layout, stage)
+        quantized = blocks * sum(sizes)
+        quantized_bytes = blocks * sum(four_bit_bytes(size, shape.lora.double_quant) for size in sizes)
+    states = model_state_bytes(trainable, n, layout.zero_stage, layout.precision, layout.offload_optimizer,
+                               frozen_params=frozen - quantized)
+    return states + ModelStates(quantized_bytes, 0, 0)

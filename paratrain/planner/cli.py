@@ -56,6 +56,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-targets", type=_names, default=None,
                         help="the projections to adapt (default: all of a block's), e.g. q_proj,v_proj or q,v")
     parser.add_argument("--dora", action="store_true", help="DoRA adapters (with --lora-r)")
+    parser.add_argument("--quantize-base", choices=["nf4", "fp4"], default=None,
+                        help="QLoRA: the adapted bases in 4 bits (with --lora-r; the peft section's quantize_base)")
+    parser.add_argument("--double-quant", action="store_true", help="with --quantize-base: double quantization")
     parser.add_argument("--objective", choices=["sft", "dpo", "grpo"], default=None,
                         help="what the step trains (default: the config's objective section, else sft): dpo and grpo "
                              "with beta > 0 read a reference model, costed by --reference")
@@ -98,13 +101,15 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
 def adapted_shape(shape, args: argparse.Namespace):
     """The model trained through adapters (--lora-r), or as it is."""
     if args.lora_r is None:
-        if args.lora_targets or args.dora:
-            raise PlannerError("--lora-targets / --dora need --lora-r, the adapters' rank")
+        if args.lora_targets or args.dora or args.quantize_base:
+            raise PlannerError("--lora-targets / --dora / --quantize-base need --lora-r, the adapters' rank")
         return shape
+    if args.double_quant and not args.quantize_base:
+        raise PlannerError("--double-quant needs --quantize-base nf4 or fp4")
     if args.lora_r < 1:
         raise PlannerError(f"--lora-r {args.lora_r}: the rank must be >= 1")
     targets = args.lora_targets or tuple(projections(shape))
-    return with_adapters(shape, LoraPlan(args.lora_r, targets, args.dora))
+    return with_adapters(shape, LoraPlan(args.lora_r, targets, args.dora, args.quantize_base, args.double_quant))
 
 
 def objective_shape(shape, args: argparse.Namespace):

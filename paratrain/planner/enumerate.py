@@ -48,6 +48,7 @@ class SearchSpace:
 
 def invalid_reason(shape: ModelShape, layout: Layout, gpus_per_node: int) -> str | None:
     """Why `layout` cannot run `shape` (None when it can)."""
+    quantized = shape.lora is not None and shape.lora.quantize is not None
     checks = [
         (shape.n_head % layout.tp == 0, lambda: f"tp={layout.tp} does not divide the {shape.n_head} heads"),
         (shape.d_ff % layout.tp == 0, lambda: f"tp={layout.tp} does not divide d_ff={shape.d_ff}"),
@@ -58,6 +59,8 @@ def invalid_reason(shape: ModelShape, layout: Layout, gpus_per_node: int) -> str
         (layout.pp <= shape.n_layer, lambda: f"pp={layout.pp} is more than the {shape.n_layer} layers"),
         (shape.seq_len % layout.cp == 0, lambda: f"cp={layout.cp} does not divide the sequence length {shape.seq_len}"),
         (not (layout.zero_stage == 3 and layout.pp > 1), lambda: "ZeRO-3 with pipeline parallelism is not supported"),
+        (not (quantized and layout.zero_stage == 3), lambda: "ZeRO-3 over a 4-bit base is not built"),
+        (not (quantized and layout.tp > 1), lambda: "tensor parallelism over a 4-bit base is not built"),
         (not layout.offload_optimizer or layout.zero_stage >= 1, lambda: "optimizer offload needs ZeRO stage >= 1"),
         (not layout.sequence_parallel or layout.tp > 1, lambda: "sequence parallelism needs tp > 1"),
         ((layout.pp == 1) == (layout.schedule == "none"), lambda: "a pipeline schedule is needed exactly when pp > 1"),

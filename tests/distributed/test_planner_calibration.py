@@ -161,6 +161,9 @@ def test_planner_predictions_match_the_engine(request, layout, extra):
 LORA = with_adapters(SPEC, LoraPlan(4, ("q", "v", "o", "fc", "proj")))
 DORA = with_adapters(SPEC, LoraPlan(4, GPT_TARGETS, dora=True))
 NO_PERSIST = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+SPEC_64 = shape_from_config(GPTConfig(**{**TINY, "d_model": 64}), "gpt-tiny")
+QLORA = with_adapters(SPEC_64, LoraPlan(4, GPT_TARGETS, quantize="nf4"))
+QLORA_DOUBLE = with_adapters(SPEC_64, LoraPlan(4, ("q", "v", "fc"), quantize="fp4", double_quant=True))
 ADAPTERS = [
     pytest.param(LORA, Layout(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), {}, id="lora-ddp-dp2"),
     pytest.param(LORA, Layout(dp=4, zero_stage=1, micro_batch=1, grad_accum=2, precision="bf16"), {},
@@ -177,6 +180,12 @@ ADAPTERS = [
                               precision="fp32"), {}, id="lora-dp2-pp2-zero1"),
     pytest.param(LORA, Layout(dp=4, dp_replicate=2, zero_stage=3, micro_batch=1, grad_accum=2, precision="fp32"),
                  NO_PERSIST, id="lora-hsdp-r2-zero3"),
+    # QLoRA (peft.quantize_base): the adapted bases in 4 bits, packed data and scales (widths of 64: bitsandbytes'
+    # blocks)
+    pytest.param(QLORA, Layout(dp=2, zero_stage=2, micro_batch=2, grad_accum=1, precision="fp32"), {},
+                 id="qlora-nf4-dp2-zero2"),
+    pytest.param(QLORA_DOUBLE, Layout(dp=2, micro_batch=2, grad_accum=1, precision="fp32"), {},
+                 id="qlora-fp4-double-ddp-dp2"),
 ]
 
 

@@ -160,3 +160,21 @@ def test_hsdp_is_enumerated_and_ranked_above_zero3_across_slow_node_links():
         assert hsdp.time.total < zero3.time.total, (zero3.layout.describe(), hsdp.layout.describe())
         assert result.ranked.index(hsdp) < result.ranked.index(zero3)
     assert "replicate2" in pairs[0][1].layout.describe()
+
+
+def test_qlora_plans_keep_the_4bit_base_whole_and_write_quantize_base(capsys):
+    """--quantize-base: no layout cuts the 4-bit base (ZeRO-3 and tp refused), the written config carries
+    peft.quantize_base, and a 4-bit base holds fewer parameter bytes per rank than the same layout's 16-bit one."""
+    args = ["plan", "--model", "llama-mini", "--gpus", "8", "--global-batch", "32", "--lora-r", "8", "--json",
+            "--precision", "bf16", "--top", "50"]
+    assert main([*args, "--quantize-base", "nf4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    layouts = [r["layout"] for r in report["ranked"]]
+    assert layouts and not any("zero3" in lay or re.search(r"tp[2-9]", lay) for lay in layouts), layouts
+    assert report["config"]["peft"]["quantize_base"] == "nf4"
+    assert main(args) == 0
+    plain = {r["layout"]: r["memory"]["params"] for r in json.loads(capsys.readouterr().out)["ranked"]}
+    same = [(r["memory"]["params"], plain[r["layout"]]) for r in report["ranked"] if r["layout"] in plain]
+    assert same and all(q < full for q, full in same), same[:3]
+    assert main(["plan", "--model", "llama-mini", "--gpus", "8", "--quantize-base", "nf4"]) == 2
+    assert "--quantize-base need --lora-r" in capsys.readouterr().err
