@@ -5,14 +5,14 @@ A bitsandbytes `Linear4bit` is an `nn.Linear` whose weight is a `Params4bit`: th
 per byte) with a `quant_state` beside them (each block's scale, the quantization type, the full shape, and with
 double quantization the scales' own scales). Its forward dequantizes that weight and multiplies.
 
-[Note: a 4-bit base, whole on every rank]
-Today paratrain keeps such a layer as it comes: every rank holds the same packed values and the same scales, and
-each forward runs bitsandbytes' own dequantization, so every rank computes what one process computes, bit for bit.
-The layouts that leave frozen weights whole work unchanged: DDP, ZeRO-1 and ZeRO-2 (they shard only what trains),
-pipelines (a stage keeps whole layers) and context parallelism. The two that would cut the packed data are refused
-by name before anything changes (`check_quantized_layout`): ZeRO-3 flattens every weight into its units' shards
-and tensor parallelism splits the weight along a dimension, and either would drop the `quant_state` (a block of 64
-values and its scale must stay together).
+[Note: a 4-bit base in the layouts]
+paratrain keeps such a layer as it comes and never re-quantizes or casts it: every forward runs bitsandbytes' own
+dequantization of the very bytes one process holds, so every rank computes what one process computes, bit for bit.
+DDP, ZeRO-1 and ZeRO-2 (they shard only what trains) and context parallelism keep it whole; a pipeline stage keeps
+its whole layers; ZeRO-3 shards its packed bytes in a uint8 buffer of their own per unit, gathered with the unit
+(parallel/dp/frozen.py), and keeps its quantization state whole. Tensor parallelism, which would split the weight
+along a dimension and drop the `quant_state` (a block of 64 values and its scale must stay together), is refused by
+name before anything changes (`check_quantized_layout`).
 """
 
 from __future__ import annotations
@@ -87,17 +87,12 @@ def quantize_bases(layers: list[tuple[str, nn.Module]], quant_type: str, double:
     keep_4bit_layout(nn.ModuleList([layer for _, layer in layers]))
 
 
-def check_quantized_layout(model: nn.Module, zero_stage: int, tp: int) -> None:
+def check_quantized_layout(model: nn.Module, tp: int) -> None:
     """Refuse, naming the field and the fix, a layout that would cut a 4-bit base (the module note)."""
     layers = four_bit_layers(model)
     if not layers:
         return
     where = f"the bitsandbytes Linear4bit '{layers[0]}'" + (f" and {len(layers) - 1} more" if len(layers) > 1 else "")
-    if zero_stage == 3:
-        raise ConfigError(f"zero_optimization.stage 3 over a 4-bit base ({where}) is not built"
-                          f": ZeRO-3 would flatten its packed 4-bit data into shards and drop its quantization "
-                          f"state; use stage 0, 1 or 2 (the 4-bit base then stays whole on every rank, and the "
-                          f"adapters and their optimizer states are what ZeRO shards)")
     if tp > 1:
         raise ConfigError(f"tensor_parallel.size {tp} over a 4-bit base ({where}) is not built"
                           f": splitting its packed 4-bit weight would drop its quantization state; use "

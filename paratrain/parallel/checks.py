@@ -69,7 +69,7 @@ def check_model(model: nn.Module, strategies: Strategies, spec: ModelSpec | None
                        "sp": int(tp.sequence_parallel and tp.size > 1), "ep": ep})
     check_context_parallel(model, cp)
     check_experts(model, ep, spec)
-    check_quantized_layout(model, strategies.data.zero.stage, tp.size)
+    check_quantized_layout(model, tp.size)
     heads = getattr(getattr(model, "config", None), "n_head", None)
     if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:
         try:  # Ulysses splits each tp rank's heads again

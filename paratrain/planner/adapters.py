@@ -136,7 +136,7 @@ def lora_model_states(shape, layout: Layout, stage: int, base: int) -> ModelStat
     else:
         trainable, frozen = rank_blocks(shape, layout, stage) * layer_adapter_params(shape, layout.tp), base
     quantized, quantized_bytes = 0, 0
-    if shape.lora.quantize:  # the adapted bases in 4 bits, whole on the rank (ZeRO-3 and tp are not built)
+    if shape.lora.quantize:  # the adapted bases in 4 bits, whole on the rank (the search leaves ZeRO-3 and tp out)
         sizes = [n_in * n_out for n_in, n_out, _ in adapted(shape)]
         blocks = rank_blocks(shape, layout, stage)
         quantized = blocks * sum(sizes)

@@ -8,6 +8,12 @@ base (a 70B LoRA run: ~140 GB of bf16 weights on every rank), the opposite of wh
 
 Checkpoints read and write the shard through `FrozenShard.segments()` (the same ranges `master_segments` gives
 for trainable shards, without optimizer state), so a frozen base saves, reshards and loads like any weight.
+
+A 4-bit weight (QLoRA, adapters/quantized.py) is sharded as it is: its packed bytes in a uint8 buffer of their own
+(never cast to the compute dtype), gathered and freed with the unit, so bitsandbytes dequantizes the very bytes one
+process holds. Its quantization state (the blocks' scales, 1/32 of the packed bytes with double quantization, 1/8
+without) stays whole on every rank: bitsandbytes' state dict reads it at any time, even between the unit's
+gathers, so its storage cannot be freed the way a gathered weight's is.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 
 import paratrain.comm as comm
+from paratrain.adapters.quantized import quantization_state
 from paratrain.layout.mesh import Axis
 from paratrain.parallel.dp.base import MasterSegment
 from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, ShardedBuffer, set_data
@@ -36,6 +43,7 @@ class FrozenShard(ShardedBuffer):
             self.shard = self.layout.shard_of(flat).to(home, copy=True)
             del flat
         self.full = torch.empty(self.layout.padded, dtype=dtype, device=offload.device)
+        self.whole: list[torch.Tensor] = []  # kept whole beside the shard (a 4-bit weight's quantization state)
         for slot, view in zip(self.layout.slots, self.layout.views(self.full)):
             set_data(slot.param, view)
         self.free()
@@ -61,3 +69,20 @@ class FrozenShard(ShardedBuffer):
 def split_frozen(named: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
     """(trainable, frozen) of a unit's parameters, each in module order."""
     return [x for x in named if x[1].requires_grad], [x for x in named if not x[1].requires_grad]
+
+
+def frozen_shards(frozen: list[tuple[str, nn.Parameter]], axis_of, dtype: torch.dtype,
+                  offload: OffloadPolicy) -> list[FrozenShard]:
+    """A unit's frozen parameters in shards: one buffer per axis and kind, the compute dtype or a 4-bit weight's
+    packed bytes. A packed buffer's `whole` lists its weights' quantization state, kept whole on every rank."""
+    by_kind: dict[tuple, tuple[Axis, torch.dtype, list]] = {}
+    for name, param in frozen:
+        axis = axis_of(param)
+        kind = param.dtype if getattr(param, "quant_state", None) is not None else dtype  # packed data stays uint8
+        by_kind.setdefault((id(axis), kind), (axis, kind, []))[2].append((name, param))
+    shards = []
+    for axis, kind, named in by_kind.values():
+        shard = FrozenShard(named, axis, kind, offload)
+        shard.whole = [t for _, param in named for t in quantization_state(param)]
+        shards.append(shard)
+    return shards

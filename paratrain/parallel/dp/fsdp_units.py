@@ -31,7 +31,7 @@ from paratrain.parallel.dp.flat import (
     split_param_groups,
     state_with_gathered,
 )
-from paratrain.parallel.dp.frozen import FrozenShard, split_frozen
+from paratrain.parallel.dp.frozen import FrozenShard, frozen_shards, split_frozen
 from paratrain.parallel.dp.gradients import StagedGradient
 
 WrapPolicy = Callable[[str, nn.Module], bool]
@@ -223,11 +223,7 @@ def build_units(root: nn.Module, policy: WrapPolicy, persistence_threshold: int,
                 flat = FlatParam(same, axis, dtype, offload)
                 flats.append(flat)
                 by_group.setdefault(group_index(param_groups, part, gi), (options, []))[1].append(flat.master)
-        by_axis = {}
-        for name_param in frozen:
-            axis = axis_of(name_param[1])
-            by_axis.setdefault(id(axis), (axis, []))[1].append(name_param)
-        shards = [FrozenShard(same, axis, dtype, offload) for axis, same in by_axis.values()]
+        shards = frozen_shards(frozen, axis_of, dtype, offload)
         return Unit(name, modules[name], flats, reshard_after_forward and bool(name), keep, shards)
 
     root_unit = make_unit("", owned[""])
@@ -252,7 +248,7 @@ def units_memory_stats(flats: list[FlatParam], frozen: list[FrozenShard], optimi
     master_grads = [f.master.grad for f in flats if f.master.grad is not None]  # none before the first backward
     states = optimizer_state_tensors(optimizer) if optimizer else []
     gathered = sum(f.full.untyped_storage().nbytes() for f in [*flats, *frozen])
-    frozen_bytes = tensor_bytes([f.shard for f in frozen])
+    frozen_bytes = tensor_bytes([f.shard for f in frozen] + [t for f in frozen for t in f.whole])
     params = tensor_bytes(masters + [f.device_shard for f in flats if f.device_shard is not None]) + frozen_bytes \
         + gathered
     staged = [f.grads.staging for f in flats if f.grads.staging is not None] if reduce_at_boundary else []

@@ -1,0 +1,98 @@
+"""QLoRA against LoRA in the same layout, in the real job on 2 processes:
+
+    python -m benchmarks.qlora --rounds 2
+
+paratrain's Llama (4 layers, width 512, SwiGLU 1,408, 8 heads over 4 k/v heads, the byte vocabulary, 128-token
+rows; 12.06 M parameters) trained by `paratrain train --nproc-per-node 2` on the embedded corpus,
+ZeRO-2 over dp2, fp32, AdamW, 4 rows per rank per step, through the `peft` section: LoRA r 8 on every projection of
+the blocks. The two jobs differ only in `peft.quantize_base`: "nf4" (the adapted bases in 4 bits, bitsandbytes' CPU
+backend) or none. Each round runs both back to back, alternating which goes first. Read from the runs' files:
+- step: the median `step_time_s` from step 3 on;
+- model state per rank: `memory_stats()`' total and its frozen part (the rows' `state_bytes_per_rank`, the summary);
+- peak RSS per rank (`peak_rss_per_rank`): the whole process, the Python and torch runtime included.
+The losses are not compared (a 4-bit base is another model). Results: benchmarks/results/qlora.json; the docs'
+table is printed at the end. Nothing asserts a time. Beside torch FSDP2 + torchao's NF4 (the issue's peer) it cannot
+run yet: FSDP2 shards the base, and paratrain's 4-bit base under ZeRO-3 is not built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "qlora.json"
+STEPS = 12
+MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 4, "n_head": 8, "n_kv_head": 4, "d_model": 512, "d_ff": 1408}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _config(quantize: str | None) -> dict:
+    peft = {"r": 8, "alpha": 16, "target_modules": TARGETS, **({"quantize_base": quantize} if quantize else {})}
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0}},
+            "zero_optimization": {"stage": 2}, "steps_per_print": 4, "seed": 1234, "peft": peft,
+            "trainer": {"model": "llama-tiny", "model_overrides": MODEL, "steps": STEPS, "eval_every": 0,
+                        "progress_bar": False}}
+
+
+def _run(quantize: str | None, work: Path) -> dict:
+    (work / "c.json").write_text(json.dumps(_config(quantize)))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--config", "c.json", "--nproc-per-node",
+                           "2", "--run-dir", "run"], cwd=work, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    if done.returncode:
+        raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = next(r for r in reversed(rows) if "state_bytes_per_rank" in r)
+    return {"step_s": statistics.median(r["step_time_s"] for r in rows[2:]), "loss": [r["loss"] for r in rows],
+            "state_bytes_per_rank": last["state_bytes_per_rank"], "peak_rss_per_rank": last["peak_rss_per_rank"],
+            "summary": json.loads((work / "run" / "summary.json").read_text()), "wall_s": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    out = {"suite": "qlora", "machine": os.uname().machine, "cpus": os.cpu_count(), "rounds": []}
+    for i in range(args.rounds):
+        pair = {}
+        for quantize in (None, "nf4") if i % 2 == 0 else ("nf4", None):
+            with tempfile.TemporaryDirectory() as tmp:
+                pair["qlora" if quantize else "lora"] = _run(quantize, Path(tmp))
+        pair["step_ratio"] = pair["qlora"]["step_s"] / pair["lora"]["step_s"]
+        out["rounds"].append(pair)
+        print(f"round {i}: step {pair['lora']['step_s'] * 1e3:.0f} ms (LoRA) vs {pair['qlora']['step_s'] * 1e3:.0f} ms"
+              f" (QLoRA), state {pair['lora']['state_bytes_per_rank']} vs {pair['qlora']['state_bytes_per_rank']}",
+              flush=True)
+    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    print(table(out))
+    return 0
+
+
+def table(out: dict) -> str:
+    def median(kind: str, read) -> float:
+        return statistics.median(read(r[kind]) for r in out["rounds"])
+
+    lines = ["| ZeRO-2 dp2, LoRA r 8 on every projection | step (ms) | model state per rank (MiB) | peak RSS per rank "
+             "(MiB) |", "|---|---:|---:|---:|"]
+    for kind, label in (("lora", "LoRA, fp32 base"), ("qlora", "QLoRA, nf4 base")):
+        lines.append(f"| {label} | {median(kind, lambda r: r['step_s']) * 1e3:.0f} | "
+                     f"{median(kind, lambda r: max(r['state_bytes_per_rank'])) / 2**20:.1f} | "
+                     f"{median(kind, lambda r: max(r['peak_rss_per_rank'])) / 2**20:.0f} |")
+    ratios = ", ".join(f"{r['step_ratio']:.2f}" for r in out["rounds"])
+    lines.append(f"\nQLoRA step / LoRA step: {statistics.median(r['step_ratio'] for r in out['rounds']):.2f} "
+                 f"(rounds {ratios})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
