@@ -11,8 +11,12 @@ backend) or none. Each round runs both back to back, alternating which goes firs
 - model state per rank: `memory_stats()`' total and its frozen part (the rows' `state_bytes_per_rank`, the summary);
 - peak RSS per rank (`peak_rss_per_rank`): the whole process, the Python and torch runtime included.
 The losses are not compared (a 4-bit base is another model). Results: benchmarks/results/qlora.json; the docs'
-table is printed at the end. Nothing asserts a time. Not here: torch FSDP2 + torchao's NF4 (torchtune's way) beside
-it.
+table is printed at the end. Nothing asserts a time.
+
+Beside both, in the same rounds: torch FSDP2 + torchao's NF4, torchtune's way (`benchmarks/qlora_fsdp2.py`), the
+same model, shapes and AdamW under torch's launcher; its model state is its shards of every parameter (NF4 scales
+included), gradients and optimizer state between steps. paratrain's `memory_stats()` also counts the units gathered
+at that moment and the 4-bit weights' whole quantization state.
 """
 
 from __future__ import annotations
@@ -58,6 +62,21 @@ def _run(quantize: str | None, work: Path) -> dict:
             "summary": json.loads((work / "run" / "summary.json").read_text()), "wall_s": time.perf_counter() - start}
 
 
+def _peer(work: Path) -> dict:
+    """torch FSDP2 over torchao's NF4 (`benchmarks/qlora_fsdp2.py`), the same model, shapes and optimizer."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           "29640", str(ROOT / "benchmarks" / "qlora_fsdp2.py"), "--out", str(work), "--steps",
+                           str(STEPS)], cwd=work, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    if done.returncode:
+        raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
+    return {"step_s": statistics.median(ranks[0]["step_times_s"][2:]),
+            "state_bytes_per_rank": [sum(r["state"].values()) for r in ranks], "state": [r["state"] for r in ranks],
+            "wall_s": time.perf_counter() - start}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -65,14 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     out = {"suite": "qlora", "machine": os.uname().machine, "cpus": os.cpu_count(), "rounds": []}
     for i in range(args.rounds):
         pair = {}
-        for quantize in (None, "nf4") if i % 2 == 0 else ("nf4", None):
+        order = ["lora", "qlora", "fsdp2_torchao"]
+        for kind in order[i % 3:] + order[:i % 3]:  # each round starts with another
             with tempfile.TemporaryDirectory() as tmp:
-                pair["qlora" if quantize else "lora"] = _run(quantize, Path(tmp))
+                pair[kind] = _peer(Path(tmp)) if kind == "fsdp2_torchao" else \
+                    _run("nf4" if kind == "qlora" else None, Path(tmp))
         pair["step_ratio"] = pair["qlora"]["step_s"] / pair["lora"]["step_s"]
+        pair["step_vs_fsdp2"] = pair["qlora"]["step_s"] / pair["fsdp2_torchao"]["step_s"]
+        pair["state_vs_fsdp2"] = max(pair["qlora"]["state_bytes_per_rank"]) / \
+            max(pair["fsdp2_torchao"]["state_bytes_per_rank"])
         out["rounds"].append(pair)
         print(f"round {i}: step {pair['lora']['step_s'] * 1e3:.0f} ms (LoRA) vs {pair['qlora']['step_s'] * 1e3:.0f} ms"
-              f" (QLoRA), state {pair['lora']['state_bytes_per_rank']} vs {pair['qlora']['state_bytes_per_rank']}",
-              flush=True)
+              f" (QLoRA) vs {pair['fsdp2_torchao']['step_s'] * 1e3:.0f} ms (FSDP2 + torchao), state "
+              f"{pair['lora']['state_bytes_per_rank']} vs {pair['qlora']['state_bytes_per_rank']} vs "
+              f"{pair['fsdp2_torchao']['state_bytes_per_rank']}", flush=True)
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     print(table(out))
     return 0
@@ -84,13 +109,15 @@ def table(out: dict) -> str:
 
     lines = ["| ZeRO-3 dp2, LoRA r 8 on every projection | step (ms) | model state per rank (MiB) | peak RSS per rank "
              "(MiB) |", "|---|---:|---:|---:|"]
-    for kind, label in (("lora", "LoRA, fp32 base"), ("qlora", "QLoRA, nf4 base")):
+    for kind, label in (("lora", "paratrain LoRA, fp32 base"), ("qlora", "paratrain QLoRA, nf4 base (bitsandbytes)"),
+                        ("fsdp2_torchao", "torch FSDP2 + torchao NF4 (torchtune's way)")):
+        rss = f"{median(kind, lambda r: max(r['peak_rss_per_rank'])) / 2**20:.0f}" if kind != "fsdp2_torchao" else "-"
         lines.append(f"| {label} | {median(kind, lambda r: r['step_s']) * 1e3:.0f} | "
-                     f"{median(kind, lambda r: max(r['state_bytes_per_rank'])) / 2**20:.1f} | "
-                     f"{median(kind, lambda r: max(r['peak_rss_per_rank'])) / 2**20:.0f} |")
-    ratios = ", ".join(f"{r['step_ratio']:.2f}" for r in out["rounds"])
-    lines.append(f"\nQLoRA step / LoRA step: {statistics.median(r['step_ratio'] for r in out['rounds']):.2f} "
-                 f"(rounds {ratios})")
+                     f"{median(kind, lambda r: max(r['state_bytes_per_rank'])) / 2**20:.1f} | {rss} |")
+    for key, what in (("step_ratio", "QLoRA step / LoRA step"), ("step_vs_fsdp2", "QLoRA step / FSDP2 + torchao's"),
+                      ("state_vs_fsdp2", "QLoRA model state / FSDP2 + torchao's")):
+        ratios = ", ".join(f"{r[key]:.2f}" for r in out["rounds"])
+        lines.append(f"\n{what}: {statistics.median(r[key] for r in out['rounds']):.2f} (rounds {ratios})")
     return "\n".join(lines)
 
 
