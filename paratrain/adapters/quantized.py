@@ -9,10 +9,10 @@ double quantization the scales' own scales). Its forward dequantizes that weight
 paratrain keeps such a layer as it comes and never re-quantizes or casts it: every forward runs bitsandbytes' own
 dequantization of the very bytes one process holds, so every rank computes what one process computes, bit for bit.
 DDP, ZeRO-1 and ZeRO-2 (they shard only what trains) and context parallelism keep it whole; a pipeline stage keeps
-its whole layers; ZeRO-3 shards its packed bytes in a uint8 buffer of their own per unit, gathered with the unit
-(parallel/dp/frozen.py), and keeps its quantization state whole. Tensor parallelism, which would split the weight
-along a dimension and drop the `quant_state` (a block of 64 values and its scale must stay together), is refused by
-name before anything changes (`check_quantized_layout`).
+its whole layers; ZeRO-3 shards its packed bytes and its blocks' scales in buffers of their own per unit, gathered
+with the unit (parallel/dp/frozen.py), and keeps the rest of its quantization state (code books) whole. Tensor
+parallelism, which would split the weight along a dimension and drop the `quant_state` (a block of 64 values and its
+scale must stay together), is refused by name before anything changes (`check_quantized_layout`).
 """
 
 from __future__ import annotations

@@ -71,7 +71,9 @@ def model_pieces(parallel) -> list[HeldPiece]:
     share): the fp32 masters of trainable parameters, the frozen shards a strategy keeps (ZeRO-3), every other
     tensor of the module as it is."""
     sync = parallel.grad_sync
-    params = dict(parallel.module.named_parameters())
+    # the module's parameters, and the tensors a strategy shards besides them under their state-dict names (ZeRO-3:
+    # a 4-bit weight's scales, parallel/dp/frozen.py)
+    params = {**dict(parallel.module.named_parameters()), **dict(sync.named_frozen)}
     out = []
     for master, segments in sync.master_segments():
         out += _segment_pieces(parallel, master, segments, params, optimized=True)

@@ -53,7 +53,8 @@ def _runs(matrix: list[tuple[str, str]]) -> list:
 
 
 def _base_bytes(quant: str) -> tuple[int, int]:
-    """The frozen base's bytes by formula, and those of its quantization state: each 4-bit layer of n = out·in
+    """The frozen base's bytes by formula, and those of its quantization state besides the blocks' scales (what
+    ZeRO-3 keeps whole): each 4-bit layer of n = out·in
     weights holds n/2 packed bytes, a scale per block of 64 (fp32; with double quantization uint8, plus one fp32 scale
     per 256 blocks, a 256-entry fp32 code book and an fp32 offset) and its 16-entry fp32 code book; every other frozen
     tensor its own bytes."""
@@ -63,8 +64,8 @@ def _base_bytes(quant: str) -> tuple[int, int]:
         if type(module).__module__.startswith("bitsandbytes") and type(module).__name__ == "Linear4bit":
             n = module.out_features * module.in_features
             blocks = n // 64
-            scales = (blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 if double else 4 * blocks) + 4 * 16
-            total, state = total + n // 2 + scales, state + scales
+            kept = (4 * -(-blocks // 256) + 4 * 256 + 4 if double else 0) + 4 * 16  # besides the blocks' scales
+            total, state = total + n // 2 + (blocks if double else 4 * blocks) + kept, state + kept
             in_4bit.add(id(module.weight))
     return total + sum(p.numel() * p.element_size() for p in model.parameters()
                        if not p.requires_grad and id(p) not in in_4bit), state
@@ -86,7 +87,8 @@ def test_qlora_in_the_layouts_that_keep_the_4bit_base_whole(world4):
               f"param {summary['param_err']:.1e}")
         assert summary["passed"], (quant, name, summary)
         # every rank holds the whole base (packed data and scales), a pipeline stage its layers' share of it, and a
-        # ZeRO-3 rank a quarter of every buffer (each divides by 4 here) with the quantization state whole
+        # ZeRO-3 rank a quarter of every buffer (packed data and scales; each divides by 4 here) with the rest of the
+        # quantization state (code books, the scales' scales) whole
         held = [ranks[i].extra["frozen"] for ranks in per_rank]
         want, state = _base_bytes(quant)
         if name.startswith("zero3"):

@@ -10,10 +10,11 @@ Checkpoints read and write the shard through `FrozenShard.segments()` (the same 
 for trainable shards, without optimizer state), so a frozen base saves, reshards and loads like any weight.
 
 A 4-bit weight (QLoRA, adapters/quantized.py) is sharded as it is: its packed bytes in a uint8 buffer of their own
-(never cast to the compute dtype), gathered and freed with the unit, so bitsandbytes dequantizes the very bytes one
-process holds. Its quantization state (the blocks' scales, 1/32 of the packed bytes with double quantization, 1/8
-without) stays whole on every rank: bitsandbytes' state dict reads it at any time, even between the unit's
-gathers, so its storage cannot be freed the way a gathered weight's is.
+(never cast to the compute dtype), and its blocks' scales in a buffer of their own under their state-dict name
+(`<weight>.absmax`, the tensor bitsandbytes' state dict holds), both gathered and freed with the unit, so
+bitsandbytes dequantizes the very bytes one process holds. Checkpoints store the scales' shards like any frozen
+tensor's (the walk over the state dict finds them covered). The rest of the quantization state (code books, the
+scales' own scales: a few hundred bytes per layer) stays whole on every rank.
 """
 
 from __future__ import annotations
@@ -73,16 +74,23 @@ def split_frozen(named: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
 
 def frozen_shards(frozen: list[tuple[str, nn.Parameter]], axis_of, dtype: torch.dtype,
                   offload: OffloadPolicy) -> list[FrozenShard]:
-    """A unit's frozen parameters in shards: one buffer per axis and kind, the compute dtype or a 4-bit weight's
-    packed bytes. A packed buffer's `whole` lists its weights' quantization state, kept whole on every rank."""
+    """A unit's frozen parameters in shards: one buffer per axis and kind (the compute dtype, a 4-bit weight's
+    packed bytes, its blocks' scales under their state-dict name `<weight>.absmax`). A packed buffer's `whole`
+    lists the rest of its weights' quantization state (code books, the scales' own scales), kept whole."""
     by_kind: dict[tuple, tuple[Axis, torch.dtype, list]] = {}
+    whole: dict[tuple, list[torch.Tensor]] = {}
     for name, param in frozen:
-        axis = axis_of(param)
-        kind = param.dtype if getattr(param, "quant_state", None) is not None else dtype  # packed data stays uint8
+        axis, state = axis_of(param), getattr(param, "quant_state", None)
+        kind = param.dtype if state is not None else dtype  # packed data stays uint8
         by_kind.setdefault((id(axis), kind), (axis, kind, []))[2].append((name, param))
+        if state is not None:
+            scales = ("scales", id(axis), state.absmax.dtype)
+            by_kind.setdefault(scales, (axis, state.absmax.dtype, []))[2].append((f"{name}.absmax", state.absmax))
+            whole.setdefault((id(axis), kind), []).extend(t for t in quantization_state(param)
+                                                         if t is not state.absmax)
     shards = []
-    for axis, kind, named in by_kind.values():
+    for key, (axis, kind, named) in by_kind.items():
         shard = FrozenShard(named, axis, kind, offload)
-        shard.whole = [t for _, param in named for t in quantization_state(param)]
+        shard.whole = whole.get(key, [])
         shards.append(shard)
     return shards
