@@ -3,10 +3,12 @@
     python -m benchmarks.qlora --rounds 2
 
 paratrain's Llama (4 layers, width 512, SwiGLU 1,408, 8 heads over 4 k/v heads, the byte vocabulary, 128-token
-rows; 12.06 M parameters) trained by `paratrain train --nproc-per-node 2` on the embedded corpus,
-ZeRO-3 over dp2, fp32, AdamW, 4 rows per rank per step, through the `peft` section: LoRA r 8 on every projection of
-the blocks. The two jobs differ only in `peft.quantize_base`: "nf4" (the adapted bases in 4 bits, bitsandbytes' CPU
-backend) or none. Each round runs both back to back, alternating which goes first. Read from the runs' files:
+rows; 12.06 M parameters) trained by `paratrain train --nproc-per-node 2` on the embedded corpus, ZeRO-3 over dp2
+with every tensor sharded as FSDP2 shards them (`stage3_param_persistence_threshold` 0: at the default the adapters
+and norms would stay whole on every rank), fp32, AdamW, 4 rows per rank per step, through the `peft` section: LoRA
+r 8 on every projection of the blocks. The two jobs differ only in `peft.quantize_base`: "nf4" (the adapted bases in
+4 bits, bitsandbytes' CPU backend) or none. Each round runs both back to back, alternating which goes first. Read
+from the runs' files:
 - step: the median `step_time_s` from step 3 on;
 - model state per rank: `memory_stats()`' total and its frozen part (the rows' `state_bytes_per_rank`, the summary);
 - peak RSS per rank (`peak_rss_per_rank`): the whole process, the Python and torch runtime included.
@@ -42,7 +44,8 @@ def _config(quantize: str | None) -> dict:
     peft = {"r": 8, "alpha": 16, "target_modules": TARGETS, **({"quantize_base": quantize} if quantize else {})}
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0}},
-            "zero_optimization": {"stage": 3}, "steps_per_print": 4, "seed": 1234, "peft": peft,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 4,
+            "seed": 1234, "peft": peft,
             "trainer": {"model": "llama-tiny", "model_overrides": MODEL, "steps": STEPS, "eval_every": 0,
                         "progress_bar": False}}
 
