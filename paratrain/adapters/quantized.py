@@ -23,16 +23,20 @@ from torch import nn
 from paratrain.config.errors import ConfigError
 
 
+def is_4bit_weight(tensor: torch.Tensor) -> bool:
+    """A bitsandbytes `Params4bit` (or anything like it): packed uint8 data with a quant_state beside it."""
+    return tensor.dtype == torch.uint8 and getattr(tensor, "quant_state", None) is not None
+
+
 def is_4bit_linear(module: nn.Module) -> bool:
-    """A bitsandbytes `Linear4bit` (or anything holding its kind of weight): packed uint8 data and a quant_state."""
+    """A bitsandbytes `Linear4bit` (or anything holding its kind of weight)."""
     weight = getattr(module, "weight", None)
-    return isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8 \
-        and getattr(weight, "quant_state", None) is not None
+    return isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and is_4bit_weight(weight)
 
 
 def quantization_state(weight: torch.Tensor) -> list[torch.Tensor]:
     """The tensors of a 4-bit weight's quantization state, held beside its packed data: each block's scale (`absmax`)
-    and the code book; with double quantization also the scales' own scales, code book and offset. None for any
+    and the code book; with double quantization also the scales' own scales, code book and offset. Empty for any
     other tensor."""
     state = getattr(weight, "quant_state", None)
     if state is None:
@@ -54,9 +58,8 @@ def keep_4bit_layout(model: nn.Module) -> None:
     mode without gradients rewrites the packed weight in place into a CPU-only layout, after which ranks that
     evaluated and ranks that did not would hold different bases, and a checkpoint a layout only that CPU reads.
     Every forward then dequantizes the packed weight as training does."""
-    for name in four_bit_layers(model):
-        module = model.get_submodule(name)
-        if hasattr(module, "support_avx512bf16_for_cpu"):
+    for module in model.modules():
+        if is_4bit_linear(module) and hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
 
 
@@ -83,17 +86,16 @@ def quantize_bases(layers: list[tuple[str, nn.Module]], quant_type: str, double:
                                              compress_statistics=double).to(base.weight.device)
         if base.bias is not None:
             quantized.bias = nn.Parameter(base.bias.detach().clone(), requires_grad=False)
+        keep_4bit_layout(quantized)
         layer.base_layer = quantized
-    keep_4bit_layout(nn.ModuleList([layer for _, layer in layers]))
 
 
 def check_quantized_layout(model: nn.Module, tp: int) -> None:
     """Refuse, naming the field and the fix, a layout that would cut a 4-bit base (the module note)."""
-    layers = four_bit_layers(model)
-    if not layers:
-        return
-    where = f"the bitsandbytes Linear4bit '{layers[0]}'" + (f" and {len(layers) - 1} more" if len(layers) > 1 else "")
-    if tp > 1:
+    layers = four_bit_layers(model) if tp > 1 else []
+    if layers:
+        where = f"the bitsandbytes Linear4bit '{layers[0]}'" + (f" and {len(layers) - 1} more" if len(layers) > 1
+                                                                else "")
         raise ConfigError(f"tensor_parallel.size {tp} over a 4-bit base ({where}) is not built"
                           f": splitting its packed 4-bit weight would drop its quantization state; use "
                           f"tensor_parallel.size 1 with data, pipeline or context parallelism")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from paratrain.config.errors import ConfigError
 from paratrain.config.section import Section
 
 # Set by `paratrain train --replica-groups R` (paratrain/launcher/replica_groups.py) for each group's processes:
@@ -48,3 +49,10 @@ class FaultToleranceConfig(Section):
     timeout_s: float = Field(30.0, gt=0.0)
     """The groups' sums, the commit vote and a healing transfer fail after this long (the step is then redone)."""
     inject_failure: InjectFailureConfig | None = None
+
+
+def check_failure_rank(failure: InjectFailureConfig | None, ranks: int, where: str) -> None:
+    """`inject_failure.rank` names a rank each group has (else it would never fire); `where`: what gives the count."""
+    if failure is not None and failure.rank >= ranks:
+        raise ConfigError(f"fault_tolerance.inject_failure.rank = {failure.rank}, but {where} gives each group "
+                          f"{ranks} rank(s); set it to at most {ranks - 1}")

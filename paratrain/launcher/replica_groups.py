@@ -17,7 +17,7 @@ import sys
 import time
 
 from paratrain.config import ConfigError, load_config
-from paratrain.config.fault_tolerance import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, START_STORE_ENV
+from paratrain.config.fault_tolerance import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, START_STORE_ENV, check_failure_rank
 
 RESTARTS = 3  # per group: a group that keeps failing ends the job rather than looping
 
@@ -54,10 +54,8 @@ def launch_groups(args) -> int:
     if cfg.fault_tolerance.min_replicas > groups:
         raise ConfigError(f"fault_tolerance.min_replicas = {cfg.fault_tolerance.min_replicas} is more than the "
                           f"{groups} groups of --replica-groups: no step could commit; lower it")
-    failure, ranks = cfg.fault_tolerance.inject_failure, args.nproc_per_node or 1
-    if failure is not None and failure.rank >= ranks:  # refused here once, not by every group at every restart
-        raise ConfigError(f"fault_tolerance.inject_failure.rank = {failure.rank}, but --nproc-per-node gives each "
-                          f"group {ranks} rank(s); set it to at most {ranks - 1}")
+    # refused here once, not by every group at every restart
+    check_failure_rank(cfg.fault_tolerance.inject_failure, args.nproc_per_node or 1, "--nproc-per-node")
     lighthouse = None if cfg.fault_tolerance.lighthouse else start_lighthouse(cfg.fault_tolerance)
     address = cfg.fault_tolerance.lighthouse or lighthouse.address()
     from torch.distributed import TCPStore

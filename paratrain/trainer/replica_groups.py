@@ -27,7 +27,7 @@ import torch
 
 from paratrain.api import layout_label
 from paratrain.config.errors import ConfigError
-from paratrain.config.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_STORE_ENV
+from paratrain.config.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, START_STORE_ENV, check_failure_rank
 from paratrain.data.datasets import DataParallelSampler
 from paratrain.engine.replicas import StepDiscarded
 from paratrain.trainer.run_outputs import finish
@@ -272,10 +272,7 @@ def train_replica_group(cfg, run_dir: str | None, steps: int, start) -> dict:
     started = time.time() - _process_age_s()
     group = int(os.environ.get(GROUP_ENV, "0"))
     ft = cfg.fault_tolerance
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if ft.inject_failure is not None and ft.inject_failure.rank >= ranks:  # it would never fire
-        raise ConfigError(f"fault_tolerance.inject_failure.rank = {ft.inject_failure.rank}, but each replica group "
-                          f"has {ranks} rank(s); set it to at most {ranks - 1}")
+    check_failure_rank(ft.inject_failure, int(os.environ.get("WORLD_SIZE", "1")), "this group's launcher")
     engine, loader, _, out, info = start(_group_config(cfg, group), run_dir)  # the launcher's directory per group
     replicas = TorchftGroups(engine, ft, group)
     engine.join_replica_groups(replicas)

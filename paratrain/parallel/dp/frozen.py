@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import paratrain.comm as comm
-from paratrain.adapters.quantized import quantization_state
+from paratrain.adapters.quantized import is_4bit_weight, quantization_state
 from paratrain.layout.mesh import Axis
 from paratrain.parallel.dp.base import MasterSegment
 from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, ShardedBuffer, set_data
@@ -80,10 +80,11 @@ def frozen_shards(frozen: list[tuple[str, nn.Parameter]], axis_of, dtype: torch.
     by_kind: dict[tuple, tuple[Axis, torch.dtype, list]] = {}
     whole: dict[tuple, list[torch.Tensor]] = {}
     for name, param in frozen:
-        axis, state = axis_of(param), getattr(param, "quant_state", None)
-        kind = param.dtype if state is not None else dtype  # packed data stays uint8
+        axis, packed = axis_of(param), is_4bit_weight(param)
+        kind = param.dtype if packed else dtype  # packed data stays uint8
         by_kind.setdefault((id(axis), kind), (axis, kind, []))[2].append((name, param))
-        if state is not None:
+        if packed:
+            state = param.quant_state
             scales = ("scales", id(axis), state.absmax.dtype)
             by_kind.setdefault(scales, (axis, state.absmax.dtype, []))[2].append((f"{name}.absmax", state.absmax))
             whole.setdefault((id(axis), kind), []).extend(t for t in quantization_state(param)
