@@ -307,6 +307,7 @@ def write_staged(staged: StagedSave, axis) -> Path:
     if error:
         if target.mesh.rank == 0:
             shutil.rmtree(staged.partial, ignore_errors=True)
+        comm.barrier(axis)  # no rank raises before the partial directory is gone: its caller may look at the disk
         raise CheckpointError(f"saving checkpoint '{tag}' in '{directory}' failed: {error}")
     if target.mesh.rank == 0:
         log.info("saved checkpoint %s", directory / tag)
