@@ -40,44 +40,47 @@ def peft_hf(family: str = "llama", method: str = "lora", meta: bool = False, see
     return model.base_model.model if reference else model
 
 
-_SAVED: dict[str, str] = {}  # this process's tiny base models, saved once each (a 4-bit load reads a directory)
+_SAVED: dict[tuple, str] = {}  # this process's tiny base models, saved once each (a 4-bit load reads a directory)
 
 
-def qlora_base(quant: str = "nf4", double: bool = False, base_seed: int = 1):
+def qlora_base(quant: str = "nf4", double: bool = False, base_seed: int = 1, hidden: int = 64):
     """A tiny transformers Llama loaded with bitsandbytes' 4-bit quantization (`quant`: nf4 or fp4; `double`: double
-    quantization; fp32 compute), every forward dequantizing as the engine's do (adapters/quantized.py)."""
+    quantization; fp32 compute), every forward dequantizing as the engine's do (adapters/quantized.py). `hidden` 128
+    lets tp2 split o_proj's 128 input features into whole blocks of 64 per rank."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from paratrain.adapters.quantized import keep_4bit_layout
 
-    if base_seed not in _SAVED:
-        _SAVED[base_seed] = tempfile.mkdtemp(prefix="qlora-base-")
+    key = (base_seed, hidden)
+    if key not in _SAVED:
+        _SAVED[key] = tempfile.mkdtemp(prefix="qlora-base-")
         from safetensors.torch import save_file
 
         # in_features multiples of bitsandbytes' block of 64 (below 64 its CPU dequantization is not the weight's);
         # written by hand: save_pretrained writes on rank 0 only inside a world
-        model = tiny_hf("llama", base_seed, hidden_size=64, intermediate_size=128)
-        model.config.save_pretrained(_SAVED[base_seed])
+        model = tiny_hf("llama", base_seed, hidden_size=hidden, intermediate_size=128)
+        model.config.save_pretrained(_SAVED[key])
         save_file({k: v.detach().clone() for k, v in model.state_dict().items()},
-                  f"{_SAVED[base_seed]}/model.safetensors", metadata={"format": "pt"})
+                  f"{_SAVED[key]}/model.safetensors", metadata={"format": "pt"})
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double,
                                       bnb_4bit_compute_dtype=torch.float32)
-    base = AutoModelForCausalLM.from_pretrained(_SAVED[base_seed], quantization_config=quantization,
+    base = AutoModelForCausalLM.from_pretrained(_SAVED[key], quantization_config=quantization,
                                                 dtype=torch.float32)
     keep_4bit_layout(base)
     return base
 
 
 def qlora_hf(quant: str = "nf4", double: bool = False, reference: bool = False, base_seed: int = 1,
-             seed_offset: int = 0):
+             seed_offset: int = 0, hidden: int = 64):
     """QLoRA as users write it: `qlora_base`, `prepare_model_for_kbit_training`, and peft's LoRA on every linear layer
     of its decoder, A and B drawn from their names (B away from zero). `reference`: the inner transformers model,
     whose LoRA layers are peft's own Linear4bit; `seed_offset`: other adapter values (a model to load into)."""
     import peft
 
-    base = peft.prepare_model_for_kbit_training(qlora_base(quant, double, base_seed), use_gradient_checkpointing=False)
+    base = peft.prepare_model_for_kbit_training(qlora_base(quant, double, base_seed, hidden),
+                                                use_gradient_checkpointing=False)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL_LINEAR)))
     with torch.no_grad():
         for name, p in model.named_parameters():

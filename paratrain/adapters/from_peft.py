@@ -66,6 +66,9 @@ def _convert_lora_layer(name: str, module: nn.Module, adapter: str) -> LoraLinea
     if adapter in getattr(module, "lora_variant", {}) and adapter not in module.lora_magnitude_vector:
         _refuse(name, module, f"the LoRA variant {type(module.lora_variant[adapter]).__name__} is not one paratrain "
                               f"trains (LoRA, rsLoRA and DoRA are)")
+    if is_4bit_linear(module.base_layer) and len(module.lora_magnitude_vector):
+        _refuse(name, module, "DoRA over a 4-bit base is not built (its magnitude needs the base's row norms); use "
+                              "LoRA (use_dora=False) over the 4-bit base")
     layer = LoraLinear(module.base_layer, adapter)
     layer.lora_A, layer.lora_B, layer.lora_dropout = module.lora_A, module.lora_B, module.lora_dropout
     for key, dora in module.lora_magnitude_vector.items():

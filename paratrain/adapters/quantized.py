@@ -10,9 +10,16 @@ paratrain keeps such a layer as it comes and never re-quantizes or casts it: eve
 dequantization of the very bytes one process holds, so every rank computes what one process computes, bit for bit.
 DDP, ZeRO-1 and ZeRO-2 (they shard only what trains) and context parallelism keep it whole; a pipeline stage keeps
 its whole layers; ZeRO-3 shards its packed bytes and its blocks' scales in buffers of their own per unit, gathered
-with the unit (parallel/dp/frozen.py), and keeps the rest of its quantization state (code books) whole. Tensor
-parallelism, which would split the weight along a dimension and drop the `quant_state` (a block of 64 values and its
-scale must stay together), is refused by name before anything changes (`check_quantized_layout`).
+with the unit (parallel/dp/frozen.py), and keeps the rest of its quantization state (code books) whole.
+
+Tensor parallelism splits the packed bytes by rows (colwise) or columns (rowwise) of the matrix they encode, only
+where every block of `blocksize` consecutive values (row-major) stays on one rank with its scale (`block_cut` names
+the layer and the fix otherwise): a colwise slice is a contiguous run of whole blocks, a rowwise slice whole blocks
+of every row. Each tp rank keeps the whole quantization state (the scales are 1/8 of the packed bytes for nf4,
+about 1/32 with double quantization), so a checkpoint stores it as one process does; each forward takes this
+slice's scales from it (`local_quant_state`, with double quantization dequantizing the scales exactly as bitsandbytes
+does in each forward) and runs bitsandbytes' matmul on the slice. In every layout a checkpoint describes the packed
+bytes as that matrix, (rows, columns/2) (`packed_matrix_shape`), so any layout finds its slice.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from torch import nn
 from paratrain.config.errors import ConfigError
 
 
-def is_4bit_weight(tensor: torch.Tensor) -> bool:
+def is_4bit_weight(tensor: torch.Tensor | None) -> bool:
     """A bitsandbytes `Params4bit` (or anything like it): packed uint8 data with a quant_state beside it."""
-    return tensor.dtype == torch.uint8 and getattr(tensor, "quant_state", None) is not None
+    return isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8 \
+        and getattr(tensor, "quant_state", None) is not None
 
 
 def is_4bit_linear(module: nn.Module) -> bool:
@@ -73,6 +81,10 @@ def quantize_bases(layers: list[tuple[str, nn.Module]], quant_type: str, double:
         raise ConfigError("peft.quantize_base needs bitsandbytes: pip install 'paratrain[qlora]'") from None
     for name, layer in layers:
         base = layer.base_layer
+        if layer.is_dora():
+            raise ConfigError(f"peft.quantize_base with DoRA ('{name}'): DoRA's magnitude needs the base's row norms, "
+                              f"which are not built over a 4-bit base; use peft.method 'lora', or remove "
+                              f"quantize_base")
         if type(base) is not nn.Linear:
             raise ConfigError(f"peft.quantize_base quantizes nn.Linear bases, and '{name}' has a "
                               f"{type(base).__name__}; leave it out of target_modules or remove quantize_base")
@@ -90,12 +102,50 @@ def quantize_bases(layers: list[tuple[str, nn.Module]], quant_type: str, double:
         layer.base_layer = quantized
 
 
-def check_quantized_layout(model: nn.Module, tp: int) -> None:
-    """Refuse, naming the field and the fix, a layout that would cut a 4-bit base (the module note)."""
-    layers = four_bit_layers(model) if tp > 1 else []
-    if layers:
-        where = f"the bitsandbytes Linear4bit '{layers[0]}'" + (f" and {len(layers) - 1} more" if len(layers) > 1
-                                                                else "")
-        raise ConfigError(f"tensor_parallel.size {tp} over a 4-bit base ({where}) is not built"
-                          f": splitting its packed 4-bit weight would drop its quantization state; use "
-                          f"tensor_parallel.size 1 with data, pipeline or context parallelism")
+def packed_matrix_shape(weight: torch.Tensor) -> tuple[int, int] | None:
+    """The shape of the matrix a 4-bit weight's packed bytes encode, two values per byte along a row:
+    (rows, columns / 2); None for any other tensor, or one whose rows have an odd number of values."""
+    if not is_4bit_weight(weight):
+        return None
+    shape = tuple(weight.quant_state.shape)
+    if len(shape) != 2 or shape[1] % 2:
+        return None
+    return shape[0], shape[1] // 2
+
+
+def block_cut(name: str, linear: nn.Module, style: str, tp: int) -> str | None:
+    """Why splitting the 4-bit `linear` (the adapter layer `name`) over `tp` ranks in `style` would cut one of its
+    blocks (the module note); None where every slice is whole blocks."""
+    rows, cols = linear.weight.quant_state.shape
+    block = linear.weight.quant_state.blocksize
+    if style == "colwise":
+        per_rank, what = rows // tp * cols, f"{rows // tp} rows of {cols} values ({rows // tp * cols} values)"
+    else:
+        per_rank, what = cols // tp, f"{cols // tp} of the {cols} columns of each row"
+    if per_rank % block == 0 and (style == "colwise" or cols % block == 0):
+        return None
+    return (f"tensor_parallel.size {tp} gives each rank {what} of the 4-bit base of '{name}' ({style}), which cuts "
+            f"its blocks of {block} values (each block and its scale must stay on one rank): choose a "
+            f"tensor_parallel.size whose slices are whole blocks, or leave '{name}' out of peft.target_modules "
+            f"and of the tensor-parallel plan")
+
+
+def local_quant_state(state, style: str, index: int, parts: int):
+    """The quantization state of slice `index` of `parts` (rows for colwise, columns for rowwise) of a 4-bit weight
+    whose whole state is `state`: the slice's shape and its blocks' fp32 scales (with double quantization, the
+    scales bitsandbytes computes from their own scales in every forward, bit for bit), without nesting."""
+    rows, cols = state.shape
+    scales = state.absmax
+    if state.nested:  # as bitsandbytes' gemm does before each product: code2[absmax] * absmax2[i // 256] + offset
+        scales = torch.ops.bitsandbytes.dequantize_blockwise.default(
+            state.absmax, state.state2.absmax, state.state2.code, state.state2.blocksize, torch.float32) + state.offset
+    scales = scales.float()
+    if style == "colwise":
+        step = scales.numel() // parts
+        local, shape = scales[index * step:(index + 1) * step], (rows // parts, cols)
+    else:
+        step = cols // parts // state.blocksize
+        local = scales.view(rows, -1)[:, index * step:(index + 1) * step].reshape(-1)
+        shape = (rows, cols // parts)
+    return type(state)(absmax=local.contiguous(), shape=torch.Size(shape), code=state.code,
+                       blocksize=state.blocksize, quant_type=state.quant_type, dtype=state.dtype)

@@ -23,7 +23,7 @@ import torch
 from paratrain.adapters.experts import expert_adapters
 from paratrain.adapters.lora import lora_layers, merge_adapter
 from paratrain.adapters.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, is_adapter_name, peft_key
-from paratrain.adapters.quantized import is_4bit_linear
+from paratrain.adapters.quantized import is_4bit_weight
 from paratrain.adapters.settings import AdapterSettings
 from paratrain.checkpoint.format import CheckpointError, SafetensorsWriter, atomic_write_text
 from paratrain.checkpoint.pretrained import WRITER, FullTensorStream, publish, raise_on_every_rank
@@ -47,7 +47,7 @@ def merge_plan(parallel, mesh, merging: bool = True) -> dict[str, LayerMerge]:
         weight = layer.lora_A[layer.active].weight
         original = parallel.origin(f"{path}.lora_A.{layer.active}.weight", weight).name.split(".lora_A.")[0]
         transposed = type(layer.base_layer).__name__ == "Conv1D" or getattr(layer.base_layer, "transposed", False)
-        if merging and is_4bit_linear(layer.base_layer):
+        if merging and is_4bit_weight(getattr(layer.base_layer, "weight", None)):  # whole, or split over tp
             problem = (f"save_pretrained(merged=True): '{original}' has a 4-bit base (bitsandbytes Linear4bit), and "
                        f"dequantizing it into the compute dtype is not built; save the adapter unmerged (peft loads "
                        f"it onto the 4-bit base)")

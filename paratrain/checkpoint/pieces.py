@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.adapters.quantized import packed_matrix_shape
 from paratrain.checkpoint.format import CheckpointError
 from paratrain.checkpoint.reshard import Piece, coverage_problem, read_full
 from paratrain.comm import all_gather_object, broadcast
@@ -43,6 +44,7 @@ class HeldPiece:
     offset: int = 0  # where they start in the flattened master (its optimizer states are cut alike)
     target: torch.Tensor | None = None  # the module's whole tensor, for a piece that is one (a buffer, say)
     frozen: bool = False  # of a frozen parameter (a LoRA base): no gradient, no optimizer state
+    held_shape: tuple | None = None  # the shape the module's state dict holds it in, where the origin's differs
 
     def write(self, value: torch.Tensor) -> None:
         """Set the piece's elements to `value` (flat, `end - start` elements)."""
@@ -62,8 +64,16 @@ def _segment_pieces(parallel, tensor: torch.Tensor, segments, params: dict, opti
         data = flat[seg.offset:seg.offset + seg.end - seg.start]
         copies = sync.replicas(param, sharded=not (optimized and sync.masters_replicated))
         out.append(HeldPiece(f"model/{origin.name}", origin, seg.start, seg.end, data, copies,
-                             tensor if optimized else None, seg.offset, frozen=not optimized))
+                             tensor if optimized else None, seg.offset, frozen=not optimized,
+                             held_shape=_held_shape(param)))
     return out
+
+
+def _held_shape(tensor: torch.Tensor) -> tuple | None:
+    """A 4-bit weight's packed bytes are located as the matrix they encode (`packed_matrix_shape`), and held by
+    bitsandbytes' state dict as one column: (rows·columns/2, 1). None for any other tensor."""
+    matrix = packed_matrix_shape(tensor)
+    return None if matrix is None else (matrix[0] * matrix[1], 1)
 
 
 def model_pieces(parallel) -> list[HeldPiece]:
@@ -88,7 +98,8 @@ def model_pieces(parallel) -> list[HeldPiece]:
         data = t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1)
         # replicated over the axes the strategy reduces it over: an expert's over the ranks holding its experts
         out.append(HeldPiece(f"model/{origin.name}", origin, 0, t.numel(), data, sync.replicas(t, sharded=False),
-                             target=t, frozen=isinstance(t, nn.Parameter) and not t.requires_grad))
+                             target=t, frozen=isinstance(t, nn.Parameter) and not t.requires_grad,
+                             held_shape=_held_shape(t)))
     return out
 
 
@@ -122,7 +133,8 @@ def describe(piece: HeldPiece, owned: bool, rank: int) -> dict:
         digest = hashlib.sha1(piece.data.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
     return {"key": piece.key, "name": o.name, "shape": list(o.shape), "dtype": str(piece.data.dtype).split(".")[-1],
             "offsets": list(o.offsets), "box": list(o.local_shape), "start": piece.start, "end": piece.end,
-            "rank": rank, "owned": owned, "digest": digest, "replicated": list(o.replicated)}
+            "rank": rank, "owned": owned, "digest": digest, "replicated": list(o.replicated),
+            **({"held_shape": list(piece.held_shape)} if piece.held_shape else {})}
 
 
 def check_pieces(everyone: list[dict], explain) -> str | None:
@@ -229,5 +241,6 @@ def _assemble(everyone: list[dict], received: dict, device: torch.device) -> dic
         shape = tuple(first["shape"])
         full = read_full(pieces, fetch, shape, getattr(torch, first["dtype"])) if math.prod(shape) else \
             torch.empty(shape, dtype=getattr(torch, first["dtype"]))
-        out[first["name"]] = full.to(device)
+        held = first.get("held_shape")  # a 4-bit weight: back in the shape its module's state dict has
+        out[first["name"]] = (full.view(held) if held else full).to(device)
     return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paratrain.adapters.quantized import packed_matrix_shape
 from paratrain.data.micro_batch import MicroBatch
 from paratrain.layout.mesh import Axis, Mesh
 from paratrain.layout.origin import Origin, Renamed, Step
@@ -50,6 +51,15 @@ from paratrain.parallel.settings import DataParallelSettings, PipelineSettings, 
 from paratrain.parallel.tp import RNGTracker
 from paratrain.parallel.tp import parallelize as tensor_parallelize
 from paratrain.precision import autocast_context
+
+
+def _local_origin(name: str, tensor: torch.Tensor, placements: Placements) -> Origin:
+    """A local tensor as the whole original one; a whole 4-bit weight's packed bytes as the matrix they encode,
+    (rows, columns/2), the box a tensor-parallel slice of them is located in (adapters/quantized.py)."""
+    matrix = packed_matrix_shape(tensor)
+    if matrix is not None and tensor.numel() == matrix[0] * matrix[1] and tuple(tensor.shape) != matrix:
+        return Origin(name, matrix, (0, 0), matrix, placement=placements.of(tensor))
+    return Origin.local(name, tensor, placements.of(tensor))
 
 
 @dataclass
@@ -86,7 +96,7 @@ class ParallelModel:
     def origin(self, local_name: str, tensor: torch.Tensor) -> Origin:
         """Which tensor of the original model a tensor of the local module is, and which box of it: the steps
         undone last first, so each sees the coordinates it produced."""
-        found = Origin.local(local_name, tensor, self.placements.of(tensor))
+        found = _local_origin(local_name, tensor, self.placements)
         for step in reversed(self.steps):
             found = step.origin(found)
         return found
@@ -95,7 +105,7 @@ class ParallelModel:
         """The name a tensor of the local module has in the model `parallelize` was given: `origin`'s name
         without the steps that only relabel (a PipelineModule's `layer_names`). initialize's param groups and
         Muon's choices are written in these names, before any step replaced a parameter."""
-        found = Origin.local(local_name, tensor, self.placements.of(tensor))
+        found = _local_origin(local_name, tensor, self.placements)
         for step in reversed(self.steps):
             if not step.relabels:
                 found = step.origin(found)

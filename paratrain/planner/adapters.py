@@ -8,7 +8,8 @@ Per block and tensor-parallel rank, an adapted projection of `in` inputs and `ou
 The adapters are the trainable parameters Ψ_a: their gradients, masters and optimizer state follow the ZeRO
 stage's formulas (`paratrain.zero.estimate_memory`); the whole base is frozen, F parameters, held in the compute
 dtype whole (stages 0-2) or sharded per ZeRO-3 unit (each unit's frozen and trainable buffers padded apart); with
-a 4-bit base (QLoRA, `--quantize-base`) the adapted projections' weights are `four_bit_bytes` each, whole.
+a 4-bit base (QLoRA, `--quantize-base`) the adapted projections' weights are `four_bit_bytes` each: whole, or under
+tp this rank's 1/tp of the packed bytes with the whole quantization state (`quantized_bytes`).
 Communication: the data-parallel reductions move Ψ_a; ZeRO-3 gathers each unit's frozen and trainable buffers
 (twice for a block, once for the root) and reduce-scatters the trainable ones. Over tp, per adapted block and
 micro-batch: the column-parallel A's gradient summed (r·in, an all-reduce in every backward), the row-parallel A's
@@ -53,6 +54,23 @@ def four_bit_bytes(n: int, double: bool) -> int:
     blocks = ceil_div(n, 64)
     scales = blocks + 4 * ceil_div(blocks, 256) + 4 * 256 + 4 if double else 4 * blocks
     return ceil_div(n, 2) + scales + 4 * 16
+
+
+def quantized_bytes(n: int, tp: int, double: bool) -> int:
+    """A tp rank's bytes of a 4-bit weight of n values: 1/tp of its packed bytes (whole blocks), all of its
+    quantization state (tp/quantized.py)."""
+    return four_bit_bytes(n, double) - ceil_div(n, 2) + ceil_div(n, 2 * tp)
+
+
+def four_bit_cut(shape, tp: int) -> str | None:
+    """Why tp would cut a 4-bit block (64 values) of an adapted projection (None: every slice is whole blocks)."""
+    if tp == 1:
+        return None
+    for n_in, n_out, style in adapted(shape):
+        whole = (n_out // tp * n_in) % 64 == 0 if style == "colwise" else (n_in // tp) % 64 == 0
+        if not whole:
+            return (f"tp={tp} cuts the 4-bit blocks of 64 values of a {style} projection ({n_in} in, {n_out} out)")
+    return None
 
 
 def projections(shape) -> dict[str, tuple[int, int, str]]:
@@ -135,12 +153,12 @@ def lora_model_states(shape, layout: Layout, stage: int, base: int) -> ModelStat
         frozen = sum(ceil_div(f, n) * n for _, f, _ in units)
     else:
         trainable, frozen = rank_blocks(shape, layout, stage) * layer_adapter_params(shape, layout.tp), base
-    quantized, quantized_bytes = 0, 0
-    if shape.lora.quantize:  # the adapted bases in 4 bits, whole on the rank (the search leaves ZeRO-3 and tp out)
+    quantized, held = 0, 0
+    if shape.lora.quantize:  # the adapted bases in 4 bits, on the rank whole or split over tp (ZeRO-3 left out)
         sizes = [n_in * n_out for n_in, n_out, _ in adapted(shape)]
         blocks = rank_blocks(shape, layout, stage)
-        quantized = blocks * sum(sizes)
-        quantized_bytes = blocks * sum(four_bit_bytes(size, shape.lora.double_quant) for size in sizes)
+        quantized = blocks * sum(size // layout.tp for size in sizes)
+        held = blocks * sum(quantized_bytes(size, layout.tp, shape.lora.double_quant) for size in sizes)
     states = model_state_bytes(trainable, n, layout.zero_stage, layout.precision, layout.offload_optimizer,
                                frozen_params=frozen - quantized)
-    return states + ModelStates(quantized_bytes, 0, 0)
+    return states + ModelStates(held, 0, 0)

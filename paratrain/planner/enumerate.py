@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from paratrain.planner.adapters import four_bit_cut
 from paratrain.planner.hardware import Hardware, spans_nodes
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES, V_SCHEDULES, Layout
 from paratrain.planner.memory import MemoryEstimate, estimate_memory
@@ -60,7 +61,7 @@ def invalid_reason(shape: ModelShape, layout: Layout, gpus_per_node: int) -> str
         (shape.seq_len % layout.cp == 0, lambda: f"cp={layout.cp} does not divide the sequence length {shape.seq_len}"),
         (not (layout.zero_stage == 3 and layout.pp > 1), lambda: "ZeRO-3 with pipeline parallelism is not supported"),
         (not (quantized and layout.zero_stage == 3), lambda: "the planner does not cost ZeRO-3 over a 4-bit base"),
-        (not (quantized and layout.tp > 1), lambda: "tensor parallelism over a 4-bit base is not built"),
+        (not (quantized and four_bit_cut(shape, layout.tp)), lambda: four_bit_cut(shape, layout.tp)),
         (not layout.offload_optimizer or layout.zero_stage >= 1, lambda: "optimizer offload needs ZeRO stage >= 1"),
         (not layout.sequence_parallel or layout.tp > 1, lambda: "sequence parallelism needs tp > 1"),
         ((layout.pp == 1) == (layout.schedule == "none"), lambda: "a pipeline schedule is needed exactly when pp > 1"),

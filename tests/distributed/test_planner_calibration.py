@@ -164,6 +164,9 @@ NO_PERSIST = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 SPEC_64 = shape_from_config(GPTConfig(**{**TINY, "d_model": 64}), "gpt-tiny")
 QLORA = with_adapters(SPEC_64, LoraPlan(4, GPT_TARGETS, quantize="nf4"))
 QLORA_DOUBLE = with_adapters(SPEC_64, LoraPlan(4, ("q", "v", "fc"), quantize="fp4", double_quant=True))
+# d_model 128: tp2 splits o's and proj's inputs into whole blocks of 64 per rank
+QLORA_128 = with_adapters(shape_from_config(GPTConfig(**{**TINY, "d_model": 128}), "gpt-tiny"),
+                          LoraPlan(4, GPT_TARGETS, quantize="nf4"))
 ADAPTERS = [
     pytest.param(LORA, Layout(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), {}, id="lora-ddp-dp2"),
     pytest.param(LORA, Layout(dp=4, zero_stage=1, micro_batch=1, grad_accum=2, precision="bf16"), {},
@@ -186,6 +189,8 @@ ADAPTERS = [
                  id="qlora-nf4-dp2-zero2"),
     pytest.param(QLORA_DOUBLE, Layout(dp=2, micro_batch=2, grad_accum=1, precision="fp32"), {},
                  id="qlora-fp4-double-ddp-dp2"),
+    pytest.param(QLORA_128, Layout(dp=2, tp=2, zero_stage=1, micro_batch=2, grad_accum=1, precision="fp32"), {},
+                 id="qlora-nf4-dp2-tp2-zero1"),
 ]
 
 

@@ -8,12 +8,16 @@ parameter offload) shards its packed bytes per unit (adapters/quantized.py, para
 and the global gradient norm, and at the end every adapter tensor and every packed 4-bit tensor, must be within 1e-5
 of the reference, which runs each document alone through peft's own Linear4bit layers (bitsandbytes'
 dequantization, as the engine's layers run it); and on every rank `memory_stats()` counts the base's packed data and
-quantization state equal to the formula to the byte. Tensor parallelism over a 4-bit base is refused by name.
+quantization state equal to the formula to the byte. Over a hidden size of 128, tensor parallelism splits the
+packed bytes at block boundaries (dp2·tp2 DDP, ZeRO-2, ZeRO-3, sequence parallel; tp2 alone on 2 ranks), with the
+same parity and a formula for a tp rank's bytes; a split that would cut a block (hidden 64: o_proj's 32 columns per
+rank) is refused by name.
 
-The adapter saved from ZeRO-3 (dp4) and from pp2 (dp2·pp2) loads with `peft.PeftModel.from_pretrained` onto the 4-bit
-base and gives the trained model's logits (1e-5); a merged save over a 4-bit base is refused by name on every rank.
-A run in either layout resumes bit for bit from its checkpoint, with the 4-bit base stored or left out. paratrain's
-own `peft.quantize_base` trains its Llama the same way in DDP, ZeRO-3 and pp2.
+The adapter saved from ZeRO-3 (dp4), from pp2 (dp2·pp2) and from tp2 loads with `peft.PeftModel.from_pretrained`
+onto the 4-bit base and gives the trained model's logits (1e-5); a merged save over a 4-bit base is refused by name on
+every rank. A run in any of these layouts resumes bit for bit from its checkpoint, with the 4-bit base stored or left
+out, and a tp2 checkpoint loads into DDP as the same model. paratrain's own `peft.quantize_base` trains its Llama the
+same way in DDP, ZeRO-3 and pp2.
 """
 
 from __future__ import annotations
@@ -98,30 +102,89 @@ def test_qlora_in_the_layouts_that_keep_the_4bit_base_whole(world4):
         assert packed and all(str(run.final_state[k].dtype) == "torch.uint8" for k in packed), packed[:3]
 
 
-def test_tensor_parallelism_over_a_4bit_base_is_refused_by_name(world2):
-    world2.run(_refused, {"tensor_parallel": {"size": 2}}, "tensor_parallel.size 2")
+TP_LAYOUTS = {"dp2 tp2": real_layout(1, 2, tp=2), "dp2 tp2 zero2": real_layout(1, 2, tp=2, zero=2),
+              "dp2 tp2 sp": real_layout(1, 2, tp=2, sp=True), "tp2": real_layout(2, 1, tp=2),
+              "dp2 tp2 zero3": real_layout(1, 2, tp=2, zero=3)}
+TP_MATRIX = [("nf4", "dp2 tp2"), ("nf4", "dp2 tp2 zero2"), ("nf4", "dp2 tp2 sp"), ("nf4", "dp2 tp2 zero3"),
+             ("fp4 double", "dp2 tp2 zero2")]
+WIDE = 128  # hidden size: o_proj's 128 input features split over tp2 into whole blocks of 64
 
 
-def _refused(layout: dict, field: str) -> None:
+def _tp_runs() -> list:
+    return [run_layout({**TP_LAYOUTS[name], "gradient_clipping": CLIP},
+                       functools.partial(qlora_hf, **QUANT[quant], hidden=WIDE), RealRows("masked"), STEPS,
+                       keep_state=True, inspect=_frozen_bytes) for quant, name in TP_MATRIX]
+
+
+def test_qlora_with_the_4bit_base_split_over_tensor_parallelism(world4):
+    """tp2 splits every adapted projection's packed bytes at block boundaries (q, k, v, gate, up by rows; o, down by
+    columns), each rank keeping the whole quantization state; parity as above, and each rank holds half the packed
+    bytes of the base and all of its quantization state."""
+    per_rank = world4.run(_tp_runs)
+    refs = {}
+    for i, (quant, name) in enumerate(TP_MATRIX):
+        run = per_rank[0][i]
+        if quant not in refs:
+            refs[quant] = reference_run(functools.partial(qlora_hf, **QUANT[quant], hidden=WIDE, reference=True),
+                                        reference_config({**TP_LAYOUTS[name], "gradient_clipping": CLIP}, run),
+                                        RealRows("masked"), STEPS, loss_of=documents_loss)
+            assert all(norm > CLIP for norm in refs[quant].grad_norms), (quant, refs[quant].grad_norms)
+        summary = summarize(compare(run, refs[quant]))
+        print(f"{quant} {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
+              f"param {summary['param_err']:.1e}")
+        assert summary["passed"], (quant, name, summary)
+        packed = [k for k in run.final_state if k.endswith("base_layer.weight")]
+        assert packed and all(run.final_state[k].dtype == torch.uint8 for k in packed), packed[:3]
+        held = [ranks[i].extra["frozen"] for ranks in per_rank]
+        want, kept = _tp_base_bytes(quant)
+        if "zero3" in name:  # and ZeRO-3 shards all of that over dp2 but the code books (and the scales' scales)
+            want = (want - kept) // 2 + kept
+        assert held == [want] * 4, (quant, name, held, want)
+
+
+def _tp_base_bytes(quant: str) -> tuple[int, int]:
+    """A tp2 rank's frozen bytes by formula: half of each 4-bit layer's packed bytes (n/4 of its n values), all of its
+    quantization state; half of the embedding and of the head (the Llama plan splits their vocabularies), the norms
+    whole. And the quantization state besides the blocks' scales (what ZeRO-3 keeps whole)."""
+    model, double = qlora_hf(reference=True, hidden=WIDE, **QUANT[quant]), QUANT[quant].get("double", False)
+    total, kept, in_4bit = 0, 0, set()
+    for module in model.modules():
+        if type(module).__module__.startswith("bitsandbytes") and type(module).__name__ == "Linear4bit":
+            n = module.out_features * module.in_features
+            blocks = n // 64
+            whole = (4 * -(-blocks // 256) + 4 * 256 + 4 if double else 0) + 4 * 16
+            total, kept = total + n // 4 + (blocks if double else 4 * blocks) + whole, kept + whole
+            in_4bit.add(id(module.weight))
+    vocab_split = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
+    return total + sum(p.numel() * p.element_size() // (2 if id(p) in vocab_split else 1)
+                       for p in model.parameters() if not p.requires_grad and id(p) not in in_4bit), kept
+
+
+def test_a_tensor_parallel_split_that_would_cut_a_4bit_block_is_refused_by_name(world2):
+    world2.run(_refused, {"tensor_parallel": {"size": 2}})
+
+
+def _refused(layout: dict) -> None:
     import paratrain
     from paratrain.config import ConfigError
 
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **layout}
-    with pytest.raises(ConfigError, match=f"{field} over a 4-bit base \\(the bitsandbytes Linear4bit "
-                                          f"'model.layers.0.self_attn.q_proj.base_layer' and 13 more\\) is not built"):
+    with pytest.raises(ConfigError, match="tensor_parallel.size 2 gives each rank 32 of the 64 columns of each row of "
+                                          "the 4-bit base of 'model.layers.0.self_attn.o_proj' \\(rowwise\\), which "
+                                          "cuts its blocks of 64 values"):
         paratrain.initialize(model=qlora_hf(), config=config)
 
 
 SAVED = {"zero3": LAYOUTS["zero3"], "pp2": LAYOUTS["pp2 1f1b"]}
 
 
-def _train_and_save(root: str) -> dict:
+def _train_and_save(root: str, layouts: dict, hidden: int = 64) -> dict:
     from paratrain import initialize
     from paratrain.checkpoint import CheckpointError
 
     out = {}
-    for name, config in SAVED.items():
-        engine, *_ = initialize(model=qlora_hf(), config=config, training_data=RealRows("masked"))
+    for name, config in layouts.items():
+        engine, *_ = initialize(model=qlora_hf(hidden=hidden), config=config, training_data=RealRows("masked"))
         for _ in range(2):
             engine.train_batch()
         engine.save_pretrained(f"{root}/{name}")
@@ -132,47 +195,85 @@ def _train_and_save(root: str) -> dict:
     return out
 
 
-def test_the_adapter_saved_from_zero3_and_pp2_loads_with_peft_onto_the_4bit_base(world4, tmp_path):
+def _check_adapters_load_with_peft(trained_states: dict, root, hidden: int = 64) -> None:
     import peft
 
-    trained_states = world4.run(_train_and_save, str(tmp_path))[0]
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     for name, adapters in trained_states.items():
-        trained = qlora_hf(reference=True)  # the model as trained: the engine's adapters in peft's own layers
+        trained = qlora_hf(reference=True, hidden=hidden)  # the model as trained: the adapters in peft's own layers
         missing = trained.load_state_dict(adapters, strict=False)
         assert not missing.unexpected_keys, missing.unexpected_keys[:3]
-        loaded = peft.PeftModel.from_pretrained(qlora_base(), tmp_path / name)
+        loaded = peft.PeftModel.from_pretrained(qlora_base(hidden=hidden), root / name)
         with torch.no_grad():
             want, got = trained(input_ids=ids).logits, loaded(input_ids=ids).logits
         assert float((got - want).norm() / want.norm()) <= 1e-5, name
-        assert not (tmp_path / f"{name}_merged").exists()
+        assert not (root / f"{name}_merged").exists()
 
 
-def _resume(root: str) -> dict:
-    """ZeRO-3 and pp2: 2 steps, a checkpoint (with the 4-bit base, and without it), 2 more steps; a fresh QLoRA model
-    (its adapters drawn anew) loads each checkpoint and repeats those 2 steps."""
+def test_the_adapter_saved_from_zero3_and_pp2_loads_with_peft_onto_the_4bit_base(world4, tmp_path):
+    _check_adapters_load_with_peft(world4.run(_train_and_save, str(tmp_path), SAVED)[0], tmp_path)
+
+
+def _resume(root: str, layouts: dict, hidden: int = 64, then: dict | None = None) -> dict:
+    """Each layout: 2 steps, a checkpoint (with the 4-bit base, and without it), 2 more steps; a fresh QLoRA model
+    (its adapters drawn anew) loads each checkpoint and repeats those 2 steps. `then`: another layout that also
+    loads the checkpoint with the base, and must hold the same model."""
     from paratrain import initialize
 
     out = {}
-    for name, config in SAVED.items():
+    for name, config in layouts.items():
         for exclude in (False, True):
-            engine, *_ = initialize(model=qlora_hf(), config=config, training_data=RealRows("masked"))
+            engine, *_ = initialize(model=qlora_hf(hidden=hidden), config=config, training_data=RealRows("masked"))
             for _ in range(2):
                 engine.train_batch()
             directory = f"{root}/{name}_{exclude}"
             engine.save_checkpoint(directory, exclude_frozen_parameters=exclude)
+            saved = engine.full_state_dict()
             want = [float(engine.train_batch()) for _ in range(2)]
-            resumed, *_ = initialize(model=qlora_hf(seed_offset=1), config=config, training_data=RealRows("masked"))
+            resumed, *_ = initialize(model=qlora_hf(seed_offset=1, hidden=hidden), config=config,
+                                     training_data=RealRows("masked"))
             resumed.load_checkpoint(directory, load_module_strict=not exclude)
             got = [float(resumed.train_batch()) for _ in range(2)]
             a, b = engine.full_state_dict(), resumed.full_state_dict()
             out[f"{name} exclude={exclude}"] = {"losses": (got, want),
                                                 "equal": all(torch.equal(a[k], b[k]) for k in a)}
+            if then and not exclude:
+                other, *_ = initialize(model=qlora_hf(seed_offset=1, hidden=hidden), config=then,
+                                       training_data=RealRows("masked"))
+                other.load_checkpoint(directory)
+                c = other.full_state_dict()
+                same = c.keys() == saved.keys() and all(torch.equal(c[k], saved[k]) for k in saved)
+                out[f"{name} loaded in another layout"] = {"losses": ([], []), "equal": same}
     return out
 
 
 def test_a_qlora_run_resumes_bit_for_bit_with_and_without_its_4bit_base(world4, tmp_path):
-    for case, r in world4.run(_resume, str(tmp_path))[0].items():
+    for case, r in world4.run(_resume, str(tmp_path), SAVED)[0].items():
+        assert r["losses"][0] == r["losses"][1] and r["equal"], (case, r)
+
+
+def _tp2(root: str) -> dict:
+    tp2 = {"tp2": TP_LAYOUTS["tp2"]}
+    return {"parity": run_layout({**TP_LAYOUTS["tp2"], "gradient_clipping": CLIP},
+                                 functools.partial(qlora_hf, hidden=WIDE), RealRows("masked"), STEPS),
+            "adapters": _train_and_save(root, tp2, WIDE),
+            "resume": _resume(root, tp2, WIDE, then=real_layout(1, 2))}
+
+
+def test_tp2_alone_trains_saves_an_adapter_peft_loads_and_resumes_in_any_layout(world2, tmp_path):
+    """Tensor parallelism alone over the 4-bit base: parity; the adapter saved from tp2 loads with peft; a tp2
+    checkpoint resumes bit for bit (with the base and without it) and loads into DDP as the same model (a 4-bit
+    weight's packed bytes are located as the matrix they encode in every layout)."""
+    out = world2.run(_tp2, str(tmp_path))[0]
+    run = out["parity"]
+    reference = reference_run(functools.partial(qlora_hf, hidden=WIDE, reference=True),
+                              reference_config({**TP_LAYOUTS["tp2"], "gradient_clipping": CLIP}, run),
+                              RealRows("masked"), STEPS, loss_of=documents_loss)
+    summary = summarize(compare(run, reference))
+    print(f"nf4 tp2: loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} param {summary['param_err']:.1e}")
+    assert summary["passed"], summary
+    _check_adapters_load_with_peft(out["adapters"], tmp_path, WIDE)
+    for case, r in out["resume"].items():
         assert r["losses"][0] == r["losses"][1] and r["equal"], (case, r)
 
 

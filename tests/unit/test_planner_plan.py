@@ -162,9 +162,11 @@ def test_hsdp_is_enumerated_and_ranked_above_zero3_across_slow_node_links():
     assert "replicate2" in pairs[0][1].layout.describe()
 
 
-def test_qlora_plans_keep_the_4bit_base_whole_and_write_quantize_base(capsys):
-    """--quantize-base: no layout cuts the 4-bit base (ZeRO-3 and tp refused), the written config carries
-    peft.quantize_base, and a 4-bit base holds fewer parameter bytes per rank than the same layout's 16-bit one."""
+def test_qlora_plans_keep_the_4bit_blocks_whole_and_write_quantize_base(capsys):
+    """--quantize-base: ZeRO-3 is left out (not costed), tp only where its slices are whole blocks of 64 (llama-mini's
+    d_ff 352 over tp2 would cut them; gpt-mini's widths of 128 and 512 allow tp2, not tp4), the written config
+    carries peft.quantize_base, and a 4-bit base holds fewer parameter bytes per rank than the same layout's 16-bit
+    one."""
     args = ["plan", "--model", "llama-mini", "--gpus", "8", "--global-batch", "32", "--lora-r", "8", "--json",
             "--precision", "bf16", "--top", "50"]
     assert main([*args, "--quantize-base", "nf4"]) == 0
@@ -176,5 +178,9 @@ def test_qlora_plans_keep_the_4bit_base_whole_and_write_quantize_base(capsys):
     plain = {r["layout"]: r["memory"]["params"] for r in json.loads(capsys.readouterr().out)["ranked"]}
     same = [(r["memory"]["params"], plain[r["layout"]]) for r in report["ranked"] if r["layout"] in plain]
     assert same and all(q < full for q, full in same), same[:3]
+    assert main(["plan", "--model", "gpt-mini", "--gpus", "8", "--global-batch", "32", "--lora-r", "8", "--json",
+                 "--top", "5000", "--quantize-base", "nf4"]) == 0
+    gpt = [r["layout"] for r in json.loads(capsys.readouterr().out)["ranked"]]
+    assert any(" tp2 " in lay for lay in gpt) and not any(re.search(r" tp[48] ", lay) for lay in gpt), gpt[:3]
     assert main(["plan", "--model", "llama-mini", "--gpus", "8", "--quantize-base", "nf4"]) == 2
     assert "--quantize-base need --lora-r" in capsys.readouterr().err

@@ -21,9 +21,11 @@ from __future__ import annotations
 from torch import nn
 
 from paratrain.adapters import LoraLinear, Magnitude
+from paratrain.adapters.quantized import block_cut, is_4bit_linear
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Shard
 from paratrain.parallel.tp.layers import ColumnParallelLinear, PlanError, RowParallelLinear, _shard
+from paratrain.parallel.tp.quantized import Split4bitLinear
 
 ADAPTER_STYLES = ("colwise", "rowwise")
 
@@ -38,7 +40,7 @@ class SplitMagnitude(Magnitude):
         self.placements = {"weight": Shard(0, full)}
 
 
-def check_adapter_style(path: str, layer: LoraLinear, style: str, parts) -> None:
+def check_adapter_style(path: str, layer: LoraLinear, style: str, parts, tp: int) -> None:
     """Refuse, before anything changes, a style an adapter layer cannot take."""
     if style not in ADAPTER_STYLES:
         raise PlanError(f"'{path}' holds LoRA adapters, which tensor parallelism splits with the styles "
@@ -48,6 +50,9 @@ def check_adapter_style(path: str, layer: LoraLinear, style: str, parts) -> None
         raise PlanError(f"'{path}' is a packed projection ({style}:{','.join(map(str, parts))}) with LoRA adapters, "
                         f"which paratrain does not split part by part; adapt the unpacked layers, or set "
                         f"tensor_parallel.size 1")
+    cut = block_cut(path, layer.base_layer, style, tp) if is_4bit_linear(layer.base_layer) else None
+    if cut:
+        raise PlanError(cut)
 
 
 def split_adapter_layer(layer: LoraLinear, path: str, style: str, axis: Axis, sequence_parallel: bool
@@ -56,9 +61,8 @@ def split_adapter_layer(layer: LoraLinear, path: str, style: str, axis: Axis, se
     gradients are summed over tp. A column-parallel layer's input must already be in the region (the caller
     enters it for the layer when no parent does)."""
     summed: list[tuple[nn.Module, str]] = []
+    layer.base_layer = _split_base(layer.base_layer, f"{path}.base_layer", style, axis, sequence_parallel)
     if style == "colwise":
-        layer.base_layer = ColumnParallelLinear(layer.base_layer, axis, name=f"{path}.base_layer", enter_region=False,
-                                                sequence_parallel=sequence_parallel)
         for name in list(layer.lora_B):
             layer.lora_B[name] = ColumnParallelLinear(layer.lora_B[name], axis, name=f"{path}.lora_B.{name}",
                                                       enter_region=False)
@@ -66,8 +70,6 @@ def split_adapter_layer(layer: LoraLinear, path: str, style: str, axis: Axis, se
         for name in list(layer.lora_magnitude_vector):
             layer.lora_magnitude_vector[name] = SplitMagnitude(layer.lora_magnitude_vector[name], axis)
         return summed
-    layer.base_layer = RowParallelLinear(layer.base_layer, axis, name=f"{path}.base_layer",
-                                         sequence_parallel=sequence_parallel)
     for name in list(layer.lora_A):
         layer.lora_A[name] = RowParallelLinear(layer.lora_A[name], axis, name=f"{path}.lora_A.{name}",
                                                sequence_parallel=sequence_parallel)
@@ -76,3 +78,13 @@ def split_adapter_layer(layer: LoraLinear, path: str, style: str, axis: Axis, se
         for module in [*layer.lora_B.values(), *layer.lora_magnitude_vector.values()]:
             summed += [(module, n) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     return summed
+
+
+def _split_base(base: nn.Module, name: str, style: str, axis: Axis, sequence_parallel: bool) -> nn.Module:
+    """The adapter layer's base split as `style` says: a 4-bit base (QLoRA) at block boundaries, keeping its
+    quantization state (tp/quantized.py); a colwise base's input is already in the region."""
+    if is_4bit_linear(base):
+        return Split4bitLinear(base, style, axis, name=name, sequence_parallel=sequence_parallel)
+    if style == "colwise":
+        return ColumnParallelLinear(base, axis, name=name, enter_region=False, sequence_parallel=sequence_parallel)
+    return RowParallelLinear(base, axis, name=name, sequence_parallel=sequence_parallel)

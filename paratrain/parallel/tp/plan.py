@@ -167,7 +167,7 @@ def _check_types_and_sizes(plan: dict[str, str], modules: dict[str, nn.Module], 
     for path, style in plan.items():
         module, want = modules[path], STYLES[style].module_type
         if isinstance(module, LoraLinear):
-            check_adapter_style(path, module, style, packed.get(path))
+            check_adapter_style(path, module, style, packed.get(path), tp)
         elif want is not None and not isinstance(module, want) and not (want is nn.Linear and is_conv1d(module)):
             raise PlanError(f"'{path}' is a {type(module).__name__}, but style '{style}' applies to "
                             f"{want.__name__} modules; give it a style for any module (e.g. 'sequence') or "

@@ -1,0 +1,74 @@
+"""A 4-bit base layer (bitsandbytes' `Linear4bit`, QLoRA) split over tp: this rank's rows (colwise) or columns
+(rowwise) of the packed bytes, the whole quantization state beside them (adapters/quantized.py, its note).
+
+    colwise:  packed (out/tp, in/2)  ->  y = x W_rᵀ + b_r                       (b, s, out/tp)
+    rowwise:  packed (out, in/tp/2)  ->  y = Σ_tp x_r W_rᵀ, then + b            (b, s, out), or (b, s/tp, out) with SP
+
+The packed slice is held as the 2-d matrix of bytes it is a box of, so that its placement `Shard(dim, whole)` locates
+it in the matrix every layout describes (`packed_matrix_shape`); bitsandbytes reads it flat. It is frozen: nothing
+here has a gradient to sum.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.adapters.quantized import local_quant_state
+from paratrain.comm.autograd import reduce_from_region, reduce_scatter_to_sequence
+from paratrain.layout.mesh import Axis
+from paratrain.layout.placement import Shard
+from paratrain.parallel.tp.layers import ACTIVATION_TAG, SEQ_DIM
+
+
+class Split4bitLinear(nn.Module):
+    """This rank's slice of a 4-bit linear layer, computed by bitsandbytes' own 4-bit matmul (the module note).
+    `style`: "colwise" or "rowwise"; the caller has checked that the split keeps blocks whole (`block_cut`)."""
+
+    def __init__(self, linear: nn.Module, style: str, axis: Axis, *, name: str = "", sequence_parallel: bool = False):
+        super().__init__()
+        self.style, self.axis, self.name, self.sequence_parallel = style, axis, name, sequence_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = getattr(linear, "compute_dtype", None)
+        state = linear.weight.quant_state
+        rows, cols = state.shape
+        matrix = linear.weight.detach().view(torch.uint8).reshape(rows, cols // 2)
+        dim = 0 if style == "colwise" else 1
+        packed = matrix.chunk(axis.size, dim=dim)[axis.rank].clone()
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.weight.quant_state = state  # the whole state, held and saved as one process holds it
+        self.placements = {"weight": Shard(dim, matrix.shape[dim])}
+        bias = linear.bias
+        if bias is not None and style == "colwise":
+            self.placements["bias"] = Shard(0, bias.shape[0])
+            bias = bias.detach().chunk(axis.size)[axis.rank]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def _local_state(self):
+        """This slice's quantization state, from the whole one as it is now (a load may have rewritten it)."""
+        return local_quant_state(self.weight.quant_state, self.style, self.axis.rank, self.axis.size)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The slice and bias, then the whole quantization state under bitsandbytes' names (`weight.absmax`, ...)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, value in self.weight.quant_state.as_dict(packed=True).items():
+            destination[prefix + "weight." + key] = value if keep_vars else value.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import bitsandbytes as bnb
+
+        dtype = x.dtype
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        colwise_bias = self.bias if self.style == "colwise" else None
+        y = bnb.matmul_4bit(x, self.weight, quant_state=self._local_state(), bias=colwise_bias)
+        if self.style == "rowwise":
+            y = reduce_scatter_to_sequence(y, self.axis, SEQ_DIM, ACTIVATION_TAG) if self.sequence_parallel \
+                else reduce_from_region(y, self.axis, ACTIVATION_TAG)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        return y.to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.style}, tp={self.axis.size}"
+                f", 4-bit {self.weight.quant_state.quant_type}, sequence_parallel={self.sequence_parallel}")
