@@ -10,7 +10,8 @@ paratrain keeps such a layer as it comes and never re-quantizes or casts it: eve
 dequantization of the very bytes one process holds, so every rank computes what one process computes, bit for bit.
 DDP, ZeRO-1 and ZeRO-2 (they shard only what trains) and context parallelism keep it whole; a pipeline stage keeps
 its whole layers; ZeRO-3 shards its packed bytes and its blocks' scales in buffers of their own per unit, gathered
-with the unit (parallel/dp/frozen.py), and keeps the rest of its quantization state (code books) whole.
+with the unit (parallel/dp/frozen.py), and the rest of the quantization state the state dict holds as itself
+(`held_state`: the code book, the scales' own scales); only the scales' code book and offset stay whole.
 
 Tensor parallelism splits the packed bytes by rows (colwise) or columns (rowwise) of the matrix they encode, only
 where every block of `blocksize` consecutive values (row-major) stays on one rank with its scale (`block_cut` names
@@ -54,6 +55,19 @@ def quantization_state(weight: torch.Tensor) -> list[torch.Tensor]:
     if nested is not None:
         parts += [nested.absmax, nested.code]
     return [t for t in parts if isinstance(t, torch.Tensor)]
+
+
+def held_state(weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The quantization-state tensors bitsandbytes' state dict stores as the very tensors the weight holds, under
+    their state-dict names beside `weight.`: each block's scale (`absmax`), the code book (`quant_map`) and with
+    double quantization the scales' own scales (`nested_absmax`). ZeRO-3 shards these; the rest (the scales' code
+    book, which the state dict copies, and the offset, which it stores as a number) stays whole."""
+    state = getattr(weight, "quant_state", None)
+    if state is None:
+        return []
+    nested = getattr(state, "state2", None)
+    held = [("absmax", state.absmax), ("quant_map", state.code)]
+    return held + ([("nested_absmax", nested.absmax)] if nested is not None else [])
 
 
 def four_bit_layers(model: nn.Module) -> list[str]:

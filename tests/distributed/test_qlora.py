@@ -56,23 +56,54 @@ def _runs(matrix: list[tuple[str, str]]) -> list:
                        RealRows("masked"), STEPS, keep_state=True, inspect=_frozen_bytes) for quant, name in matrix]
 
 
-def _base_bytes(quant: str) -> tuple[int, int]:
-    """The frozen base's bytes by formula, and those of its quantization state besides the blocks' scales (what
-    ZeRO-3 keeps whole): each 4-bit layer of n = out·in
-    weights holds n/2 packed bytes, a scale per block of 64 (fp32; with double quantization uint8, plus one fp32 scale
-    per 256 blocks, a 256-entry fp32 code book and an fp32 offset) and its 16-entry fp32 code book; every other frozen
-    tensor its own bytes."""
+def _base_bytes(quant: str) -> int:
+    """The frozen base's bytes by formula: each 4-bit layer of n = out·in weights holds n/2 packed bytes, a scale per
+    block of 64 (fp32; with double quantization uint8, plus one fp32 scale per 256 blocks, a 256-entry fp32 code book
+    and an fp32 offset) and its 16-entry fp32 code book; every other frozen tensor its own bytes."""
     model, double = qlora_hf(reference=True, **QUANT[quant]), QUANT[quant].get("double", False)
-    total, state, in_4bit = 0, 0, set()
-    for module in model.modules():
-        if type(module).__module__.startswith("bitsandbytes") and type(module).__name__ == "Linear4bit":
-            n = module.out_features * module.in_features
-            blocks = n // 64
-            kept = (4 * -(-blocks // 256) + 4 * 256 + 4 if double else 0) + 4 * 16  # besides the blocks' scales
-            total, state = total + n // 2 + (blocks if double else 4 * blocks) + kept, state + kept
-            in_4bit.add(id(module.weight))
+    total, in_4bit = 0, set()
+    for module in _4bit_layers(model):
+        blocks = module.out_features * module.in_features // 64
+        total += 32 * blocks + (blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 if double else 4 * blocks) + 4 * 16
+        in_4bit.add(id(module.weight))
     return total + sum(p.numel() * p.element_size() for p in model.parameters()
-                       if not p.requires_grad and id(p) not in in_4bit), state
+                       if not p.requires_grad and id(p) not in in_4bit)
+
+
+def _4bit_layers(model) -> list:
+    return [m for m in model.modules()
+            if type(m).__module__.startswith("bitsandbytes") and type(m).__name__ == "Linear4bit"]
+
+
+def _zero3_bytes(quant: str, dp: int, tp: int = 1, hidden: int = 64) -> int:
+    """A ZeRO-3 rank's frozen bytes by formula: per unit (each decoder layer; the root: embedding, final norm, head)
+    one buffer per kind, padded to a multiple of dp and sharded over it: the frozen fp32 tensors (the embedding and
+    head split over tp by vocabulary), the packed bytes (1/tp of them under tp), and the quantization state per dtype
+    (each block's scale: fp32, or uint8 with double quantization; the 16-entry code books and the scales' scales:
+    fp32); kept whole: with double quantization each layer's 256-entry fp32 code book of the scales and its offset."""
+    model, double = qlora_hf(reference=True, hidden=hidden, **QUANT[quant]), QUANT[quant].get("double", False)
+
+    def shard(count: int, size: int) -> int:
+        return -(-count // dp) * size
+
+    total = 0
+    for layer in model.model.layers:
+        packed, scales, fp32, kept = 0, 0, 0, 0
+        for module in _4bit_layers(layer):
+            blocks = module.out_features * module.in_features // 64
+            packed += 32 * blocks // tp
+            scales += blocks
+            fp32 += 16 + (-(-blocks // 256) if double else 0)
+            kept += 4 * 256 + 4 if double else 0
+        norms = sum(p.numel() for n, p in layer.named_parameters() if "norm" in n)
+        if double:
+            total += shard(scales, 1) + shard(fp32, 4)
+        else:
+            total += shard(scales + fp32, 4)
+        total += shard(packed, 1) + shard(norms, 4) + kept
+    vocab = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
+    root = vocab // tp + model.model.norm.weight.numel()
+    return total + shard(root, 4)
 
 
 def test_qlora_in_the_layouts_that_keep_the_4bit_base_whole(world4):
@@ -90,13 +121,10 @@ def test_qlora_in_the_layouts_that_keep_the_4bit_base_whole(world4):
         print(f"{quant} {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
               f"param {summary['param_err']:.1e}")
         assert summary["passed"], (quant, name, summary)
-        # every rank holds the whole base (packed data and scales), a pipeline stage its layers' share of it, and a
-        # ZeRO-3 rank a quarter of every buffer (packed data and scales; each divides by 4 here) with the rest of the
-        # quantization state (code books, the scales' scales) whole
+        # every rank holds the whole base (packed data and quantization state), a pipeline stage its layers' share of
+        # it, and a ZeRO-3 rank a quarter of every buffer
         held = [ranks[i].extra["frozen"] for ranks in per_rank]
-        want, state = _base_bytes(quant)
-        if name.startswith("zero3"):
-            want = (want - state) // 4 + state
+        want = _zero3_bytes(quant, 4) if name.startswith("zero3") else _base_bytes(quant)
         assert (sum(held) == 2 * want) if name.startswith("pp2") else held == [want] * 4, (name, held, want)
         packed = [k for k in run.final_state if k.endswith("base_layer.weight")]
         assert packed and all(str(run.final_state[k].dtype) == "torch.uint8" for k in packed), packed[:3]
@@ -136,28 +164,23 @@ def test_qlora_with_the_4bit_base_split_over_tensor_parallelism(world4):
         packed = [k for k in run.final_state if k.endswith("base_layer.weight")]
         assert packed and all(run.final_state[k].dtype == torch.uint8 for k in packed), packed[:3]
         held = [ranks[i].extra["frozen"] for ranks in per_rank]
-        want, kept = _tp_base_bytes(quant)
-        if "zero3" in name:  # and ZeRO-3 shards all of that over dp2 but the code books (and the scales' scales)
-            want = (want - kept) // 2 + kept
+        want = _zero3_bytes(quant, 2, 2, WIDE) if "zero3" in name else _tp_base_bytes(quant)
         assert held == [want] * 4, (quant, name, held, want)
 
 
-def _tp_base_bytes(quant: str) -> tuple[int, int]:
+def _tp_base_bytes(quant: str) -> int:
     """A tp2 rank's frozen bytes by formula: half of each 4-bit layer's packed bytes (n/4 of its n values), all of its
     quantization state; half of the embedding and of the head (the Llama plan splits their vocabularies), the norms
-    whole. And the quantization state besides the blocks' scales (what ZeRO-3 keeps whole)."""
+    whole."""
     model, double = qlora_hf(reference=True, hidden=WIDE, **QUANT[quant]), QUANT[quant].get("double", False)
-    total, kept, in_4bit = 0, 0, set()
-    for module in model.modules():
-        if type(module).__module__.startswith("bitsandbytes") and type(module).__name__ == "Linear4bit":
-            n = module.out_features * module.in_features
-            blocks = n // 64
-            whole = (4 * -(-blocks // 256) + 4 * 256 + 4 if double else 0) + 4 * 16
-            total, kept = total + n // 4 + (blocks if double else 4 * blocks) + whole, kept + whole
-            in_4bit.add(id(module.weight))
+    total, in_4bit = 0, set()
+    for module in _4bit_layers(model):
+        blocks = module.out_features * module.in_features // 64
+        total += 16 * blocks + (blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 if double else 4 * blocks) + 4 * 16
+        in_4bit.add(id(module.weight))
     vocab_split = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
     return total + sum(p.numel() * p.element_size() // (2 if id(p) in vocab_split else 1)
-                       for p in model.parameters() if not p.requires_grad and id(p) not in in_4bit), kept
+                       for p in model.parameters() if not p.requires_grad and id(p) not in in_4bit)
 
 
 def test_a_tensor_parallel_split_that_would_cut_a_4bit_block_is_refused_by_name(world2):

@@ -10,11 +10,13 @@ Checkpoints read and write the shard through `FrozenShard.segments()` (the same 
 for trainable shards, without optimizer state), so a frozen base saves, reshards and loads like any weight.
 
 A 4-bit weight (QLoRA, adapters/quantized.py) is sharded as it is: its packed bytes in a uint8 buffer of their own
-(never cast to the compute dtype), and its blocks' scales in a buffer of their own under their state-dict name
-(`<weight>.absmax`, the tensor bitsandbytes' state dict holds), both gathered and freed with the unit, so
-bitsandbytes dequantizes the very bytes one process holds. Checkpoints store the scales' shards like any frozen
-tensor's (the walk over the state dict finds them covered). The rest of the quantization state (code books, the
-scales' own scales: a few hundred bytes per layer) stays whole on every rank.
+(never cast to the compute dtype), and the quantization-state tensors bitsandbytes' state dict holds as themselves
+(`held_state`: each block's scale `<weight>.absmax`, the code book `<weight>.quant_map`, with double quantization the
+scales' scales `<weight>.nested_absmax`) in a buffer per dtype under those names, all gathered and freed with the
+unit, so bitsandbytes dequantizes the very bytes one process holds. Checkpoints store their shards like any frozen
+tensor's (the walk over the state dict finds them covered). The rest stays whole on every rank: with double
+quantization the scales' code book (1 KiB per layer; the state dict stores a copy of it, which a freed tensor
+cannot give) and the offset (4 bytes, stored as a number).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 import paratrain.comm as comm
-from paratrain.adapters.quantized import is_4bit_weight, quantization_state
+from paratrain.adapters.quantized import held_state, is_4bit_weight, quantization_state
 from paratrain.layout.mesh import Axis
 from paratrain.parallel.dp.base import MasterSegment
 from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, ShardedBuffer, set_data
@@ -75,8 +77,8 @@ def split_frozen(named: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
 def frozen_shards(frozen: list[tuple[str, nn.Parameter]], axis_of, dtype: torch.dtype,
                   offload: OffloadPolicy) -> list[FrozenShard]:
     """A unit's frozen parameters in shards: one buffer per axis and kind (the compute dtype, a 4-bit weight's
-    packed bytes, its blocks' scales under their state-dict name `<weight>.absmax`). A packed buffer's `whole`
-    lists the rest of its weights' quantization state (code books, the scales' own scales), kept whole."""
+    packed bytes, its quantization state per dtype under the state-dict names `held_state` gives). A packed buffer's
+    `whole` lists the rest of its weights' quantization state, kept whole."""
     by_kind: dict[tuple, tuple[Axis, torch.dtype, list]] = {}
     whole: dict[tuple, list[torch.Tensor]] = {}
     for name, param in frozen:
@@ -84,11 +86,12 @@ def frozen_shards(frozen: list[tuple[str, nn.Parameter]], axis_of, dtype: torch.
         kind = param.dtype if packed else dtype  # packed data stays uint8
         by_kind.setdefault((id(axis), kind), (axis, kind, []))[2].append((name, param))
         if packed:
-            state = param.quant_state
-            scales = ("scales", id(axis), state.absmax.dtype)
-            by_kind.setdefault(scales, (axis, state.absmax.dtype, []))[2].append((f"{name}.absmax", state.absmax))
-            whole.setdefault((id(axis), kind), []).extend(t for t in quantization_state(param)
-                                                         if t is not state.absmax)
+            held = held_state(param)
+            for suffix, tensor in held:  # each under its state-dict name, in a buffer per dtype
+                key = ("state", id(axis), tensor.dtype)
+                by_kind.setdefault(key, (axis, tensor.dtype, []))[2].append((f"{name}.{suffix}", tensor))
+            whole.setdefault((id(axis), kind), []).extend(
+                t for t in quantization_state(param) if not any(t is h for _, h in held))
     shards = []
     for key, (axis, kind, named) in by_kind.items():
         shard = FrozenShard(named, axis, kind, offload)
