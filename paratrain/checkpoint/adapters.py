@@ -8,7 +8,9 @@ assembles it, writes it and drops it. The adapter save streams the trainable ten
 modules peft calls `modules_to_save`), under peft's keys (`paratrain.adapters.peft_format`). The merged save
 streams each adapted layer's A, B and magnitude just before its base weight (`Merger.order`): rank 0 holds those
 small tensors until the weight arrives, folds them into it in place (`merge_adapter`: no second weight-sized
-tensor) and writes it under the name it has without adapters. `Merger.peak_bytes` counts what it held at most.
+tensor) and writes it under the name it has without adapters. A 4-bit base weight (QLoRA) comes after its
+quantization state, which rank 0 holds too, and is dequantized by bitsandbytes into its compute dtype before the
+fold; the quantization state is not written. `Merger.peak_bytes` counts what it held at most.
 """
 
 from __future__ import annotations
@@ -36,25 +38,26 @@ class LayerMerge:
     adapter: str
     dora: bool
     transposed: bool  # a Conv1D base: its weight is (in, out)
+    quantized: tuple | None = None  # a 4-bit base: (its weight's shape, its dtype's name), dequantized into it
 
 
-def merge_plan(parallel, mesh, merging: bool = True) -> dict[str, LayerMerge]:
+def merge_plan(parallel, mesh) -> dict[str, LayerMerge]:
     """{original path of every adapted layer: how to fold its adapter in}, on every rank (collective: a pipeline
-    stage knows only its own layers). A layer that cannot be merged is refused on every rank alike (a 4-bit base
-    only when `merging`: its adapter saves unmerged)."""
+    stage knows only its own layers). A layer that cannot be merged is refused on every rank alike."""
     mine, problem = {}, None
     for path, layer in lora_layers(parallel.module):
         weight = layer.lora_A[layer.active].weight
         original = parallel.origin(f"{path}.lora_A.{layer.active}.weight", weight).name.split(".lora_A.")[0]
         transposed = type(layer.base_layer).__name__ == "Conv1D" or getattr(layer.base_layer, "transposed", False)
-        if merging and is_4bit_weight(getattr(layer.base_layer, "weight", None)):  # whole, or split over tp
-            problem = (f"save_pretrained(merged=True): '{original}' has a 4-bit base (bitsandbytes Linear4bit), and "
-                       f"dequantizing it into the compute dtype is not built; save the adapter unmerged (peft loads "
-                       f"it onto the 4-bit base)")
+        base = getattr(layer.base_layer, "weight", None)
+        quantized = None
+        if is_4bit_weight(base):  # whole, or split over tp: its quantization state knows the whole shape
+            state = base.quant_state
+            quantized = (tuple(state.shape), str(state.dtype).split(".")[-1])
         if layer.lora_B[layer.active].bias is not None and getattr(layer.base_layer, "bias", None) is None:
             problem = (f"save_pretrained(merged=True): '{original}' has a bias on its LoRA B (peft.bias) but its base "
                        f"layer has none to fold it into; save the adapter unmerged")
-        mine[original] = LayerMerge(layer.scaling[layer.active], layer.active, layer.is_dora(), transposed)
+        mine[original] = LayerMerge(layer.scaling[layer.active], layer.active, layer.is_dora(), transposed, quantized)
     if expert_adapters(parallel.module):
         problem = ("save_pretrained(merged=True) with adapters on expert stacks (peft.target_parameters): folding "
                    "them into the stacked weights is not built; save the adapter unmerged")
@@ -79,6 +82,11 @@ class Merger:
         self.held: dict[str, torch.Tensor] = {}
         self.peak_bytes = 0
 
+    @property
+    def dequantizes(self) -> bool:
+        """Whether a 4-bit base is written dequantized: the saved model is then no longer a quantized one."""
+        return any(plan.quantized is not None for plan in self.layers.values())
+
     def _layer_of(self, name: str) -> str | None:
         for marker in (".lora_A.", ".lora_B.", ".lora_magnitude_vector.", ".base_layer."):
             if marker in name and name.split(marker)[0] in self.layers:
@@ -86,22 +94,42 @@ class Merger:
         return None
 
     def order(self, name: str) -> tuple:
-        """A layer's adapters right before its base weight; everything else by name."""
+        """A layer's adapters, then its base's other tensors (its bias, a 4-bit weight's quantization state), then its
+        base weight; everything else by name."""
         layer = self._layer_of(name)
-        return (layer, 1 if ".base_layer." in name else 0) if layer is not None else (name, 0)
+        if layer is None:
+            return (name, 0)
+        return (layer, 2 if name.endswith(".base_layer.weight") else 1 if ".base_layer." in name else 0)
+
+    def _quantization_part(self, name: str) -> str | None:
+        """The state-dict suffix of a 4-bit base weight's quantization-state tensor (`absmax`, ...), or None."""
+        layer = self._layer_of(name)
+        head = f"{layer}.base_layer.weight."
+        if layer is None or self.layers[layer].quantized is None or not name.startswith(head):
+            return None
+        return name[len(head):]
 
     def rename(self, name: str) -> str | None:
-        """The name in the merged model: a base tensor's without `base_layer`; adapters are not written (None)."""
-        if is_adapter_name(name):
+        """The name in the merged model: a base tensor's without `base_layer`; adapters and a 4-bit weight's
+        quantization state are not written (None)."""
+        if is_adapter_name(name) or self._quantization_part(name) is not None:
             return None
         return name.replace(".base_layer.", ".") if self._layer_of(name) is not None else name
+
+    def written(self, name: str, shape: tuple, dtype: torch.dtype) -> tuple[tuple, torch.dtype]:
+        """The shape and dtype `name` is written with: a 4-bit base weight's dequantized ones, else its own."""
+        layer = self._layer_of(name)
+        plan = self.layers[layer] if layer is not None and name.endswith(".base_layer.weight") else None
+        if plan is None or plan.quantized is None:
+            return shape, dtype
+        return plan.quantized[0], getattr(torch, plan.quantized[1])
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """The tensor to write for `name` (None: an adapter tensor, held for its layer's base weight)."""
         layer = self._layer_of(name)
         if layer is None:
             return tensor
-        if is_adapter_name(name):
+        if is_adapter_name(name) or self._quantization_part(name) is not None:
             self.held[name] = tensor
             self._count(tensor)
             return None
@@ -109,6 +137,9 @@ class Merger:
         prefix = f"{layer}.lora_"
         if name.endswith(".base_layer.weight"):
             self._count(tensor)
+            if plan.quantized is not None:  # the 4-bit weight dequantized (bitsandbytes) into its dtype first
+                tensor = self._dequantized(name, tensor)
+                self._count(tensor)
             magnitude = held.get(f"{prefix}magnitude_vector.{plan.adapter}.weight") if plan.dora else None
             merged = merge_adapter(tensor.float(), held[f"{prefix}A.{plan.adapter}.weight"],  # fp32: in place
                                    held[f"{prefix}B.{plan.adapter}.weight"], plan.scaling, magnitude,
@@ -118,9 +149,18 @@ class Merger:
             tensor = merged.to(tensor.dtype)
         elif name.endswith(".base_layer.bias") and f"{prefix}B.{plan.adapter}.bias" in held:
             tensor = tensor + plan.scaling * held[f"{prefix}B.{plan.adapter}.bias"]
-        if name.endswith(".base_layer.weight"):  # (its bias, sorted before it, is done)
-            self.held = {k: v for k, v in held.items() if not k.startswith(prefix)}
+        if name.endswith(".base_layer.weight"):  # (its bias and quantization state, sorted before it, are done)
+            self.held = {k: v for k, v in held.items() if not k.startswith((prefix, f"{name}."))}
         return tensor
+
+    def _dequantized(self, name: str, packed: torch.Tensor) -> torch.Tensor:
+        """A 4-bit weight as bitsandbytes dequantizes it, from its packed bytes and the quantization state held for it
+        (the tensors its state dict stores, rebuilt by bitsandbytes' own `QuantState.from_dict`)."""
+        import bitsandbytes as bnb
+
+        parts = {k[len(name) + 1:]: v for k, v in self.held.items() if k.startswith(f"{name}.")}
+        state = bnb.functional.QuantState.from_dict(parts, device=packed.device)
+        return bnb.functional.dequantize_4bit(packed.view(-1, 1), state)
 
     def _count(self, *tensors: torch.Tensor) -> None:
         held = sum(t.numel() * t.element_size() for t in self.held.values())
@@ -133,7 +173,7 @@ def save_adapter(parallel, mesh, device: torch.device, directory, settings: Adap
     every trainable tensor (adapters, modules_to_save) under peft's keys, and adapter_config.json."""
     directory, world, writer = Path(directory), mesh.world, mesh.rank == WRITER
     keep = trainable_names(parallel, mesh)
-    adapted = sorted(merge_plan(parallel, mesh, merging=False))
+    adapted = sorted(merge_plan(parallel, mesh))
     stream = FullTensorStream(parallel, mesh, device, keep=keep.__contains__)
 
     def cast(t: torch.Tensor) -> torch.Tensor:

@@ -225,6 +225,8 @@ def save_pretrained(parallel, mesh, device: torch.device, directory, model_confi
     (`paratrain.checkpoint.adapters.Merger`) folds the adapters into their base weights on the way."""
     directory = Path(directory)
     max_bytes = parse_size(max_shard_size)
+    if merger is not None and merger.dequantizes and model_config:  # a 4-bit base written in its compute dtype
+        model_config = {k: v for k, v in model_config.items() if k != "quantization_config"}
     try:
         files = parallel.spec.pretrained_files(model_config, str(dtype or torch.float32).split(".")[-1])
     except ModelSpecError as exc:
@@ -237,7 +239,8 @@ def save_pretrained(parallel, mesh, device: torch.device, directory, model_confi
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     rename = merger.rename if merger else (lambda name: name)
-    entries = [(rename(name), shape, cast(torch.empty((), dtype=dt)).dtype) for names, shape, dt in stream.tensors
+    written = merger.written if merger else (lambda name, shape, dt: (shape, dt))
+    entries = [(rename(name), *_cast_entry(*written(name, shape, dt), cast)) for names, shape, dt in stream.tensors
                for name in names if rename(name) is not None]
     partial = directory.with_name(f".{directory.name}.partial")
     problem = _target_problem(directory) if writer else None
@@ -265,6 +268,10 @@ def save_pretrained(parallel, mesh, device: torch.device, directory, model_confi
             error = f"finishing '{directory}': {exc}"
     raise_on_every_rank(error, world, partial, f"save_pretrained to '{directory}'")
     return directory
+
+
+def _cast_entry(shape: tuple, dtype: torch.dtype, cast) -> tuple[tuple, torch.dtype]:
+    return shape, cast(torch.empty((), dtype=dtype)).dtype
 
 
 def raise_on_every_rank(error: str | None, world, partial: Path, what: str) -> None:

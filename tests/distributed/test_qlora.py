@@ -14,15 +14,16 @@ same parity and a formula for a tp rank's bytes; a split that would cut a block 
 rank) is refused by name.
 
 The adapter saved from ZeRO-3 (dp4), from pp2 (dp2·pp2) and from tp2 loads with `peft.PeftModel.from_pretrained`
-onto the 4-bit base and gives the trained model's logits (1e-5); a merged save over a 4-bit base is refused by name on
-every rank. A run in any of these layouts resumes bit for bit from its checkpoint, with the 4-bit base stored or left
-out, and a tp2 checkpoint loads into DDP as the same model. paratrain's own `peft.quantize_base` trains its Llama the
-same way in DDP, ZeRO-3 and pp2.
+onto the 4-bit base and gives the trained model's logits (1e-5), and so does the merged save (the base dequantized) as
+a plain transformers model. A run in any of these layouts resumes bit for bit from its checkpoint, with the 4-bit
+base stored or left out, and a tp2 checkpoint loads into DDP as the same model. paratrain's own
+`peft.quantize_base` trains its Llama the same way in DDP, ZeRO-3 and pp2.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -203,7 +204,6 @@ SAVED = {"zero3": LAYOUTS["zero3"], "pp2": LAYOUTS["pp2 1f1b"]}
 
 def _train_and_save(root: str, layouts: dict, hidden: int = 64) -> dict:
     from paratrain import initialize
-    from paratrain.checkpoint import CheckpointError
 
     out = {}
     for name, config in layouts.items():
@@ -211,15 +211,18 @@ def _train_and_save(root: str, layouts: dict, hidden: int = 64) -> dict:
         for _ in range(2):
             engine.train_batch()
         engine.save_pretrained(f"{root}/{name}")
-        with pytest.raises(CheckpointError, match="has a 4-bit base .* not built; save the adapter unmerged"):
-            engine.save_pretrained(f"{root}/{name}_merged", merged=True)
+        engine.save_pretrained(f"{root}/{name}_merged", merged=True)  # the 4-bit base dequantized, adapters folded in
         state = engine.full_state_dict()  # (collective)
         out[name] = {k: v for k, v in state.items() if ".lora_" in k} if dist.get_rank() == 0 else None
     return out
 
 
 def _check_adapters_load_with_peft(trained_states: dict, root, hidden: int = 64) -> None:
+    """The adapter loads with peft onto the 4-bit base, and the merged save (its base dequantized, as bitsandbytes
+    dequantizes it, the adapters folded in, no quantization_config left) loads into transformers as a plain fp32
+    model: both give the trained model's logits within 1e-5."""
     import peft
+    from transformers import AutoModelForCausalLM
 
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     for name, adapters in trained_states.items():
@@ -230,7 +233,13 @@ def _check_adapters_load_with_peft(trained_states: dict, root, hidden: int = 64)
         with torch.no_grad():
             want, got = trained(input_ids=ids).logits, loaded(input_ids=ids).logits
         assert float((got - want).norm() / want.norm()) <= 1e-5, name
-        assert not (root / f"{name}_merged").exists()
+        config = json.loads((root / f"{name}_merged" / "config.json").read_text())
+        assert "quantization_config" not in config, name
+        merged = AutoModelForCausalLM.from_pretrained(root / f"{name}_merged", dtype=torch.float32)
+        assert all(p.dtype == torch.float32 for p in merged.parameters()), name
+        with torch.no_grad():
+            got = merged(input_ids=ids).logits
+        assert float((got - want).norm() / want.norm()) <= 1e-5, name
 
 
 def test_the_adapter_saved_from_zero3_and_pp2_loads_with_peft_onto_the_4bit_base(world4, tmp_path):
