@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from paratrain.adapters.quantized import is_4bit_weight
 from paratrain.checkpoint.pieces import gather_full_state
 from paratrain.comm import all_gather_object
 from paratrain.compat.names import DOCS, ENGINE, DeepSpeedNotSupported, refuse
@@ -218,9 +219,13 @@ class DeepSpeedEngineAPI:
         return out
 
     def parameter_counts(self) -> dict[str, int]:
-        """Elements of the whole model, trainable (adapters, under LoRA) and frozen, over every rank (collective)."""
-        mine = {self.parallel.origin(n, p).name: (p.requires_grad, math.prod(self.parallel.origin(n, p).shape))
-                for n, p in self.module.named_parameters()}
+        """Elements of the whole model, trainable (adapters, under LoRA) and frozen, over every rank (collective); a
+        4-bit weight (QLoRA) counts the values it encodes, two per packed byte."""
+        mine = {}
+        for n, p in self.module.named_parameters():
+            origin = self.parallel.origin(n, p)
+            values = math.prod(p.quant_state.shape) if is_4bit_weight(p) else math.prod(origin.shape)
+            mine[origin.name] = (p.requires_grad, values)
         everyone = {k: v for part in all_gather_object(mine, self.mesh.world, tag="introspection")
                     for k, v in part.items()}
         return {"trainable": sum(n for grad, n in everyone.values() if grad),

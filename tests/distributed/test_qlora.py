@@ -213,7 +213,8 @@ def _train_and_save(root: str, layouts: dict, hidden: int = 64) -> dict:
         engine.save_pretrained(f"{root}/{name}")
         engine.save_pretrained(f"{root}/{name}_merged", merged=True)  # the 4-bit base dequantized, adapters folded in
         state = engine.full_state_dict()  # (collective)
-        out[name] = {k: v for k, v in state.items() if ".lora_" in k} if dist.get_rank() == 0 else None
+        counts = engine.parameter_counts()  # (collective)
+        out[name] = ({k: v for k, v in state.items() if ".lora_" in k}, counts) if dist.get_rank() == 0 else None
     return out
 
 
@@ -225,8 +226,13 @@ def _check_adapters_load_with_peft(trained_states: dict, root, hidden: int = 64)
     from transformers import AutoModelForCausalLM
 
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    for name, adapters in trained_states.items():
+    for name, (adapters, counts) in trained_states.items():
         trained = qlora_hf(reference=True, hidden=hidden)  # the model as trained: the adapters in peft's own layers
+        # the job's parameter counts: a 4-bit weight's values, not its packed bytes
+        values = {id(m.weight): m.out_features * m.in_features for m in _4bit_layers(trained)}
+        frozen = sum(values.get(id(p), p.numel()) for p in trained.parameters() if not p.requires_grad)
+        assert counts == {"trainable": sum(p.numel() for p in trained.parameters() if p.requires_grad),
+                          "frozen": frozen}, (name, counts, frozen)
         missing = trained.load_state_dict(adapters, strict=False)
         assert not missing.unexpected_keys, missing.unexpected_keys[:3]
         loaded = peft.PeftModel.from_pretrained(qlora_base(hidden=hidden), root / name)
