@@ -41,9 +41,10 @@ class LayerMerge:
     quantized: tuple | None = None  # a 4-bit base: (its weight's shape, its dtype's name), dequantized into it
 
 
-def merge_plan(parallel, mesh) -> dict[str, LayerMerge]:
+def merge_plan(parallel, mesh, merging: bool = True) -> dict[str, LayerMerge]:
     """{original path of every adapted layer: how to fold its adapter in}, on every rank (collective: a pipeline
-    stage knows only its own layers). A layer that cannot be merged is refused on every rank alike."""
+    stage knows only its own layers). When `merging`, a layer that cannot be merged is refused on every rank alike
+    (the adapter save only lists the layers: it saves them unmerged)."""
     mine, problem = {}, None
     for path, layer in lora_layers(parallel.module):
         weight = layer.lora_A[layer.active].weight
@@ -63,7 +64,7 @@ def merge_plan(parallel, mesh) -> dict[str, LayerMerge]:
                    "them into the stacked weights is not built; save the adapter unmerged")
     everyone = all_gather_object((mine, problem), mesh.world, tag="save_pretrained")
     problem = next((p for _, p in everyone if p), None)
-    if problem:
+    if problem and merging:
         raise CheckpointError(problem)
     return {k: v for part, _ in everyone for k, v in part.items()}
 
@@ -173,7 +174,7 @@ def save_adapter(parallel, mesh, device: torch.device, directory, settings: Adap
     every trainable tensor (adapters, modules_to_save) under peft's keys, and adapter_config.json."""
     directory, world, writer = Path(directory), mesh.world, mesh.rank == WRITER
     keep = trainable_names(parallel, mesh)
-    adapted = sorted(merge_plan(parallel, mesh))
+    adapted = sorted(merge_plan(parallel, mesh, merging=False))
     stream = FullTensorStream(parallel, mesh, device, keep=keep.__contains__)
 
     def cast(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ model) within 1e-5, with the key set of peft's own save of that model and no emp
 `from_pretrained` of the merged directory gives the same logits; rank 0 held at most twice the largest weight
 (a tensor's pieces and the tensor assembled from them) and one layer's adapters, counted from outside (the tensor
 storage alive at every operator). The adapter directory then goes into a plain transformers model through the `peft`
-section (`peft.load`, dp4 ZeRO-1): its adapters start exactly where the saved ones were.
+section (`peft.load`, dp4 ZeRO-1): its adapters start exactly where the saved ones were. Adapters on expert stacks
+(paratrain's MoE, the `peft` section) save unmerged, and their merged save is refused by name.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 
 from tests.cases import LiveTensorBytes, import_or_skip, tiny_hf
 from tests.distributed.test_real_data import real_layout
-from tests.peft_cases import peft_hf
+from tests.peft_cases import SECTIONS, peft_hf, section_model
 from tests.real_data import RealRows
 
 peft = import_or_skip("peft")
@@ -51,11 +52,28 @@ def _train_and_save(root: str) -> dict:
             engine.save_pretrained(f"{root}/{name}_merged", merged=True)
         state = engine.full_state_dict()
         out[name] = {"state": state if dist.get_rank() == 0 else None, "peak": live.peak}
+    out["moe"] = _experts_save(root)
     cfg = {**real_layout(1, 4, zero=1), "peft": {"load": f"{root}/tp_zero3"}}
     engine, *_ = initialize(model=tiny_hf("llama"), config=cfg, training_data=RealRows("masked"))
     state = engine.full_state_dict()  # (collective)
     out["continued"] = state if dist.get_rank() == 0 else None
     return out
+
+
+def _experts_save(root: str) -> str | None:
+    """Adapters on expert stacks save unmerged; merging them is refused by name (what the refusal returns)."""
+    from paratrain import initialize
+    from paratrain.checkpoint import CheckpointError
+
+    cfg = {**real_layout(1, 4), "peft": SECTIONS["moe experts"]}
+    engine, *_ = initialize(model=section_model("moe experts"), config=cfg, training_data=RealRows("masked"))
+    engine.train_batch()
+    engine.save_pretrained(f"{root}/moe")
+    try:
+        engine.save_pretrained(f"{root}/moe_merged", merged=True)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -97,6 +115,10 @@ def test_adapters_saved_from_sharded_layouts_load_with_peft_and_merged_with_tran
         layer = max(layers.values())
         # a tensor's pieces as they arrive and the tensor assembled from them, and one layer's adapters
         assert largest <= results[name]["peak"] <= 2 * largest + layer, (results[name]["peak"], largest, layer)
+    # the expert stacks' adapters saved unmerged (a merged save refused, naming the fix)
+    assert results["moe"].startswith("save_pretrained(merged=True) with adapters on expert stacks"), results["moe"]
+    assert any("experts" in k for k in load_file(tmp_path / "moe" / "adapter_model.safetensors"))
+    assert not (tmp_path / "moe_merged").exists()
     saved = results["tp_zero3"]["state"]
     continued = results["continued"]
     adapters = [k for k in saved if "lora_" in k]
