@@ -6,8 +6,10 @@ paratrain's Llama (4 layers, width 512, SwiGLU 1,408, 8 heads over 4 k/v heads, 
 rows; 12.06 M parameters) trained by `paratrain train --nproc-per-node 2` on the embedded corpus, ZeRO-3 over dp2
 with every tensor sharded as FSDP2 shards them (`stage3_param_persistence_threshold` 0: at the default the adapters
 and norms would stay whole on every rank), fp32, AdamW, 4 rows per rank per step, through the `peft` section: LoRA
-r 8 on every projection of the blocks. The two jobs differ only in `peft.quantize_base`: "nf4" (the adapted bases in
-4 bits, bitsandbytes' CPU backend) or none. Each round runs both back to back, alternating which goes first. Read
+r 8 on every projection of the blocks. The jobs differ only in `peft.quantize_base`: "nf4" (the adapted bases in
+4 bits, bitsandbytes' CPU backend), "nf4" with `double_quant` (the blocks' scales quantized again, as torchao's NF4
+always does: the like-for-like memory comparison), or none. Each round runs them back to back, rotating which goes
+first. Read
 from the runs' files:
 - step: the median `step_time_s` from step 3 on;
 - model state per rank: `memory_stats()`' total and its frozen part (the rows' `state_bytes_per_rank`, the summary);
@@ -18,7 +20,8 @@ table is printed at the end. Nothing asserts a time.
 Beside both, in the same rounds: torch FSDP2 + torchao's NF4, torchtune's way (`benchmarks/qlora_fsdp2.py`), the
 same model, shapes and AdamW under torch's launcher; its model state is its shards of every parameter (NF4 scales
 included), gradients and optimizer state between steps. paratrain's `memory_stats()` also counts the units gathered
-at that moment and the 4-bit weights' whole quantization state.
+at that moment and the parts of the 4-bit weights' quantization state it keeps whole (with double quantization, the
+scales' code book and offset).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 4, "n_head": 8, "n_kv_hea
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _config(quantize: str | None) -> dict:
-    peft = {"r": 8, "alpha": 16, "target_modules": TARGETS, **({"quantize_base": quantize} if quantize else {})}
+def _config(quantize: str | None, double: bool = False) -> dict:
+    quantized = {"quantize_base": quantize, "double_quant": double} if quantize else {}
+    peft = {"r": 8, "alpha": 16, "target_modules": TARGETS, **quantized}
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.0}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 4,
@@ -50,8 +54,8 @@ def _config(quantize: str | None) -> dict:
                         "progress_bar": False}}
 
 
-def _run(quantize: str | None, work: Path) -> dict:
-    (work / "c.json").write_text(json.dumps(_config(quantize)))
+def _run(quantize: str | None, work: Path, double: bool = False) -> dict:
+    (work / "c.json").write_text(json.dumps(_config(quantize, double)))
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "--config", "c.json", "--nproc-per-node",
                            "2", "--run-dir", "run"], cwd=work, capture_output=True, text=True,
@@ -87,20 +91,23 @@ def main(argv: list[str] | None = None) -> int:
     out = {"suite": "qlora", "machine": os.uname().machine, "cpus": os.cpu_count(), "rounds": []}
     for i in range(args.rounds):
         pair = {}
-        order = ["lora", "qlora", "fsdp2_torchao"]
-        for kind in order[i % 3:] + order[:i % 3]:  # each round starts with another
+        order = ["lora", "qlora", "qlora_double", "fsdp2_torchao"]
+        for kind in order[i % 4:] + order[:i % 4]:  # each round starts with another
             with tempfile.TemporaryDirectory() as tmp:
                 pair[kind] = _peer(Path(tmp)) if kind == "fsdp2_torchao" else \
-                    _run("nf4" if kind == "qlora" else None, Path(tmp))
+                    _run("nf4" if kind.startswith("qlora") else None, Path(tmp), double=kind == "qlora_double")
+        peer = pair["fsdp2_torchao"]
         pair["step_ratio"] = pair["qlora"]["step_s"] / pair["lora"]["step_s"]
-        pair["step_vs_fsdp2"] = pair["qlora"]["step_s"] / pair["fsdp2_torchao"]["step_s"]
-        pair["state_vs_fsdp2"] = max(pair["qlora"]["state_bytes_per_rank"]) / \
-            max(pair["fsdp2_torchao"]["state_bytes_per_rank"])
+        for kind, suffix in (("qlora", ""), ("qlora_double", "_double")):
+            pair[f"step_vs_fsdp2{suffix}"] = pair[kind]["step_s"] / peer["step_s"]
+            pair[f"state_vs_fsdp2{suffix}"] = max(pair[kind]["state_bytes_per_rank"]) / \
+                max(peer["state_bytes_per_rank"])
         out["rounds"].append(pair)
         print(f"round {i}: step {pair['lora']['step_s'] * 1e3:.0f} ms (LoRA) vs {pair['qlora']['step_s'] * 1e3:.0f} ms"
-              f" (QLoRA) vs {pair['fsdp2_torchao']['step_s'] * 1e3:.0f} ms (FSDP2 + torchao), state "
-              f"{pair['lora']['state_bytes_per_rank']} vs {pair['qlora']['state_bytes_per_rank']} vs "
-              f"{pair['fsdp2_torchao']['state_bytes_per_rank']}", flush=True)
+              f" (QLoRA) vs {pair['qlora_double']['step_s'] * 1e3:.0f} ms (double) vs "
+              f"{peer['step_s'] * 1e3:.0f} ms (FSDP2 + torchao), state {pair['lora']['state_bytes_per_rank']} vs "
+              f"{pair['qlora']['state_bytes_per_rank']} vs {pair['qlora_double']['state_bytes_per_rank']} vs "
+              f"{peer['state_bytes_per_rank']}", flush=True)
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     print(table(out))
     return 0
@@ -113,14 +120,17 @@ def table(out: dict) -> str:
     lines = ["| ZeRO-3 dp2, LoRA r 8 on every projection | step (ms) | model state per rank (MiB) | peak RSS per rank "
              "(MiB) |", "|---|---:|---:|---:|"]
     for kind, label in (("lora", "paratrain LoRA, fp32 base"), ("qlora", "paratrain QLoRA, nf4 base (bitsandbytes)"),
-                        ("fsdp2_torchao", "torch FSDP2 + torchao NF4 (torchtune's way)")):
+                        ("qlora_double", "paratrain QLoRA, nf4 base, double quantization (bitsandbytes)"),
+                        ("fsdp2_torchao", "torch FSDP2 + torchao NF4 (torchtune's way; its scales double-quantized)")):
         rss = f"{median(kind, lambda r: max(r['peak_rss_per_rank'])) / 2**20:.0f}" if kind != "fsdp2_torchao" else "-"
         lines.append(f"| {label} | {median(kind, lambda r: r['step_s']) * 1e3:.0f} | "
                      f"{median(kind, lambda r: max(r['state_bytes_per_rank'])) / 2**20:.1f} | {rss} |")
     for key, what in (("step_ratio", "QLoRA step / LoRA step"), ("step_vs_fsdp2", "QLoRA step / FSDP2 + torchao's"),
-                      ("state_vs_fsdp2", "QLoRA model state / FSDP2 + torchao's")):
-        ratios = ", ".join(f"{r[key]:.2f}" for r in out["rounds"])
-        lines.append(f"\n{what}: {statistics.median(r[key] for r in out['rounds']):.2f} (rounds {ratios})")
+                      ("state_vs_fsdp2", "QLoRA model state / FSDP2 + torchao's"),
+                      ("step_vs_fsdp2_double", "QLoRA (double) step / FSDP2 + torchao's"),
+                      ("state_vs_fsdp2_double", "QLoRA (double) model state / FSDP2 + torchao's")):
+        ratios = ", ".join(f"{r[key]:.3f}" for r in out["rounds"])
+        lines.append(f"\n{what}: {statistics.median(r[key] for r in out['rounds']):.3f} (rounds {ratios})")
     return "\n".join(lines)
 
 
