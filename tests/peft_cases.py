@@ -114,6 +114,8 @@ SECTIONS = {"llama lora": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR
             "llama dora": {"method": "dora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
             # QLoRA from the section: the adapted bases quantized to nf4 by paratrain (in_features multiples of 64)
             "llama qlora": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR), "quantize_base": "nf4"},
+            # width 128: tp2 splits o_proj's inputs into whole blocks of 64 per rank
+            "llama qlora wide": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR), "quantize_base": "nf4"},
             "moe experts": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj"],
                             "target_parameters": ["experts.gate_proj", "experts.up_proj", "experts.down_proj"]}}
 
@@ -130,7 +132,8 @@ def section_model(name: str, reference: bool = False, seed: int = 7):
         torch.manual_seed(1)
         model = build_model("mixtral-tiny", seq_len=16, vocab_size=256, aux_loss_coef=0.0, z_loss_coef=0.0)
     else:
-        model = tiny_llama(**({"d_model": 64, "d_ff": 128} if "qlora" in name else {}))
+        width = 128 if "wide" in name else 64
+        model = tiny_llama(**({"d_model": width, "d_ff": 128} if "qlora" in name else {}))
     if reference:
         from paratrain.adapters import inject_adapters
         from paratrain.adapters.quantized import quantize_bases

@@ -45,8 +45,8 @@ class PeftConfig(Section):
     quantize_base: Literal["nf4", "fp4"] | None = None
     """QLoRA: the adapted layers' frozen bases quantized to 4 bits by bitsandbytes (the `qlora` extra) once, when the
     engine puts the adapters in, each whole tensor before any layout touches it: "nf4" or "fp4" (None: as they are).
-    Trains in DDP, ZeRO-1/2/3, pipelines and context parallelism; not with tensor parallelism or a model on the meta
-    device."""
+    Trains in DDP, ZeRO-1/2/3, pipelines, context parallelism and tensor parallelism where each rank's slice is whole
+    blocks of 64 values; not with DoRA or a model on the meta device."""
     double_quant: bool = False
     """With quantize_base: the blocks' scales quantized again (bitsandbytes' double quantization)."""
     load: str | None = None

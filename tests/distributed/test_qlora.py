@@ -17,7 +17,7 @@ The adapter saved from ZeRO-3 (dp4), from pp2 (dp2·pp2) and from tp2 loads with
 onto the 4-bit base and gives the trained model's logits (1e-5), and so does the merged save (the base dequantized) as
 a plain transformers model. A run in any of these layouts resumes bit for bit from its checkpoint, with the 4-bit
 base stored or left out, and a tp2 checkpoint loads into DDP as the same model. paratrain's own
-`peft.quantize_base` trains its Llama the same way in DDP, ZeRO-3 and pp2.
+`peft.quantize_base` trains its Llama the same way in DDP, ZeRO-3, pp2 and dp2·tp2.
 """
 
 from __future__ import annotations
@@ -315,28 +315,32 @@ def test_tp2_alone_trains_saves_an_adapter_peft_loads_and_resumes_in_any_layout(
         assert r["losses"][0] == r["losses"][1] and r["equal"], (case, r)
 
 
-SECTION = [("ddp", LAYOUTS["ddp"]), ("zero3", LAYOUTS["zero3"]), ("pp2 1f1b", LAYOUTS["pp2 1f1b"])]
+SECTION = [("llama qlora", "ddp", LAYOUTS["ddp"]), ("llama qlora", "zero3", LAYOUTS["zero3"]),
+           ("llama qlora", "pp2 1f1b", LAYOUTS["pp2 1f1b"]), ("llama qlora wide", "dp2 tp2", TP_LAYOUTS["dp2 tp2"])]
 
 
 def _section_runs() -> list:
-    return [run_layout({**config, "gradient_clipping": CLIP, "peft": SECTIONS["llama qlora"]},
-                       functools.partial(section_model, "llama qlora"), RealRows("masked"), STEPS, keep_state=True)
-            for _, config in SECTION]
+    return [run_layout({**config, "gradient_clipping": CLIP, "peft": SECTIONS[model]},
+                       functools.partial(section_model, model), RealRows("masked"), STEPS, keep_state=True)
+            for model, _, config in SECTION]
 
 
 def test_the_peft_sections_quantize_base_trains_paratrains_llama_exactly(world4):
     """`peft.quantize_base: "nf4"`: paratrain's own Llama, its adapted bases quantized whole by bitsandbytes when the
-    engine puts the adapters in, in DDP, ZeRO-3 and pp2, against one process that quantizes them the same way."""
+    engine puts the adapters in, in DDP, ZeRO-3, pp2 and (width 128) dp2·tp2, against one process that quantizes
+    them the same way."""
     per_rank = world4.run(_section_runs)
-    config = {**LAYOUTS["ddp"], "gradient_clipping": CLIP, "peft": SECTIONS["llama qlora"]}
-    reference = reference_run(functools.partial(section_model, "llama qlora", True),
-                              reference_config(config, per_rank[0][0]), RealRows("masked"), STEPS,
-                              loss_of=documents_loss)
-    assert all(norm > CLIP for norm in reference.grad_norms), reference.grad_norms
-    for i, (name, _) in enumerate(SECTION):
+    references = {}
+    for i, (model, name, layout) in enumerate(SECTION):
         run = per_rank[0][i]
-        summary = summarize(compare(run, reference))
-        print(f"section qlora {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
+        if model not in references:
+            config = {**layout, "gradient_clipping": CLIP, "peft": SECTIONS[model]}
+            references[model] = reference_run(functools.partial(section_model, model, True),
+                                              reference_config(config, run), RealRows("masked"), STEPS,
+                                              loss_of=documents_loss)
+            assert all(norm > CLIP for norm in references[model].grad_norms), references[model].grad_norms
+        summary = summarize(compare(run, references[model]))
+        print(f"section {model} {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
               f"param {summary['param_err']:.1e}")
         assert summary["passed"], (name, summary)
         packed = [k for k in run.final_state if k.endswith("q_proj.base_layer.weight")]
