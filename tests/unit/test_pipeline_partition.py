@@ -229,3 +229,12 @@ def test_the_parameter_partition_counts_frozen_weights():
     frozen, trained = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
     frozen.requires_grad_(False)
     assert parameter_counts([frozen, trained]) == [72, 18]
+
+
+def test_the_parameter_partition_counts_a_4bit_weight_by_its_values():
+    """A QLoRA layer costs what its values cost: a 4-bit weight of 64 x 128 counts 8,192, not its 4,096 packed bytes."""
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear4bit(128, 64, bias=True, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 128), requires_grad=False, quant_type="nf4").to("cpu")
+    assert layer.weight.numel() == 4096
+    assert parameter_counts([layer, torch.nn.Linear(8, 2)]) == [64 * 128 + 64, 18]

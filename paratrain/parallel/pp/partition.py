@@ -8,12 +8,14 @@ default), `balanced` by the forward + backward time a short profile measured.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from paratrain.adapters.quantized import is_4bit_weight
 from paratrain.errors import Error
 
 METHODS = ("uniform", "parameters", "balanced")
@@ -75,7 +77,8 @@ def parameter_counts(layers: Sequence) -> list[int]:
             with torch.device("meta"):
                 layer = layer.build()
         params = layer.parameters() if isinstance(layer, nn.Module) else []
-        out.append(sum(p.numel() for p in params))
+        # a 4-bit weight (QLoRA) costs what its values cost, two per packed byte
+        out.append(sum(math.prod(p.quant_state.shape) if is_4bit_weight(p) else p.numel() for p in params))
     return out
 
 
