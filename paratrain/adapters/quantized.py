@@ -25,6 +25,8 @@ bytes as that matrix, (rows, columns/2) (`packed_matrix_shape`), so any layout f
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -163,3 +165,42 @@ def local_quant_state(state, style: str, index: int, parts: int):
         shape = (rows, cols // parts)
     return type(state)(absmax=local.contiguous(), shape=torch.Size(shape), code=state.code,
                        blocksize=state.blocksize, quant_type=state.quant_type, dtype=state.dtype)
+
+
+def check_4bit_dequantization(model: nn.Module) -> None:
+    """Refuse, naming the layer, a 4-bit weight on the CPU whose dequantization by bitsandbytes is not its own values:
+    bitsandbytes 0.50's CPU kernel miscomputes some widths that are not multiples of 64 (64 x 96 for one; 64 x 128
+    is exact). Each (shape, type, blocksize, nesting) is checked
+    once, against the format computed here: value = code[4-bit index] · its block's scale."""
+    seen = set()
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not is_4bit_weight(weight) or weight.device.type != "cpu" or weight.is_meta:
+            continue
+        state = weight.quant_state
+        key = (tuple(state.shape), state.quant_type, state.blocksize, state.nested, state.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        import bitsandbytes as bnb
+
+        got = bnb.functional.dequantize_4bit(weight.data.reshape(-1, 1), state)
+        if not torch.equal(got, _dequantized(weight.data, state)):
+            raise ConfigError(f"bitsandbytes' CPU dequantization of the 4-bit weight of '{name}' (shape "
+                              f"{list(state.shape)}, {state.quant_type}) does not give its own 4-bit values: "
+                              f"bitsandbytes' CPU kernel miscomputes some widths that are not multiples of "
+                              f"{state.blocksize}; use layers whose in_features are multiples of {state.blocksize}, "
+                              f"leave '{name.removesuffix('.base_layer')}' out of the 4-bit quantization (and of "
+                              f"peft.target_modules with quantize_base), or train on a GPU")
+
+
+def _dequantized(packed: torch.Tensor, state) -> torch.Tensor:
+    """A 4-bit weight's values by its format alone: two 4-bit indices per byte (the high half first) into the code
+    book, each times its block's fp32 scale (`local_quant_state` of the whole weight gives them as bitsandbytes
+    computes them)."""
+    n = math.prod(state.shape)
+    data = packed.reshape(-1)
+    indices = torch.stack([data >> 4, data & 0xF], dim=-1).reshape(-1)[:n].long()
+    scales = local_quant_state(state, "colwise", 0, 1).absmax
+    values = state.code[indices].view(-1) * scales.repeat_interleave(state.blocksize)[:n]
+    return values.to(state.dtype).view(*state.shape)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from paratrain.adapters.quantized import check_4bit_dequantization
 from paratrain.config.errors import ConfigError
 from paratrain.model_spec import ModelSpec, spec_for
 from paratrain.moe.layer import expert_parallel_size_of
@@ -68,6 +69,7 @@ def check_model(model: nn.Module, strategies: Strategies, spec: ModelSpec | None
                        "sp": int(tp.sequence_parallel and tp.size > 1), "ep": ep})
     check_context_parallel(model, cp)
     check_experts(model, ep, spec)
+    check_4bit_dequantization(model)
     heads = getattr(getattr(model, "config", None), "n_head", None)
     if cp > 1 and cpc.method != "ring" and isinstance(heads, int) and heads % tp.size == 0:
         try:  # Ulysses splits each tp rank's heads again

@@ -186,18 +186,25 @@ def _tp_base_bytes(quant: str) -> int:
 
 
 def test_a_tensor_parallel_split_that_would_cut_a_4bit_block_is_refused_by_name(world2):
+    """And a width bitsandbytes' CPU kernel dequantizes wrongly (96: paratrain's Llama, the section's nf4 bases)."""
     world2.run(_refused, {"tensor_parallel": {"size": 2}})
 
 
 def _refused(layout: dict) -> None:
     import paratrain
     from paratrain.config import ConfigError
+    from tests.cases import tiny_llama
 
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **layout}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     with pytest.raises(ConfigError, match="tensor_parallel.size 2 gives each rank 32 of the 64 columns of each row of "
                                           "the 4-bit base of 'model.layers.0.self_attn.o_proj' \\(rowwise\\), which "
                                           "cuts its blocks of 64 values"):
-        paratrain.initialize(model=qlora_hf(), config=config)
+        paratrain.initialize(model=qlora_hf(), config={**config, **layout})
+    with pytest.raises(ConfigError, match="bitsandbytes' CPU dequantization of the 4-bit weight of "
+                                          "'model.layers.0.self_attn.q_proj.base_layer' \\(shape \\[96, 96\\], nf4\\) "
+                                          "does not give its own 4-bit values"):
+        paratrain.initialize(model=tiny_llama(d_model=96, d_ff=128),
+                             config={**config, "peft": SECTIONS["llama qlora"]})
 
 
 SAVED = {"zero3": LAYOUTS["zero3"], "pp2": LAYOUTS["pp2 1f1b"]}

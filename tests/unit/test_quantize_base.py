@@ -78,3 +78,21 @@ def test_a_split_that_cuts_a_block_is_named():
     assert block_cut("o", layer, "rowwise", 2).startswith(
         "tensor_parallel.size 2 gives each rank 48 of the 96 columns of each row of the 4-bit base of 'o' (rowwise), "
         "which cuts its blocks of 64 values")
+
+
+def test_a_width_bitsandbytes_cpu_kernel_dequantizes_wrongly_is_refused_by_name():
+    """bitsandbytes 0.50's CPU kernel gives a 64 x 96 4-bit weight back wrong (the format, computed by paratrain, is
+    what its generic implementation gives); a model holding one is refused before any layout touches it, and 64 x
+    128 passes."""
+    from paratrain.adapters.quantized import check_4bit_dequantization
+
+    for width, refused in ((128, False), (96, True)):
+        model = nn.Sequential(nn.Linear(width, 64, bias=False))
+        layers = inject_adapters(model, AdapterSettings(target_modules=["0"], r=4, alpha=8), seed=0)
+        quantize_bases(layers, "nf4", False)
+        if not refused:
+            check_4bit_dequantization(model)
+            continue
+        with pytest.raises(ConfigError, match="bitsandbytes' CPU dequantization of the 4-bit weight of "
+                                              "'0.base_layer' \\(shape \\[64, 96\\], nf4\\) does not give"):
+            check_4bit_dequantization(model)
