@@ -96,3 +96,4 @@ def test_a_width_bitsandbytes_cpu_kernel_dequantizes_wrongly_is_refused_by_name(
         with pytest.raises(ConfigError, match="bitsandbytes' CPU dequantization of the 4-bit weight of "
                                               "'0.base_layer' \\(shape \\[64, 96\\], nf4\\) does not give"):
             check_4bit_dequantization(model)
+
