@@ -9,7 +9,8 @@ The adapters are the trainable parameters Ψ_a: their gradients, masters and opt
 stage's formulas (`paratrain.zero.estimate_memory`); the whole base is frozen, F parameters, held in the compute
 dtype whole (stages 0-2) or sharded per ZeRO-3 unit (each unit's frozen and trainable buffers padded apart); with
 a 4-bit base (QLoRA, `--quantize-base`) the adapted projections' weights are `four_bit_bytes` each: whole, or under
-tp this rank's 1/tp of the packed bytes with the whole quantization state (`quantized_bytes`).
+tp this rank's 1/tp of the packed bytes with the whole quantization state (`quantized_bytes`), or under ZeRO-3 one
+shard of each block's 4-bit buffers (`four_bit_buffers`), gathered with the block.
 Communication: the data-parallel reductions move Ψ_a; ZeRO-3 gathers each unit's frozen and trainable buffers
 (twice for a block, once for the root) and reduce-scatters the trainable ones. Over tp, per adapted block and
 micro-batch: the column-parallel A's gradient summed (r·in, an all-reduce in every backward), the row-parallel A's
@@ -60,6 +61,20 @@ def quantized_bytes(n: int, tp: int, double: bool) -> int:
     """A tp rank's bytes of a 4-bit weight of n values: 1/tp of its packed bytes (whole blocks), all of its
     quantization state (tp/quantized.py)."""
     return four_bit_bytes(n, double) - ceil_div(n, 2) + ceil_div(n, 2 * tp)
+
+
+def four_bit_buffers(shape, tp: int) -> tuple[list[tuple[int, int]], int]:
+    """One adapted block's 4-bit base as ZeRO-3 shards it (parallel/dp/frozen.py): the buffers, as (elements,
+    element size): the packed bytes (1/tp of them), and the quantization state per dtype (each block's scale, fp32 or
+    with double quantization uint8; the 16-entry code books and the scales' scales, fp32); and the bytes kept whole
+    (with double quantization each layer's 256-entry code book of the scales and its offset)."""
+    sizes = [n_in * n_out for n_in, n_out, _ in adapted(shape)]
+    blocks = [ceil_div(size, 64) for size in sizes]
+    packed = sum(ceil_div(size, 2 * tp) for size in sizes)
+    if not shape.lora.double_quant:
+        return [(packed, 1), (sum(blocks) + 16 * len(sizes), 4)], 0
+    nested = sum(16 + ceil_div(b, 256) for b in blocks)
+    return [(packed, 1), (sum(blocks), 1), (nested, 4)], (4 * 256 + 4) * len(sizes)
 
 
 def four_bit_cut(shape, tp: int) -> str | None:
@@ -139,6 +154,8 @@ def lora_units(shape, layout: Layout, stage: int, base: int) -> list[tuple[int, 
     blocks = rank_blocks(shape, layout, stage)
     trainable, frozen = layer_adapter_params(shape, layout.tp), shape.layer_params(layout.tp)
     root = base - blocks * frozen
+    if shape.lora.quantize:  # a block's 4-bit weights are buffers of their own (`four_bit_buffers`)
+        frozen -= sum(n_in * n_out // layout.tp for n_in, n_out, _ in adapted(shape))
     return [(trainable, frozen, 2)] * blocks + ([(0, root, 1)] if root else [])
 
 
@@ -147,18 +164,21 @@ def lora_model_states(shape, layout: Layout, stage: int, base: int) -> ModelStat
     `base` (this rank's parameters of the model) in the compute dtype, whole or, under ZeRO-3, one shard of each
     unit's padded frozen buffer."""
     n = layout.shard_group
+    blocks = rank_blocks(shape, layout, stage)
+    quantized, held = 0, 0
     if layout.zero_stage == 3:
         units = lora_units(shape, layout, stage, base)
         trainable = sum(ceil_div(t, n) * n for t, _, _ in units)
         frozen = sum(ceil_div(f, n) * n for _, f, _ in units)
+        if shape.lora.quantize:  # each block's 4-bit buffers sharded beside its other frozen tensors
+            buffers, whole = four_bit_buffers(shape, layout.tp)
+            held = blocks * (sum(ceil_div(count, n) * size for count, size in buffers) + whole)
     else:
-        trainable, frozen = rank_blocks(shape, layout, stage) * layer_adapter_params(shape, layout.tp), base
-    quantized, held = 0, 0
-    if shape.lora.quantize:  # the adapted bases in 4 bits, on the rank whole or split over tp (ZeRO-3 left out)
-        sizes = [n_in * n_out for n_in, n_out, _ in adapted(shape)]
-        blocks = rank_blocks(shape, layout, stage)
-        quantized = blocks * sum(size // layout.tp for size in sizes)
-        held = blocks * sum(quantized_bytes(size, layout.tp, shape.lora.double_quant) for size in sizes)
+        trainable, frozen = blocks * layer_adapter_params(shape, layout.tp), base
+        if shape.lora.quantize:  # the adapted bases in 4 bits, on the rank whole or split over tp
+            sizes = [n_in * n_out for n_in, n_out, _ in adapted(shape)]
+            quantized = blocks * sum(size // layout.tp for size in sizes)
+            held = blocks * sum(quantized_bytes(size, layout.tp, shape.lora.double_quant) for size in sizes)
     states = model_state_bytes(trainable, n, layout.zero_stage, layout.precision, layout.offload_optimizer,
                                frozen_params=frozen - quantized)
     return states + ModelStates(held, 0, 0)

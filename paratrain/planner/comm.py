@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from paratrain.layout.dims import ParallelDims
-from paratrain.planner.adapters import adapter_tp_transfers, lora_units
+from paratrain.planner.adapters import adapter_tp_transfers, four_bit_buffers, lora_units
 from paratrain.planner.layout import Layout, axis_name
 from paratrain.planner.memory import rank_params, zero3_units
 from paratrain.planner.model_shape import ModelShape
@@ -92,6 +92,15 @@ def replica_sums(layout: Layout, shards: list[int], element_size: int = 4) -> li
     return [Transfer(("dp_replicate",), "all_reduce", sum(shards), element_size, len(shards), "dp_replicate")]
 
 
+def four_bit_gathers(shape: ModelShape, layout: Layout, block_gathers: list[int]) -> list[Transfer]:
+    """ZeRO-3 over a 4-bit base: each block's 4-bit buffers (`four_bit_buffers`), gathered with the block."""
+    if not (shape.lora and shape.lora.quantize):
+        return []
+    n, (buffers, _) = layout.shard_group, four_bit_buffers(shape, layout.tp)
+    return [Transfer(SHARD, "all_gather", sum(block_gathers) * ceil_div(count, n) * n, size, sum(block_gathers),
+                     "zero3_param") for count, size in buffers]
+
+
 def lora_data_transfers(shape: ModelShape, layout: Layout, stage: int) -> list[Transfer]:
     """With adapters (planner/adapters.py) the reductions move the trainable adapters only. ZeRO-3 gathers each
     unit's frozen and trainable buffers (padded apart) and reduce-scatters the trainable ones; a root holding only
@@ -104,7 +113,7 @@ def lora_data_transfers(shape: ModelShape, layout: Layout, stage: int) -> list[T
     gathered = sum(p * times * (m if t else 1) for p, times, t in padded)
     reduced = [ceil_div(t, n) * n for t, _, _ in units if t]
     return [Transfer(SHARD, "all_gather", gathered, size, sum(times * (m if t else 1) for _, times, t in padded),
-                     "zero3_param"),
+                     "zero3_param"), *four_bit_gathers(shape, layout, [times * m for t, _, times in units if t]),
             Transfer(SHARD, "reduce_scatter", m * sum(reduced), size, m * len(reduced), "dp_grad")] + \
         replica_sums(layout, [r // n for r in reduced])
 

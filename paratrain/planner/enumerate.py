@@ -60,7 +60,6 @@ def invalid_reason(shape: ModelShape, layout: Layout, gpus_per_node: int) -> str
         (layout.pp <= shape.n_layer, lambda: f"pp={layout.pp} is more than the {shape.n_layer} layers"),
         (shape.seq_len % layout.cp == 0, lambda: f"cp={layout.cp} does not divide the sequence length {shape.seq_len}"),
         (not (layout.zero_stage == 3 and layout.pp > 1), lambda: "ZeRO-3 with pipeline parallelism is not supported"),
-        (not (quantized and layout.zero_stage == 3), lambda: "the planner does not cost ZeRO-3 over a 4-bit base"),
         (not (quantized and four_bit_cut(shape, layout.tp)), lambda: four_bit_cut(shape, layout.tp)),
         (not layout.offload_optimizer or layout.zero_stage >= 1, lambda: "optimizer offload needs ZeRO stage >= 1"),
         (not layout.sequence_parallel or layout.tp > 1, lambda: "sequence parallelism needs tp > 1"),

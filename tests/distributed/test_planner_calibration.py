@@ -191,6 +191,10 @@ ADAPTERS = [
                  id="qlora-fp4-double-ddp-dp2"),
     pytest.param(QLORA_128, Layout(dp=2, tp=2, zero_stage=1, micro_batch=2, grad_accum=1, precision="fp32"), {},
                  id="qlora-nf4-dp2-tp2-zero1"),
+    pytest.param(QLORA, Layout(dp=4, zero_stage=3, micro_batch=1, grad_accum=2, precision="fp32"), NO_PERSIST,
+                 id="qlora-nf4-dp4-zero3"),
+    pytest.param(QLORA_DOUBLE, Layout(dp=4, zero_stage=3, micro_batch=1, grad_accum=2, precision="fp32"), NO_PERSIST,
+                 id="qlora-fp4-double-dp4-zero3"),
 ]
 
 
