@@ -57,18 +57,37 @@ def _runs(matrix: list[tuple[str, str]]) -> list:
                        RealRows("masked"), STEPS, keep_state=True, inspect=_frozen_bytes) for quant, name in matrix]
 
 
-def _base_bytes(quant: str) -> int:
-    """The frozen base's bytes by formula: each 4-bit layer of n = out·in weights holds n/2 packed bytes, a scale per
-    block of 64 (fp32; with double quantization uint8, plus one fp32 scale per 256 blocks, a 256-entry fp32 code book
-    and an fp32 offset) and its 16-entry fp32 code book; every other frozen tensor its own bytes."""
-    model, double = qlora_hf(reference=True, **QUANT[quant]), QUANT[quant].get("double", False)
+def _base_bytes(quant: str, tp: int = 1, hidden: int = 64) -> int:
+    """A rank's frozen bytes by formula, the base whole (tp 1) or split over tp: each 4-bit layer of n = out·in
+    weights holds n/2 packed bytes (1/tp of them under tp), a scale per block of 64 (fp32; with double quantization
+    uint8, plus one fp32 scale per 256 blocks, a 256-entry fp32 code book and an fp32 offset) and its 16-entry fp32
+    code book (the quantization state whole on every tp rank); the embedding and head 1/tp of theirs (the Llama plan
+    splits their vocabularies); every other frozen tensor its own bytes."""
+    model, double = qlora_hf(reference=True, hidden=hidden, **QUANT[quant]), QUANT[quant].get("double", False)
     total, in_4bit = 0, set()
     for module in _4bit_layers(model):
         blocks = module.out_features * module.in_features // 64
-        total += 32 * blocks + (blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 if double else 4 * blocks) + 4 * 16
+        total += 32 * blocks // tp + (blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 if double else 4 * blocks) + 64
         in_4bit.add(id(module.weight))
-    return total + sum(p.numel() * p.element_size() for p in model.parameters()
-                       if not p.requires_grad and id(p) not in in_4bit)
+    vocab_split = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
+    return total + sum(p.numel() * p.element_size() // (tp if id(p) in vocab_split else 1)
+                       for p in model.parameters() if not p.requires_grad and id(p) not in in_4bit)
+
+
+def _check_parity(per_rank: list, i: int, refs: dict, quant: str, layout: dict, hidden: int = 64):
+    """Run `i` of a matrix against the one-process reference of its quantization (made once per quantization)."""
+    run = per_rank[0][i]
+    if quant not in refs:
+        refs[quant] = reference_run(functools.partial(qlora_hf, **QUANT[quant], hidden=hidden, reference=True),
+                                    reference_config({**layout, "gradient_clipping": CLIP}, run),
+                                    RealRows("masked"), STEPS, loss_of=documents_loss)
+        assert all(norm > CLIP for norm in refs[quant].grad_norms), (quant, refs[quant].grad_norms)
+    summary = summarize(compare(run, refs[quant]))
+    print(f"{quant} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
+          f"param {summary['param_err']:.1e}")
+    assert summary["passed"], (quant, run.case, summary)
+    packed = [k for k in run.final_state if k.endswith("base_layer.weight")]
+    assert packed and all(run.final_state[k].dtype == torch.uint8 for k in packed), packed[:3]
 
 
 def _4bit_layers(model) -> list:
@@ -111,24 +130,13 @@ def test_qlora_in_the_layouts_that_keep_the_4bit_base_whole(world4):
     per_rank = world4.run(_runs, MATRIX)
     refs = {}
     for i, (quant, name) in enumerate(MATRIX):
-        run = per_rank[0][i]
-        assert run.train_batch_size == ROWS, (quant, name)
-        if quant not in refs:
-            refs[quant] = reference_run(functools.partial(qlora_hf, **QUANT[quant], reference=True),
-                                        reference_config({**LAYOUTS[name], "gradient_clipping": CLIP}, run),
-                                        RealRows("masked"), STEPS, loss_of=documents_loss)
-            assert all(norm > CLIP for norm in refs[quant].grad_norms), (quant, refs[quant].grad_norms)
-        summary = summarize(compare(run, refs[quant]))
-        print(f"{quant} {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
-              f"param {summary['param_err']:.1e}")
-        assert summary["passed"], (quant, name, summary)
+        assert per_rank[0][i].train_batch_size == ROWS, (quant, name)
+        _check_parity(per_rank, i, refs, quant, LAYOUTS[name])
         # every rank holds the whole base (packed data and quantization state), a pipeline stage its layers' share of
         # it, and a ZeRO-3 rank a quarter of every buffer
         held = [ranks[i].extra["frozen"] for ranks in per_rank]
         want = _zero3_bytes(quant, 4) if name.startswith("zero3") else _base_bytes(quant)
         assert (sum(held) == 2 * want) if name.startswith("pp2") else held == [want] * 4, (name, held, want)
-        packed = [k for k in run.final_state if k.endswith("base_layer.weight")]
-        assert packed and all(str(run.final_state[k].dtype) == "torch.uint8" for k in packed), packed[:3]
 
 
 TP_LAYOUTS = {"dp2 tp2": real_layout(1, 2, tp=2), "dp2 tp2 zero2": real_layout(1, 2, tp=2, zero=2),
@@ -152,37 +160,11 @@ def test_qlora_with_the_4bit_base_split_over_tensor_parallelism(world4):
     per_rank = world4.run(_tp_runs)
     refs = {}
     for i, (quant, name) in enumerate(TP_MATRIX):
-        run = per_rank[0][i]
-        if quant not in refs:
-            refs[quant] = reference_run(functools.partial(qlora_hf, **QUANT[quant], hidden=WIDE, reference=True),
-                                        reference_config({**TP_LAYOUTS[name], "gradient_clipping": CLIP}, run),
-                                        RealRows("masked"), STEPS, loss_of=documents_loss)
-            assert all(norm > CLIP for norm in refs[quant].grad_norms), (quant, refs[quant].grad_norms)
-        summary = summarize(compare(run, refs[quant]))
-        print(f"{quant} {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
-              f"param {summary['param_err']:.1e}")
-        assert summary["passed"], (quant, name, summary)
-        packed = [k for k in run.final_state if k.endswith("base_layer.weight")]
-        assert packed and all(run.final_state[k].dtype == torch.uint8 for k in packed), packed[:3]
+        _check_parity(per_rank, i, refs, quant, TP_LAYOUTS[name], WIDE)
         held = [ranks[i].extra["frozen"] for ranks in per_rank]
-        want = _zero3_bytes(quant, 2, 2, WIDE) if "zero3" in name else _tp_base_bytes(quant)
+        want = _zero3_bytes(quant, 2, 2, WIDE) if "zero3" in name else _base_bytes(quant, 2, WIDE)
         # a pipeline stage holds its layers' share: the two stages of a tp rank hold that rank's whole share
         assert (sum(held) == 2 * want) if name.startswith("pp2") else held == [want] * 4, (quant, name, held, want)
-
-
-def _tp_base_bytes(quant: str) -> int:
-    """A tp2 rank's frozen bytes by formula: half of each 4-bit layer's packed bytes (n/4 of its n values), all of its
-    quantization state; half of the embedding and of the head (the Llama plan splits their vocabularies), the norms
-    whole."""
-    model, double = qlora_hf(reference=True, hidden=WIDE, **QUANT[quant]), QUANT[quant].get("double", False)
-    total, in_4bit = 0, set()
-    for module in _4bit_layers(model):
-        blocks = module.out_features * module.in_features // 64
-        total += 16 * blocks + (blocks + 4 * -(-blocks // 256) + 4 * 256 + 4 if double else 4 * blocks) + 4 * 16
-        in_4bit.add(id(module.weight))
-    vocab_split = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
-    return total + sum(p.numel() * p.element_size() // (2 if id(p) in vocab_split else 1)
-                       for p in model.parameters() if not p.requires_grad and id(p) not in in_4bit)
 
 
 def test_a_tensor_parallel_split_that_would_cut_a_4bit_block_is_refused_by_name(world2):
