@@ -59,6 +59,12 @@ def quantization_state(weight: torch.Tensor) -> list[torch.Tensor]:
     return [t for t in parts if isinstance(t, torch.Tensor)]
 
 
+def encoded_values(tensor: torch.Tensor) -> int | None:
+    """The number of values a 4-bit weight encodes, two per packed byte (what it counts as parameters); None for any
+    other tensor."""
+    return math.prod(tensor.quant_state.shape) if is_4bit_weight(tensor) else None
+
+
 def held_state(weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The quantization-state tensors bitsandbytes' state dict stores as the very tensors the weight holds, under
     their state-dict names beside `weight.`: each block's scale (`absmax`), the code book (`quant_map`) and with

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from paratrain.adapters.quantized import is_4bit_weight
+from paratrain.adapters.quantized import encoded_values
 from paratrain.checkpoint.pieces import gather_full_state
 from paratrain.comm import all_gather_object
 from paratrain.compat.names import DOCS, ENGINE, DeepSpeedNotSupported, refuse
@@ -224,7 +224,7 @@ class DeepSpeedEngineAPI:
         mine = {}
         for n, p in self.module.named_parameters():
             origin = self.parallel.origin(n, p)
-            values = math.prod(p.quant_state.shape) if is_4bit_weight(p) else math.prod(origin.shape)
+            values = encoded_values(p) or math.prod(origin.shape)
             mine[origin.name] = (p.requires_grad, values)
         everyone = {k: v for part in all_gather_object(mine, self.mesh.world, tag="introspection")
                     for k, v in part.items()}

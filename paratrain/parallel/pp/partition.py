@@ -8,14 +8,13 @@ default), `balanced` by the forward + backward time a short profile measured.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from paratrain.adapters.quantized import is_4bit_weight
+from paratrain.adapters.quantized import encoded_values
 from paratrain.errors import Error
 
 METHODS = ("uniform", "parameters", "balanced")
@@ -78,7 +77,7 @@ def parameter_counts(layers: Sequence) -> list[int]:
                 layer = layer.build()
         params = layer.parameters() if isinstance(layer, nn.Module) else []
         # a 4-bit weight (QLoRA) costs what its values cost, two per packed byte
-        out.append(sum(math.prod(p.quant_state.shape) if is_4bit_weight(p) else p.numel() for p in params))
+        out.append(sum(encoded_values(p) or p.numel() for p in params))
     return out
 
 
