@@ -8,12 +8,13 @@ Two models, each trained by `paratrain train --nproc-per-node 2` on the embedded
   ZeRO-3 over dp2, 2 rows per rank per step, a save every 3 steps.
 
 Each round runs the synchronous job and the asynchronous one back to back (alternating which goes first), on the
-same seed and data: their losses must be equal, bit for bit. What is read from the runs' metrics rows:
-- stall: `checkpoint/stall_s`, the save call until training goes on (rank 0's; the median over the saves, and the
+same seed and data: their losses must be equal, bit for bit. What is read from the runs' summaries and metrics rows
+(the job saves after writing the step's row, so no step time holds a stall):
+- stall: each save's `stall_s`, the save call until training goes on (rank 0's; the median over the saves, and the
   first save's, which also plans what every later save reads: `first_stall_s`);
-- step: the median step time of the steps that saved nothing and had no write in flight (`plain_step_s`), and of the
-  steps that ran while an asynchronous write was in flight (`step_during_write_s`: the writing thread's cost to
-  training, which the stall does not show);
+- step: the median step time of the steps that had no write in flight (`plain_step_s`), and of the steps that ran
+  while an asynchronous write was in flight (`step_during_write_s`: the writing thread's cost to training, which the
+  stall does not show);
 - write: `checkpoint/write_s`, the rank files to `latest`.
 The target (issue 51): an asynchronous stall at most 5% of a step. Results: benchmarks/results/checkpoint_async.json;
 the docs' table is printed at the end. Nothing asserts a time.
@@ -71,24 +72,22 @@ def _run(name: str, async_save: bool, work: Path) -> dict:
 
 
 def _in_flight_steps(run: dict) -> set[int]:
-    """The steps that ran while an asynchronous write was in flight: after a save, until the row that reports its
-    write (that row's step included: the write ended during it)."""
-    steps, writing = set(), False
-    for row in run["rows"]:
-        if writing:
+    """The steps that ran while an asynchronous write was in flight: after the step a save followed (the job saves
+    after writing the step's row), until the row that reports its write (that row's step included: the write ended
+    during it)."""
+    steps = set()
+    for save in (s for s in run["saves"] if s["async"]):
+        for row in (r for r in run["rows"] if r["step"] > save["step"]):
             steps.add(row["step"])
-        if "checkpoint/write_s" in row:
-            writing = False
-        if "checkpoint/stall_s" in row and "checkpoint/write_s" not in row:
-            writing = True
+            if "checkpoint/write_s" in row:
+                break
     return steps
 
 
 def _measures(run: dict) -> dict:
-    saved = {r["step"] for r in run["rows"] if "checkpoint/stall_s" in r}
     during = _in_flight_steps(run)
-    plain = [r["step_time_s"] for r in run["rows"][1:] if r["step"] not in saved | during]  # step 1: warm-up
-    stalls = [r["checkpoint/stall_s"] for r in run["rows"] if "checkpoint/stall_s" in r]
+    plain = [r["step_time_s"] for r in run["rows"][1:] if r["step"] not in during]  # step 1: warm-up
+    stalls = [s["stall_s"] for s in run["saves"]]  # every save's, the one after the last step included
     stall = statistics.median(stalls)
     writes = [s["write_s"] for s in run["saves"]]
     in_flight = [r["step_time_s"] for r in run["rows"] if r["step"] in during]

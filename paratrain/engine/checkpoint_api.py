@@ -44,9 +44,20 @@ class CheckpointAPI:
         self._checkpoints.wait()
 
     def checkpoint_timings(self) -> dict[str, float]:
-        """Since the last call: the last save's stall (checkpoint/stall_s, the call until training goes on) and its
-        write time (checkpoint/write_s; an asynchronous save's once written). Empty when neither is new."""
+        """Since the last call: the last save's stall (checkpoint/stall_s, the call until training goes on) and step
+        (checkpoint/step), and its write time (checkpoint/write_s; an asynchronous save's once written). Empty when
+        neither is new."""
         return self._checkpoints.take_timings()
+
+    def hold_scheduled_saves(self) -> None:
+        """From now on the saves `checkpoint.save_every` schedules wait for `save_held_checkpoint()`. A job that logs
+        each step calls it after writing the step's row, so no checkpoint names a step whose row a kill between the
+        save and the write would lose (a resumed job keeps the rows up to the checkpoint's step)."""
+        self._checkpoints.hold_scheduled = True
+
+    def save_held_checkpoint(self) -> None:
+        """The scheduled save held back by `hold_scheduled_saves`, if one is due (collective; nothing otherwise)."""
+        self._checkpoints.save_held()
 
     @property
     def checkpoint_saves(self) -> list[dict]:

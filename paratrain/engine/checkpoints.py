@@ -40,6 +40,9 @@ class Checkpoints:
         self._fingerprint: dict | None = None  # the frozen base's, for asynchronous saves that leave it out
         self._plan: SavePlan | None = None  # what this rank's saves take from the live objects (save.py), kept
         self._stall_shown = self._write_shown = 0  # the saves whose stall / write time take_timings has handed out
+        # a job holds its scheduled saves until the step's metrics row is written (hold_scheduled): a checkpoint
+        # then never names a step whose row a kill could still lose
+        self.hold_scheduled, self._held = False, False
 
     @property
     def train_state(self) -> TrainState:
@@ -105,13 +108,14 @@ class Checkpoints:
             self.writer.close()
 
     def take_timings(self) -> dict[str, float]:
-        """Once each: the newest save's stall (the call until training goes on) and the newest finished write (the
-        rank files to `latest`; an asynchronous save's once its thread is done), as checkpoint/stall_s and
-        checkpoint/write_s."""
+        """Once each: the newest save's stall (the call until training goes on) and step, and the newest finished
+        write (the rank files to `latest`; an asynchronous save's once its thread is done), as checkpoint/stall_s,
+        checkpoint/step and checkpoint/write_s."""
         out = {}
         fresh = self.saves[self._stall_shown:]
         if fresh:
             out["checkpoint/stall_s"] = fresh[-1]["stall_s"]
+            out["checkpoint/step"] = fresh[-1]["step"]
             self._stall_shown = len(self.saves)
         # the newest save not yet shown whose write has ended (one save is in flight at a time)
         for i in range(len(self.saves) - 1, self._write_shown - 1, -1):
@@ -146,4 +150,13 @@ class Checkpoints:
     def save_if_due(self) -> None:
         every, steps = self.settings.save_every, self.train_state.global_steps
         if every and steps % every == 0:
+            if self.hold_scheduled:
+                self._held = True
+            else:
+                self.save(self.settings.dir, None, None, True, None)
+
+    def save_held(self) -> None:
+        """The scheduled save `hold_scheduled` kept back, if one is due (collective)."""
+        if self._held:
+            self._held = False
             self.save(self.settings.dir, None, None, True, None)

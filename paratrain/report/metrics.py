@@ -213,11 +213,15 @@ def data_summary(rows: list[dict], summary: dict) -> str | None:
 def checkpoint_summary(rows: list[dict], summary: dict) -> str | None:
     """The saves: how long training stalled for each (the call until the step went on) against the median step
     without one, and how long writing took (an asynchronous save's, beside training)."""
-    stalls = [r["checkpoint/stall_s"] for r in rows if "checkpoint/stall_s" in r]
+    # every save, the job's last included (its stall comes after the last row), from the summary when it has them
+    saves = [s for s in summary.get("checkpoints", []) if s.get("stall_s") is not None]
+    timed = [r for r in rows if "checkpoint/stall_s" in r]
+    stalls = [s["stall_s"] for s in saves] or [r["checkpoint/stall_s"] for r in timed]
     if not stalls:
         return None
-    writes = [r["checkpoint/write_s"] for r in rows if "checkpoint/write_s" in r]
-    saved = {r["step"] for r in rows if "checkpoint/stall_s" in r}
+    writes = [s["write_s"] for s in saves if s.get("write_s") is not None] or \
+        [r["checkpoint/write_s"] for r in rows if "checkpoint/write_s" in r]
+    saved = {s["step"] for s in saves} or {r.get("checkpoint/step", r["step"]) for r in timed}
     plain = [r["step_time_s"] for r in rows if r["step"] not in saved]
     kinds = {s.get("async") for s in summary.get("checkpoints", [])}
     kind = {frozenset({True}): " (asynchronous)", frozenset({False}): " (synchronous)"}.get(frozenset(kinds), "")

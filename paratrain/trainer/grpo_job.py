@@ -167,7 +167,7 @@ def _rollout_batch(job: GRPOJob, last: int) -> tuple[dict, list[dict]]:
            "comm": stats, "epoch": epoch, "samples": indices, **result.metrics,
            "rollouts": [{"prompt": _shown(job.prompts.prompts[r["prompt"]]), "completion": r["text"],
                          "reward": r["reward"]} for r in records[::generations][:SAMPLES_IN_ROW]]}
-    row.update(engine.checkpoint_timings())  # checkpoint/stall_s when the rollout batch saved, write_s once written
+    row.update(engine.checkpoint_timings())  # the save after the last row: its stall and step; write_s once written
     every, step, mu = engine.config.steps_per_print, engine.global_steps, job.step.updates_per_rollout
     if step == last or step // every != (step - mu) // every:
         per_rank = comm.all_gather_object((memory["total"], peak_rss_bytes()), engine.mesh.world, tag="metrics")
@@ -225,6 +225,7 @@ def train_grpo(cfg, run_dir: str | None, steps: int, save_pretrained: str | None
                           f"of {mu}")
     rank0, done = engine.global_rank == 0, engine.global_steps
     metrics = MetricsWriter(out, rank0, resumed_at=done)
+    engine.hold_scheduled_saves()  # each rollout batch's save waits for its rows
     completions = CompletionsLog(out / "completions.jsonl", rank0, done)
     redirect = contextlib.ExitStack()
     bar = progress_bar(steps, rank0 and cfg.trainer.progress_bar, redirect)
@@ -237,6 +238,7 @@ def train_grpo(cfg, run_dir: str | None, steps: int, save_pretrained: str | None
         row, records = _rollout_batch(job, steps)
         metrics.write(row)
         completions.write(records)
+        engine.save_held_checkpoint()  # after the rows: no checkpoint names a step whose rows a kill could lose
         engine.log_metrics({f"train/{k}": row[k] for k in TRACKED if row.get(k) is not None})
         rows.append({k: row[k] for k in ("step", "loss", "reward", "tokens_per_s", *SPLIT)})
         if save_pretrained and every and row["step"] % every == 0 and row["step"] != steps:

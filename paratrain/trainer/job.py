@@ -127,7 +127,7 @@ def _step(engine, loader: TimedLoader, evaluator: Evaluator | None, step: int, s
     if padding is not None:
         row["padding_fraction"] = padding
     row.update(objective)
-    row.update(engine.checkpoint_timings())  # checkpoint/stall_s when this step saved, write_s once written
+    row.update(engine.checkpoint_timings())  # the save after the last row: its stall and step; write_s once written
     routing = engine.moe_routing()  # MoE: the step's routing over dp x cp (every step reduces it: _run_steps)
     if routing is not None:
         row.update(routing.row())
@@ -167,6 +167,7 @@ def _train_rows(cfg, run_dir: str | None, steps: int, save_pretrained: str | Non
     rank0 = engine.global_rank == 0
     validating = evaluator is not None and (cfg.trainer.eval_every > 0 or cfg.trainer.eval_at_start)
     metrics = MetricsWriter(out, rank0, resumed_at=engine.global_steps, columns=eval_columns(engine, validating))
+    engine.hold_scheduled_saves()  # each step's save waits for its row (_run_steps)
     tokens_per_step = engine.train_batch_size() * model["seq_len"] * model["sequences_per_sample"]
     redirect = contextlib.ExitStack()
     done = engine.global_steps  # > 0 when initialize() resumed from a checkpoint (checkpoint.auto_resume)
@@ -241,6 +242,7 @@ def _run_steps(engine, loader: TimedLoader, evaluator: Evaluator | None, steps: 
         keep = ("step", "loss", "val_loss", "padding_fraction", "loader_wait_s")
         rows.append({k: row[k] for k in keep if k in row})
         metrics.write(row)
+        engine.save_held_checkpoint()  # after the row: a checkpoint never names a step whose row a kill could lose
         engine.log_metrics(tracked(row, TRACKED, metric_names(engine)))
         stop = "val_loss" in row and tracker.observe(step, row["val_loss"])  # the same on every rank
         if save_pretrained and t.save_pretrained_every and step % t.save_pretrained_every == 0 \

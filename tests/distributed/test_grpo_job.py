@@ -82,9 +82,9 @@ def _same_run(got, want, per_rollout: int = 2) -> None:
 
 
 def _timeless(row: dict) -> dict:
-    """A metrics row less what the clock and the process measure."""
-    return {k: v for k, v in row.items()
-            if not k.endswith("_s") and k not in ("tokens_per_s", "comm", "comm_bytes", "peak_rss_per_rank")}
+    """A metrics row less what the clock and the process measure (checkpoint/*: the saves this process made)."""
+    return {k: v for k, v in row.items() if not k.endswith("_s") and not k.startswith("checkpoint/")
+            and k not in ("tokens_per_s", "comm", "comm_bytes", "peak_rss_per_rank")}
 
 
 def _refused(config: dict) -> str:
