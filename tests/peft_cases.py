@@ -116,6 +116,10 @@ SECTIONS = {"llama lora": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR
             "llama qlora": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR), "quantize_base": "nf4"},
             # width 128: tp2 splits o_proj's inputs into whole blocks of 64 per rank
             "llama qlora wide": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR), "quantize_base": "nf4"},
+            # torchao's NF4 (torchtune's QLoRA): width 128, d_ff 128 and as many kv heads as heads, so that every
+            # adapted weight is a multiple of 16384 values, and tp2 splits o_proj's inputs into whole blocks
+            "llama qlora torchao": {"r": 4, "alpha": 8, "target_modules": list(ALL_LINEAR), "quantize_base": "nf4",
+                                    "double_quant": True, "quantize_backend": "torchao"},
             "moe experts": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj"],
                             "target_parameters": ["experts.gate_proj", "experts.up_proj", "experts.down_proj"]}}
 
@@ -132,16 +136,20 @@ def section_model(name: str, reference: bool = False, seed: int = 7):
         torch.manual_seed(1)
         model = build_model("mixtral-tiny", seq_len=16, vocab_size=256, aux_loss_coef=0.0, z_loss_coef=0.0)
     else:
-        width = 128 if "wide" in name else 64
-        model = tiny_llama(**({"d_model": width, "d_ff": 128} if "qlora" in name else {}))
+        width = 128 if "wide" in name or "torchao" in name else 64
+        heads = {"n_kv_head": 4} if "torchao" in name else {}
+        model = tiny_llama(**({"d_model": width, "d_ff": 128, **heads} if "qlora" in name else {}))
     if reference:
         from paratrain.adapters import inject_adapters
         from paratrain.adapters.quantized import quantize_bases
+        from paratrain.adapters.torchao_nf4 import quantize_nf4_bases
         from paratrain.config import load_config
         from paratrain.engine.adapters import settings_of
 
         section = load_config({"peft": SECTIONS[name]}).peft
         layers = inject_adapters(model, settings_of(load_config({"peft": SECTIONS[name]})), seed)
-        if section.quantize_base:  # as the engine quantizes them: each whole base, after the adapters went in
+        if section.quantize_base and section.quantize_backend == "torchao":
+            quantize_nf4_bases(layers)
+        elif section.quantize_base:  # as the engine quantizes them: each whole base, after the adapters went in
             quantize_bases(layers, section.quantize_base, section.double_quant)
     return model

@@ -30,6 +30,7 @@ import math
 import torch
 from torch import nn
 
+from paratrain.adapters.torchao_nf4 import is_nf4_weight, nf4_parts
 from paratrain.config.errors import ConfigError
 
 
@@ -49,6 +50,8 @@ def quantization_state(weight: torch.Tensor) -> list[torch.Tensor]:
     """The tensors of a 4-bit weight's quantization state, held beside its packed data: each block's scale (`absmax`)
     and the code book; with double quantization also the scales' own scales, code book and offset. Empty for any
     other tensor."""
+    if getattr(weight, "nf4_scales", None) is not None:  # a tensor-parallel slice of a torchao NF4 weight
+        return weight.nf4_scales.tensors()
     state = getattr(weight, "quant_state", None)
     if state is None:
         return []
@@ -62,6 +65,8 @@ def quantization_state(weight: torch.Tensor) -> list[torch.Tensor]:
 def encoded_values(tensor: torch.Tensor) -> int | None:
     """The number of values a 4-bit weight encodes, two per packed byte (what it counts as parameters); None for any
     other tensor."""
+    if getattr(tensor, "nf4_scales", None) is not None:  # a tensor-parallel slice of a torchao NF4 weight: the whole's
+        return math.prod(tensor.nf4_scales.shape)
     return math.prod(tensor.quant_state.shape) if is_4bit_weight(tensor) else None
 
 
@@ -76,6 +81,12 @@ def held_state(weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     nested = getattr(state, "state2", None)
     held = [("absmax", state.absmax), ("quant_map", state.code)]
     return held + ([("nested_absmax", nested.absmax)] if nested is not None else [])
+
+
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `tensor`'s bytes: a torchao NF4Tensor's parts (adapters/torchao_nf4.py), else the
+    tensor itself."""
+    return [t for _, t in nf4_parts(tensor)] if is_nf4_weight(tensor) else [tensor]
 
 
 def four_bit_layers(model: nn.Module) -> list[str]:
@@ -127,6 +138,8 @@ def quantize_bases(layers: list[tuple[str, nn.Module]], quant_type: str, double:
 def packed_matrix_shape(weight: torch.Tensor) -> tuple[int, int] | None:
     """The shape of the matrix a 4-bit weight's packed bytes encode, two values per byte along a row:
     (rows, columns / 2); None for any other tensor, or one whose rows have an odd number of values."""
+    if getattr(weight, "nf4_matrix", None) is not None:  # a torchao NF4 weight's packed bytes (torchao_nf4.py)
+        return weight.nf4_matrix
     if not is_4bit_weight(weight):
         return None
     shape = tuple(weight.quant_state.shape)

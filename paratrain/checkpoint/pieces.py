@@ -71,7 +71,10 @@ def _segment_pieces(parallel, tensor: torch.Tensor, segments, params: dict, opti
 
 def _held_shape(tensor: torch.Tensor) -> tuple | None:
     """A 4-bit weight's packed bytes are located as the matrix they encode (`packed_matrix_shape`), and held by
-    bitsandbytes' state dict as one column: (rows·columns/2, 1). None for any other tensor."""
+    bitsandbytes' state dict as one column: (rows·columns/2, 1), by torchao's NF4 as a vector. None for any other
+    tensor."""
+    if getattr(tensor, "nf4_held_shape", None) is not None:  # torchao's NF4 packed bytes: (n/2,)
+        return tensor.nf4_held_shape
     matrix = packed_matrix_shape(tensor)
     return None if matrix is None else (matrix[0] * matrix[1], 1)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 
 from paratrain.config.section import Section
+from paratrain.errors import InvalidValueError
 
 
 class PeftConfig(Section):
@@ -48,7 +49,28 @@ class PeftConfig(Section):
     Trains in DDP, ZeRO-1/2/3, pipelines, context parallelism and tensor parallelism where each rank's slice is whole
     blocks of 64 values; not with DoRA or a model on the meta device."""
     double_quant: bool = False
-    """With quantize_base: the blocks' scales quantized again (bitsandbytes' double quantization)."""
+    """With quantize_base: the blocks' scales quantized again (bitsandbytes' double quantization; torchao's NF4
+    always quantizes them again, so quantize_backend "torchao" needs it true)."""
+    quantize_backend: Literal["bitsandbytes", "torchao"] = "bitsandbytes"
+    """With quantize_base: who quantizes. "bitsandbytes" (nf4 or fp4, the `qlora` extra) makes the `Linear4bit`
+    layers a transformers model loaded in 4 bits has, in every layout; "torchao" makes torchao's `NF4Tensor` weights
+    as torchtune does (nf4 with double quantization; each weight a multiple of 16384 values), in DDP, ZeRO-1/2/3 and
+    tensor parallelism, its checkpoints leaving the base out (checkpoint.exclude_frozen_parameters)."""
     load: str | None = None
     """An adapter directory (adapter_config.json + adapter_model.safetensors, peft's format) whose adapter
     weights are loaded into the model's adapters before training, to continue training it in any layout."""
+
+    @model_validator(mode="after")
+    def _torchao_is_nf4_double(self) -> PeftConfig:
+        """torchao's NF4 has one form: nf4 values, scales quantized again."""
+        if self.quantize_backend != "torchao" or self.quantize_base is None:
+            return self
+        if self.quantize_base != "nf4":
+            raise InvalidValueError(f"peft.quantize_base {self.quantize_base!r} with peft.quantize_backend 'torchao': "
+                                    f"torchao quantizes to nf4 only; set quantize_base 'nf4', or quantize_backend "
+                                    f"'bitsandbytes'")
+        if not self.double_quant:
+            raise InvalidValueError("peft.double_quant false with peft.quantize_backend 'torchao': torchao's NF4 "
+                                    "always quantizes the blocks' scales again; set peft.double_quant true, or "
+                                    "quantize_backend 'bitsandbytes'")
+        return self

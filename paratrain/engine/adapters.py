@@ -9,6 +9,7 @@ from torch import nn
 from paratrain.adapters import AdapterError, AdapterSettings, inject_adapters, lora_layers
 from paratrain.adapters.peft_format import settings_from_config
 from paratrain.adapters.quantized import quantize_bases
+from paratrain.adapters.torchao_nf4 import quantize_nf4_bases
 from paratrain.checkpoint.adapters import read_adapter_config
 from paratrain.config import Config
 from paratrain.model_spec import ModelSpec, spec_for
@@ -41,8 +42,11 @@ def prepare_adapters(model: nn.Module, config: Config, spec: ModelSpec) -> Adapt
                            "remove the section to train the model's own adapters, or pass the base model")
     if wanted is not None:
         layers = inject_adapters(model, wanted, config.seed)
-        if config.peft.quantize_base is not None:  # QLoRA: the bases to 4 bits, whole, before any split
-            quantize_bases(layers, config.peft.quantize_base, config.peft.double_quant)
+        section = config.peft
+        if section.quantize_base is not None and section.quantize_backend == "torchao":
+            quantize_nf4_bases(layers)  # torchtune's QLoRA: torchao's NF4, whole, before any split
+        elif section.quantize_base is not None:  # QLoRA: the bases to 4 bits, whole, before any split
+            quantize_bases(layers, section.quantize_base, section.double_quant)
         return wanted
     if held is None and lora_layers(model):
         raise AdapterError(f"{type(model).__name__} holds paratrain adapter layers that no spec describes; put them "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.adapters.torchao_nf4 import is_nf4_weight
 from paratrain.config import Config, load_config
 from paratrain.data import DataParallelLoader, DataParallelSampler
 from paratrain.engine.muon_setup import muon_param_groups
@@ -63,7 +64,8 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
 
     def current_state() -> dict[str, torch.Tensor]:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        state.update({k: v.detach().clone() for k, v in masters.items() if k in state})
+        # a torchao NF4 weight's entries are its plain tensors (adapters/torchao_nf4.py), not the frozen NF4Tensor
+        state.update({k: v.detach().clone() for k, v in masters.items() if k in state and not is_nf4_weight(v)})
         return state
 
     for _ in range(steps):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import paratrain.comm as comm
-from paratrain.adapters.quantized import quantization_state
+from paratrain.adapters.quantized import plain_tensors, quantization_state
 from paratrain.errors import Error, RunError
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Partition, Placement, Placements
@@ -182,7 +182,9 @@ class GradSync(ABC):
         """Make every rank's parameters (and buffers) equal to those of the first rank of the axis each is
         reduced over (`axis_of`: experts over the ranks holding the same experts): one flat broadcast per
         dtype and axis."""
-        tensors = list(self.module.parameters()) + (list(self.module.buffers()) if buffers else [])
+        # a torchao NF4 weight is broadcast as the plain tensors it holds
+        tensors = [t for p in self.module.parameters() for t in plain_tensors(p)] + \
+            (list(self.module.buffers()) if buffers else [])
         groups: dict[tuple[str, bool], list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((str(t.dtype), self.axis_of(t) is not self.axis), []).append(t)
@@ -286,7 +288,7 @@ class GradSync(ABC):
         frozen = [p for p in self.module.parameters() if id(p) not in trainable]
         # a 4-bit base (QLoRA) also holds its blocks' scales beside the packed data (adapters/quantized.py)
         states = {id(t): t for p in frozen for t in quantization_state(p)}
-        return tensor_bytes(frozen) + tensor_bytes(states.values())
+        return tensor_bytes(t for p in frozen for t in plain_tensors(p)) + tensor_bytes(states.values())
 
     def muon_layouts(self) -> list[tuple[torch.Tensor, MasterLayout]]:
         """What each optimizer tensor holds, for Muon's whole-matrix step (`paratrain.muon.layout`). Here: whole

@@ -26,6 +26,7 @@ from torch import nn
 
 import paratrain.comm as comm
 from paratrain.adapters.quantized import held_state, is_4bit_weight, quantization_state
+from paratrain.adapters.torchao_nf4 import SHARDED_PARTS, is_nf4_weight, nf4_parts, state_key
 from paratrain.layout.mesh import Axis
 from paratrain.parallel.dp.base import MasterSegment
 from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, ShardedBuffer, set_data
@@ -82,7 +83,18 @@ def frozen_shards(frozen: list[tuple[str, nn.Parameter]], axis_of, dtype: torch.
     by_kind: dict[tuple, tuple[Axis, torch.dtype, list]] = {}
     whole: dict[tuple, list[torch.Tensor]] = {}
     for name, param in frozen:
-        axis, packed = axis_of(param), is_4bit_weight(param)
+        if is_nf4_weight(param):  # torchao's NF4: its per-block tensors sharded, the mean and code book whole
+            axis = axis_of(param)
+            for part, tensor in nf4_parts(param):
+                if part in SHARDED_PARTS:
+                    key = ("nf4", id(axis), tensor.dtype)
+                    named = name + state_key(part).removeprefix("weight")  # the packed bytes: the weight's name
+                    by_kind.setdefault(key, (axis, tensor.dtype, []))[2].append((named, tensor))
+                else:
+                    whole.setdefault(("nf4", id(axis), torch.uint8), []).append(tensor)
+            continue
+        # packed bytes: bitsandbytes' 4-bit weight, or a tensor-parallel slice of torchao's NF4 (its scales whole)
+        axis, packed = axis_of(param), is_4bit_weight(param) or getattr(param, "nf4_scales", None) is not None
         kind = param.dtype if packed else dtype  # packed data stays uint8
         by_kind.setdefault((id(axis), kind), (axis, kind, []))[2].append((name, param))
         if packed:

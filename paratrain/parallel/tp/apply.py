@@ -54,10 +54,11 @@ from paratrain.parallel.tp.layers import (
 from paratrain.parallel.tp.lora import SplitMagnitude, split_adapter_layer
 from paratrain.parallel.tp.loss import VocabParallelCrossEntropy
 from paratrain.parallel.tp.plan import SHARDING, match, packed_parts, plan_for, resolve_plan
-from paratrain.parallel.tp.quantized import Split4bitLinear
+from paratrain.parallel.tp.quantized import Split4bitLinear, SplitNF4Linear
 from paratrain.parallel.tp.random import RNGTracker
 
-SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SplitMagnitude, Split4bitLinear)
+SPLIT_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SplitMagnitude, Split4bitLinear,
+                SplitNF4Linear)
 SCATTER_TAG = "tp_scatter"  # a 'sequence_scatter' module's split of the sequence (all-gather in backward)
 
 

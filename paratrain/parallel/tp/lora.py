@@ -22,10 +22,11 @@ from torch import nn
 
 from paratrain.adapters import LoraLinear, Magnitude
 from paratrain.adapters.quantized import block_cut, is_4bit_linear
+from paratrain.adapters.torchao_nf4 import is_nf4_weight, nf4_block_cut
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Shard
 from paratrain.parallel.tp.layers import ColumnParallelLinear, PlanError, RowParallelLinear, _shard
-from paratrain.parallel.tp.quantized import Split4bitLinear
+from paratrain.parallel.tp.quantized import Split4bitLinear, SplitNF4Linear
 
 ADAPTER_STYLES = ("colwise", "rowwise")
 
@@ -50,7 +51,9 @@ def check_adapter_style(path: str, layer: LoraLinear, style: str, parts, tp: int
         raise PlanError(f"'{path}' is a packed projection ({style}:{','.join(map(str, parts))}) with LoRA adapters, "
                         f"which paratrain does not split part by part; adapt the unpacked layers, or set "
                         f"tensor_parallel.size 1")
-    cut = block_cut(path, layer.base_layer, style, tp) if is_4bit_linear(layer.base_layer) else None
+    base = layer.base_layer
+    cut = block_cut(path, base, style, tp) if is_4bit_linear(base) else \
+        nf4_block_cut(path, base.weight, style, tp) if is_nf4_weight(getattr(base, "weight", None)) else None
     if cut:
         raise PlanError(cut)
 
@@ -81,10 +84,12 @@ def split_adapter_layer(layer: LoraLinear, path: str, style: str, axis: Axis, se
 
 
 def _split_base(base: nn.Module, name: str, style: str, axis: Axis, sequence_parallel: bool) -> nn.Module:
-    """The adapter layer's base split as `style` says: a 4-bit base (QLoRA) at block boundaries, keeping its
-    quantization state (tp/quantized.py); a colwise base's input is already in the region."""
+    """The adapter layer's base split as `style` says: a 4-bit base (QLoRA: bitsandbytes', torchao's NF4) at block
+    boundaries, keeping its quantization state (tp/quantized.py); a colwise base's input is already in the region."""
     if is_4bit_linear(base):
         return Split4bitLinear(base, style, axis, name=name, sequence_parallel=sequence_parallel)
+    if is_nf4_weight(getattr(base, "weight", None)):
+        return SplitNF4Linear(base, style, axis, name=name, sequence_parallel=sequence_parallel)
     if style == "colwise":
         return ColumnParallelLinear(base, axis, name=name, enter_region=False, sequence_parallel=sequence_parallel)
     return RowParallelLinear(base, axis, name=name, sequence_parallel=sequence_parallel)

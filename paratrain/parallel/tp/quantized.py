@@ -1,20 +1,24 @@
-"""A 4-bit base layer (bitsandbytes' `Linear4bit`, QLoRA) split over tp: this rank's rows (colwise) or columns
-(rowwise) of the packed bytes, the whole quantization state beside them (adapters/quantized.py, its note).
+"""A 4-bit base layer split over tp (QLoRA): bitsandbytes' `Linear4bit` (adapters/quantized.py, its note) or torchao's
+NF4 weight (adapters/torchao_nf4.py, its note): this rank's rows (colwise) or columns (rowwise) of the packed bytes,
+the whole quantization state beside them.
 
     colwise:  packed (out/tp, in/2)  ->  y = x W_rᵀ + b_r                       (b, s, out/tp)
     rowwise:  packed (out, in/tp/2)  ->  y = Σ_tp x_r W_rᵀ, then + b            (b, s, out), or (b, s/tp, out) with SP
 
 The packed slice is held as the 2-d matrix of bytes it is a box of, so that its placement `Shard(dim, whole)` locates
-it in the matrix every layout describes (`packed_matrix_shape`); bitsandbytes reads it flat. It is frozen: nothing
-here has a gradient to sum.
+it in the matrix every layout describes (`packed_matrix_shape`); bitsandbytes reads it flat, and the NF4 slice is
+dequantized as torchao dequantizes the whole (`nf4_slice_values`, bit for bit). It is frozen: nothing here has a
+gradient to sum.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratrain.adapters.quantized import local_quant_state
+from paratrain.adapters.torchao_nf4 import NF4Scales, mark_packed, nf4_slice_values, state_key
 from paratrain.comm.autograd import reduce_from_region, reduce_scatter_to_sequence
 from paratrain.layout.mesh import Axis
 from paratrain.layout.placement import Shard
@@ -72,3 +76,51 @@ class Split4bitLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.style}, tp={self.axis.size}"
                 f", 4-bit {self.weight.quant_state.quant_type}, sequence_parallel={self.sequence_parallel}")
+
+
+class SplitNF4Linear(nn.Module):
+    """This rank's slice of a linear layer over a torchao NF4 weight (`NF4Linear`), dequantized as torchao does; the
+    state dict keeps the whole layer's names (`state_key`: `weight`, the slice; `weight.quantized_scalers`, ...: whole).
+    `style`: "colwise" or "rowwise"; the caller has checked that the split keeps blocks whole (`nf4_block_cut`)."""
+
+    def __init__(self, linear: nn.Module, style: str, axis: Axis, *, name: str = "", sequence_parallel: bool = False):
+        super().__init__()
+        self.style, self.axis, self.name, self.sequence_parallel = style, axis, name, sequence_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        rows, cols = linear.weight.shape
+        matrix = linear.weight.quantized_data.view(rows, cols // 2)
+        dim = 0 if style == "colwise" else 1
+        self.weight = nn.Parameter(matrix.chunk(axis.size, dim=dim)[axis.rank].clone(), requires_grad=False)
+        self.weight.nf4_scales = NF4Scales.of(linear.weight)  # whole on every tp rank, as one process holds them
+        mark_packed(self.weight, (rows, cols), whole=False)
+        self.placements = {"weight": Shard(dim, matrix.shape[dim])}
+        bias = linear.bias
+        if bias is not None and style == "colwise":
+            self.placements["bias"] = Shard(0, bias.shape[0])
+            bias = bias.detach().chunk(axis.size)[axis.rank]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        scales = self.weight.nf4_scales
+        held = {"quantized_data": self.weight, "quantized_scalers": scales.quantized_scalers,
+                "quantization_factor": scales.quantization_factor, "scaler_mean": scales.scaler_mean,
+                "nf4": scales.nf4}
+        for part, tensor in held.items():
+            destination[prefix + state_key(part)] = tensor if keep_vars else tensor.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = nf4_slice_values(self.weight, self.weight.nf4_scales, self.style, self.axis.rank, self.axis.size)
+        colwise_bias = self.bias if self.style == "colwise" else None
+        y = F.linear(x, weight.to(x.dtype), colwise_bias)
+        if self.style == "rowwise":
+            y = reduce_scatter_to_sequence(y, self.axis, SEQ_DIM, ACTIVATION_TAG) if self.sequence_parallel \
+                else reduce_from_region(y, self.axis, ACTIVATION_TAG)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.style}, tp={self.axis.size}"
+                f", torchao nf4, sequence_parallel={self.sequence_parallel}")
