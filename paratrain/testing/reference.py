@@ -64,7 +64,6 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
 
     def current_state() -> dict[str, torch.Tensor]:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        # a torchao NF4 weight's entries are its plain tensors (adapters/torchao_nf4.py), not the frozen NF4Tensor
         state.update({k: v.detach().clone() for k, v in masters.items() if k in state and not is_nf4_weight(v)})
         return state
 
@@ -102,7 +101,8 @@ def reference_run(make_model: Callable[[], nn.Module], config: Config | dict, da
 
 
 def _masters_and_optimizer(model: nn.Module, cfg: Config, param_groups) -> tuple[dict[str, nn.Parameter], object]:
-    """The parameters the optimizer updates (the model's own in fp32; fp32 copies taken before the model is cast
+    """The parameters the optimizer updates (the model's own in fp32, a frozen torchao NF4 weight among them, whose
+    state-dict entries are its plain tensors, never the master; fp32 copies taken before the model is cast
     to the low dtype otherwise) and the optimizer over them, in `param_groups(model)` if given."""
     masters = {name: p for name, p in model.named_parameters()}
     if cfg.precision != "fp32":
