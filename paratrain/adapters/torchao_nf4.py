@@ -125,9 +125,10 @@ class NF4Linear(nn.Linear):
 
     def hold(self, weight: torch.Tensor) -> None:
         self.weight = nn.Parameter(weight, requires_grad=False)
-        mark_packed(weight.quantized_data, tuple(weight.shape), whole=True)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # marked here, each time: moving the module (`.to`) wraps the weight anew, over new tensors for its parts
+        mark_packed(self.weight.quantized_data, tuple(self.weight.shape), whole=True)
         for part, tensor in nf4_parts(self.weight):
             destination[prefix + state_key(part)] = tensor if keep_vars else tensor.detach()
         if self.bias is not None:
@@ -156,11 +157,13 @@ def mark_packed(data: torch.Tensor, shape: tuple[int, int], whole: bool) -> None
 
 
 def compacted(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` with each part in a storage of its own size: torchao's `to_nf4` leaves a weight with one block of 256
-    scales holding its 4-byte factor as a view of a 1 KiB tensor (its [:, 0] of 256 equal columns)."""
+    """`weight` with each part contiguous in a storage of its own size: torchao's `to_nf4` leaves a weight with one
+    block of 256 scales holding its 4-byte factor as a view of a 1 KiB tensor (its [:, 0] of 256 equal columns, with
+    a stride of 256 that no byte view of it takes)."""
     for part, tensor in nf4_parts(weight):
-        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-            setattr(weight, part, tensor.clone())
+        fresh = tensor.clone(memory_format=torch.contiguous_format)
+        if tensor.untyped_storage().nbytes() > fresh.untyped_storage().nbytes() or tensor.stride() != fresh.stride():
+            setattr(weight, part, fresh)
     return weight
 
 

@@ -27,6 +27,7 @@ from paratrain.adapters.lora import lora_layers, merge_adapter
 from paratrain.adapters.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, is_adapter_name, peft_key
 from paratrain.adapters.quantized import is_4bit_weight
 from paratrain.adapters.settings import AdapterSettings
+from paratrain.adapters.torchao_nf4 import NF4Scales, is_nf4_weight, nf4_slice_values
 from paratrain.checkpoint.format import CheckpointError, SafetensorsWriter, atomic_write_text
 from paratrain.checkpoint.pretrained import WRITER, FullTensorStream, publish, raise_on_every_rank
 from paratrain.comm import all_gather_object
@@ -38,7 +39,9 @@ class LayerMerge:
     adapter: str
     dora: bool
     transposed: bool  # a Conv1D base: its weight is (in, out)
-    quantized: tuple | None = None  # a 4-bit base: (its weight's shape, its dtype's name), dequantized into it
+    # a 4-bit base: (its weight's shape, its dtype's name, and for torchao's NF4 its block and scaler block sizes),
+    # dequantized into that dtype
+    quantized: tuple | None = None
 
 
 def merge_plan(parallel, mesh, merging: bool = True) -> dict[str, LayerMerge]:
@@ -55,6 +58,9 @@ def merge_plan(parallel, mesh, merging: bool = True) -> dict[str, LayerMerge]:
         if is_4bit_weight(base):  # whole, or split over tp: its quantization state knows the whole shape
             state = base.quant_state
             quantized = (tuple(state.shape), str(state.dtype).split(".")[-1])
+        elif is_nf4_weight(base) or getattr(base, "nf4_scales", None) is not None:  # torchao's NF4, whole or split
+            scales = base.nf4_scales if getattr(base, "nf4_scales", None) is not None else NF4Scales.of(base)
+            quantized = (scales.shape, str(scales.dtype).split(".")[-1], scales.block_size, scales.scaler_block_size)
         if layer.lora_B[layer.active].bias is not None and getattr(layer.base_layer, "bias", None) is None:
             problem = (f"save_pretrained(merged=True): '{original}' has a bias on its LoRA B (peft.bias) but its base "
                        f"layer has none to fold it into; save the adapter unmerged")
@@ -156,10 +162,17 @@ class Merger:
 
     def _dequantized(self, name: str, packed: torch.Tensor) -> torch.Tensor:
         """A 4-bit weight as bitsandbytes dequantizes it, from its packed bytes and the quantization state held for it
-        (the tensors its state dict stores, rebuilt by bitsandbytes' own `QuantState.from_dict`)."""
+        (the tensors its state dict stores, rebuilt by bitsandbytes' own `QuantState.from_dict`), or as torchao
+        dequantizes an NF4 weight (`nf4_slice_values` of the whole)."""
+        parts = {k[len(name) + 1:]: v for k, v in self.held.items() if k.startswith(f"{name}.")}
+        quantized = self.layers[self._layer_of(name)].quantized
+        if len(quantized) == 4:  # torchao's NF4
+            shape, dtype, block, scaler_block = quantized
+            scales = NF4Scales(parts["quantized_scalers"], parts["quantization_factor"], parts["scaler_mean"],
+                               parts["nf4"], block, scaler_block, shape, getattr(torch, dtype))
+            return nf4_slice_values(packed, scales, "colwise", 0, 1)
         import bitsandbytes as bnb
 
-        parts = {k[len(name) + 1:]: v for k, v in self.held.items() if k.startswith(f"{name}.")}
         state = bnb.functional.QuantState.from_dict(parts, device=packed.device)
         return bnb.functional.dequantize_4bit(packed.view(-1, 1), state)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from paratrain.testing.parity import compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
 from tests.cases import import_or_skip
@@ -93,3 +95,44 @@ def test_torchao_nf4_bases_train_exactly_in_ddp_zero3_and_tensor_parallelism(wor
         assert summary["passed"], (name, summary)
         want = _formula(name)
         assert [ranks[i].extra["frozen"] for ranks in per_rank] == [want] * 4, (name, want)
+
+
+SAVED = {"zero3": LAYOUTS["zero3"], "dp2 tp2": LAYOUTS["dp2 tp2"]}
+
+
+def _checkpoints(root: str) -> dict:
+    """Each layout: 2 steps, a checkpoint (with the NF4 base, and without it), 2 more steps; the same model made again
+    loads the checkpoint and repeats those 2 steps. The one with the base also loads into DDP as the same model."""
+    from paratrain import initialize
+
+    def start(config: dict):
+        return initialize(model=section_model(MODEL), config={**config, "peft": SECTIONS[MODEL]},
+                          training_data=RealRows("masked"))[0]
+
+    out = {}
+    for name, config in SAVED.items():
+        for exclude in (False, True):
+            engine = start(config)
+            for _ in range(2):
+                engine.train_batch()
+            directory = f"{root}/{name}_{exclude}"
+            engine.save_checkpoint(directory, exclude_frozen_parameters=exclude)
+            saved = engine.full_state_dict()
+            want = [float(engine.train_batch()) for _ in range(2)]
+            resumed = start(config)
+            resumed.load_checkpoint(directory, load_module_strict=not exclude)
+            got = [float(resumed.train_batch()) for _ in range(2)]
+            a, b = engine.full_state_dict(), resumed.full_state_dict()
+            out[f"{name} exclude={exclude}"] = (got == want, all(torch.equal(a[k], b[k]) for k in a))
+            if not exclude:
+                other = start(LAYOUTS["ddp"])
+                other.load_checkpoint(directory)
+                c = other.full_state_dict()
+                out[f"{name} loaded in DDP"] = (True, c.keys() == saved.keys() and
+                                                all(torch.equal(c[k], saved[k]) for k in saved))
+    return out
+
+
+def test_an_nf4_run_resumes_bit_for_bit_with_and_without_its_base_and_loads_in_another_layout(world4, tmp_path):
+    for case, result in world4.run(_checkpoints, str(tmp_path))[0].items():
+        assert result == (True, True), case

@@ -88,3 +88,22 @@ def test_quantizing_refuses_a_weight_torchao_cannot_block_and_dora():
     dora = {"peft": {**section["peft"], "method": "dora", "target_modules": ["0"]}}
     with pytest.raises(Error, match="DoRA"):
         quantize_nf4_bases(inject_adapters(nn.Sequential(nn.Linear(128, 128)), settings_of(load_config(dora)), 0))
+
+
+def test_the_merged_save_dequantizes_an_nf4_base_as_torchao_does_and_folds_the_adapter_in():
+    from paratrain.checkpoint.adapters import LayerMerge, Merger
+
+    layer = NF4Linear(128, 128, bias=False, device="meta")
+    layer.hold(_nf4(128, 128))
+    a, b = torch.randn(4, 128), torch.randn(128, 4)
+    stream = {"l.lora_A.default.weight": a, "l.lora_B.default.weight": b,
+              **{f"l.base_layer.{k}": v for k, v in layer.state_dict().items()}}
+    merger = Merger({"l": LayerMerge(2.0, "default", False, False, ((128, 128), "float32", 64, 256))})
+    written = {}
+    for name in sorted(stream, key=merger.order):
+        out = merger.take(name, stream[name])
+        if out is not None:
+            written[merger.rename(name)] = (out, merger.written(name, tuple(stream[name].shape), stream[name].dtype))
+    merged, (shape, dtype) = written.pop("l.weight")
+    assert written == {} and shape == (128, 128) and dtype == torch.float32
+    assert torch.equal(merged, layer.weight.get_original_weight() + 2.0 * b @ a)

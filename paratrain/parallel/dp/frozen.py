@@ -26,7 +26,7 @@ from torch import nn
 
 import paratrain.comm as comm
 from paratrain.adapters.quantized import held_state, is_4bit_weight, quantization_state
-from paratrain.adapters.torchao_nf4 import SHARDED_PARTS, is_nf4_weight, nf4_parts, state_key
+from paratrain.adapters.torchao_nf4 import SHARDED_PARTS, is_nf4_weight, mark_packed, nf4_parts, state_key
 from paratrain.layout.mesh import Axis
 from paratrain.parallel.dp.base import MasterSegment
 from paratrain.parallel.dp.flat import FlatLayout, OffloadPolicy, ShardedBuffer, set_data
@@ -85,6 +85,7 @@ def frozen_shards(frozen: list[tuple[str, nn.Parameter]], axis_of, dtype: torch.
     for name, param in frozen:
         if is_nf4_weight(param):  # torchao's NF4: its per-block tensors sharded, the mean and code book whole
             axis = axis_of(param)
+            mark_packed(param.quantized_data, tuple(param.shape), whole=True)  # located as its matrix
             for part, tensor in nf4_parts(param):
                 if part in SHARDED_PARTS:
                     key = ("nf4", id(axis), tensor.dtype)
