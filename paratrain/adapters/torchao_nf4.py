@@ -17,8 +17,9 @@ gathered with the unit into the very tensors the NF4Tensor holds, so torchao's f
 the mean and the code book stay whole. Tensor parallelism (parallel/tp/quantized.py) holds the rank's rows (colwise)
 or columns (rowwise) of the packed bytes, as a box of their (rows, columns/2) matrix, beside the whole scales, and
 dequantizes its slice as torchao does, where every slice is whole blocks (`nf4_block_cut` names the layer otherwise).
-Checkpoints that would store the base are refused by name (the base is made again from the model's weights: leave it
-out with `checkpoint.exclude_frozen_parameters`).
+A pipeline stage keeps its layers whole. Checkpoints store the weight's plain tensors under the layer's names
+(`state_key`), the packed bytes located as their matrix, so a checkpoint moves between layouts; a merged save
+dequantizes the base as torchao does (checkpoint/adapters.py).
 """
 
 from __future__ import annotations

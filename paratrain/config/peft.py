@@ -53,9 +53,9 @@ class PeftConfig(Section):
     always quantizes them again, so quantize_backend "torchao" needs it true)."""
     quantize_backend: Literal["bitsandbytes", "torchao"] = "bitsandbytes"
     """With quantize_base: who quantizes. "bitsandbytes" (nf4 or fp4, the `qlora` extra) makes the `Linear4bit`
-    layers a transformers model loaded in 4 bits has, in every layout; "torchao" makes torchao's `NF4Tensor` weights
-    as torchtune does (nf4 with double quantization; each weight a multiple of 16384 values), in DDP, ZeRO-1/2/3 and
-    tensor parallelism, its checkpoints leaving the base out (checkpoint.exclude_frozen_parameters)."""
+    layers a transformers model loaded in 4 bits has; "torchao" makes torchao's `NF4Tensor` weights as torchtune does
+    (nf4 with double quantization; each weight a multiple of 16384 values). Both train in DDP, ZeRO-1/2/3, pipelines
+    and tensor parallelism where each rank's slice is whole blocks of 64 values."""
     load: str | None = None
     """An adapter directory (adapter_config.json + adapter_model.safetensors, peft's format) whose adapter
     weights are loaded into the model's adapters before training, to continue training it in any layout."""

@@ -2,11 +2,14 @@
 paratrain's Llama into torchao `NF4Tensor`s, whole, before any layout touches them, and the run equals one process
 holding the same NF4 weights and running torchao's own forward (`linear_nf4`).
 
-3 AdamW steps in fp32 on rows with masked prompts, clipping active, on 4 ranks: DDP (the base whole), ZeRO-3 on dp4
-(each unit's packed bytes, quantized scales and scale factors sharded, gathered with the unit into the NF4Tensor's
-own tensors), and dp2·tp2 under DDP and ZeRO-3 (each rank's rows or columns of the packed bytes, dequantized as
-torchao does, beside the whole scales). Per step the loss and the global gradient norm, and at the end every adapter
-tensor, within 1e-5 of the reference; on every rank `memory_stats()` counts the base's bytes equal to a formula.
+3 AdamW steps in fp32 on rows with masked prompts, clipping active, on 4 ranks: DDP and ZeRO-2 (the base whole), ZeRO-3
+on dp4 with and without parameter offload (each unit's packed bytes, quantized scales and scale factors sharded,
+gathered with the unit into the NF4Tensor's own tensors), pp2 (a stage's layers), and dp2·tp2 under DDP and ZeRO-3
+(each rank's rows or columns of the packed bytes, dequantized as torchao does, beside the whole scales). Per step the
+loss and the global gradient norm, and at the end every tensor (the adapters; the base's packed bytes, scales and
+factors), within 1e-5 of the reference; on every rank but a pipeline's `memory_stats()` counts the frozen bytes equal
+to a formula. A ZeRO-3 and a dp2·tp2 run resume bit for bit from a checkpoint with the NF4 base and without it, and
+the dp2·tp2 checkpoint loads into DDP as the same model.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import_or_skip("torchao")
 
 CLIP = 0.05  # below every reference step's gradient norm (asserted): clipping is active
 MODEL = "llama qlora torchao"
-LAYOUTS = {"ddp": real_layout(1, 4), "zero3": real_layout(1, 4, zero=3), "dp2 tp2": real_layout(1, 2, tp=2),
+LAYOUTS = {"ddp": real_layout(1, 4), "zero2": real_layout(1, 4, zero=2), "zero3": real_layout(1, 4, zero=3),
+           "zero3 offload": real_layout(1, 4, zero=3, offload=True, offload_param=True),
+           "pp2 1f1b": real_layout(2, 2, pp=2), "dp2 tp2": real_layout(1, 2, tp=2),
            "dp2 tp2 zero3": real_layout(1, 2, tp=2, zero=3)}
 
 
@@ -93,8 +98,9 @@ def test_torchao_nf4_bases_train_exactly_in_ddp_zero3_and_tensor_parallelism(wor
         print(f"torchao nf4 {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
               f"param {summary['param_err']:.1e}")
         assert summary["passed"], (name, summary)
-        want = _formula(name)
-        assert [ranks[i].extra["frozen"] for ranks in per_rank] == [want] * 4, (name, want)
+        if "pp2" not in name:  # (a stage holds its own layers)
+            want = _formula(name)
+            assert [ranks[i].extra["frozen"] for ranks in per_rank] == [want] * 4, (name, want)
 
 
 SAVED = {"zero3": LAYOUTS["zero3"], "dp2 tp2": LAYOUTS["dp2 tp2"]}
