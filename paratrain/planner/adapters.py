@@ -8,7 +8,8 @@ Per block and tensor-parallel rank, an adapted projection of `in` inputs and `ou
 The adapters are the trainable parameters Ψ_a: their gradients, masters and optimizer state follow the ZeRO
 stage's formulas (`paratrain.zero.estimate_memory`); the whole base is frozen, F parameters, held in the compute
 dtype whole (stages 0-2) or sharded per ZeRO-3 unit (each unit's frozen and trainable buffers padded apart); with
-a 4-bit base (QLoRA, `--quantize-base`) the adapted projections' weights are `four_bit_bytes` each: whole, or under
+a 4-bit base (QLoRA, `--quantize-base`, bitsandbytes' or torchao's NF4 by `--quantize-backend`) the adapted
+projections' weights are `four_bit_bytes` each: whole, or under
 tp this rank's 1/tp of the packed bytes with the whole quantization state (`quantized_bytes`), or under ZeRO-3 one
 shard of each block's 4-bit buffers (`four_bit_buffers`), gathered with the block.
 Communication: the data-parallel reductions move Ψ_a; ZeRO-3 gathers each unit's frozen and trainable buffers
@@ -30,6 +31,7 @@ from paratrain.planner.states import ModelStates, ceil_div, model_state_bytes
 from paratrain.planner.transfer import Transfer
 
 GPT_TARGETS = ("q", "k", "v", "o", "fc", "proj")
+NF4_WHOLE = 4 + 16 * 4  # torchao's NF4: the fp32 mean and code book, kept whole on every rank
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -40,27 +42,33 @@ class LoraPlan:
     dora: bool = False
     quantize: str | None = None  # QLoRA: the adapted bases in 4 bits (peft.quantize_base: nf4 | fp4)
     double_quant: bool = False
+    backend: str = "bitsandbytes"  # peft.quantize_backend: "bitsandbytes" or "torchao" (its NF4, scales in int8)
 
     def section(self) -> dict:
         """The config's `peft` section putting these adapters in."""
-        quantized = {"quantize_base": self.quantize, "double_quant": self.double_quant} if self.quantize else {}
+        quantized = {"quantize_base": self.quantize, "double_quant": self.double_quant,
+                     **({"quantize_backend": self.backend} if self.backend != "bitsandbytes" else {})} \
+            if self.quantize else {}
         return {"method": "dora" if self.dora else "lora", "r": self.r, "alpha": 2 * self.r,
                 "target_modules": list(self.targets), **quantized}
 
 
-def four_bit_bytes(n: int, double: bool) -> int:
-    """Bytes of a weight of n values in 4 bits (bitsandbytes, blocks of 64): n/2 packed, each block's fp32 scale and a
+def four_bit_bytes(n: int, double: bool, backend: str = "bitsandbytes") -> int:
+    """Bytes of a weight of n values in 4 bits (blocks of 64). bitsandbytes: n/2 packed, each block's fp32 scale and a
     16-entry fp32 code book; with double quantization the scales in uint8 plus one fp32 scale per 256 blocks, a
-    256-entry fp32 code book and an fp32 offset."""
+    256-entry fp32 code book and an fp32 offset. torchao's NF4: n/2 packed, each block's int8 scale, an fp32 factor
+    per 256 blocks, the fp32 mean and the 16-entry fp32 code book (`NF4_WHOLE` bytes: 68)."""
     blocks = ceil_div(n, 64)
+    if backend == "torchao":
+        return ceil_div(n, 2) + blocks + 4 * ceil_div(blocks, 256) + NF4_WHOLE
     scales = blocks + 4 * ceil_div(blocks, 256) + 4 * 256 + 4 if double else 4 * blocks
     return ceil_div(n, 2) + scales + 4 * 16
 
 
-def quantized_bytes(n: int, tp: int, double: bool) -> int:
+def quantized_bytes(n: int, tp: int, double: bool, backend: str = "bitsandbytes") -> int:
     """A tp rank's bytes of a 4-bit weight of n values: 1/tp of its packed bytes (whole blocks), all of its
     quantization state (tp/quantized.py)."""
-    return four_bit_bytes(n, double) - ceil_div(n, 2) + ceil_div(n, 2 * tp)
+    return four_bit_bytes(n, double, backend) - ceil_div(n, 2) + ceil_div(n, 2 * tp)
 
 
 def four_bit_buffers(shape, tp: int) -> tuple[list[tuple[int, int]], int]:
@@ -71,6 +79,11 @@ def four_bit_buffers(shape, tp: int) -> tuple[list[tuple[int, int]], int]:
     sizes = [n_in * n_out for n_in, n_out, _ in adapted(shape)]
     blocks = [ceil_div(size, 64) for size in sizes]
     packed = sum(ceil_div(size, 2 * tp) for size in sizes)
+    if shape.lora.backend == "torchao":  # int8 scales and fp32 factors sharded; a tp slice keeps its scales whole
+        if tp > 1:
+            return [(packed, 1)], sum(quantized_bytes(size, tp, True, "torchao") - ceil_div(size, 2 * tp)
+                                      for size in sizes)
+        return [(packed, 1), (sum(blocks), 1), (sum(ceil_div(b, 256) for b in blocks), 4)], NF4_WHOLE * len(sizes)
     if not shape.lora.double_quant:
         return [(packed, 1), (sum(blocks) + 16 * len(sizes), 4)], 0
     nested = sum(16 + ceil_div(b, 256) for b in blocks)
@@ -78,7 +91,11 @@ def four_bit_buffers(shape, tp: int) -> tuple[list[tuple[int, int]], int]:
 
 
 def four_bit_cut(shape, tp: int) -> str | None:
-    """Why tp would cut a 4-bit block (64 values) of an adapted projection (None: every slice is whole blocks)."""
+    """Why tp would cut a 4-bit block (64 values) of an adapted projection (None: every slice is whole blocks); with
+    torchao's NF4 also why a projection cannot be quantized (a multiple of 16384 values), at any tp."""
+    for n_in, n_out, _ in adapted(shape) if shape.lora.backend == "torchao" else ():
+        if n_in * n_out % (64 * 256):
+            return f"torchao's NF4 needs a multiple of 16384 values, and a projection has {n_in} x {n_out}"
     if tp == 1:
         return None
     for n_in, n_out, style in adapted(shape):
@@ -178,7 +195,8 @@ def lora_model_states(shape, layout: Layout, stage: int, base: int) -> ModelStat
         if shape.lora.quantize:  # the adapted bases in 4 bits, on the rank whole or split over tp
             sizes = [n_in * n_out for n_in, n_out, _ in adapted(shape)]
             quantized = blocks * sum(size // layout.tp for size in sizes)
-            held = blocks * sum(quantized_bytes(size, layout.tp, shape.lora.double_quant) for size in sizes)
+            held = blocks * sum(quantized_bytes(size, layout.tp, shape.lora.double_quant, shape.lora.backend)
+                                for size in sizes)
     states = model_state_bytes(trainable, n, layout.zero_stage, layout.precision, layout.offload_optimizer,
                                frozen_params=frozen - quantized)
     return states + ModelStates(held, 0, 0)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from paratrain.planner.adapters import LoraPlan, projections
+from paratrain.planner.adapters import LoraPlan, four_bit_cut, projections
 from paratrain.planner.enumerate import SearchSpace
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import CP_METHODS, RECOMPUTE, SCHEDULES
@@ -59,6 +59,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-base", choices=["nf4", "fp4"], default=None,
                         help="QLoRA: the adapted bases in 4 bits (with --lora-r; the peft section's quantize_base)")
     parser.add_argument("--double-quant", action="store_true", help="with --quantize-base: double quantization")
+    parser.add_argument("--quantize-backend", choices=["bitsandbytes", "torchao"], default="bitsandbytes",
+                        help="with --quantize-base: who quantizes (peft.quantize_backend; torchao: nf4 with double "
+                             "quantization)")
     parser.add_argument("--objective", choices=["sft", "dpo", "grpo"], default=None,
                         help="what the step trains (default: the config's objective section, else sft): dpo and grpo "
                              "with beta > 0 read a reference model, costed by --reference")
@@ -106,10 +109,19 @@ def adapted_shape(shape, args: argparse.Namespace):
         return shape
     if args.double_quant and not args.quantize_base:
         raise PlannerError("--double-quant needs --quantize-base nf4 or fp4")
+    if args.quantize_backend == "torchao" and (args.quantize_base != "nf4" or not args.double_quant):
+        raise PlannerError("--quantize-backend torchao needs --quantize-base nf4 --double-quant (torchao's NF4 has "
+                           "that one form)")
     if args.lora_r < 1:
         raise PlannerError(f"--lora-r {args.lora_r}: the rank must be >= 1")
     targets = args.lora_targets or tuple(projections(shape))
-    return with_adapters(shape, LoraPlan(args.lora_r, targets, args.dora, args.quantize_base, args.double_quant))
+    adapted = with_adapters(shape, LoraPlan(args.lora_r, targets, args.dora, args.quantize_base, args.double_quant,
+                                            args.quantize_backend))
+    cut = four_bit_cut(adapted, 1) if args.quantize_base else None  # torchao: what no layout can quantize
+    if cut:
+        raise PlannerError(f"--quantize-backend torchao: {cut}; leave those projections out with --lora-targets, or "
+                           f"use --quantize-backend bitsandbytes")
+    return adapted
 
 
 def objective_shape(shape, args: argparse.Namespace):

@@ -167,6 +167,10 @@ QLORA_DOUBLE = with_adapters(SPEC_64, LoraPlan(4, ("q", "v", "fc"), quantize="fp
 # d_model 128: tp2 splits o's and proj's inputs into whole blocks of 64 per rank
 QLORA_128 = with_adapters(shape_from_config(GPTConfig(**{**TINY, "d_model": 128}), "gpt-tiny"),
                           LoraPlan(4, GPT_TARGETS, quantize="nf4"))
+# torchao's NF4 (peft.quantize_backend "torchao"): int8 scales, a factor per 256 blocks; d_model 128 makes every
+# projection a multiple of 16384 values
+QLORA_TORCHAO = with_adapters(shape_from_config(GPTConfig(**{**TINY, "d_model": 128}), "gpt-tiny"),
+                              LoraPlan(4, GPT_TARGETS, quantize="nf4", double_quant=True, backend="torchao"))
 ADAPTERS = [
     pytest.param(LORA, Layout(dp=2, micro_batch=2, grad_accum=2, precision="fp32"), {}, id="lora-ddp-dp2"),
     pytest.param(LORA, Layout(dp=4, zero_stage=1, micro_batch=1, grad_accum=2, precision="bf16"), {},
@@ -195,6 +199,10 @@ ADAPTERS = [
                  id="qlora-nf4-dp4-zero3"),
     pytest.param(QLORA_DOUBLE, Layout(dp=4, zero_stage=3, micro_batch=1, grad_accum=2, precision="fp32"), NO_PERSIST,
                  id="qlora-fp4-double-dp4-zero3"),
+    pytest.param(QLORA_TORCHAO, Layout(dp=4, zero_stage=3, micro_batch=1, grad_accum=2, precision="fp32"), NO_PERSIST,
+                 id="qlora-torchao-dp4-zero3"),
+    pytest.param(QLORA_TORCHAO, Layout(dp=2, tp=2, zero_stage=3, micro_batch=2, grad_accum=1, precision="fp32"),
+                 NO_PERSIST, id="qlora-torchao-dp2-tp2-zero3"),
 ]
 
 

@@ -185,3 +185,18 @@ def test_qlora_plans_keep_the_4bit_blocks_whole_and_write_quantize_base(capsys):
     assert any(" zero3 " in lay for lay in gpt), gpt[:3]
     assert main(["plan", "--model", "llama-mini", "--gpus", "8", "--quantize-base", "nf4"]) == 2
     assert "--quantize-base need --lora-r" in capsys.readouterr().err
+
+
+def test_a_torchao_nf4_plan_writes_its_backend_and_refuses_what_torchao_cannot_quantize(capsys):
+    """--quantize-backend torchao: gpt-mini's projections (multiples of 16384 values) are planned and the written config
+    carries peft.quantize_backend; llama-mini's are refused by name (its k and v, 128 x 64, are not such multiples), as
+    is the backend without nf4 and double quantization."""
+    args = ["plan", "--gpus", "4", "--global-batch", "16", "--lora-r", "8", "--json", "--quantize-base", "nf4",
+            "--double-quant", "--quantize-backend", "torchao"]
+    assert main([*args, "--model", "gpt-mini"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ranked"] and report["config"]["peft"]["quantize_backend"] == "torchao"
+    assert main([*args, "--model", "llama-mini"]) == 2
+    assert "needs a multiple of 16384 values, and a projection has 128 x 64" in capsys.readouterr().err
+    assert main([*args[:-3], "--quantize-backend", "torchao", "--model", "gpt-mini"]) == 2  # no --double-quant
+    assert "--quantize-backend torchao needs --quantize-base nf4 --double-quant" in capsys.readouterr().err
