@@ -19,6 +19,7 @@ from torch import nn
 from paratrain.adapters.experts import ExpertLora
 from paratrain.adapters.lora import LoraLinear, draw_lora_a, lora_layers
 from paratrain.adapters.settings import AdapterSettings, adapter_generator
+from paratrain.adapters.torchao_nf4 import NF4Linear, is_nf4_weight
 from paratrain.errors import InvalidValueError
 from paratrain.layout.patterns import match
 
@@ -30,8 +31,9 @@ class AdapterError(InvalidValueError):
 
 
 def is_linear(module: nn.Module) -> bool:
-    return type(module) is nn.Linear or (type(module).__name__ == "Conv1D" and getattr(module, "weight", None)
-                                         is not None and module.weight.dim() == 2)
+    """nn.Linear (or torchao's NF4 base in one, `NF4Linear`), or GPT-2's Conv1D."""
+    return type(module) in (nn.Linear, NF4Linear) or (
+        type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2)
 
 
 def name_matches(entry: str, name: str) -> bool:
@@ -97,6 +99,9 @@ def inject_adapters(model: nn.Module, settings: AdapterSettings, seed: int) -> l
             raise AdapterError(f"peft.target_modules selects '{name}', a {type(module).__name__}, which is not a "
                                f"linear layer: paratrain's adapters wrap nn.Linear (and GPT-2's Conv1D) layers; "
                                f"expert stacks go in peft.target_parameters. Narrow the entry to the linear layers")
+        if settings.dora and is_nf4_weight(module.weight):
+            raise AdapterError(f"peft.method 'dora' on '{name}', whose base is torchao's NF4: DoRA's magnitude needs "
+                               f"the base's row norms, which are not built over a 4-bit base; use peft.method 'lora'")
     to_save = matched_modules(model, settings.modules_to_save, "peft.modules_to_save") \
         if settings.modules_to_save else []
     stacks = _matched_stacks(model, settings)

@@ -148,6 +148,26 @@ class NF4Linear(nn.Linear):
                 self.bias.copy_(state_dict[prefix + "bias"])
 
 
+def adopt_nf4_layers(model: nn.Module) -> list[str]:
+    """Make every linear layer of `model` whose weight is an NF4Tensor (a model that arrives quantized by torchao:
+    `to_nf4` on an nn.Linear's weight, torchtune's `FrozenNF4Linear`) an `NF4Linear` holding that very weight, so that
+    it is placed, split and saved as paratrain's own; its forward is the same torchao `linear_nf4`. Returns their
+    names."""
+    adopted = []
+    for name, module in list(model.named_modules()):
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or isinstance(module, NF4Linear) or not is_nf4_weight(weight):
+            continue
+        layer = NF4Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        layer.hold(compacted(weight.detach()))
+        if module.bias is not None:
+            layer.bias = module.bias
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+        adopted.append(name)
+    return adopted
+
+
 def mark_packed(data: torch.Tensor, shape: tuple[int, int], whole: bool) -> None:
     """Record on NF4 packed bytes (a plain tensor) the (rows, columns/2) matrix they are (`whole`) or are a box of,
     and the shape torchao holds them in, (n/2,): what checkpoints locate and store them by."""

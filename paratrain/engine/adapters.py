@@ -9,7 +9,7 @@ from torch import nn
 from paratrain.adapters import AdapterError, AdapterSettings, inject_adapters, lora_layers
 from paratrain.adapters.peft_format import settings_from_config
 from paratrain.adapters.quantized import quantize_bases
-from paratrain.adapters.torchao_nf4 import quantize_nf4_bases
+from paratrain.adapters.torchao_nf4 import adopt_nf4_layers, quantize_nf4_bases
 from paratrain.checkpoint.adapters import read_adapter_config
 from paratrain.config import Config
 from paratrain.model_spec import ModelSpec, spec_for
@@ -37,6 +37,7 @@ def prepare_adapters(model: nn.Module, config: Config, spec: ModelSpec) -> Adapt
     puts in now (in place, each drawn from the seed and its name); None when it has none."""
     held = spec.adapter_settings(model)
     wanted = settings_of(config)
+    adopt_nf4_layers(model)  # a model that arrives with torchao NF4 weights: placed and saved as paratrain's own
     if held is not None and wanted is not None:
         raise AdapterError("the config has a `peft` section but the model already holds adapters (a peft model): "
                            "remove the section to train the model's own adapters, or pass the base model")

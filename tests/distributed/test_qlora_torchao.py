@@ -5,7 +5,8 @@ holding the same NF4 weights and running torchao's own forward (`linear_nf4`).
 3 AdamW steps in fp32 on rows with masked prompts, clipping active, on 4 ranks: DDP and ZeRO-2 (the base whole), ZeRO-3
 on dp4 with and without parameter offload (each unit's packed bytes, quantized scales and scale factors sharded,
 gathered with the unit into the NF4Tensor's own tensors), pp2 (a stage's layers), and dp2·tp2 under DDP and ZeRO-3
-(each rank's rows or columns of the packed bytes, dequantized as torchao does, beside the whole scales). Per step the
+(each rank's rows or columns of the packed bytes, dequantized as torchao does, beside the whole scales), and the
+model arriving with its NF4 weights (`to_nf4` on each projection) in ZeRO-3 and dp2·tp2. Per step the
 loss and the global gradient norm, and at the end every tensor (the adapters; the base's packed bytes, scales and
 factors), within 1e-5 of the reference; on every rank but a pipeline's `memory_stats()` counts the frozen bytes equal
 to a formula. A ZeRO-3 and a dp2·tp2 run resume bit for bit from a checkpoint with the NF4 base and without it, and
@@ -17,12 +18,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
 from paratrain.testing.parity import compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
 from tests.cases import import_or_skip
 from tests.distributed.test_real_data import STEPS, real_layout
-from tests.peft_cases import SECTIONS, section_model
+from tests.peft_cases import ALL_LINEAR, SECTIONS, section_model
 from tests.real_data import RealRows, documents_loss
 
 import_or_skip("torchao")
@@ -39,10 +41,27 @@ def _frozen_bytes(engine) -> dict:
     return {"frozen": engine.memory_stats()["frozen_params"]}
 
 
+def arriving_nf4() -> nn.Module:
+    """The model as it comes from a torchao user: its projections' weights already torchao's NF4 (`to_nf4` on each
+    nn.Linear's weight); the `peft` section then only adds the adapters."""
+    from torchao.quantization import to_nf4
+
+    model = section_model(MODEL)
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ALL_LINEAR:
+            module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    return model
+
+
+ARRIVING = {k: v for k, v in SECTIONS[MODEL].items() if k not in ("quantize_base", "double_quant", "quantize_backend")}
+
+
 def _runs(names: list[str]) -> list:
-    return [run_layout({**LAYOUTS[name], "gradient_clipping": CLIP, "peft": SECTIONS[MODEL]},
-                       functools.partial(section_model, MODEL), RealRows("masked"), STEPS, keep_state=True,
-                       inspect=_frozen_bytes) for name in names]
+    """Each layout; "... as it comes": the model arrives with its NF4 weights (`arriving_nf4`)."""
+    return [run_layout({**LAYOUTS[name.removesuffix(" as it comes")], "gradient_clipping": CLIP,
+                        "peft": ARRIVING if name.endswith("as it comes") else SECTIONS[MODEL]},
+                       arriving_nf4 if name.endswith("as it comes") else functools.partial(section_model, MODEL),
+                       RealRows("masked"), STEPS, keep_state=True, inspect=_frozen_bytes) for name in names]
 
 
 def _nf4_bytes(n: int, tp: int) -> tuple[int, int]:
@@ -84,7 +103,7 @@ def _formula(name: str) -> int:
 
 
 def test_torchao_nf4_bases_train_exactly_in_ddp_zero3_and_tensor_parallelism(world4):
-    names = list(LAYOUTS)
+    names = [*LAYOUTS, "zero3 as it comes", "dp2 tp2 as it comes"]
     per_rank = world4.run(_runs, names)
     reference = None
     for i, name in enumerate(names):
@@ -99,7 +118,7 @@ def test_torchao_nf4_bases_train_exactly_in_ddp_zero3_and_tensor_parallelism(wor
               f"param {summary['param_err']:.1e}")
         assert summary["passed"], (name, summary)
         if "pp2" not in name:  # (a stage holds its own layers)
-            want = _formula(name)
+            want = _formula(name.removesuffix(" as it comes"))
             assert [ranks[i].extra["frozen"] for ranks in per_rank] == [want] * 4, (name, want)
 
 

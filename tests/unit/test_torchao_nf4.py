@@ -107,3 +107,25 @@ def test_the_merged_save_dequantizes_an_nf4_base_as_torchao_does_and_folds_the_a
     merged, (shape, dtype) = written.pop("l.weight")
     assert written == {} and shape == (128, 128) and dtype == torch.float32
     assert torch.equal(merged, layer.weight.get_original_weight() + 2.0 * b @ a)
+
+
+def test_a_model_that_arrives_with_nf4_weights_is_adopted_as_is_and_dora_over_it_refused():
+    from torchao.quantization import to_nf4
+
+    from paratrain.adapters import inject_adapters
+    from paratrain.adapters.torchao_nf4 import adopt_nf4_layers
+    from paratrain.engine.adapters import settings_of
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128, bias=False))
+    model[0].weight = nn.Parameter(to_nf4(model[0].weight.detach()), requires_grad=False)
+    x = torch.randn(3, 128)
+    want = model(x)
+    assert adopt_nf4_layers(model) == ["0"] and type(model[0]) is NF4Linear and type(model[1]) is nn.Linear
+    assert torch.equal(model(x), want)  # the same torchao forward, on the same weight
+    assert set(model.state_dict()) == {"0.weight", "0.weight.quantized_scalers", "0.weight.quantization_factor",
+                                       "0.weight.scaler_mean", "0.weight.nf4", "0.bias", "1.weight"}
+    dora = {"peft": {"method": "dora", "r": 4, "target_modules": ["1", "0"]}}
+    with pytest.raises(Error, match="'0', whose base is torchao's NF4"):
+        inject_adapters(model, settings_of(load_config(dora)), 0)
+    assert type(model[1]) is nn.Linear  # refused before anything changed
