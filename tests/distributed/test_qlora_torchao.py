@@ -4,13 +4,13 @@ holding the same NF4 weights and running torchao's own forward (`linear_nf4`).
 
 3 AdamW steps in fp32 on rows with masked prompts, clipping active, on 4 ranks: DDP and ZeRO-2 (the base whole), ZeRO-3
 on dp4 with and without parameter offload (each unit's packed bytes, quantized scales and scale factors sharded,
-gathered with the unit into the NF4Tensor's own tensors), pp2 (a stage's layers), and dp2·tp2 under DDP and ZeRO-3
-(each rank's rows or columns of the packed bytes, dequantized as torchao does, beside the whole scales), and the
-model arriving with its NF4 weights (`to_nf4` on each projection) in ZeRO-3 and dp2·tp2. Per step the
-loss and the global gradient norm, and at the end every tensor (the adapters; the base's packed bytes, scales and
-factors), within 1e-5 of the reference; on every rank but a pipeline's `memory_stats()` counts the frozen bytes equal
-to a formula. A ZeRO-3 and a dp2·tp2 run resume bit for bit from a checkpoint with the NF4 base and without it, and
-the dp2·tp2 checkpoint loads into DDP as the same model.
+gathered with the unit into the NF4Tensor's own tensors), pp2 (a stage's layers), tp2 alone (2 ranks), and dp2·tp2 under
+DDP and ZeRO-3 (each rank's rows or columns of the packed bytes, dequantized as torchao does, beside the whole scales),
+and the model arriving with its NF4 weights (`to_nf4` on each projection) in ZeRO-3 and dp2·tp2. Per step the loss and
+the global gradient norm, and at the end every tensor (the adapters; the base's packed bytes, scales and factors),
+within 1e-5 of the reference; on every rank but a pipeline's `memory_stats()` counts the frozen bytes equal to a
+formula. A ZeRO-3 and a dp2·tp2 run resume bit for bit from a checkpoint with the NF4 base and without it, and the
+dp2·tp2 checkpoint loads into DDP as the same model.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ LAYOUTS = {"ddp": real_layout(1, 4), "zero2": real_layout(1, 4, zero=2), "zero3"
            "zero3 offload": real_layout(1, 4, zero=3, offload=True, offload_param=True),
            "pp2 1f1b": real_layout(2, 2, pp=2), "dp2 tp2": real_layout(1, 2, tp=2),
            "dp2 tp2 zero3": real_layout(1, 2, tp=2, zero=3)}
+ALONE = {"tp2": real_layout(2, 1, tp=2)}  # on 2 ranks
 
 
 def _frozen_bytes(engine) -> dict:
@@ -58,7 +59,7 @@ ARRIVING = {k: v for k, v in SECTIONS[MODEL].items() if k not in ("quantize_base
 
 def _runs(names: list[str]) -> list:
     """Each layout; "... as it comes": the model arrives with its NF4 weights (`arriving_nf4`)."""
-    return [run_layout({**LAYOUTS[name.removesuffix(" as it comes")], "gradient_clipping": CLIP,
+    return [run_layout({**{**LAYOUTS, **ALONE}[name.removesuffix(" as it comes")], "gradient_clipping": CLIP,
                         "peft": ARRIVING if name.endswith("as it comes") else SECTIONS[MODEL]},
                        arriving_nf4 if name.endswith("as it comes") else functools.partial(section_model, MODEL),
                        RealRows("masked"), STEPS, keep_state=True, inspect=_frozen_bytes) for name in names]
@@ -77,7 +78,7 @@ def _formula(name: str) -> int:
     multiple of dp and sharded: the packed bytes, and for a whole base (tp 1) the int8 scales and fp32 factors, the
     fp32 norms; kept whole: the mean and code book (tp 1), or all but the packed bytes (a tp slice's scales)."""
     tp = 2 if "tp2" in name else 1
-    dp = LAYOUTS[name]["data_parallel"]["size"]
+    dp = {**LAYOUTS, **ALONE}[name]["data_parallel"]["size"]
     model = section_model(MODEL, reference=True)
     nf4 = [m.weight.numel() for m in model.modules() if type(m).__name__ == "NF4Linear"]
     if "zero3" not in name:
@@ -120,6 +121,17 @@ def test_torchao_nf4_bases_train_exactly_in_ddp_zero3_and_tensor_parallelism(wor
         if "pp2" not in name:  # (a stage holds its own layers)
             want = _formula(name.removesuffix(" as it comes"))
             assert [ranks[i].extra["frozen"] for ranks in per_rank] == [want] * 4, (name, want)
+
+
+def test_torchao_nf4_bases_train_exactly_in_tp2_alone(world2):
+    """Tensor parallelism alone (2 ranks, 2 micro-batches each): the NF4 slices on their own, parity and bytes."""
+    run = world2.run(_runs, ["tp2"])
+    config = {**ALONE["tp2"], "gradient_clipping": CLIP, "peft": SECTIONS[MODEL]}
+    reference = reference_run(functools.partial(section_model, MODEL, True), reference_config(config, run[0][0]),
+                              RealRows("masked"), STEPS, loss_of=documents_loss)
+    summary = summarize(compare(run[0][0], reference))
+    assert summary["passed"], summary
+    assert [ranks[0].extra["frozen"] for ranks in run] == [_formula("tp2")] * 2
 
 
 SAVED = {"zero3": LAYOUTS["zero3"], "dp2 tp2": LAYOUTS["dp2 tp2"]}
