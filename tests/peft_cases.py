@@ -153,3 +153,32 @@ def section_model(name: str, reference: bool = False, seed: int = 7):
         elif section.quantize_base:  # as the engine quantizes them: each whole base, after the adapters went in
             quantize_bases(layers, section.quantize_base, section.double_quant)
     return model
+
+
+def resume_cases(root: str, layouts: dict, start, start_again, then: dict | None = None) -> dict:
+    """Each layout: `start(config)` (an engine) trains 2 steps, saves a checkpoint (with the frozen base, and without
+    it), trains 2 more; `start_again(config)` loads each checkpoint and repeats those 2 steps. `then`: another layout
+    that also loads the checkpoint with the base, and must hold the same model. {case: {"losses": (resumed, wanted),
+    "equal": every tensor equal at the end}} (collective: on every rank)."""
+    out = {}
+    for name, config in layouts.items():
+        for exclude in (False, True):
+            engine = start(config)
+            for _ in range(2):
+                engine.train_batch()
+            directory = f"{root}/{name}_{exclude}"
+            engine.save_checkpoint(directory, exclude_frozen_parameters=exclude)
+            saved = engine.full_state_dict()
+            want = [float(engine.train_batch()) for _ in range(2)]
+            resumed = start_again(config)
+            resumed.load_checkpoint(directory, load_module_strict=not exclude)
+            got = [float(resumed.train_batch()) for _ in range(2)]
+            a, b = engine.full_state_dict(), resumed.full_state_dict()
+            out[f"{name} exclude={exclude}"] = {"losses": (got, want), "equal": all(torch.equal(a[k], b[k]) for k in a)}
+            if then and not exclude:
+                other = start_again(then)
+                other.load_checkpoint(directory)
+                c = other.full_state_dict()
+                same = c.keys() == saved.keys() and all(torch.equal(c[k], saved[k]) for k in saved)
+                out[f"{name} loaded in another layout"] = {"losses": ([], []), "equal": same}
+    return out

@@ -39,9 +39,8 @@ class LayerMerge:
     adapter: str
     dora: bool
     transposed: bool  # a Conv1D base: its weight is (in, out)
-    # a 4-bit base: (its weight's shape, its dtype's name, and for torchao's NF4 its block and scaler block sizes),
-    # dequantized into that dtype
-    quantized: tuple | None = None
+    quantized: tuple | None = None  # a 4-bit base: (its weight's shape, its dtype's name), dequantized into it
+    nf4_blocks: tuple[int, int] | None = None  # torchao's NF4 base: its block and scaler-block sizes
 
 
 def merge_plan(parallel, mesh, merging: bool = True) -> dict[str, LayerMerge]:
@@ -54,17 +53,19 @@ def merge_plan(parallel, mesh, merging: bool = True) -> dict[str, LayerMerge]:
         original = parallel.origin(f"{path}.lora_A.{layer.active}.weight", weight).name.split(".lora_A.")[0]
         transposed = type(layer.base_layer).__name__ == "Conv1D" or getattr(layer.base_layer, "transposed", False)
         base = getattr(layer.base_layer, "weight", None)
-        quantized = None
+        quantized = nf4_blocks = None
         if is_4bit_weight(base):  # whole, or split over tp: its quantization state knows the whole shape
             state = base.quant_state
             quantized = (tuple(state.shape), str(state.dtype).split(".")[-1])
         elif is_nf4_weight(base) or getattr(base, "nf4_scales", None) is not None:  # torchao's NF4, whole or split
             scales = base.nf4_scales if getattr(base, "nf4_scales", None) is not None else NF4Scales.of(base)
-            quantized = (scales.shape, str(scales.dtype).split(".")[-1], scales.block_size, scales.scaler_block_size)
+            quantized = (scales.shape, str(scales.dtype).split(".")[-1])
+            nf4_blocks = (scales.block_size, scales.scaler_block_size)
         if layer.lora_B[layer.active].bias is not None and getattr(layer.base_layer, "bias", None) is None:
             problem = (f"save_pretrained(merged=True): '{original}' has a bias on its LoRA B (peft.bias) but its base "
                        f"layer has none to fold it into; save the adapter unmerged")
-        mine[original] = LayerMerge(layer.scaling[layer.active], layer.active, layer.is_dora(), transposed, quantized)
+        mine[original] = LayerMerge(layer.scaling[layer.active], layer.active, layer.is_dora(), transposed, quantized,
+                                    nf4_blocks)
     if expert_adapters(parallel.module):
         problem = ("save_pretrained(merged=True) with adapters on expert stacks (peft.target_parameters): folding "
                    "them into the stacked weights is not built; save the adapter unmerged")
@@ -165,9 +166,9 @@ class Merger:
         (the tensors its state dict stores, rebuilt by bitsandbytes' own `QuantState.from_dict`), or as torchao
         dequantizes an NF4 weight (`nf4_slice_values` of the whole)."""
         parts = {k[len(name) + 1:]: v for k, v in self.held.items() if k.startswith(f"{name}.")}
-        quantized = self.layers[self._layer_of(name)].quantized
-        if len(quantized) == 4:  # torchao's NF4
-            shape, dtype, block, scaler_block = quantized
+        plan = self.layers[self._layer_of(name)]
+        if plan.nf4_blocks is not None:  # torchao's NF4
+            (shape, dtype), (block, scaler_block) = plan.quantized, plan.nf4_blocks
             scales = NF4Scales(parts["quantized_scalers"], parts["quantization_factor"], parts["scaler_mean"],
                                parts["nf4"], block, scaler_block, shape, getattr(torch, dtype))
             return nf4_slice_values(packed, scales, "colwise", 0, 1)

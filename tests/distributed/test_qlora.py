@@ -33,7 +33,7 @@ from paratrain.testing.parity import compare, reference_config, run_layout, summ
 from paratrain.testing.reference import reference_run
 from tests.cases import import_or_skip
 from tests.distributed.test_real_data import ROWS, STEPS, real_layout
-from tests.peft_cases import SECTIONS, qlora_base, qlora_hf, section_model
+from tests.peft_cases import SECTIONS, qlora_base, qlora_hf, resume_cases, section_model
 from tests.real_data import RealRows, documents_loss
 
 import_or_skip("peft")
@@ -243,36 +243,14 @@ def test_the_adapter_saved_from_zero3_and_pp2_loads_with_peft_onto_the_4bit_base
 
 
 def _resume(root: str, layouts: dict, hidden: int = 64, then: dict | None = None) -> dict:
-    """Each layout: 2 steps, a checkpoint (with the 4-bit base, and without it), 2 more steps; a fresh QLoRA model
-    (its adapters drawn anew) loads each checkpoint and repeats those 2 steps. `then`: another layout that also
-    loads the checkpoint with the base, and must hold the same model."""
+    """`resume_cases` for the QLoRA model; the resumed model's adapters are drawn anew (`seed_offset`)."""
     from paratrain import initialize
 
-    out = {}
-    for name, config in layouts.items():
-        for exclude in (False, True):
-            engine, *_ = initialize(model=qlora_hf(hidden=hidden), config=config, training_data=RealRows("masked"))
-            for _ in range(2):
-                engine.train_batch()
-            directory = f"{root}/{name}_{exclude}"
-            engine.save_checkpoint(directory, exclude_frozen_parameters=exclude)
-            saved = engine.full_state_dict()
-            want = [float(engine.train_batch()) for _ in range(2)]
-            resumed, *_ = initialize(model=qlora_hf(seed_offset=1, hidden=hidden), config=config,
-                                     training_data=RealRows("masked"))
-            resumed.load_checkpoint(directory, load_module_strict=not exclude)
-            got = [float(resumed.train_batch()) for _ in range(2)]
-            a, b = engine.full_state_dict(), resumed.full_state_dict()
-            out[f"{name} exclude={exclude}"] = {"losses": (got, want),
-                                                "equal": all(torch.equal(a[k], b[k]) for k in a)}
-            if then and not exclude:
-                other, *_ = initialize(model=qlora_hf(seed_offset=1, hidden=hidden), config=then,
-                                       training_data=RealRows("masked"))
-                other.load_checkpoint(directory)
-                c = other.full_state_dict()
-                same = c.keys() == saved.keys() and all(torch.equal(c[k], saved[k]) for k in saved)
-                out[f"{name} loaded in another layout"] = {"losses": ([], []), "equal": same}
-    return out
+    def start(config: dict, offset: int = 0):
+        return initialize(model=qlora_hf(seed_offset=offset, hidden=hidden), config=config,
+                          training_data=RealRows("masked"))[0]
+
+    return resume_cases(root, layouts, start, functools.partial(start, offset=1), then)
 
 
 def test_a_qlora_run_resumes_bit_for_bit_with_and_without_its_4bit_base(world4, tmp_path):

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
 from paratrain.testing.parity import compare, reference_config, run_layout, summarize
 from paratrain.testing.reference import reference_run
 from tests.cases import import_or_skip
 from tests.distributed.test_real_data import STEPS, real_layout
-from tests.peft_cases import ALL_LINEAR, SECTIONS, section_model
+from tests.peft_cases import ALL_LINEAR, SECTIONS, resume_cases, section_model
 from tests.real_data import RealRows, documents_loss
 
 import_or_skip("torchao")
@@ -103,17 +102,22 @@ def _formula(name: str) -> int:
     return total + shard(vocab // tp + model.model.norm.weight.numel(), 4)
 
 
+def _reference(layout: dict, run):
+    """One process holding the same NF4 weights, running torchao's forward, on the global batch `run` trained on."""
+    config = {**layout, "gradient_clipping": CLIP, "peft": SECTIONS[MODEL]}
+    reference = reference_run(functools.partial(section_model, MODEL, True), reference_config(config, run),
+                              RealRows("masked"), STEPS, loss_of=documents_loss)
+    assert all(norm > CLIP for norm in reference.grad_norms), reference.grad_norms
+    return reference
+
+
 def test_torchao_nf4_bases_train_exactly_in_ddp_zero3_and_tensor_parallelism(world4):
     names = [*LAYOUTS, "zero3 as it comes", "dp2 tp2 as it comes"]
     per_rank = world4.run(_runs, names)
     reference = None
     for i, name in enumerate(names):
         run = per_rank[0][i]
-        if reference is None:
-            config = {**LAYOUTS[name], "gradient_clipping": CLIP, "peft": SECTIONS[MODEL]}
-            reference = reference_run(functools.partial(section_model, MODEL, True), reference_config(config, run),
-                                      RealRows("masked"), STEPS, loss_of=documents_loss)
-            assert all(norm > CLIP for norm in reference.grad_norms), reference.grad_norms
+        reference = reference or _reference(LAYOUTS[name], run)
         summary = summarize(compare(run, reference))
         print(f"torchao nf4 {name} ({run.case}): loss {summary['loss_err']:.1e} norm {summary['norm_err']:.1e} "
               f"param {summary['param_err']:.1e}")
@@ -126,50 +130,24 @@ def test_torchao_nf4_bases_train_exactly_in_ddp_zero3_and_tensor_parallelism(wor
 def test_torchao_nf4_bases_train_exactly_in_tp2_alone(world2):
     """Tensor parallelism alone (2 ranks, 2 micro-batches each): the NF4 slices on their own, parity and bytes."""
     run = world2.run(_runs, ["tp2"])
-    config = {**ALONE["tp2"], "gradient_clipping": CLIP, "peft": SECTIONS[MODEL]}
-    reference = reference_run(functools.partial(section_model, MODEL, True), reference_config(config, run[0][0]),
-                              RealRows("masked"), STEPS, loss_of=documents_loss)
-    summary = summarize(compare(run[0][0], reference))
+    summary = summarize(compare(run[0][0], _reference(ALONE["tp2"], run[0][0])))
     assert summary["passed"], summary
     assert [ranks[0].extra["frozen"] for ranks in run] == [_formula("tp2")] * 2
 
 
-SAVED = {"zero3": LAYOUTS["zero3"], "dp2 tp2": LAYOUTS["dp2 tp2"]}
-
-
 def _checkpoints(root: str) -> dict:
-    """Each layout: 2 steps, a checkpoint (with the NF4 base, and without it), 2 more steps; the same model made again
-    loads the checkpoint and repeats those 2 steps. The one with the base also loads into DDP as the same model."""
+    """`resume_cases` for the NF4 model made again as it was (same base, same adapters), then loaded; each checkpoint
+    with the base also loads into DDP."""
     from paratrain import initialize
 
     def start(config: dict):
         return initialize(model=section_model(MODEL), config={**config, "peft": SECTIONS[MODEL]},
                           training_data=RealRows("masked"))[0]
 
-    out = {}
-    for name, config in SAVED.items():
-        for exclude in (False, True):
-            engine = start(config)
-            for _ in range(2):
-                engine.train_batch()
-            directory = f"{root}/{name}_{exclude}"
-            engine.save_checkpoint(directory, exclude_frozen_parameters=exclude)
-            saved = engine.full_state_dict()
-            want = [float(engine.train_batch()) for _ in range(2)]
-            resumed = start(config)
-            resumed.load_checkpoint(directory, load_module_strict=not exclude)
-            got = [float(resumed.train_batch()) for _ in range(2)]
-            a, b = engine.full_state_dict(), resumed.full_state_dict()
-            out[f"{name} exclude={exclude}"] = (got == want, all(torch.equal(a[k], b[k]) for k in a))
-            if not exclude:
-                other = start(LAYOUTS["ddp"])
-                other.load_checkpoint(directory)
-                c = other.full_state_dict()
-                out[f"{name} loaded in DDP"] = (True, c.keys() == saved.keys() and
-                                                all(torch.equal(c[k], saved[k]) for k in saved))
-    return out
+    layouts = {"zero3": LAYOUTS["zero3"], "dp2 tp2": LAYOUTS["dp2 tp2"]}
+    return resume_cases(root, layouts, start, start, then=LAYOUTS["ddp"])
 
 
 def test_an_nf4_run_resumes_bit_for_bit_with_and_without_its_base_and_loads_in_another_layout(world4, tmp_path):
-    for case, result in world4.run(_checkpoints, str(tmp_path))[0].items():
-        assert result == (True, True), case
+    for case, r in world4.run(_checkpoints, str(tmp_path))[0].items():
+        assert r["losses"][0] == r["losses"][1] and r["equal"], (case, r)

@@ -98,7 +98,7 @@ def test_the_merged_save_dequantizes_an_nf4_base_as_torchao_does_and_folds_the_a
     a, b = torch.randn(4, 128), torch.randn(128, 4)
     stream = {"l.lora_A.default.weight": a, "l.lora_B.default.weight": b,
               **{f"l.base_layer.{k}": v for k, v in layer.state_dict().items()}}
-    merger = Merger({"l": LayerMerge(2.0, "default", False, False, ((128, 128), "float32", 64, 256))})
+    merger = Merger({"l": LayerMerge(2.0, "default", False, False, ((128, 128), "float32"), (64, 256))})
     written = {}
     for name in sorted(stream, key=merger.order):
         out = merger.take(name, stream[name])
